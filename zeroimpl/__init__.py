@@ -1,0 +1,9 @@
+"""zeroimpl: ZeRO stage 1 and 2 as a drop-in torch optimizer wrapper."""
+
+from .accounting import MemoryReport
+from .layout import ShardLayout, build_layout
+from .optimizer import ShardedOptimizer
+from .precision import LossScaleConfig
+
+__all__ = ["ShardedOptimizer", "LossScaleConfig", "MemoryReport", "ShardLayout", "build_layout"]
+__version__ = "0.1.0"

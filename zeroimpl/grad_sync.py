@@ -1,0 +1,213 @@
+"""Gradient reduction: from each rank's full ``param.grad`` to the averaged gradient shard it owns.
+
+Tensors named here (all 1-D):
+
+* ``bucket buffer`` -- ``bucket.padded_numel`` elements in the reduce dtype; holds ``grad / world_size``
+  of every bucket member (zero for members without a gradient and for the padding). Lives only from the
+  first gradient of the bucket until its reduce-scatter has finished.
+* ``grad_shard`` -- ``bucket.shard_numel`` elements in the reduce dtype: this rank's part of the averaged
+  gradient, accumulated over every reduction since the last ``zero_grad()``.
+
+Stage 1 keeps gradients in ``param.grad`` during backward and reduces all buckets once, when the optimizer
+needs them (``finalize()``): one reduce-scatter per step however many micro-batches were accumulated.
+
+Stage 2 reduces during backward. A post-accumulate-grad hook copies the gradient into its bucket buffer
+and frees ``param.grad``; buckets are *launched strictly in bucket order*, so every rank issues the same
+collectives in the same order whatever order its hooks fire in. At the end of backward (an autograd
+callback) the buckets not yet launched -- those with unused parameters -- are launched with zeros, and
+every reduction is waited for, so no bucket buffer survives backward::
+
+    compute: --grad b0--|--grad b1--|--grad b2--|
+    comm:               |--RS b0----|--RS b1----|--RS b2--|  (at most `max_inflight` in flight)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+from . import comm
+from .buffers import BucketStorage
+from .layout import ShardLayout
+
+
+class _Reduction:
+    """One bucket's reduce-scatter in flight."""
+
+    def __init__(self, bucket_index: int, buffer: torch.Tensor, output: torch.Tensor, work):
+        self.bucket_index = bucket_index
+        self.buffer = buffer  # kept alive until the collective finishes
+        self.output = output
+        self.work = work
+
+
+class GradientReducer:
+    """Owns the hooks, the bucket buffers and the gradient shards of one ShardedOptimizer."""
+
+    def __init__(self, layout: ShardLayout, storages: list[BucketStorage], rank: int, group,
+                 stage: int, reduce_dtypes: list[torch.dtype], max_inflight: int,
+                 on_gradient: Callable[[], None]):
+        self.layout = layout
+        self.storages = storages
+        self.rank = rank
+        self.group = group
+        self.stage = stage
+        self.reduce_dtypes = reduce_dtypes  # per bucket
+        self.max_inflight = max_inflight
+        self._on_gradient = on_gradient  # called on every gradient arrival (misuse checks)
+        self._scale = 1.0 / layout.world_size
+        self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
+
+        self._inflight: deque[_Reduction] = deque()
+        self._pending = False  # stage 1: gradients arrived since the last finalize()
+        # stage 2, per backward pass:
+        self._in_backward = False
+        self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
+        self._arrived: list[set[int]] = [set() for _ in layout.buckets]  # param indices with a gradient
+        self._next_launch = 0  # buckets below this index are launched
+
+        self._bucket_of = {}  # id(param) -> (bucket index, param index)
+        self._handles = []
+        for storage in storages:
+            for index, param in zip(storage.bucket.param_indices, storage.params):
+                self._bucket_of[id(param)] = (storage.bucket.index, index)
+                self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if param.grad.is_sparse:
+            raise RuntimeError("ShardedOptimizer got a sparse gradient; sparse gradients cannot be "
+                               "sharded. Use dense embeddings (e.g. nn.Embedding(sparse=False)).")
+        self._on_gradient()
+        if self.stage == 1:
+            self._pending = True
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket_index, param_index = self._bucket_of[id(param)]
+        arrived = self._arrived[bucket_index]
+        if param_index in arrived or bucket_index < self._next_launch:
+            raise RuntimeError(
+                "a parameter received a second gradient in one backward pass after its bucket was "
+                "reduced (reentrant activation checkpointing?); use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+        self._write_grad(bucket_index, param_index, param.grad)
+        param.grad = None
+        arrived.add(param_index)
+        self._launch_ready_buckets()
+
+    def _finish_backward(self) -> None:
+        """End of backward (stage 2): launch what is left, in order, and wait for everything."""
+        self._launch_until(len(self.layout.buckets))
+        self.wait_all()
+        self._in_backward = False
+        self._next_launch = 0
+        for arrived in self._arrived:
+            arrived.clear()
+
+    # -- buckets --------------------------------------------------------------------------------
+    def _buffer(self, bucket_index: int) -> torch.Tensor:
+        if self._buffers[bucket_index] is None:
+            storage = self.storages[bucket_index]
+            self._buffers[bucket_index] = torch.empty(
+                storage.bucket.padded_numel, dtype=self.reduce_dtypes[bucket_index], device=storage.param_buffer.device)
+        return self._buffers[bucket_index]
+
+    def _write_grad(self, bucket_index: int, param_index: int, grad: torch.Tensor) -> None:
+        slot = self.layout.slots[param_index]
+        view = self._buffer(bucket_index)[slot.offset:slot.end].view(grad.shape)
+        torch.mul(grad, self._scale, out=view)  # pre-divide by world size, as DDP does
+
+    def _launch_ready_buckets(self) -> None:
+        buckets = self.layout.buckets
+        while (self._next_launch < len(buckets) and
+               len(self._arrived[self._next_launch]) == len(buckets[self._next_launch].param_indices)):
+            self._launch(self._next_launch)
+
+    def _launch_until(self, end: int) -> None:
+        while self._next_launch < end:
+            self._launch(self._next_launch)
+
+    def _launch(self, bucket_index: int) -> None:
+        """Zero what no gradient wrote, then start the bucket's reduce-scatter."""
+        bucket = self.layout.buckets[bucket_index]
+        buffer = self._buffer(bucket_index)
+        self._buffers[bucket_index] = None
+        for param_index in bucket.param_indices:
+            if param_index not in self._arrived[bucket_index]:
+                slot = self.layout.slots[param_index]
+                buffer[slot.offset:slot.end].zero_()
+        buffer[bucket.numel:].zero_()
+        output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
+        self._inflight.append(_Reduction(bucket_index, buffer, output,
+                                         comm.reduce_scatter(output, buffer, self.group)))
+        self._next_launch = bucket_index + 1
+        while len(self._inflight) > self.max_inflight:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        reduction = self._inflight.popleft()
+        reduction.work.wait()
+        index = reduction.bucket_index
+        if self.grad_shards[index] is None:
+            self.grad_shards[index] = reduction.output
+        else:
+            self.grad_shards[index].add_(reduction.output)
+
+    def wait_all(self) -> None:
+        while self._inflight:
+            self._complete_oldest()
+
+    # -- the optimizer's verbs ------------------------------------------------------------------
+    def finalize(self) -> None:
+        """Make ``grad_shards`` hold every gradient produced so far (stage 1: reduce now)."""
+        if self.stage == 1 and self._pending:
+            self._pending = False
+            for storage in self.storages:
+                bucket_index = storage.bucket.index
+                for param_index, param in zip(storage.bucket.param_indices, storage.params):
+                    if param.grad is not None:
+                        self._write_grad(bucket_index, param_index, param.grad)
+                        self._arrived[bucket_index].add(param_index)
+                self._launch(bucket_index)
+                for param in storage.params:
+                    param.grad = None
+            self.wait_all()
+            self._next_launch = 0
+            for arrived in self._arrived:
+                arrived.clear()
+        self.wait_all()
+
+    def live_buffers(self) -> list[torch.Tensor]:
+        """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
+        live = [b for b in self._buffers if b is not None]
+        for reduction in self._inflight:
+            live += [reduction.buffer, reduction.output]
+        return live
+
+    @property
+    def has_gradients(self) -> bool:
+        return any(shard is not None for shard in self.grad_shards)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for storage in self.storages:
+            for param in storage.params:
+                if set_to_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
+        self._pending = self._pending and not set_to_none
+        if set_to_none:
+            self.grad_shards = [None] * len(self.grad_shards)
+        else:
+            for shard in self.grad_shards:
+                if shard is not None:
+                    shard.zero_()
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,75 @@
+"""Dynamic loss scaling for fp16 training.
+
+fp16 gradients underflow unless the loss is multiplied by a large scale before backward. The scale is
+lowered when a step overflows and raised again after ``growth_interval`` clean steps. fp16 users call
+``optimizer.backward(loss)`` (instead of ``loss.backward()``), which multiplies the loss by the current
+scale; the optimizer divides the fp32 gradient shard by the same scale before clipping and stepping.
+
+Overflow policy (as in Megatron-LM): every overflowing step is skipped and its gradients discarded; the
+scale backs off only after ``hysteresis`` overflows without a growth in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Settings of the dynamic loss scaler (used only when the model has fp16 parameters)."""
+
+    initial_scale: float = 2.0 ** 16
+    """Scale of the first step."""
+    growth_factor: float = 2.0
+    """Multiplier applied after ``growth_interval`` consecutive steps without overflow."""
+    backoff_factor: float = 0.5
+    """Multiplier applied when the scale backs off after an overflow."""
+    growth_interval: int = 1000
+    """Clean steps needed before the scale grows."""
+    hysteresis: int = 2
+    """Overflows tolerated (steps still skipped) before the scale backs off; restored on growth."""
+    min_scale: float = 1.0
+    """The scale never goes below this."""
+
+    def __post_init__(self):
+        if not (self.initial_scale > 0 and self.min_scale > 0 and self.growth_factor >= 1
+                and 0 < self.backoff_factor <= 1 and self.growth_interval >= 1 and self.hysteresis >= 1):
+            raise ValueError(f"invalid LossScaleConfig {self}: need initial_scale > 0, min_scale > 0, "
+                             "growth_factor >= 1, 0 < backoff_factor <= 1, growth_interval >= 1, "
+                             "hysteresis >= 1")
+
+
+class DynamicLossScaler:
+    """The scale and its counters; ``update(found_overflow)`` is called once per optimizer step."""
+
+    def __init__(self, config: LossScaleConfig):
+        self.config = config
+        self.scale = float(config.initial_scale)
+        self._clean_steps = 0  # consecutive steps without overflow since the last growth or overflow
+        self._hysteresis_left = config.hysteresis
+        self.skipped_steps = 0
+
+    def update(self, found_overflow: bool) -> None:
+        cfg = self.config
+        if found_overflow:
+            self.skipped_steps += 1
+            self._clean_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
+        else:
+            self._clean_steps += 1
+            if self._clean_steps == cfg.growth_interval:
+                self._clean_steps = 0
+                self._hysteresis_left = cfg.hysteresis
+                self.scale *= cfg.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps,
+                "hysteresis_left": self._hysteresis_left, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._clean_steps = int(state["clean_steps"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self.skipped_steps = int(state["skipped_steps"])

@@ -1,0 +1,93 @@
+"""Checks of user input that turn silent corruption or hangs into clear errors at construction."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+# Optimizers whose update of an element depends only on that element's parameter, gradient and state,
+# so that running them on a flat shard is the same as running them on whole parameters.
+ELEMENTWISE_OPTIMIZERS = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop,
+    torch.optim.Adadelta,
+})
+# Optimizers known to need whole parameters (factored or matrix state, line search, sparse updates).
+NON_ELEMENTWISE_OPTIMIZERS = frozenset(
+    cls for cls in (torch.optim.LBFGS, torch.optim.SparseAdam, getattr(torch.optim, "Adafactor", None),
+                    getattr(torch.optim, "Muon", None)) if cls is not None)
+
+
+def check_stage(stage) -> None:
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 (shard optimizer state) or 2 (also shard gradients), got {stage!r}")
+
+
+def check_process_group(group) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ShardedOptimizer needs torch.distributed: call "
+                           "torch.distributed.init_process_group(...) first (torchrun sets the environment; "
+                           "use backend='nccl' on GPUs, 'gloo' on CPU), even for a single process")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError("this rank is not a member of the process_group passed to ShardedOptimizer; "
+                         "create the optimizer only on ranks of that group")
+
+
+def check_optimizer_class(optimizer_class, assume_elementwise: bool) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
+                        f"got {optimizer_class!r}")
+    if optimizer_class in NON_ELEMENTWISE_OPTIMIZERS:
+        raise ValueError(f"{optimizer_class.__name__} is not elementwise (its update of one element depends "
+                         "on other elements of the parameter), so its state cannot be sharded; use an "
+                         "elementwise optimizer such as AdamW, Adam or SGD")
+    if optimizer_class not in ELEMENTWISE_OPTIMIZERS and not assume_elementwise:
+        raise ValueError(f"zeroimpl cannot tell whether {optimizer_class.__name__} is elementwise (each element "
+                         "updated from its own parameter, gradient and state only). If it is, pass "
+                         "assume_elementwise=True; otherwise it cannot be sharded")
+
+
+def check_params(params: list[torch.Tensor], group) -> None:
+    """Local checks, then one cheap cross-rank check that every rank holds the same parameters."""
+    if not params:
+        raise ValueError("ShardedOptimizer got no trainable parameters (all have requires_grad=False?)")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"parameters are on several devices {sorted(map(str, devices))}; move the model to one "
+                         "device (model.to(device)) before building ShardedOptimizer")
+    device = params[0].device
+    for p in params:
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"a trainable parameter has dtype {p.dtype}; only floating-point parameters can "
+                             "be optimized")
+    backend = dist.get_backend(group)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"process group backend is nccl but parameters are on {device}; move the model to "
+                         "its GPU (model.to(f'cuda:{local_rank}')) or use backend='gloo' for CPU training")
+    _check_same_across_ranks(params, group, device if backend == "nccl" else torch.device("cpu"))
+
+
+def _check_same_across_ranks(params: list[torch.Tensor], group, device: torch.device) -> None:
+    """Compare shapes and a float64 checksum of every parameter with two small MAX all-reduces.
+
+    ``max(x) == -max(-x)`` holds on every rank exactly when all ranks hold the same ``x``.
+    """
+    shapes = torch.tensor([len(params), sum(p.numel() for p in params),
+                           hash(tuple(tuple(p.shape) for p in params)) % (2 ** 50)],
+                          dtype=torch.float64, device=device)
+    _raise_if_ranks_differ(shapes, group, "the number or the shapes of the trainable parameters")
+    with torch.no_grad():
+        sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+                            for p in params]).flatten().to(device)
+    _raise_if_ranks_differ(sums, group, "the values of the parameters")
+
+
+def _raise_if_ranks_differ(values: torch.Tensor, group, what: str) -> None:
+    both = comm.all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, group)
+    high, negated_low = both.chunk(2)
+    if not torch.equal(high, -negated_low):
+        raise RuntimeError(f"ranks differ in {what} at ShardedOptimizer construction; build the model with "
+                           "the same seed (or load the same checkpoint / broadcast rank 0's weights) on every "
+                           "rank before creating the optimizer")
