@@ -1,0 +1,85 @@
+"""Count every collective zeroimpl issues per optimizer step, with its size.
+
+The claim: per step, one reduce-scatter of the gradients (Ψ elements plus bucket padding) and one
+all-gather of the parameters (the same), nothing else -- no gradient all-reduce. Stage 1 communicates
+once per step however many micro-batches are accumulated; stage 2 reduces every micro-batch.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from workloads import batch, build_model, param_groups
+from zeroimpl import ShardedOptimizer
+
+COLLECTIVES = ["all_reduce", "reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor",
+               "all_gather_into_tensor", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single",
+               "reduce", "gather", "scatter", "all_reduce_coalesced", "all_gather_object", "barrier"]
+SIZE_ARG = {"reduce_scatter_single": 1, "reduce_scatter_tensor": 1}  # input; otherwise the first tensor
+
+
+def _record_collectives(calls):
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            sized = tensors[SIZE_ARG.get(_name, 0)] if tensors else None
+            calls.append((_name, sized.numel() if sized is not None else 0, sized.dtype if sized is not None else None))
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def _count(rank, world_size, stage, accum, clip, dtype):
+    calls = []
+    _record_collectives(calls)
+    model = build_model("gpt2", dtype)
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=4096, lr=1e-3)
+    per_step = []
+    for step in range(3):
+        calls.clear()
+        for micro in range(accum):
+            optimizer.backward(model(**batch(rank, step, micro)).loss / accum)
+        if clip:
+            optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        per_step.append(list(calls))
+    layout = optimizer.layout
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"per_step": per_step, "buckets": len(layout.buckets), "padded": layout.padded_numel,
+            "numel": layout.numel, "psi": psi}
+
+
+def _summary(calls):
+    summary = {}
+    for name, numel, dtype in calls:
+        count, total, dtypes = summary.get(name, (0, 0, set()))
+        summary[name] = (count + 1, total + numel, dtypes | {dtype})
+    return summary
+
+
+@pytest.mark.parametrize("stage,accum,clip,dtype", [
+    (1, 1, False, torch.float32), (2, 1, False, torch.float32),
+    (1, 4, False, torch.float32), (2, 4, False, torch.float32),
+    (2, 1, True, torch.float32), (2, 2, True, torch.float16),
+])
+def test_collectives_per_step(stage, accum, clip, dtype):
+    for result in run_distributed(2, _count, stage, accum, clip, dtype):
+        buckets, padded = result["buckets"], result["padded"]
+        assert result["numel"] == result["psi"]  # tied and frozen parameters are not counted
+        assert 0 <= padded - result["psi"] < buckets * 2 * 8  # padding < world_size * alignment per bucket
+        reductions = accum if stage == 2 else 1
+        small_all_reduces = int(clip) + int(dtype == torch.float16)  # the norm; the overflow flag
+        for calls in result["per_step"]:
+            summary = _summary(calls)
+            assert summary.pop("reduce_scatter_single") == (reductions * buckets, reductions * padded, {torch.float32})
+            assert summary.pop("all_gather_single") == (buckets, padded, {dtype})
+            if small_all_reduces:
+                count, total, _ = summary.pop("all_reduce")
+                assert (count, total) == (small_all_reduces, small_all_reduces)
+            assert summary == {}, f"unexpected collectives {summary}"

@@ -1,0 +1,92 @@
+"""Bad input gets a clear error that names the problem and the fix, on every rank."""
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from workloads import build_model
+from zeroimpl import ShardedOptimizer
+
+
+def _linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4)
+
+
+def test_stage_must_be_1_or_2():
+    with pytest.raises(ValueError, match="stage must be 1 .* or 2"):
+        ShardedOptimizer(_linear().parameters(), torch.optim.AdamW, stage=3)
+
+
+def test_non_elementwise_optimizer_is_refused():
+    with pytest.raises(ValueError, match="LBFGS is not elementwise"):
+        ShardedOptimizer(_linear().parameters(), torch.optim.LBFGS)
+
+
+def test_unknown_optimizer_needs_assume_elementwise():
+    class MyOptimizer(torch.optim.SGD):
+        pass
+
+    with pytest.raises(ValueError, match="assume_elementwise=True"):
+        ShardedOptimizer(_linear().parameters(), MyOptimizer, lr=0.1)
+
+
+def test_process_group_must_be_initialised():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ShardedOptimizer(_linear().parameters(), torch.optim.AdamW)
+
+
+def _catch(build):
+    try:
+        build()
+    except (RuntimeError, ValueError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _misuse(rank, world_size):
+    errors = {}
+
+    def differing_params():
+        torch.manual_seed(rank)  # each rank initialises differently
+        ShardedOptimizer(torch.nn.Linear(4, 4).parameters(), torch.optim.AdamW)
+    errors["differing"] = _catch(differing_params)
+
+    def sparse_gradient():
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 4, sparse=True)
+        ShardedOptimizer(embedding.parameters(), torch.optim.SGD, stage=2, lr=0.1)
+        embedding(torch.tensor([1, 2])).sum().backward()
+    errors["sparse"] = _catch(sparse_gradient)
+
+    def add_group_later():
+        optimizer = ShardedOptimizer(_linear().parameters(), torch.optim.AdamW)
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    errors["add_group"] = _catch(add_group_later)
+
+    def fp16_without_scaling():
+        model = build_model("gpt2", torch.float16)
+        ShardedOptimizer(model.parameters(), torch.optim.AdamW)
+        ids = torch.ones(1, 4, dtype=torch.long)
+        model(input_ids=ids, labels=ids).loss.backward()
+    errors["fp16"] = _catch(fp16_without_scaling)
+
+    def mixed_devices():
+        ShardedOptimizer([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))],
+                         torch.optim.AdamW)
+    errors["devices"] = _catch(mixed_devices)
+
+    def all_frozen():
+        ShardedOptimizer([torch.nn.Parameter(torch.zeros(2), requires_grad=False)], torch.optim.AdamW)
+    errors["frozen"] = _catch(all_frozen)
+    return errors
+
+
+def test_misuse_raises_on_every_rank():
+    for errors in run_distributed(2, _misuse):
+        assert "ranks differ in the values of the parameters" in errors["differing"]
+        assert "sparse gradient" in errors["sparse"] and "sparse=False" in errors["sparse"]
+        assert "cannot add param groups after construction" in errors["add_group"]
+        assert "call optimizer.backward(loss)" in errors["fp16"]
+        assert "several devices" in errors["devices"]
+        assert "no trainable parameters" in errors["frozen"]

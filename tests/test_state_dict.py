@@ -1,0 +1,82 @@
+"""state_dict() / load_state_dict() on the same world size: resuming is bitwise uninterrupted training.
+
+state_dict() is called on rank 0 alone mid-run (as Hugging Face Trainer does): it must not communicate.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from workloads import batch, build_model, param_groups
+from zeroimpl import ShardedOptimizer
+
+
+def _make(dtype, stage, optimizer_name):
+    model = build_model("gpt2", dtype)
+    optimizer_class, kwargs = {"adamw": (torch.optim.AdamW, {"lr": 1e-2}),
+                               "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})}[optimizer_name]
+    optimizer = ShardedOptimizer(param_groups(model), optimizer_class, stage=stage, bucket_numel=4096, **kwargs)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    return model, optimizer, schedule
+
+
+def _train(rank, model, optimizer, schedule, steps):
+    for step in steps:
+        optimizer.backward(model(**batch(rank, step, 0)).loss)
+        optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+
+
+def _resume(rank, world_size, dtype, stage, optimizer_name):
+    model, optimizer, schedule = _make(dtype, stage, optimizer_name)
+    _train(rank, model, optimizer, schedule, range(3))
+    if rank == 0:  # on one rank only: would hang if state_dict() communicated
+        optimizer.state_dict()
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), schedule.state_dict()))
+    _train(rank, model, optimizer, schedule, range(3, 6))
+    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    model, optimizer, schedule = _make(dtype, stage, optimizer_name)
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    schedule.load_state_dict(saved[2])
+    _train(rank, model, optimizer, schedule, range(3, 6))
+    resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return uninterrupted, resumed, optimizer.loss_scale
+
+
+@pytest.mark.parametrize("dtype,stage,optimizer_name", [
+    (torch.float32, 1, "adamw"), (torch.float32, 2, "sgd"), (torch.bfloat16, 2, "adamw"),
+    (torch.float16, 1, "adamw"),
+])
+def test_round_trip_resumes_bitwise(dtype, stage, optimizer_name):
+    for uninterrupted, resumed, _ in run_distributed(2, _resume, dtype, stage, optimizer_name):
+        for name in uninterrupted:
+            assert torch.equal(uninterrupted[name], resumed[name]), name
+
+
+def _mismatch(rank, world_size):
+    model, optimizer, _ = _make(torch.float32, 2, "adamw")
+    errors = {}
+    other_rank = copy.deepcopy(optimizer.state_dict())
+    other_rank["rank"] = 1 - rank
+    plain = torch.optim.AdamW(build_model("gpt2").parameters()).state_dict()
+    smaller = build_model("gpt2")
+    smaller_opt = ShardedOptimizer(param_groups(smaller)[:1], torch.optim.AdamW, bucket_numel=4096)
+    for name, state in {"other_rank": other_rank, "plain": plain, "other_model": smaller_opt.state_dict()}.items():
+        try:
+            optimizer.load_state_dict(state)
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+def test_mismatched_state_is_refused():
+    for errors in run_distributed(2, _mismatch):
+        assert "saved by rank" in errors["other_rank"]
+        assert "not a ShardedOptimizer state dict" in errors["plain"]
+        assert "layout" in errors["other_model"]
