@@ -57,3 +57,31 @@ def test_bytes_match_the_formula(stage, dtype):
         expected["step1"] = expected["step0"]
         for moment, values in expected.items():
             assert reports[moment].as_dict() == {**values, "total": sum(values.values())}, moment
+
+
+def _peak_bucket_buffers(rank, world_size, max_inflight):
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=2048,
+                                 max_inflight_buckets=max_inflight, lr=1e-3)
+    peak = [0]
+
+    def observe(_param):  # runs after zeroimpl's own hook on the same parameter
+        peak[0] = max(peak[0], optimizer.memory_report().bucket_buffers)
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(observe)
+    optimizer.backward(model(**batch(rank, 0, 0)).loss)
+    after = optimizer.memory_report()
+    largest = max(b.padded_numel for b in optimizer.layout.buckets) * 4
+    return peak[0], largest, len(optimizer.layout.buckets), after.bucket_buffers, after.gradients
+
+
+@pytest.mark.parametrize("max_inflight", [0, 2])
+def test_stage2_bucket_buffers_are_bounded_and_freed(max_inflight):
+    """During backward at most max_inflight reduce-scatters (buffer + its 1/N output) plus the bucket
+    being filled are alive; after backward nothing is."""
+    for peak, largest, buckets, after, gradients in run_distributed(2, _peak_bucket_buffers, max_inflight):
+        assert buckets > max_inflight + 2  # the bound is below "every bucket at once"
+        assert 0 < peak <= (max_inflight * 1.5 + 1) * largest
+        assert after == 0 and gradients == 0

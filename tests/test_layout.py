@@ -45,7 +45,7 @@ def test_reverse_order_and_bucket_cap():
 def test_buckets_never_span_groups_or_dtypes():
     specs = [ParamSpec(0, "torch.float32", 4), ParamSpec(0, "torch.bfloat16", 4), ParamSpec(1, "torch.float32", 4)]
     layout = build_layout(specs, world_size=2, bucket_numel=100)
-    assert [b.param_indices for b in layout.buckets] == [(2,), (1,), (0,)]
+    assert [b.param_indices for b in layout.buckets] == [(1,), (0,), (2,)]  # see _expected_completion
 
 
 def test_more_ranks_than_elements():
@@ -76,3 +76,12 @@ def test_random_layouts_keep_invariants(seed):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="world_size"):
         build_layout(_specs([1]), world_size=0, bucket_numel=1)
+
+
+def test_groups_are_interleaved_in_expected_backward_order():
+    """Decay group (big matrices of layers 0..2) then no-decay group (their biases): the biases' bucket
+    completes only when layer 0's bias arrives, so it goes last; the matrices go in reverse order."""
+    specs = _specs([100, 100, 100], group=0) + _specs([4, 4, 4], group=1)
+    layout = build_layout(specs, world_size=2, bucket_numel=100, alignment=1)
+    assert [b.param_indices for b in layout.buckets] == [(2,), (1,), (0,), (5, 4, 3)]
+    assert [layout.slots[i].bucket_index for i in range(6)] == [2, 1, 0, 3, 3, 3]

@@ -54,3 +54,26 @@ def test_clipping_matches_torch(results, optimizer, clip_name, stage):
 def test_norm_identical_on_every_rank(results):
     for key in results[0]:
         assert results[0][key]["norms"] == results[1][key]["norms"], key
+
+
+def _edited_lr(rank, world_size):
+    import torch
+
+    from workloads import batch, build_model, param_groups
+    from zeroimpl import ShardedOptimizer
+
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.SGD, stage=1, lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.param_groups[0]["lr"] = 0.0  # a user edit of a live param group
+    optimizer.param_groups[1]["lr"] = 0.0
+    optimizer.backward(model(**batch(rank, 0, 0)).loss)
+    optimizer.step()
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return unchanged, optimizer.inner.param_groups[0]["lr"], sorted(optimizer.param_groups[0])
+
+
+def test_param_groups_are_live():
+    for unchanged, inner_lr, keys in run_distributed(2, _edited_lr):
+        assert unchanged and inner_lr == 0.0
+        assert {"lr", "momentum", "weight_decay", "nesterov"} <= set(keys)  # filled from the inner defaults

@@ -18,6 +18,8 @@ Invariants (checked by ``tests/test_layout.py``):
   identical on every rank;
 * buckets are filled in reverse parameter order (the order in which backward usually produces
   gradients, as in DDP), never span two param groups or two dtypes, and never split a parameter;
+  the buckets of different param groups are interleaved by their position within their group
+  (see ``_expected_completion``), because backward and collectives both follow bucket order;
 * ``padded_numel`` is the smallest multiple of ``world_size * alignment`` that holds the bucket, so every
   rank owns exactly the same number of elements and the imbalance is bounded by the padding;
 * every element of every parameter is owned by exactly one rank.
@@ -144,6 +146,23 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _expected_completion(params: Sequence[ParamSpec], members: list[int]) -> tuple:
+    """Sort key that orders buckets by when backward is expected to complete them.
+
+    Param groups usually list the model's parameters in model order, each group a subsequence of it
+    (e.g. decayed matrices, then undecayed biases and norms). A bucket is complete once its earliest
+    parameter in the group has its gradient, so it completes at about the fraction of its group, counted
+    from the group's end, that lies at or behind it. Ordering by that fraction interleaves the groups'
+    buckets the way backward fills them, so that bucket-order launching overlaps communication with
+    backward instead of waiting for a small group that spans the whole model.
+    """
+    group = params[members[0]].group_index
+    same_group = [i for i, spec in enumerate(params) if spec.group_index == group]
+    group_numel = sum(params[i].numel for i in same_group) or 1
+    behind = sum(params[i].numel for i in same_group if i >= min(members))
+    return (behind / group_numel, group, -min(members))
+
+
 def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int,
                  alignment: int = 8) -> ShardLayout:
     """Pack ``params`` into buckets of at most ``bucket_numel`` elements (a larger parameter gets a
@@ -165,6 +184,7 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
             current_key, current_numel = key, 0
         groups[-1].append(index)
         current_numel += spec.numel
+    groups.sort(key=lambda members: _expected_completion(params, members))
 
     buckets, slots = [], [None] * len(params)
     for bucket_index, members in enumerate(groups):
