@@ -90,3 +90,52 @@ def test_misuse_raises_on_every_rank():
         assert "call optimizer.backward(loss)" in errors["fp16"]
         assert "several devices" in errors["devices"]
         assert "no trainable parameters" in errors["frozen"]
+
+
+def _lifecycle(rank, world_size):
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    out = {}
+    for stage in (1, 2):
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage)
+        out[f"second_owner{stage}"] = _catch(lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW))
+        alive = weakref.ref(optimizer)
+        del optimizer
+        gc.collect()
+        out[f"released{stage}"] = alive() is None  # the model's hooks do not keep it alive
+
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("injected failure")
+
+    x = torch.ones(2, 4, requires_grad=True)
+    out["failed"] = _catch(lambda: (model(FailingBackward.apply(x)).sum() + model.bias.sum()).backward()) or "none"
+    optimizer.zero_grad()  # recovers from the half-finished backward
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+    loss = model(x).sum()  # a graph built before step(), which updates the weights in place
+    loss.backward(retain_graph=True)
+    optimizer.step()
+    out["stale_graph"] = _catch(lambda: loss.backward())
+    return out
+
+
+def test_lifecycle_and_recovery():
+    for out in run_distributed(2, _lifecycle):
+        assert "already managed by another ShardedOptimizer" in out["second_owner1"]
+        assert "already managed by another ShardedOptimizer" in out["second_owner2"]
+        assert out["released1"] and out["released2"]
+        assert "injected failure" in out["failed"]  # and training went on after zero_grad()
+        assert "inplace operation" in out["stale_graph"]

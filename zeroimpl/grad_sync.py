@@ -23,6 +23,7 @@ every reduction is waited for, so no bucket buffer survives backward::
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -31,6 +32,11 @@ import torch
 from . import comm
 from .buffers import BucketStorage
 from .layout import ShardLayout
+
+
+# id(param) -> the live reducer that owns it. A live reducer keeps its parameters alive, so an id found
+# here always names the same parameter object.
+_OWNERS: "weakref.WeakValueDictionary[int, GradientReducer]" = weakref.WeakValueDictionary()
 
 
 class _Reduction:
@@ -61,7 +67,6 @@ class GradientReducer:
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
 
         self._inflight: deque[_Reduction] = deque()
-        self._pending = False  # stage 1: gradients arrived since the last finalize()
         # stage 2, per backward pass:
         self._in_backward = False
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
@@ -72,8 +77,16 @@ class GradientReducer:
         self._handles = []
         for storage in storages:
             for index, param in zip(storage.bucket.param_indices, storage.params):
+                if _OWNERS.get(id(param)) is not None:
+                    raise RuntimeError("a parameter is already managed by another ShardedOptimizer; delete "
+                                       "that optimizer (or build the model anew) before creating another")
+                _OWNERS[id(param)] = self
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
-                self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for storage in storages:
+            for param in storage.params:
+                # the hook holds the reducer weakly, so that a deleted optimizer lets go of the model
+                self._handles.append(param.register_post_accumulate_grad_hook(_forward_to(weakref.ref(self))))
+        weakref.finalize(self, _remove_handles, self._handles)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -82,7 +95,6 @@ class GradientReducer:
                                "sharded. Use dense embeddings (e.g. nn.Embedding(sparse=False)).")
         self._on_gradient()
         if self.stage == 1:
-            self._pending = True
             return
         if not self._in_backward:
             self._in_backward = True
@@ -102,9 +114,14 @@ class GradientReducer:
     def _finish_backward(self) -> None:
         """End of backward (stage 2): launch what is left, in order, and wait for everything."""
         self._launch_until(len(self.layout.buckets))
+        self._reset_round()
+
+    def _reset_round(self) -> None:
+        """Wait for every reduction and forget the per-backward state (also after a failed backward)."""
         self.wait_all()
         self._in_backward = False
         self._next_launch = 0
+        self._buffers = [None] * len(self._buffers)
         for arrived in self._arrived:
             arrived.clear()
 
@@ -163,9 +180,13 @@ class GradientReducer:
 
     # -- the optimizer's verbs ------------------------------------------------------------------
     def finalize(self) -> None:
-        """Make ``grad_shards`` hold every gradient produced so far (stage 1: reduce now)."""
-        if self.stage == 1 and self._pending:
-            self._pending = False
+        """Make ``grad_shards`` hold every gradient produced so far (stage 1: reduce ``param.grad`` now)."""
+        self.wait_all()
+        with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
+        if self.stage == 2 and with_grad:
+            raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside "
+                               "backward (by hand or with torch.autograd.grad) would be ignored; use stage=1")
+        if self.stage == 1 and with_grad:
             for storage in self.storages:
                 bucket_index = storage.bucket.index
                 for param_index, param in zip(storage.bucket.param_indices, storage.params):
@@ -175,11 +196,7 @@ class GradientReducer:
                 self._launch(bucket_index)
                 for param in storage.params:
                     param.grad = None
-            self.wait_all()
-            self._next_launch = 0
-            for arrived in self._arrived:
-                arrived.clear()
-        self.wait_all()
+            self._reset_round()
 
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
@@ -199,7 +216,7 @@ class GradientReducer:
                     param.grad = None
                 elif param.grad is not None:
                     param.grad.zero_()
-        self._pending = self._pending and not set_to_none
+        self._reset_round()
         if set_to_none:
             self.grad_shards = [None] * len(self.grad_shards)
         else:
@@ -207,7 +224,16 @@ class GradientReducer:
                 if shard is not None:
                     shard.zero_()
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+
+
+def _forward_to(reducer_ref):
+    def hook(param):
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer._on_grad_ready(param)
+    return hook
+
+
+def _remove_handles(handles) -> None:
+    for handle in handles:
+        handle.remove()

@@ -212,6 +212,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         works = [comm.all_gather(s.param_buffer, s.shard, self.process_group) for s in self.storages]
         for work in works:
             work.wait()
+        # the all-gather wrote the parameters in place: let autograd refuse graphs built before it
+        torch.autograd.graph.increment_version([p for s in self.storages for p in s.params])
 
     def _finish_step(self, overflow: bool) -> None:
         if self.loss_scaler is not None:
