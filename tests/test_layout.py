@@ -45,7 +45,7 @@ def test_reverse_order_and_bucket_cap():
 def test_buckets_never_span_groups_or_dtypes():
     specs = [ParamSpec(0, "torch.float32", 4), ParamSpec(0, "torch.bfloat16", 4), ParamSpec(1, "torch.float32", 4)]
     layout = build_layout(specs, world_size=2, bucket_numel=100)
-    assert [b.param_indices for b in layout.buckets] == [(1,), (0,), (2,)]  # see _expected_completion
+    assert [b.param_indices for b in layout.buckets] == [(1,), (0,), (2,)]  # see _completion_keys
 
 
 def test_more_ranks_than_elements():

@@ -52,12 +52,11 @@ class _Reduction:
 class GradientReducer:
     """Owns the hooks, the bucket buffers and the gradient shards of one ShardedOptimizer."""
 
-    def __init__(self, layout: ShardLayout, storages: list[BucketStorage], rank: int, group,
+    def __init__(self, layout: ShardLayout, storages: list[BucketStorage], group,
                  stage: int, reduce_dtypes: list[torch.dtype], max_inflight: int,
                  on_gradient: Callable[[], None]):
         self.layout = layout
         self.storages = storages
-        self.rank = rank
         self.group = group
         self.stage = stage
         self.reduce_dtypes = reduce_dtypes  # per bucket
@@ -82,10 +81,10 @@ class GradientReducer:
                                        "that optimizer (or build the model anew) before creating another")
                 _OWNERS[id(param)] = self
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
+        hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
         for storage in storages:
             for param in storage.params:
-                # the hook holds the reducer weakly, so that a deleted optimizer lets go of the model
-                self._handles.append(param.register_post_accumulate_grad_hook(_forward_to(weakref.ref(self))))
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
         weakref.finalize(self, _remove_handles, self._handles)
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -113,7 +112,8 @@ class GradientReducer:
 
     def _finish_backward(self) -> None:
         """End of backward (stage 2): launch what is left, in order, and wait for everything."""
-        self._launch_until(len(self.layout.buckets))
+        while self._next_launch < len(self.layout.buckets):
+            self._launch(self._next_launch)
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -142,10 +142,6 @@ class GradientReducer:
         buckets = self.layout.buckets
         while (self._next_launch < len(buckets) and
                len(self._arrived[self._next_launch]) == len(buckets[self._next_launch].param_indices)):
-            self._launch(self._next_launch)
-
-    def _launch_until(self, end: int) -> None:
-        while self._next_launch < end:
             self._launch(self._next_launch)
 
     def _launch(self, bucket_index: int) -> None:
@@ -223,7 +219,6 @@ class GradientReducer:
             for shard in self.grad_shards:
                 if shard is not None:
                     shard.zero_()
-
 
 
 def _forward_to(reducer_ref):

@@ -19,7 +19,7 @@ Invariants (checked by ``tests/test_layout.py``):
 * buckets are filled in reverse parameter order (the order in which backward usually produces
   gradients, as in DDP), never span two param groups or two dtypes, and never split a parameter;
   the buckets of different param groups are interleaved by their position within their group
-  (see ``_expected_completion``), because backward and collectives both follow bucket order;
+  (see ``_completion_keys``), because backward and collectives both follow bucket order;
 * ``padded_numel`` is the smallest multiple of ``world_size * alignment`` that holds the bucket, so every
   rank owns exactly the same number of elements and the imbalance is bounded by the padding;
 * every element of every parameter is owned by exactly one rank.
@@ -146,21 +146,24 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _expected_completion(params: Sequence[ParamSpec], members: list[int]) -> tuple:
-    """Sort key that orders buckets by when backward is expected to complete them.
+def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
+    """For each parameter, the fraction of its param group's elements at or behind it in the list.
 
     Param groups usually list the model's parameters in model order, each group a subsequence of it
     (e.g. decayed matrices, then undecayed biases and norms). A bucket is complete once its earliest
-    parameter in the group has its gradient, so it completes at about the fraction of its group, counted
-    from the group's end, that lies at or behind it. Ordering by that fraction interleaves the groups'
-    buckets the way backward fills them, so that bucket-order launching overlaps communication with
-    backward instead of waiting for a small group that spans the whole model.
+    parameter has its gradient, so it completes at about that parameter's fraction. Ordering buckets by
+    it interleaves the groups' buckets the way backward fills them, so that bucket-order launching
+    overlaps communication with backward instead of waiting for a small group that spans the whole model.
     """
-    group = params[members[0]].group_index
-    same_group = [i for i, spec in enumerate(params) if spec.group_index == group]
-    group_numel = sum(params[i].numel for i in same_group) or 1
-    behind = sum(params[i].numel for i in same_group if i >= min(members))
-    return (behind / group_numel, group, -min(members))
+    group_numel: dict[int, int] = {}
+    for spec in params:
+        group_numel[spec.group_index] = group_numel.get(spec.group_index, 0) + spec.numel
+    behind, keys = dict.fromkeys(group_numel, 0), [0.0] * len(params)
+    for index in reversed(range(len(params))):
+        group = params[index].group_index
+        behind[group] += params[index].numel
+        keys[index] = behind[group] / (group_numel[group] or 1)
+    return keys
 
 
 def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int,
@@ -184,7 +187,8 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
             current_key, current_numel = key, 0
         groups[-1].append(index)
         current_numel += spec.numel
-    groups.sort(key=lambda members: _expected_completion(params, members))
+    completion = _completion_keys(params)
+    groups.sort(key=lambda members: (completion[min(members)], params[min(members)].group_index, -min(members)))
 
     buckets, slots = [], [None] * len(params)
     for bucket_index, members in enumerate(groups):

@@ -98,7 +98,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
-        self.reducer = GradientReducer(self.layout, self.storages, self.rank, process_group, stage,
+        self.reducer = GradientReducer(self.layout, self.storages, process_group, stage,
                                        reduce_dtypes, max_inflight_buckets, self._check_gradient_arrival)
         self._constructed = True
 
