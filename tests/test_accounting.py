@@ -1,7 +1,9 @@
-"""memory_report() against the closed-form bytes of ZeRO stage 1 and 2 (arXiv 1910.02054, section 5).
+"""memory_report() against the closed-form bytes of ZeRO stage 1 and 2 (arXiv 1910.02054, section 5),
+without and with CPU offload (arXiv 2101.06840).
 
 With Ψp = padded trainable elements, N ranks, B buckets, p = bytes per parameter element and AdamW
-(two fp32 moments per element plus one fp32 step counter per bucket tensor):
+(two fp32 moments per element plus one fp32 step counter per bucket tensor), without offload, all on the
+device:
 
 | kind            | stage 1 after backward | stage 2 after backward | both after step       |
 | parameters      | p·Ψp                   | p·Ψp                   | p·Ψp                  |
@@ -10,6 +12,10 @@ With Ψp = padded trainable elements, N ranks, B buckets, p = bytes per paramete
 | master_weights  | 0 for fp32, 4·Ψp/N for 16-bit                                            |
 | optimizer_state | 8·Ψp/N + 4·B after the first step                                        |
 | bucket_buffers  | 0 outside backward and step                                              |
+
+With offload the device keeps parameters and (stage 1, between backward and step) the full ``.grad``; the
+host holds gradient_shard 4·Ψp/N (allocated once, at construction), master_weights 4·Ψp/N whatever the
+model's dtype, and optimizer_state 8·Ψp/N + 4·B: 16 bytes per shard element.
 """
 
 import pytest
@@ -20,9 +26,14 @@ from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 
 
-def _reports(rank, world_size, stage, dtype):
+CONFIGS = [(stage, dtype, offload) for offload in (None, "cpu") for stage in (1, 2)
+           for dtype in (torch.float32, torch.bfloat16)]
+
+
+def _reports(rank, world_size, stage, dtype, offload):
     model = build_model("gpt2", dtype)
-    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=4096, lr=1e-3)
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, offload=offload,
+                                 bucket_numel=4096, lr=1e-3)
     reports = {"init": optimizer.memory_report()}
     for step in range(2):
         optimizer.backward(model(**batch(rank, step, 0)).loss)
@@ -32,31 +43,71 @@ def _reports(rank, world_size, stage, dtype):
         optimizer.zero_grad()
     layout = optimizer.layout
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return reports, {"padded": layout.padded_numel, "buckets": len(layout.buckets), "psi": psi}
+    places = {"state": {v.device.type for state in optimizer.inner.state.values() for v in state.values()},
+              "masters": {s.master.device.type for s in optimizer.storages},
+              "params": {s.param_buffer.device.type for s in optimizer.storages},
+              "separate_masters": all(s.has_separate_master for s in optimizer.storages)}
+    return reports, {"padded": layout.padded_numel, "buckets": len(layout.buckets), "psi": psi}, places
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bytes_match_the_formula(stage, dtype):
+def _expected(stage, dtype, offload, padded, buckets, psi, world_size):
+    """The closed form of the table above: {moment: {"device": {...}, "host": {...}}}."""
+    p = torch.finfo(dtype).bits // 8
+    shard = padded // world_size
+    state = 8 * shard + 4 * buckets
+    device_master = 0 if dtype == torch.float32 or offload else 4 * shard
+    full_grad = p * psi if stage == 1 else 0
+    device_shard_after_backward = 4 * shard if stage == 2 and not offload else 0
+    device_shard_after_step = 0 if offload else 4 * shard
+    host = (lambda optimizer_state: dict(gradient_shard=4 * shard, master_weights=4 * shard,
+                                         optimizer_state=optimizer_state)) if offload else (lambda _: {})
+
+    def place(gradients, gradient_shard, optimizer_state):
+        device = dict(parameters=p * padded, gradients=gradients, gradient_shard=gradient_shard,
+                      master_weights=device_master, optimizer_state=0 if offload else optimizer_state,
+                      bucket_buffers=0)
+        return {"device": device, "host": host(optimizer_state)}
+
+    return {"init": place(0, 0, 0),
+            "backward0": place(full_grad, device_shard_after_backward, 0),
+            "step0": place(0, device_shard_after_step, state),
+            "backward1": place(full_grad, device_shard_after_backward, state),
+            "step1": place(0, device_shard_after_step, state)}
+
+
+def _all_reports(rank, world_size):
+    return {config: _reports(rank, world_size, *config) for config in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def reports_by_config():
+    return run_distributed(2, _all_reports)
+
+
+@pytest.mark.parametrize("stage,dtype,offload", CONFIGS)
+def test_bytes_match_the_formula(reports_by_config, stage, dtype, offload):
     world_size = 2
-    for reports, sizes in run_distributed(world_size, _reports, stage, dtype):
-        p = torch.finfo(dtype).bits // 8
-        padded, buckets, psi = sizes["padded"], sizes["buckets"], sizes["psi"]
-        shard = padded // world_size
-        master = 0 if dtype == torch.float32 else 4 * shard
-        expected = {
-            "init": dict(parameters=p * padded, gradients=0, gradient_shard=0, master_weights=master,
-                         optimizer_state=0, bucket_buffers=0),
-            "backward0": dict(parameters=p * padded, gradients=p * psi if stage == 1 else 0,
-                              gradient_shard=0 if stage == 1 else 4 * shard, master_weights=master,
-                              optimizer_state=0, bucket_buffers=0),
-            "step0": dict(parameters=p * padded, gradients=0, gradient_shard=4 * shard, master_weights=master,
-                          optimizer_state=8 * shard + 4 * buckets, bucket_buffers=0),
-        }
-        expected["backward1"] = {**expected["backward0"], "optimizer_state": 8 * shard + 4 * buckets}
-        expected["step1"] = expected["step0"]
-        for moment, values in expected.items():
-            assert reports[moment].as_dict() == {**values, "total": sum(values.values())}, moment
+    for by_config in reports_by_config:
+        reports, sizes, _ = by_config[(stage, dtype, offload)]
+        expected = _expected(stage, dtype, offload, sizes["padded"], sizes["buckets"], sizes["psi"], world_size)
+        for moment, places in expected.items():
+            report = reports[moment]
+            for name, place in (("device", report.device), ("host", report.host)):
+                kinds = {kind: places[name].get(kind, 0) for kind in place.as_dict() if kind != "total"}
+                assert place.as_dict() == {**kinds, "total": sum(kinds.values())}, (moment, name)
+            assert report.total == report.device.total + report.host.total
+
+
+def test_offload_places_state_and_masters_on_the_host(reports_by_config):
+    """Where each kind lives, from the tensors themselves: with offload the optimizer state and the master
+    weights are CPU tensors apart from the parameters (here the device is the CPU too, so the byte
+    accounting above is what tells device from host), and host memory is 16 bytes per shard element."""
+    for by_config in reports_by_config:
+        reports, sizes, places = by_config[(2, torch.bfloat16, "cpu")]
+        assert places == {"state": {"cpu"}, "masters": {"cpu"}, "params": {"cpu"}, "separate_masters": True}
+        host = reports["step1"].host
+        assert host.total == 16 * (sizes["padded"] // 2) + 4 * sizes["buckets"]
+        assert reports["step1"].device.total == 2 * sizes["padded"]  # bf16 parameters, nothing else
 
 
 def _peak_bucket_buffers(rank, world_size, max_inflight):
@@ -66,7 +117,7 @@ def _peak_bucket_buffers(rank, world_size, max_inflight):
     peak = [0]
 
     def observe(_param):  # runs after zeroimpl's own hook on the same parameter
-        peak[0] = max(peak[0], optimizer.memory_report().bucket_buffers)
+        peak[0] = max(peak[0], optimizer.memory_report().device.bucket_buffers)
 
     for p in model.parameters():
         if p.requires_grad:
@@ -74,7 +125,7 @@ def _peak_bucket_buffers(rank, world_size, max_inflight):
     optimizer.backward(model(**batch(rank, 0, 0)).loss)
     after = optimizer.memory_report()
     largest = max(b.padded_numel for b in optimizer.layout.buckets) * 4
-    return peak[0], largest, len(optimizer.layout.buckets), after.bucket_buffers, after.gradients
+    return peak[0], largest, len(optimizer.layout.buckets), after.device.bucket_buffers, after.device.gradients
 
 
 @pytest.mark.parametrize("max_inflight", [0, 2])

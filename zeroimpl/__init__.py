@@ -1,9 +1,11 @@
 """zeroimpl: ZeRO stage 1 and 2 as a drop-in torch optimizer wrapper."""
 
-from .accounting import MemoryReport
+from .accounting import MemoryReport, StateBytes
 from .layout import ShardLayout, build_layout
+from .offload import CPUOffload
 from .optimizer import ShardedOptimizer
 from .precision import LossScaleConfig
 
-__all__ = ["ShardedOptimizer", "LossScaleConfig", "MemoryReport", "ShardLayout", "build_layout"]
+__all__ = ["ShardedOptimizer", "CPUOffload", "LossScaleConfig", "MemoryReport", "StateBytes", "ShardLayout",
+           "build_layout"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""What a ShardedOptimizer holds on this rank, in bytes, by kind of tensor."""
+"""What a ShardedOptimizer holds on this rank, in bytes, by kind of tensor and by where it lives."""
 
 from __future__ import annotations
 
@@ -8,24 +8,26 @@ import torch
 
 
 @dataclass(frozen=True)
-class MemoryReport:
-    """Bytes held on this rank. Tensors are counted once, by what they are, not by who points at them.
+class StateBytes:
+    """Bytes of one memory (the device or the host), by kind. Each tensor is counted once, by what it is.
 
     * ``parameters`` -- the flat buffers behind the trainable parameters (padding included).
     * ``gradients`` -- full-size ``param.grad`` tensors of trainable parameters that exist right now
       (stage 1 between backward and step; always 0 in stage 2 outside backward).
-    * ``gradient_shard`` -- this rank's averaged gradient shard (reduce dtype).
-    * ``master_weights`` -- fp32 copies of this rank's shard; 0 for fp32 models, whose shard is the master.
+    * ``gradient_shard`` -- this rank's averaged gradient shard (reduce dtype on the device; fp32 on the
+      host with offload, plus a device accumulator while ``accumulating()`` micro-batches are summed).
+    * ``master_weights`` -- fp32 copies of this rank's shard; 0 for fp32 models without offload, whose
+      shard is the master.
     * ``optimizer_state`` -- every tensor in the inner optimizer's state (moments, step counters, ...).
     * ``bucket_buffers`` -- gradient bucket buffers alive right now (0 outside backward and step).
     """
 
-    parameters: int
-    gradients: int
-    gradient_shard: int
-    master_weights: int
-    optimizer_state: int
-    bucket_buffers: int
+    parameters: int = 0
+    gradients: int = 0
+    gradient_shard: int = 0
+    master_weights: int = 0
+    optimizer_state: int = 0
+    bucket_buffers: int = 0
 
     @property
     def total(self) -> int:
@@ -33,6 +35,22 @@ class MemoryReport:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held on this rank: ``device`` (the parameters' device -- the CPU when there is no GPU) and
+    ``host`` (host memory that CPU offload holds in the device's place; all zero without offload)."""
+
+    device: StateBytes
+    host: StateBytes
+
+    @property
+    def total(self) -> int:
+        return self.device.total + self.host.total
+
+    def as_dict(self) -> dict:
+        return {"device": self.device.as_dict(), "host": self.host.as_dict(), "total": self.total}
 
 
 def tensor_bytes(tensors) -> int:

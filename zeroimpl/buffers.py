@@ -6,14 +6,15 @@ Tensors named here (all 1-D unless said otherwise):
   :func:`flatten_params`, ``param.data`` of every bucket member is a view of it (shape of the parameter),
   so an in-place all-gather into ``param_buffer`` updates the model without any copy.
 * ``shard`` -- this rank's ``bucket.shard_numel`` elements of ``param_buffer`` (a view).
-* ``master`` -- the tensor the inner optimizer updates. For fp32 (or wider) models it *is* ``shard``: the
-  model's own parameters are the master weights, no copy. For 16-bit models it is an fp32 copy of
-  ``shard`` that only this rank holds.
+* ``master`` -- the tensor the inner optimizer updates (fp32, or fp64 for fp64 models). Without offload,
+  for fp32 (or wider) models it *is* ``shard``: the model's own parameters are the master weights, no
+  copy. For 16-bit models it is an fp32 copy of ``shard`` that only this rank holds; with CPU offload that
+  copy is always made, in host memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,22 +31,46 @@ class BucketStorage:
     params: list[torch.nn.Parameter]  # bucket members, in buffer order
     param_buffer: torch.Tensor  # (padded_numel,), model dtype
     shard: torch.Tensor  # (shard_numel,), view of param_buffer
-    master: torch.Tensor  # (shard_numel,), fp32 for 16-bit models, else the same tensor as shard
+    master: torch.Tensor  # (shard_numel,), fp32 copy (16-bit model or offload), else the same tensor as shard
+    _versions: tuple = field(default=(), repr=False)  # params' version counters when master was last in sync
 
     @property
     def has_separate_master(self) -> bool:
         return self.master is not self.shard
 
     def publish_master(self) -> None:
-        """Write the updated master weights into this rank's shard of the model parameters."""
-        if self.has_separate_master:
-            self.shard.copy_(self.master)
+        """Write the updated master weights into this rank's shard of the model parameters.
+
+        Asynchronous when the master is in pinned host memory and the parameters on CUDA.
+        """
+        if not self.has_separate_master:
+            return
+        if self.master.device == self.shard.device or self.master.dtype == self.shard.dtype:
+            self.shard.copy_(self.master, non_blocking=True)
+        else:  # convert on the device, not on the host
+            self.shard.copy_(self.master.to(self.shard.device, non_blocking=True))
+
+    def mark_master_in_sync(self) -> None:
+        """Record that the master weights and the parameters agree (after a step or a state load)."""
+        self._versions = tuple(p._version for p in self.params)
+
+    def sync_master_with_params(self) -> None:
+        """Take parameters written outside the optimizer (``model.load_state_dict``, a manual edit) into
+        the master, unless the master already rounds to them. Without this, the next step would silently
+        overwrite the user's values with the stale master."""
+        if not self.has_separate_master or tuple(p._version for p in self.params) == self._versions:
+            return
+        if not torch.equal(self.master.to(self.shard.device, self.shard.dtype), self.shard):
+            self.master.copy_(self.shard)
+        self.mark_master_in_sync()
 
 
-def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int) -> list[BucketStorage]:
+def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int,
+                   master_on_host: bool = False, pin_memory: bool = False) -> list[BucketStorage]:
     """Move ``params`` (indexed as in ``layout``) into flat bucket buffers and rebind ``param.data`` to views.
 
-    Values are preserved exactly; padding is zero.
+    Values are preserved exactly; padding is zero. ``master_on_host``: keep an fp32 master of the shard in
+    host memory (page-locked if ``pin_memory``), whatever the model's dtype (fp64 for fp64 models).
     """
     storages = []
     for bucket in layout.buckets:
@@ -59,6 +84,14 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
             param.data = view
         start, end = bucket.shard_range(rank)
         shard = param_buffer[start:end]
-        master = shard.to(torch.float32, copy=True) if first.dtype in HALF_DTYPES else shard
-        storages.append(BucketStorage(bucket, members, param_buffer, shard, master))
+        if master_on_host:
+            master = torch.empty(shard.numel(), dtype=torch.promote_types(first.dtype, torch.float32),
+                                 pin_memory=pin_memory).copy_(shard)
+        elif first.dtype in HALF_DTYPES:
+            master = shard.to(torch.float32, copy=True)
+        else:
+            master = shard
+        storage = BucketStorage(bucket, members, param_buffer, shard, master)
+        storage.mark_master_in_sync()
+        storages.append(storage)
     return storages

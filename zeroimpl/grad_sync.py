@@ -5,8 +5,9 @@ Tensors named here (all 1-D):
 * ``bucket buffer`` -- ``bucket.padded_numel`` elements in the reduce dtype; holds ``grad / world_size``
   of every bucket member (zero for members without a gradient and for the padding). Lives only from the
   first gradient of the bucket until its reduce-scatter has finished.
-* ``grad_shard`` -- ``bucket.shard_numel`` elements in the reduce dtype: this rank's part of the averaged
-  gradient, accumulated over every reduction since the last ``zero_grad()``.
+* ``reduced`` -- ``bucket.shard_numel`` elements in the reduce dtype: this rank's part of one reduction
+  of the averaged gradient, handed to the gradient store (:mod:`zeroimpl.grad_shards`), which sums the
+  reductions since the last ``zero_grad()`` on the device or, with offload, on the host.
 
 Stage 1 keeps gradients in ``param.grad`` during backward and reduces all buckets once, when the optimizer
 needs them (``finalize()``): one reduce-scatter per step however many micro-batches were accumulated.
@@ -25,13 +26,17 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
 from . import comm
 from .buffers import BucketStorage
 from .layout import ShardLayout
+
+if TYPE_CHECKING:
+    from .grad_shards import DeviceGradientShards
+    from .offload import HostGradientShards
 
 
 # id(param) -> the live reducer that owns it. A live reducer keeps its parameters alive, so an id found
@@ -50,11 +55,11 @@ class _Reduction:
 
 
 class GradientReducer:
-    """Owns the hooks, the bucket buffers and the gradient shards of one ShardedOptimizer."""
+    """Owns the hooks and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``."""
 
     def __init__(self, layout: ShardLayout, storages: list[BucketStorage], group,
                  stage: int, reduce_dtypes: list[torch.dtype], max_inflight: int,
-                 on_gradient: Callable[[], None]):
+                 gradients: Union[DeviceGradientShards, HostGradientShards], on_gradient: Callable[[], None]):
         self.layout = layout
         self.storages = storages
         self.group = group
@@ -63,7 +68,7 @@ class GradientReducer:
         self.max_inflight = max_inflight
         self._on_gradient = on_gradient  # called on every gradient arrival (misuse checks)
         self._scale = 1.0 / layout.world_size
-        self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
+        self.gradients = gradients  # where finished reductions go
 
         self._inflight: deque[_Reduction] = deque()
         # stage 2, per backward pass:
@@ -164,11 +169,7 @@ class GradientReducer:
     def _complete_oldest(self) -> None:
         reduction = self._inflight.popleft()
         reduction.work.wait()
-        index = reduction.bucket_index
-        if self.grad_shards[index] is None:
-            self.grad_shards[index] = reduction.output
-        else:
-            self.grad_shards[index].add_(reduction.output)
+        self.gradients.add(reduction.bucket_index, reduction.output)
 
     def wait_all(self) -> None:
         while self._inflight:
@@ -176,7 +177,7 @@ class GradientReducer:
 
     # -- the optimizer's verbs ------------------------------------------------------------------
     def finalize(self) -> None:
-        """Make ``grad_shards`` hold every gradient produced so far (stage 1: reduce ``param.grad`` now)."""
+        """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now)."""
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
@@ -201,10 +202,6 @@ class GradientReducer:
             live += [reduction.buffer, reduction.output]
         return live
 
-    @property
-    def has_gradients(self) -> bool:
-        return any(shard is not None for shard in self.grad_shards)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         for storage in self.storages:
             for param in storage.params:
@@ -213,12 +210,7 @@ class GradientReducer:
                 elif param.grad is not None:
                     param.grad.zero_()
         self._reset_round()
-        if set_to_none:
-            self.grad_shards = [None] * len(self.grad_shards)
-        else:
-            for shard in self.grad_shards:
-                if shard is not None:
-                    shard.zero_()
+        self.gradients.clear(set_to_none)
 
 
 def _forward_to(reducer_ref):

@@ -3,29 +3,35 @@
 One optimizer step, as seen from one rank (Ψ trainable elements, N ranks)::
 
     backward  -> gradients reduce-scattered into this rank's gradient shard (Ψ/N)   [grad_sync.py]
+                 kept on the device, or copied to the host with offload              [grad_shards.py, offload.py]
     step      -> (fp16: unscale, agree on overflow) -> inner optimizer on the shard's master weights
               -> master written into this rank's slice of the flat parameter buffers
               -> in-place all-gather of every parameter buffer (Ψ)                   [comm.py]
 
 The inner optimizer (e.g. torch.optim.AdamW) sees one flat 1-D tensor per bucket: the rank's master
-shard. It therefore holds optimizer state for Ψ/N elements only.
+shard. It therefore holds optimizer state for Ψ/N elements only -- on the host, with CPU offload.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Union
+import contextlib
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import comm, validation
-from .accounting import MemoryReport, tensor_bytes
+from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
+from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer
 from .layout import ParamSpec, ShardLayout, build_layout
+from .offload import CPUOffload, HostGradientShards, host_optimizer_kwargs, resolve_offload
 from .precision import DynamicLossScaler, LossScaleConfig
 
 STATE_FORMAT = "zeroimpl.sharded_optimizer/1"
+# param-group keys that choose the inner optimizer's kernel, not the math: they stay the inner's own
+IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -38,6 +44,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_class: an elementwise ``torch.optim.Optimizer`` subclass (AdamW, Adam, SGD, ...).
         stage: 1 -- shard optimizer state and master weights; gradients are reduce-scattered once per step.
             2 -- also shard gradients: they are reduce-scattered bucket by bucket during backward.
+        offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`. With offload the fp32 master weights,
+            the optimizer state and the fp32 gradient shard live in host memory and the step runs on the
+            CPU (with the optimizer's fused CPU kernel where it has one); the device keeps only the
+            parameters and transient gradient buckets. With gradient accumulation in stage 2, run the
+            non-final micro-batches under ``optimizer.accumulating()`` so that they sum on the device and
+            the shard crosses to the host once per step.
         process_group: the data-parallel group (default: the whole world).
         bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32). Larger
             buckets mean fewer, larger collectives; smaller ones more overlap and smaller transient buffers.
@@ -57,11 +69,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Union[Iterable[torch.Tensor], Iterable[dict]], optimizer_class: type,
-                 stage: int = 2, *, process_group: Optional[dist.ProcessGroup] = None,
+                 stage: int = 2, *, offload: Union[None, str, CPUOffload] = None,
+                 process_group: Optional[dist.ProcessGroup] = None,
                  bucket_numel: int = 2 ** 22, max_inflight_buckets: int = 2,
                  reduce_dtype: Optional[torch.dtype] = None, loss_scale: LossScaleConfig = LossScaleConfig(),
                  alignment: int = 8, assume_elementwise: bool = False, **optimizer_kwargs):
         validation.check_stage(stage)
+        self.offload: Optional[CPUOffload] = resolve_offload(offload)
         validation.check_optimizer_class(optimizer_class, assume_elementwise)
         validation.check_process_group(process_group)
         if max_inflight_buckets < 0:
@@ -83,7 +97,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         validation.check_params(trainable, process_group)
 
         self.layout: ShardLayout = build_layout(specs, self.world_size, bucket_numel, alignment)
-        self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank)
+        self._device = trainable[0].device
+        pin_memory = self.offload is not None and self.offload.pin_memory and self._device.type == "cuda"
+        self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank,
+                                                            self.offload is not None, pin_memory)
+        if self.offload is not None:
+            optimizer_kwargs = host_optimizer_kwargs(optimizer_class, optimizer_kwargs, self.offload)
+            self.gradients = HostGradientShards(self.storages, self.offload)
+        else:
+            self.gradients = DeviceGradientShards(len(self.storages))
         self.inner: torch.optim.Optimizer = optimizer_class(self._inner_groups(), **optimizer_kwargs)
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             for key, value in inner.items():
@@ -98,8 +120,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
-        self.reducer = GradientReducer(self.layout, self.storages, process_group, stage,
-                                       reduce_dtypes, max_inflight_buckets, self._check_gradient_arrival)
+        self.reducer = GradientReducer(self.layout, self.storages, process_group, stage, reduce_dtypes,
+                                       max_inflight_buckets, self.gradients, self._check_gradient_arrival)
         self._constructed = True
 
     def _inner_groups(self) -> list[dict]:
@@ -131,6 +153,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finally:
             self._in_scaled_backward = False
 
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Mark the backward passes inside as non-final micro-batches of gradient accumulation.
+
+        Only offload in stage 2 uses the hint: those micro-batches' reductions are summed on the device,
+        and the sum crosses to the host with the final micro-batch's, once per step. Without the hint every
+        micro-batch is copied to the host as it completes and summed there (correct, but more traffic and
+        a host sync per bucket). Forgetting to leave it is harmless: ``step()`` moves any device sum over.
+        """
+        previous = self.gradients.accumulating
+        self.gradients.accumulating = True
+        try:
+            yield
+        finally:
+            self.gradients.accumulating = previous
+
     def _check_gradient_arrival(self) -> None:
         if self.loss_scaler is None:
             return
@@ -145,16 +183,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _prepare_gradients(self) -> bool:
         """Finish the reduction (and fp16 unscaling); return whether there are gradients to step on."""
         self.reducer.finalize()
-        if not self.reducer.has_gradients:
+        if not self.gradients.has_gradients:
             return False
         if self.loss_scaler is not None and not self._unscaled:
-            shards = [s for s in self.reducer.grad_shards if s is not None]
+            shards = self._grad_shards()
             torch._foreach_mul_(shards, 1.0 / self.loss_scaler.scale)
-            nonfinite = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1)
-            comm.all_reduce_(nonfinite, dist.ReduceOp.MAX, self.process_group)
-            self._found_overflow = bool(nonfinite.item())  # the one host sync of the step
+            nonfinite = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float()
+            overflow = self._all_reduce_scalar(nonfinite, dist.ReduceOp.MAX)
+            self._found_overflow = bool(overflow.item())  # the one host sync of the step
             self._unscaled = True
         return True
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        """The gradient shards of the buckets that have one (on the host with offload)."""
+        return [shard for shard in self.gradients.ready() if shard is not None]
+
+    def _all_reduce_scalar(self, value: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        """All-reduce a 0-d value computed wherever the shards live; the result is on the parameters' device,
+        where the process group's backend can reduce it (NCCL needs CUDA tensors)."""
+        return comm.all_reduce_(value.reshape(1).to(self._device), op, self.process_group)[0]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -166,20 +213,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-        device = self.storages[0].param_buffer.device
         if not self._prepare_gradients():
-            return torch.zeros((), device=device)
-        shards = [s for s in self.reducer.grad_shards if s is not None]
+            return torch.zeros((), device=self._device)
+        shards = self._grad_shards()
         if norm_type == float("inf"):
-            local = torch.stack([s.abs().max() for s in shards]).max().float().reshape(1)
-            total = comm.all_reduce_(local, dist.ReduceOp.MAX, self.process_group)[0]
+            local = torch.stack([s.abs().max() for s in shards]).max().float()
+            total = self._all_reduce_scalar(local, dist.ReduceOp.MAX)
         else:
             local = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=torch.float32) ** norm_type
-                                 for s in shards]).sum().reshape(1)
-            total = comm.all_reduce_(local, dist.ReduceOp.SUM, self.process_group)[0] ** (1.0 / norm_type)
+                                 for s in shards]).sum()
+            total = self._all_reduce_scalar(local, dist.ReduceOp.SUM) ** (1.0 / norm_type)
         if not self._found_overflow:
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(shards, coefficient)
+            torch._foreach_mul_(shards, coefficient.to(shards[0].device))  # offload: one sync, not per tensor
         return total
 
     # -- step -------------------------------------------------------------------------------------
@@ -197,13 +243,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return loss
 
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})
-        for storage, grad in zip(self.storages, self.reducer.grad_shards):
+            inner.update({k: v for k, v in outer.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
+        for storage, grad in zip(self.storages, self.gradients.ready()):
+            storage.sync_master_with_params()
             storage.master.grad = None if grad is None else grad.to(storage.master.dtype)
         self.inner.step()
         for storage in self.storages:
             storage.master.grad = None
-            storage.publish_master()
+        self.gradients.publish(self.storages)
         self._all_gather_params()
         self._finish_step(overflow=False)
         return loss
@@ -214,6 +261,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             work.wait()
         # the all-gather wrote the parameters in place: let autograd refuse graphs built before it
         torch.autograd.graph.increment_version([p for s in self.storages for p in s.params])
+        for storage in self.storages:
+            storage.mark_master_in_sync()
 
     def _finish_step(self, overflow: bool) -> None:
         if self.loss_scaler is not None:
@@ -260,27 +309,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError("the state has a different number of param groups")
         if (state_dict["master_weights"] is None) == self._has_separate_master:
-            raise ValueError("the state's master weights do not match this model's dtypes")
+            raise ValueError("the state's master weights do not match this optimizer (16-bit parameters or CPU "
+                             "offload keep separate fp32 master weights); moving between them is the "
+                             "checkpoint API's job")
         if (state_dict["loss_scaler"] is None) != (self.loss_scaler is None):
             raise ValueError("the state's loss scaler does not match this model (fp16 or not)")
-        self.inner.load_state_dict(state_dict["inner"])
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(saved)
+        implementation = [{k: v for k, v in g.items() if k in IMPLEMENTATION_KEYS} for g in self.inner.param_groups]
+        self.gradients.wait_copies()  # no copy may still read the masters
+        self.inner.load_state_dict(state_dict["inner"])  # moves the state to the masters' device
+        for outer, inner, saved, kernel in zip(self.param_groups, self.inner.param_groups,
+                                               state_dict["param_groups"], implementation):
+            outer.update(saved)
+            outer.update(kernel)
+            inner.update(kernel)
         if state_dict["master_weights"] is not None:
             with torch.no_grad():
                 for storage, master in zip(self.storages, state_dict["master_weights"]):
                     storage.master.copy_(master)
+                    storage.mark_master_in_sync()
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
     # -- introspection ----------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds right now, by kind (see :class:`zeroimpl.MemoryReport`)."""
-        return MemoryReport(
+        """Bytes this rank holds right now, by kind and place (see :class:`zeroimpl.MemoryReport`)."""
+        masters = tensor_bytes(s.master for s in self.storages if s.has_separate_master)
+        state = tensor_bytes(v for state in self.inner.state.values() for v in state.values())
+        on_host = self.offload is not None  # masters and state live beside each other
+        device = StateBytes(
             parameters=tensor_bytes(s.param_buffer for s in self.storages),
             gradients=tensor_bytes(p.grad for s in self.storages for p in s.params),
-            gradient_shard=tensor_bytes(self.reducer.grad_shards),
-            master_weights=tensor_bytes(s.master for s in self.storages if s.has_separate_master),
-            optimizer_state=tensor_bytes(v for state in self.inner.state.values() for v in state.values()),
+            gradient_shard=tensor_bytes(self.gradients.device_tensors()),
+            master_weights=0 if on_host else masters,
+            optimizer_state=0 if on_host else state,
             bucket_buffers=tensor_bytes(self.reducer.live_buffers()),
         )
+        host = StateBytes(gradient_shard=tensor_bytes(self.gradients.host_tensors()),
+                          master_weights=masters if on_host else 0, optimizer_state=state if on_host else 0)
+        return MemoryReport(device, host)
