@@ -18,6 +18,12 @@ def test_stage_must_be_1_or_2():
         ShardedOptimizer(_linear().parameters(), torch.optim.AdamW, stage=3)
 
 
+@pytest.mark.parametrize("offload", ["gpu", "CPU", True, "nvme"])
+def test_offload_must_be_cpu_or_a_policy(offload):
+    with pytest.raises(ValueError, match="offload must be None, 'cpu' or zeroimpl.CPUOffload"):
+        ShardedOptimizer(_linear().parameters(), torch.optim.AdamW, offload=offload)
+
+
 def test_non_elementwise_optimizer_is_refused():
     with pytest.raises(ValueError, match="LBFGS is not elementwise"):
         ShardedOptimizer(_linear().parameters(), torch.optim.LBFGS)

@@ -46,10 +46,10 @@ def test_16bit_tracks_fp32(tracking_runs, dtype):
             assert run["losses"] != reference["losses"]  # it really ran in 16 bits
 
 
-def _overflow_run(rank, world_size, stage, hysteresis, overflow_steps):
+def _overflow_run(rank, world_size, stage, hysteresis, overflow_steps, offload=None):
     """fp16 GPT-2; on rank 1 only, an inf is injected into one gradient at the given steps."""
     model = build_model("gpt2", torch.float16)
-    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2,
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2, offload=offload,
                                  loss_scale=LossScaleConfig(initial_scale=1024.0, hysteresis=hysteresis))
     target = model.transformer.h[0].mlp.c_fc.weight
     records = []
@@ -68,9 +68,9 @@ def _overflow_run(rank, world_size, stage, hysteresis, overflow_steps):
     return records
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_fp16_overflow_skipped_on_every_rank_and_scale_backs_off(stage):
-    for records in run_distributed(2, _overflow_run, stage, 1, (1,)):
+@pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (1, "cpu"), (2, "cpu")])
+def test_fp16_overflow_skipped_on_every_rank_and_scale_backs_off(stage, offload):
+    for records in run_distributed(2, _overflow_run, stage, 1, (1,), offload):
         assert [r["changed"] for r in records] == [True, False, True, True]
         assert [r["scale"] for r in records] == [1024.0, 512.0, 512.0, 512.0]
         assert all(r["finite"] for r in records)

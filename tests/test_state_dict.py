@@ -13,11 +13,12 @@ from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 
 
-def _make(dtype, stage, optimizer_name):
+def _make(dtype, stage, optimizer_name, offload=None):
     model = build_model("gpt2", dtype)
     optimizer_class, kwargs = {"adamw": (torch.optim.AdamW, {"lr": 1e-2}),
                                "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})}[optimizer_name]
-    optimizer = ShardedOptimizer(param_groups(model), optimizer_class, stage=stage, bucket_numel=4096, **kwargs)
+    optimizer = ShardedOptimizer(param_groups(model), optimizer_class, stage=stage, bucket_numel=4096,
+                                 offload=offload, **kwargs)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
     return model, optimizer, schedule
 
@@ -31,8 +32,8 @@ def _train(rank, model, optimizer, schedule, steps):
         optimizer.zero_grad()
 
 
-def _resume(rank, world_size, dtype, stage, optimizer_name):
-    model, optimizer, schedule = _make(dtype, stage, optimizer_name)
+def _resume(rank, world_size, dtype, stage, optimizer_name, offload=None):
+    model, optimizer, schedule = _make(dtype, stage, optimizer_name, offload)
     _train(rank, model, optimizer, schedule, range(3))
     if rank == 0:  # on one rank only: would hang if state_dict() communicated
         optimizer.state_dict()
@@ -40,7 +41,7 @@ def _resume(rank, world_size, dtype, stage, optimizer_name):
     _train(rank, model, optimizer, schedule, range(3, 6))
     uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    model, optimizer, schedule = _make(dtype, stage, optimizer_name)
+    model, optimizer, schedule = _make(dtype, stage, optimizer_name, offload)
     model.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     schedule.load_state_dict(saved[2])
@@ -49,12 +50,13 @@ def _resume(rank, world_size, dtype, stage, optimizer_name):
     return uninterrupted, resumed, optimizer.loss_scale
 
 
-@pytest.mark.parametrize("dtype,stage,optimizer_name", [
-    (torch.float32, 1, "adamw"), (torch.float32, 2, "sgd"), (torch.bfloat16, 2, "adamw"),
-    (torch.float16, 1, "adamw"),
+@pytest.mark.parametrize("dtype,stage,optimizer_name,offload", [
+    (torch.float32, 1, "adamw", None), (torch.float32, 2, "sgd", None), (torch.bfloat16, 2, "adamw", None),
+    (torch.float16, 1, "adamw", None), (torch.float32, 2, "adamw", "cpu"), (torch.float16, 2, "adamw", "cpu"),
+    (torch.bfloat16, 1, "sgd", "cpu"),
 ])
-def test_round_trip_resumes_bitwise(dtype, stage, optimizer_name):
-    for uninterrupted, resumed, _ in run_distributed(2, _resume, dtype, stage, optimizer_name):
+def test_round_trip_resumes_bitwise(dtype, stage, optimizer_name, offload):
+    for uninterrupted, resumed, _ in run_distributed(2, _resume, dtype, stage, optimizer_name, offload):
         for name in uninterrupted:
             assert torch.equal(uninterrupted[name], resumed[name]), name
 

@@ -77,6 +77,7 @@ class RunConfig:
     dtype: torch.dtype = torch.float32
     bucket_numel: int = 4096  # small, so that tiny models span several buckets
     zero_kwargs: dict = field(default_factory=dict)
+    hint_accumulation: bool = False  # run non-final micro-batches under optimizer.accumulating()
 
 
 def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
@@ -99,7 +100,11 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
     for step in range(config.steps):
         for micro in range(config.accum):
             last = micro == config.accum - 1
-            context = ddp.no_sync() if config.stage is None and not last else contextlib.nullcontext()
+            context = contextlib.nullcontext()
+            if config.stage is None and not last:
+                context = ddp.no_sync()
+            elif config.hint_accumulation and not last:
+                context = optimizer.accumulating()
             with context:
                 loss = forward(**batch(rank, step, micro)).loss
                 backward(loss / config.accum)
