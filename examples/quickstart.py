@@ -1,6 +1,6 @@
 """Train a small GPT-2 with ZeRO stage 1 or 2 on N processes and print the loss and per-rank memory.
 
-    torchrun --nproc_per_node 2 examples/quickstart.py [--stage 2] [--steps 30] [--dtype fp32|bf16]
+    torchrun --nproc_per_node 2 examples/quickstart.py [--stage 2] [--steps 30] [--dtype fp32|bf16] [--offload]
 
 Runs on CPU (gloo) or, when every rank has a GPU, on CUDA (NCCL). Data is synthetic: a fixed random
 corpus that the model memorises, so the loss visibly falls. No download is needed.
@@ -23,6 +23,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--offload", action="store_true",
+                        help="keep master weights, optimizer state and gradient shard on the host (CPU offload)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     return parser.parse_args()
@@ -52,19 +54,25 @@ def main():
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = ShardedOptimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                 torch.optim.AdamW, stage=args.stage, lr=3e-3, betas=(0.9, 0.95))
+                                 torch.optim.AdamW, stage=args.stage, offload="cpu" if args.offload else None,
+                                 lr=3e-3, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
     if rank == 0:
         psi = optimizer.layout.numel
         print(f"GPT-2 with {psi / 1e6:.2f}M trainable parameters, ZeRO stage {args.stage}, {world_size} ranks, "
-              f"{device.type}, {args.dtype}, {args.accum} micro-batches per step", flush=True)
+              f"{device.type}, {args.dtype}, {args.accum} micro-batches per step"
+              f"{', CPU offload' if args.offload else ''}", flush=True)
 
     start = time.perf_counter()
     for step in range(args.steps):
         for micro in range(args.accum):
             batch = {k: v.to(device) for k, v in synthetic_batch(step, micro, rank, config.vocab_size).items()}
             loss = model(**batch).loss / args.accum
-            optimizer.backward(loss)
+            if micro < args.accum - 1:
+                with optimizer.accumulating():  # offload: sum on the device, cross to the host once per step
+                    optimizer.backward(loss)
+            else:
+                optimizer.backward(loss)
         norm = optimizer.clip_grad_norm_(1.0)
         optimizer.step()
         schedule.step()
@@ -78,8 +86,11 @@ def main():
     # one line per rank, in rank order
     for turn in range(world_size):
         if turn == rank:
-            mib = {kind: value / 2 ** 20 for kind, value in report.as_dict().items()}
-            print(f"rank {rank} memory (MiB): " + "  ".join(f"{k} {v:.2f}" for k, v in mib.items()), flush=True)
+            for place, kinds in (("device", report.device), ("host", report.host)):
+                if kinds.total:
+                    mib = {kind: value / 2 ** 20 for kind, value in kinds.as_dict().items() if value}
+                    print(f"rank {rank} {place} memory (MiB): " + "  ".join(f"{k} {v:.2f}" for k, v in mib.items()),
+                          flush=True)
         dist.barrier()
     if rank == 0:
         print(f"{args.steps} steps in {elapsed:.1f}s", flush=True)
