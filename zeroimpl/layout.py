@@ -133,13 +133,36 @@ class ShardLayout:
         return pieces
 
     def fingerprint(self) -> dict:
-        """A small, comparable description used to refuse state from another layout."""
+        """A small, complete description of the layout: comparable, to refuse state from another layout, and
+        enough to rebuild it with :meth:`from_fingerprint` (checkpoints store it)."""
         return {
             "world_size": self.world_size,
             "alignment": self.alignment,
             "buckets": [(b.group_index, b.dtype, b.param_indices, b.numel, b.padded_numel)
                         for b in self.buckets],
+            "param_numels": [slot.numel for slot in self.slots],
         }
+
+    @classmethod
+    def from_fingerprint(cls, fingerprint: dict) -> "ShardLayout":
+        """Rebuild a layout from :meth:`fingerprint`; raises ValueError if the description is inconsistent."""
+        world_size, numels = int(fingerprint["world_size"]), [int(n) for n in fingerprint["param_numels"]]
+        slots: list = [None] * len(numels)
+        buckets = []
+        for bucket_index, (group_index, dtype, param_indices, numel, padded_numel) in enumerate(fingerprint["buckets"]):
+            offset = 0
+            for index in param_indices:
+                if slots[index] is not None:
+                    raise ValueError(f"parameter {index} is in two buckets")
+                slots[index] = ParamSlot(index, bucket_index, offset, numels[index])
+                offset += numels[index]
+            if offset != numel or padded_numel < numel or padded_numel % world_size:
+                raise ValueError(f"bucket {bucket_index} has inconsistent sizes")
+            buckets.append(Bucket(bucket_index, group_index, dtype, tuple(param_indices), numel, padded_numel,
+                                  world_size))
+        if any(slot is None for slot in slots):
+            raise ValueError("a parameter is in no bucket")
+        return cls(world_size, int(fingerprint["alignment"]), tuple(buckets), tuple(slots))
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -96,6 +96,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     specs.append(ParamSpec(group_index, str(param.dtype), param.numel()))
         validation.check_params(trainable, process_group)
 
+        self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         self.layout: ShardLayout = build_layout(specs, self.world_size, bucket_numel, alignment)
         self._device = trainable[0].device
         pin_memory = self.offload is not None and self.offload.pin_memory and self._device.type == "cuda"
@@ -314,21 +315,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "checkpoint API's job")
         if (state_dict["loss_scaler"] is None) != (self.loss_scaler is None):
             raise ValueError("the state's loss scaler does not match this model (fp16 or not)")
-        implementation = [{k: v for k, v in g.items() if k in IMPLEMENTATION_KEYS} for g in self.inner.param_groups]
+        self._install_state(state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
+                            state_dict["loss_scaler"])
+
+    def _install_state(self, inner_state: dict, hyperparameters: list[dict],
+                       masters: Optional[list[torch.Tensor]], loss_scaler: Optional[dict]) -> None:
+        """Install checked state: the inner optimizer's state dict, each group's hyperparameters (the inner
+        optimizer keeps its own kernel choice), optionally the master shards and the loss-scaler state."""
+        kernels = [{k: v for k, v in g.items() if k in IMPLEMENTATION_KEYS} for g in self.inner.param_groups]
         self.gradients.wait_copies()  # no copy may still read the masters
-        self.inner.load_state_dict(state_dict["inner"])  # moves the state to the masters' device
-        for outer, inner, saved, kernel in zip(self.param_groups, self.inner.param_groups,
-                                               state_dict["param_groups"], implementation):
-            outer.update(saved)
+        self.inner.load_state_dict(inner_state)  # moves the state to the masters' device and dtype
+        for outer, inner, saved, kernel in zip(self.param_groups, self.inner.param_groups, hyperparameters, kernels):
+            outer.update({k: v for k, v in saved.items() if k != "params"})
             outer.update(kernel)
             inner.update(kernel)
-        if state_dict["master_weights"] is not None:
+        if masters is not None:
             with torch.no_grad():
-                for storage, master in zip(self.storages, state_dict["master_weights"]):
+                for storage, master in zip(self.storages, masters):
                     storage.master.copy_(master)
                     storage.mark_master_in_sync()
-        if self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        if self.loss_scaler is not None and loss_scaler is not None:
+            self.loss_scaler.load_state_dict(loss_scaler)
 
     # -- introspection ----------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -1,0 +1,12 @@
+"""Sharded checkpoints of a ShardedOptimizer: save per rank, load on any world size, convert to torch formats.
+
+See :mod:`.files` (directory layout, crash safety, safe loading), :mod:`.reshard` (the arithmetic),
+:mod:`.api` (save / load) and :mod:`.convert` (torch formats, offline export).
+"""
+
+from .api import load_checkpoint, save_checkpoint
+from .convert import consolidated_optimizer_state_dict, export_fp32_state_dict, load_torch_optimizer_state
+from .files import CheckpointError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "export_fp32_state_dict", "consolidated_optimizer_state_dict",
+           "load_torch_optimizer_state", "CheckpointError"]

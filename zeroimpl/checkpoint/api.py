@@ -1,0 +1,317 @@
+"""Save and load a ShardedOptimizer (and its model) as a sharded checkpoint; convert to and from torch's format.
+
+What a checkpoint holds (see :mod:`.files` for the directory and its crash safety):
+
+* ``rank-NNNNN.pt`` per saving rank: ``pieces`` (K, 3) int64 rows ``(parameter index, start, end)`` -- the
+  rank's ranges of the flattened parameters, in ``ShardLayout.pieces`` order -- and, concatenated in that
+  order, ``master`` (the fp32 master weights; for fp32 models without offload, the parameters themselves)
+  and ``state[key]`` for every per-element state tensor of the inner optimizer (``exp_avg``,
+  ``momentum_buffer``, ...). Padding is never saved.
+* ``index.pt``: the saved layout, every trainable parameter's shape, dtype and state-dict names, the param
+  groups (hyperparameters and members), the optimizer class, the scalar state of every bucket (Adam's
+  ``step``; ``None`` for a bucket not stepped yet), the fp16 loss-scaler state and the files' checksums.
+* ``model-extras.pt``: the model's state that the optimizer does not hold (frozen parameters, buffers).
+
+Any elementwise optimizer works: a state value is either per element (1-D, one entry per shard element) or
+a scalar shared by the bucket; anything else is refused at save time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..layout import ShardLayout
+from ..optimizer import ShardedOptimizer
+from . import files
+from .files import EXTRAS, INDEX, CheckpointError, rank_file
+from .reshard import plan, saved_pieces
+
+FORMAT = "zeroimpl.checkpoint/1"
+
+
+# -- save ---------------------------------------------------------------------------------------------
+def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
+    """Save ``optimizer`` and ``model`` to ``directory``. Collective: call it on every rank of the optimizer's
+    group, with a ``directory`` that every rank sees (a local disk for one machine, a shared one otherwise).
+
+    Each rank writes only its own shard; nothing is gathered. ``directory`` is replaced only once the new
+    checkpoint is complete.
+    """
+    group = optimizer.process_group
+    optimizer.gradients.wait_copies()
+    error: Optional[BaseException] = None
+    entry = None
+    try:
+        if optimizer.rank == 0:
+            files.prepare_partial(directory)
+    except Exception as caught:  # e.g. no permission: every rank must hear of it, not hang
+        error = caught
+    _agree(error, group, "preparing the checkpoint directory")
+    try:
+        entry = files.write(_rank_payload(optimizer), os.path.join(files.partial_path(directory),
+                                                                   rank_file(optimizer.rank)))
+    except Exception as caught:
+        error = caught
+    entries = _agree(error, group, "writing the rank files", entry)
+    try:
+        if optimizer.rank == 0:
+            partial = files.partial_path(directory)
+            listing = {rank_file(rank): found for rank, found in enumerate(entries)}
+            listing[EXTRAS] = files.write(_model_extras(optimizer, model), os.path.join(partial, EXTRAS))
+            files.write(_index(optimizer, model, listing), os.path.join(partial, INDEX))
+            files.publish(directory)
+    except Exception as caught:
+        error = caught
+    _agree(error, group, "publishing the checkpoint")
+
+
+def _rank_payload(optimizer: ShardedOptimizer) -> dict:
+    pieces = optimizer.layout.pieces(optimizer.rank)
+    per_bucket = [_split_state(optimizer.inner.state.get(s.master), s.master.numel()) for s in optimizer.storages]
+    keys = _common_keys([elementwise for elementwise, _ in per_bucket if elementwise is not None])
+
+    def gather(tensors: list[Optional[torch.Tensor]]) -> torch.Tensor:
+        chunks = [torch.zeros(p.length) if tensors[p.bucket_index] is None else
+                  tensors[p.bucket_index][p.shard_offset:p.shard_offset + p.length] for p in pieces]
+        return torch.cat([c.detach().cpu() for c in chunks]) if chunks else torch.zeros(0)
+
+    return {
+        "format": FORMAT,
+        "rank": optimizer.rank,
+        "pieces": torch.tensor([(p.param_index, p.param_start, p.param_end) for p in pieces],
+                               dtype=torch.int64).reshape(-1, 3),
+        "master": gather([s.master for s in optimizer.storages]),
+        "state": {key: gather([None if e is None else e[key] for e, _ in per_bucket]) for key in keys},
+    }
+
+
+def _split_state(state: Optional[dict], shard_numel: int):
+    """A bucket's inner state -> (per-element tensors, scalars); ``(None, None)`` for no state yet."""
+    if not state:
+        return None, None
+    elementwise, scalars = {}, {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == shard_numel:
+            elementwise[key] = value
+        elif torch.is_tensor(value) and value.dim() == 0:
+            scalars[key] = value.detach().cpu().clone()
+        elif value is None or isinstance(value, (bool, int, float)):
+            scalars[key] = value
+        else:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise CheckpointError(f"optimizer state {key!r} ({shape}) is neither one value per element nor a "
+                                  "scalar, so it cannot be resharded; this optimizer is not elementwise")
+    return elementwise, scalars
+
+
+def _common_keys(states: list[dict]) -> list[str]:
+    keys = sorted(states[0]) if states else []
+    if any(sorted(state) != keys for state in states):
+        raise CheckpointError("buckets hold different optimizer state keys; cannot checkpoint this optimizer")
+    return keys
+
+
+def _param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
+    """Every state-dict name of each trainable parameter (tied weights have several)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    found = [names.get(id(p), []) for p in optimizer.trainable_params]
+    if not all(found):
+        raise CheckpointError("the optimizer holds a parameter that is not in the model's state_dict; pass the "
+                              "model whose parameters the optimizer was built from")
+    return found
+
+
+def _model_extras(optimizer: ShardedOptimizer, model: torch.nn.Module) -> dict:
+    """The model state the optimizer does not hold: frozen parameters and persistent buffers."""
+    trainable = {id(p) for p in optimizer.trainable_params}
+    return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict(keep_vars=True).items()
+            if id(tensor) not in trainable}
+
+
+def _groups(optimizer: ShardedOptimizer) -> list[dict]:
+    index_of = {id(p): i for i, p in enumerate(optimizer.trainable_params)}
+    return [{"hyperparameters": {k: v for k, v in group.items() if k != "params"},
+             "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
+
+
+def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict) -> dict:
+    names = _param_names(optimizer, model)
+    per_bucket = [_split_state(optimizer.inner.state.get(s.master), s.master.numel()) for s in optimizer.storages]
+    return {
+        "format": FORMAT,
+        "state_keys": _common_keys([elementwise for elementwise, _ in per_bucket if elementwise is not None]),
+        "world_size": optimizer.world_size,
+        "stage": optimizer.stage,
+        "offload": optimizer.offload is not None,
+        "optimizer_class": _class_name(type(optimizer.inner)),
+        "layout": optimizer.layout.fingerprint(),
+        "params": [{"shape": tuple(p.shape), "dtype": str(p.dtype), "names": n}
+                   for p, n in zip(optimizer.trainable_params, names)],
+        "groups": _groups(optimizer),
+        "bucket_scalars": [scalars for _, scalars in per_bucket],
+        "loss_scaler": optimizer.loss_scaler.state_dict() if optimizer.loss_scaler else None,
+        "files": listing,
+    }
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# -- load ---------------------------------------------------------------------------------------------
+def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
+    """Restore ``optimizer`` and ``model`` from a checkpoint saved at any world size, stage or offload setting.
+
+    Collective: call it on every rank. Each rank reads only the files that hold part of its new shard. The
+    master weights and optimizer state are restored exactly; the parameters are set from the master weights
+    on every rank. Nothing is changed unless every rank has read and checked everything it needs.
+    """
+    error: Optional[BaseException] = None
+    try:
+        directory = files.resolve_directory(directory)
+        index = files.read(directory, INDEX, None)
+        _check_index(index, optimizer, model)
+        extras = files.read(directory, EXTRAS, index["files"][EXTRAS])
+        _check_extras(extras, model)
+        restored = _read_shards(directory, index, optimizer)
+    except Exception as caught:
+        error = caught
+    _agree(error, optimizer.process_group, "loading the checkpoint")
+
+    masters, inner_state, hyperparameters = restored
+    optimizer.zero_grad(set_to_none=True)
+    optimizer._install_state(inner_state, hyperparameters, masters, index["loss_scaler"])
+    optimizer.gradients.publish(optimizer.storages)
+    optimizer._all_gather_params()
+    with torch.no_grad():
+        state = model.state_dict()
+        for name, tensor in extras.items():
+            state[name].copy_(tensor)
+
+
+def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {FORMAT!r})")
+    if index["optimizer_class"] != _class_name(type(optimizer.inner)):
+        raise CheckpointError(f"the checkpoint holds {index['optimizer_class']} state; this optimizer runs "
+                              f"{_class_name(type(optimizer.inner))}")
+    saved, names = index["params"], _param_names(optimizer, model)
+    if len(saved) != len(optimizer.trainable_params):
+        raise CheckpointError(f"the checkpoint has {len(saved)} trainable parameters, this model "
+                              f"{len(optimizer.trainable_params)}: a checkpoint of another model")
+    for i, (entry, param, name) in enumerate(zip(saved, optimizer.trainable_params, names)):
+        if tuple(entry["shape"]) != tuple(param.shape) or entry["names"] != name:
+            raise CheckpointError(f"trainable parameter {i} is {entry['names']} {tuple(entry['shape'])} in the "
+                                  f"checkpoint but {name} {tuple(param.shape)} here: a checkpoint of another model")
+    if [g["members"] for g in index["groups"]] != [g["members"] for g in _groups(optimizer)]:
+        raise CheckpointError("the checkpoint's param groups hold other parameters than this optimizer's; "
+                              "build the optimizer with the same param groups")
+    if sorted(index["files"]) != sorted([rank_file(r) for r in range(index["world_size"])] + [EXTRAS]):
+        raise CheckpointError("the checkpoint's index lists other files than its world size needs")
+
+
+def _check_extras(extras: dict, model: torch.nn.Module) -> None:
+    state = model.state_dict()
+    for name, tensor in extras.items():
+        if name not in state or tuple(state[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"the checkpoint's model entry {name!r} {tuple(tensor.shape)} does not fit this "
+                                  "model: a checkpoint of another model")
+
+
+def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
+    """Read this rank's new shard: (masters per bucket, the inner optimizer's state dict, hyperparameters)."""
+    saved_layout = _saved_layout(index)
+    layout, storages = optimizer.layout, optimizer.storages
+    scalars = [_bucket_scalars(index, saved_layout, bucket.param_indices) for bucket in layout.buckets]
+    keys = list(index["state_keys"])
+    masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in storages]
+    states = [{key: torch.zeros(s.master.numel(), dtype=s.master.dtype) for key in keys}
+              if scalars[b] is not None else None for b, s in enumerate(storages)]
+
+    copies = plan(saved_layout, layout, optimizer.rank)
+    for source in sorted({c.source_rank for c in copies}):
+        payload = _read_rank(directory, index, saved_layout, source, keys)
+        for c in (c for c in copies if c.source_rank == source):
+            src, dst = slice(c.source_offset, c.source_offset + c.length), slice(c.target_offset, c.target_offset + c.length)
+            masters[c.target_bucket][dst] = payload["master"][src]
+            if states[c.target_bucket] is not None:
+                for key in keys:
+                    states[c.target_bucket][key][dst] = payload["state"][key][src]
+
+    inner_index = {id(p): i for i, p in enumerate(p for g in optimizer.inner.param_groups for p in g["params"])}
+    inner_state = {inner_index[id(s.master)]: {**scalars[b], **states[b]}
+                   for b, s in enumerate(storages) if states[b] is not None}
+    groups = [g["hyperparameters"] for g in index["groups"]]
+    param_groups = [{**{k: v for k, v in inner.items() if k != "params"}, **g,
+                     "params": [inner_index[id(p)] for p in inner["params"]]}
+                    for g, inner in zip(groups, optimizer.inner.param_groups)]
+    return masters, {"state": inner_state, "param_groups": param_groups}, groups
+
+
+def _saved_layout(index: dict) -> ShardLayout:
+    try:
+        layout = ShardLayout.from_fingerprint(index["layout"])
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise CheckpointError(f"the checkpoint's layout description is damaged ({error})") from error
+    if layout.world_size != index["world_size"]:
+        raise CheckpointError("the checkpoint's layout does not match its world size")
+    return layout
+
+
+def _bucket_scalars(index: dict, saved_layout: ShardLayout, param_indices) -> Optional[dict]:
+    """The scalar state of a new bucket: that of the saved buckets its parameters come from."""
+    found = {saved_layout.slots[i].bucket_index for i in param_indices}
+    return merge_scalars([index["bucket_scalars"][b] for b in sorted(found)])
+
+
+def merge_scalars(values: list[Optional[dict]]) -> Optional[dict]:
+    """One scalar state from several sources that must agree (``None``: no state, never stepped)."""
+    if all(v is None for v in values):
+        return None
+    first = values[0]
+    if any(v is None or v.keys() != first.keys() or any(not _same(v[k], first[k]) for k in v) for v in values):
+        raise CheckpointError("parameters that now share a bucket had different scalar optimizer state (e.g. "
+                              "Adam's step count) when saved; they cannot be merged into one shard")
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in first.items()}
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _read_rank(directory: str, index: dict, saved_layout: ShardLayout, rank: int, keys) -> dict:
+    """One saved rank's file, checked against the index and the saved layout."""
+    payload = files.read(directory, rank_file(rank), index["files"][rank_file(rank)])
+    pieces = saved_layout.pieces(rank)
+    expected = torch.tensor([(p.param_index, p.param_start, p.param_end) for p in pieces],
+                            dtype=torch.int64).reshape(-1, 3)
+    length = sum(p.length for p in pieces)
+    if (not isinstance(payload, dict) or payload.get("rank") != rank or not torch.equal(payload["pieces"], expected)
+            or payload["master"].numel() != length
+            or sorted(payload["state"]) != sorted(keys)
+            or any(t.numel() != length for t in payload["state"].values())):
+        raise CheckpointError(f"{rank_file(rank)} in {directory!r} does not match the checkpoint's index")
+    return payload
+
+
+# -- collective error handling ---------------------------------------------------------------------
+def _agree(error: Optional[BaseException], group, what: str, value=None) -> list:
+    """All-gather (error, value) so that a failure on one rank raises on every rank instead of a hang."""
+    gathered = [None] * dist.get_world_size(group)
+    mine = (None if error is None else f"{type(error).__name__}: {error}", value)
+    dist.all_gather_object(gathered, mine, group=group)
+    failures = [(rank, message) for rank, (message, _) in enumerate(gathered) if message is not None]
+    if error is not None:
+        raise error
+    if failures:
+        rank, message = failures[0]
+        raise CheckpointError(f"rank {rank} failed while {what}: {message}")
+    return [v for _, v in gathered]

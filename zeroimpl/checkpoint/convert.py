@@ -1,0 +1,128 @@
+"""Between sharded checkpoints and torch's own formats, in one process (no process group needed).
+
+* :func:`export_fp32_state_dict` -- the model's full fp32 weights from a sharded checkpoint (as DeepSpeed's
+  ``zero_to_fp32``): a ``model.load_state_dict``-ready dict.
+* :func:`consolidated_optimizer_state_dict` -- the full, unsharded optimizer state in the standard
+  ``torch.optim.Optimizer.state_dict()`` format, for the plain inner optimizer built over the model's
+  parameters with the same param groups.
+* :func:`load_torch_optimizer_state` -- the reverse: start sharded training from a plain torch optimizer's
+  state dict (on every rank; no communication).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..optimizer import ShardedOptimizer
+from . import files
+from .api import FORMAT, _groups, _read_rank, _saved_layout, _split_state, merge_scalars
+from .files import EXTRAS, INDEX, CheckpointError
+
+
+def _read_full(directory: str):
+    """(index, saved layout, full flat masters per parameter, full flat state per key per parameter)."""
+    directory = files.resolve_directory(directory)
+    index = files.read(directory, INDEX, None)
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {FORMAT!r})")
+    layout = _saved_layout(index)
+    numels = [slot.numel for slot in layout.slots]
+    keys = list(index["state_keys"])
+    masters = [None] * len(numels)
+    states = {key: [None] * len(numels) for key in keys}
+    for rank in range(layout.world_size):
+        payload = _read_rank(directory, index, layout, rank, keys)
+        offset = 0
+        for piece in layout.pieces(rank):
+            i, source = piece.param_index, slice(offset, offset + piece.length)
+            target = slice(piece.param_start, piece.param_end)
+            if masters[i] is None:
+                masters[i] = torch.empty(numels[i], dtype=payload["master"].dtype)
+            masters[i][target] = payload["master"][source]
+            for key in keys:
+                if states[key][i] is None:
+                    states[key][i] = torch.empty(numels[i], dtype=payload["state"][key].dtype)
+                states[key][i][target] = payload["state"][key][source]
+            offset += piece.length
+    return directory, index, layout, masters, states
+
+
+def export_fp32_state_dict(directory: str) -> dict[str, torch.Tensor]:
+    """Full fp32 model weights from a sharded checkpoint: trainable parameters from the fp32 master weights
+    (tied names share one tensor), frozen parameters and buffers as saved (floating ones in fp32)."""
+    directory, index, _, masters, _ = _read_full(directory)
+    state = {}
+    for entry, flat in zip(index["params"], masters):
+        tensor = flat.to(torch.float32).reshape(entry["shape"])
+        for name in entry["names"]:
+            state[name] = tensor
+    extras = files.read(directory, EXTRAS, index["files"][EXTRAS])
+    for name, tensor in extras.items():
+        state[name] = tensor.float() if tensor.is_floating_point() else tensor
+    return state
+
+
+def consolidated_optimizer_state_dict(directory: str) -> dict:
+    """The checkpoint's optimizer state as ``torch.optim.Optimizer.state_dict()`` of the plain inner optimizer,
+    built over the same param groups (frozen members included, as torch numbers them)."""
+    _, index, layout, _, states = _read_full(directory)
+    state, param_groups, number = {}, [], 0
+    for group in index["groups"]:
+        numbers = []
+        for member in group["members"]:
+            if member >= 0:
+                scalars = index["bucket_scalars"][layout.slots[member].bucket_index]
+                if scalars is not None:
+                    shape = index["params"][member]["shape"]
+                    state[number] = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
+                                     **{key: values[member].reshape(shape) for key, values in states.items()}}
+            numbers.append(number)
+            number += 1
+        param_groups.append({**group["hyperparameters"], "params": numbers})
+    return {"state": state, "param_groups": param_groups}
+
+
+def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) -> None:
+    """Load a plain torch optimizer's ``state_dict()`` (the same optimizer class over the same param groups)
+    into ``optimizer``: each rank takes its shard of every per-element state tensor. The master weights are
+    taken from the model's current parameters, so load the matching model weights first. No communication."""
+    groups = _groups(optimizer)
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if saved_groups is None or [len(g["params"]) for g in saved_groups] != [len(g["members"]) for g in groups]:
+        raise CheckpointError("the state dict's param groups do not match this optimizer's (same groups, same "
+                              "parameters, in the same order, are needed)")
+    number_of = {}  # trainable index -> torch's parameter number
+    for group, saved in zip(groups, saved_groups):
+        for member, number in zip(group["members"], saved["params"]):
+            if member >= 0:
+                number_of[member] = number
+    saved_state = state_dict["state"]
+
+    inner_index = {id(p): i for i, p in enumerate(p for g in optimizer.inner.param_groups for p in g["params"])}
+    inner_state = {}
+    for storage in optimizer.storages:
+        bucket = storage.bucket
+        per_param = [saved_state.get(number_of[i]) for i in bucket.param_indices]
+        if all(s is None for s in per_param):
+            continue
+        if any(s is None for s in per_param):
+            raise CheckpointError("some parameters of a bucket have optimizer state and others none; step the "
+                                  "torch optimizer over all parameters before converting")
+        params = [optimizer.trainable_params[i] for i in bucket.param_indices]
+        splits = [_split_state({k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == p.shape else v)
+                                for k, v in s.items()}, p.numel()) for s, p in zip(per_param, params)]
+        scalars = merge_scalars([scalars for _, scalars in splits])
+        shard = {key: torch.zeros(storage.master.numel(), dtype=storage.master.dtype) for key in splits[0][0]}
+        start, end = bucket.shard_range(optimizer.rank)
+        for (elementwise, _), i in zip(splits, bucket.param_indices):
+            slot = optimizer.layout.slots[i]
+            low, high = max(slot.offset, start), min(slot.end, end)
+            for key, values in elementwise.items():
+                if low < high:
+                    shard[key][low - start:high - start] = values[low - slot.offset:high - slot.offset]
+        inner_state[inner_index[id(storage.master)]] = {**scalars, **shard}
+    param_groups = [{**{k: v for k, v in inner.items() if k != "params"},
+                     **{k: v for k, v in saved.items() if k != "params"},
+                     "params": [inner_index[id(p)] for p in inner["params"]]}
+                    for saved, inner in zip(saved_groups, optimizer.inner.param_groups)]
+    optimizer._install_state({"state": inner_state, "param_groups": param_groups}, saved_groups, None, None)

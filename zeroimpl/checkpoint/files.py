@@ -1,0 +1,119 @@
+"""The files of a checkpoint directory: safe reading, durable writing, atomic publishing.
+
+Every file is a ``torch.save`` archive read back with ``torch.load(weights_only=True)``: tensors, numbers,
+strings and containers only, so a crafted file cannot run code. Each file's size and SHA-256 are recorded in
+the index and checked before the file is used, so a truncated or altered file is refused, not half-loaded.
+
+A save writes into ``<dir>.partial`` and publishes with renames, so an interrupted save never damages the
+checkpoint it replaces::
+
+    write rank files + extras -> fsync -> write index -> fsync -> [dir -> dir.previous] -> dir.partial -> dir
+                                                                   -> delete dir.previous
+
+Killed before the last rename, ``<dir>`` (or, between the two renames, ``<dir>.previous``) still holds the
+previous checkpoint, and :func:`resolve_directory` finds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import torch
+
+INDEX = "index.pt"
+EXTRAS = "model-extras.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this optimizer: corrupt, incomplete or from another model."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def partial_path(directory: str) -> str:
+    return directory.rstrip(os.sep) + ".partial"
+
+
+def previous_path(directory: str) -> str:
+    return directory.rstrip(os.sep) + ".previous"
+
+
+def write(obj, path: str) -> dict:
+    """``torch.save`` to ``path`` and flush it to disk; return its size and SHA-256 for the index."""
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read(directory: str, name: str, expected: dict | None):
+    """Load one file of the checkpoint with ``weights_only=True`` after checking it against the index entry
+    ``expected`` (``None`` only for the index itself)."""
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {directory!r} is incomplete: {name} is missing")
+    if expected is not None:
+        size = os.path.getsize(path)
+        if size != expected["bytes"] or sha256(path) != expected["sha256"]:
+            raise CheckpointError(f"{path} is corrupt ({size} bytes, the index recorded {expected['bytes']} and "
+                                  "another checksum); restore it or load an earlier checkpoint")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=expected is not None)
+    except Exception as error:  # truncated archive, or objects other than tensors and containers
+        raise CheckpointError(f"{path} cannot be read safely ({type(error).__name__}: {str(error)[:300]}); "
+                              "checkpoint files hold only tensors, numbers, strings and containers") from error
+
+
+def resolve_directory(directory: str) -> str:
+    """The directory holding the last complete checkpoint saved to ``directory``."""
+    if os.path.isfile(os.path.join(directory, INDEX)):
+        return directory
+    previous = previous_path(directory)
+    if not os.path.exists(directory) and os.path.isfile(os.path.join(previous, INDEX)):
+        return previous  # a save was killed between its two renames
+    if os.path.isdir(directory):
+        raise CheckpointError(f"{directory!r} is not a complete checkpoint: it has no {INDEX}")
+    raise CheckpointError(f"no checkpoint at {directory!r}")
+
+
+def prepare_partial(directory: str) -> str:
+    """Empty ``<dir>.partial`` (left over from a killed save, if any) and create it."""
+    partial = partial_path(directory)
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    return partial
+
+
+def publish(directory: str) -> None:
+    """Make ``<dir>.partial`` the checkpoint at ``<dir>``, replacing any earlier one."""
+    partial, previous = partial_path(directory), previous_path(directory)
+    _fsync_directory(partial)
+    if not os.path.exists(directory) and os.path.exists(previous):
+        os.rename(previous, directory)  # an earlier save died between its renames: put its checkpoint back
+    shutil.rmtree(previous, ignore_errors=True)
+    if os.path.exists(directory):
+        os.rename(directory, previous)
+    os.rename(partial, directory)
+    _fsync_directory(os.path.dirname(os.path.abspath(directory)))
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _fsync_directory(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
