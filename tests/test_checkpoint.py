@@ -8,7 +8,8 @@ lr on near-zero gradients); for fp16 PARAM_RTOL_16BIT = 3e-2 in relative L2, the
 """
 
 import os
-import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,10 +24,11 @@ PARAM_ATOL = 1e-4
 PARAM_RTOL_16BIT = 3e-2
 SAVE_AT, STEPS = 3, 5
 GLOBAL_BATCH = 12
-OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-2}), "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})}
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-2}), "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+              "adagrad": (torch.optim.Adagrad, {"lr": 1e-2, "initial_accumulator_value": 0.1})}
 # name -> (dtype, optimizer, save stage, save offload)
 SAVED = {"adamw": (torch.float32, "adamw", 2, None), "sgd": (torch.float32, "sgd", 1, None),
-         "fp16": (torch.float16, "adamw", 2, "cpu")}
+         "adagrad": (torch.float32, "adagrad", 2, None), "fp16": (torch.float16, "adamw", 2, "cpu")}
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -115,8 +117,8 @@ def _max_diff(a, b):
 
 def test_same_world_size_resumes_bitwise_across_stage_and_offload(saved):
     root, saves = saved
-    variants = [("adamw", 2, None), ("adamw", 1, "cpu"), ("sgd", 2, "cpu"), ("sgd", 1, None), ("fp16", 2, "cpu"),
-                ("fp16", 1, None)]
+    variants = [("adamw", 2, None), ("adamw", 1, "cpu"), ("sgd", 2, "cpu"), ("sgd", 1, None), ("adagrad", 1, None),
+                ("fp16", 2, "cpu"), ("fp16", 1, None)]
     for rank, results in enumerate(run_distributed(2, _resume_runs, root, variants)):
         for (name, stage, offload), run in results.items():
             params, loss_scale, lr = run["loaded"]
@@ -131,7 +133,7 @@ def test_same_world_size_resumes_bitwise_across_stage_and_offload(saved):
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_other_world_sizes_resume_within_parity_tolerance(saved, world_size):
     root, _ = saved
-    variants = [("adamw", 2, None), ("sgd", 1, "cpu"), ("fp16", 2, None)]
+    variants = [("adamw", 2, None), ("sgd", 1, "cpu"), ("adagrad", 2, None), ("fp16", 2, None)]
     for results in run_distributed(world_size, _resume_runs, root, variants):
         for key, run in results.items():
             if SAVED[key[0]][0] == torch.float32:
@@ -216,3 +218,14 @@ def test_sharded_load_reads_only_needed_files(saved):
     opened = run_distributed(2, _files_read_on_load, root)
     assert set(opened[0]) <= {"rank-00000.pt", "rank-00001.pt"}  # the first half of every bucket
     assert "rank-00000.pt" not in opened[1] and opened[1]
+
+
+def test_command_line_export_writes_the_same_weights(saved, tmp_path):
+    root, _ = saved
+    output = str(tmp_path / "weights.pt")
+    subprocess.run([sys.executable, "-m", "zeroimpl.checkpoint", "weights", os.path.join(root, "adamw"), output],
+                   check=True, capture_output=True)
+    written = torch.load(output, weights_only=True)
+    expected = export_fp32_state_dict(os.path.join(root, "adamw"))
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
+    assert written["lm_head.weight"].data_ptr() == written["transformer.wte.weight"].data_ptr()  # still tied
