@@ -229,3 +229,30 @@ def test_command_line_export_writes_the_same_weights(saved, tmp_path):
     expected = export_fp32_state_dict(os.path.join(root, "adamw"))
     assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
     assert written["lm_head.weight"].data_ptr() == written["transformer.wte.weight"].data_ptr()  # still tied
+
+
+def _reshard_and_save_again(rank, world_size, root):
+    for name in ("adamw", "fp16"):
+        dtype, optimizer_name, _, _ = SAVED[name]
+        model, optimizer = make(dtype, optimizer_name, 1, "cpu")
+        load_checkpoint(os.path.join(root, name), optimizer, model)
+        save_checkpoint(os.path.join(root, f"{name}-resaved-on-{world_size}"), optimizer, model)
+
+
+def test_resharding_restores_master_weights_and_state_bitwise(saved):
+    """Saved on 2 ranks (stage 2), loaded on 3 (stage 1 with offload) and saved again: the full master
+    weights, optimizer state, hyperparameters and loss scale are the same, bit for bit."""
+    root, _ = saved
+    run_distributed(3, _reshard_and_save_again, root)
+    for name in ("adamw", "fp16"):
+        before, after = os.path.join(root, name), os.path.join(root, f"{name}-resaved-on-3")
+        weights_before, weights_after = export_fp32_state_dict(before), export_fp32_state_dict(after)
+        assert all(torch.equal(weights_before[k], weights_after[k]) for k in weights_before)
+        state_before, state_after = consolidated_optimizer_state_dict(before), consolidated_optimizer_state_dict(after)
+        assert state_before["param_groups"] == state_after["param_groups"]
+        assert state_before["state"].keys() == state_after["state"].keys()
+        for index, state in state_before["state"].items():
+            assert all(torch.equal(value, state_after["state"][index][key]) for key, value in state.items())
+        scaler_before = torch.load(os.path.join(before, "index.pt"), weights_only=True)["loss_scaler"]
+        scaler_after = torch.load(os.path.join(after, "index.pt"), weights_only=True)["loss_scaler"]
+        assert scaler_before == scaler_after and (scaler_before is None) == (name != "fp16")
