@@ -175,3 +175,62 @@ def _any_optimizer(rank, world_size, optimizer_name):
 @pytest.mark.parametrize("optimizer_name", ["rmsprop", "adagrad", "nadam"])
 def test_offload_with_other_optimizers_is_bitwise(optimizer_name):
     assert run_distributed(2, _any_optimizer, optimizer_name) == [True, True]
+
+
+def _edits_before_save_and_per_parameter(rank, world_size):
+    """(1) Weights loaded into the model after the optimizer was built are what state_dict() saves, before
+    any step. (2) Editing one parameter re-syncs only that parameter's slice of the bf16 master weights."""
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, offload="cpu", lr=1e-2)
+    with torch.no_grad():
+        model.load_state_dict({n: t + 0.5 for n, t in model.state_dict().items()})
+    saved_masters = optimizer.state_dict()["master_weights"]
+    before_save = all(torch.equal(m, s.shard) for m, s in zip(saved_masters, optimizer.storages))
+
+    model = build_model("gpt2", torch.bfloat16)
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=2 ** 20, lr=1e-2)
+    optimizer.backward(model(**batch(rank, 0, 0)).loss)
+    optimizer.step()  # the fp32 masters now hold more than the bf16 parameters
+    masters = [s.master.clone() for s in optimizer.storages]
+    edited = model.transformer.h[0].ln_1.bias
+    with torch.no_grad():
+        edited.zero_()
+    optimizer.sync_masters()
+    changed = [(m != s.master).nonzero().flatten() for m, s in zip(masters, optimizer.storages)]
+    storage = next(s for s in optimizer.storages if any(p is edited for p in s.params))
+    offset = sum(p.numel() for p in storage.params[:[p is edited for p in storage.params].index(True)])
+    start = storage.shard.storage_offset() - storage.param_buffer.storage_offset()
+    inside = [i + start for c, s in zip(changed, optimizer.storages) if s is storage for i in c.tolist()]
+    only_the_edit = sum(c.numel() for c in changed) == len(inside) and all(
+        offset <= i < offset + edited.numel() for i in inside)
+    return before_save, only_the_edit, len(inside)
+
+
+def test_outside_edits_reach_saved_state_and_resync_only_the_edited_parameter():
+    results = run_distributed(2, _edits_before_save_and_per_parameter)
+    assert all(before_save and only_the_edit for before_save, only_the_edit, _ in results)
+    assert sum(count for _, _, count in results) > 0  # the edit did change some master elements
+
+
+def _zero_grad_keep(rank, world_size):
+    """zero_grad(set_to_none=False) with offload: no step without gradients, and no blocking copies after."""
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, offload="cpu",
+                                 bucket_numel=4096, lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.zero_grad(set_to_none=False)
+    optimizer.step()
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    optimizer.backward(model(**batch(rank, 0, 0)).loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    waits = []
+    original = optimizer.gradients.wait_copies
+    optimizer.gradients.wait_copies = lambda: waits.append(1) or original()
+    optimizer.backward(model(**batch(rank, 1, 0)).loss)
+    return unchanged, len(waits), len(optimizer.layout.buckets)
+
+
+def test_zero_grad_without_none_neither_steps_nor_blocks():
+    for unchanged, waits, buckets in run_distributed(2, _zero_grad_keep):
+        assert unchanged and waits == 0 and buckets > 2

@@ -55,14 +55,27 @@ class BucketStorage:
         self._versions = tuple(p._version for p in self.params)
 
     def sync_master_with_params(self) -> None:
-        """Take parameters written outside the optimizer (``model.load_state_dict``, a manual edit) into
-        the master, unless the master already rounds to them. Without this, the next step would silently
-        overwrite the user's values with the stale master."""
-        if not self.has_separate_master or tuple(p._version for p in self.params) == self._versions:
+        """Take parameters written outside the optimizer (``model.load_state_dict``, ``torch.nn.init``, any
+        in-place edit under ``torch.no_grad()``) into the master, for each edited parameter's slice of this
+        shard, unless the master already rounds to it. Without this, the next step would silently overwrite
+        the user's values with the stale master. (Writes through ``param.data`` bypass autograd's version
+        counter and are not seen.)"""
+        if not self.has_separate_master:
             return
-        if not torch.equal(self.master.to(self.shard.device, self.shard.dtype), self.shard):
-            self.master.copy_(self.shard)
-        self.mark_master_in_sync()
+        versions = tuple(p._version for p in self.params)
+        if versions == self._versions:
+            return
+        shard_start = self.shard.storage_offset() - self.param_buffer.storage_offset()
+        offset = 0
+        for param, now, then in zip(self.params, versions, self._versions):
+            low, high = max(offset, shard_start), min(offset + param.numel(), shard_start + self.shard.numel())
+            offset += param.numel()
+            if now == then or low >= high:
+                continue
+            master, shard = self.master[low - shard_start:high - shard_start], self.shard[low - shard_start:high - shard_start]
+            if not torch.equal(master.to(shard.device, shard.dtype), shard):
+                master.copy_(shard)
+        self._versions = versions
 
 
 def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int,

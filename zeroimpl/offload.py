@@ -54,9 +54,15 @@ def resolve_offload(offload) -> Optional[CPUOffload]:
     raise ValueError(f"offload must be None, 'cpu' or zeroimpl.CPUOffload(...), got {offload!r}")
 
 
-def host_optimizer_kwargs(optimizer_class: type, kwargs: dict, policy: CPUOffload) -> dict:
-    """The inner optimizer's keyword arguments for a host step: the fused kernel where it exists."""
-    if policy.fused_step and issubclass(optimizer_class, FUSED_CPU_OPTIMIZERS) and not {"fused", "foreach"} & set(kwargs):
+# the user chose a kernel, or a mode the fused kernels refuse
+KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+def host_optimizer_kwargs(optimizer_class: type, kwargs: dict, group_keys: set, policy: CPUOffload) -> dict:
+    """The inner optimizer's keyword arguments for a host step: the fused kernel where it exists, unless the
+    user chose a kernel or mode (in ``kwargs`` or, ``group_keys``, in any param group)."""
+    if (policy.fused_step and issubclass(optimizer_class, FUSED_CPU_OPTIMIZERS)
+            and not KERNEL_CHOICES & (set(kwargs) | group_keys)):
         return {**kwargs, "fused": True}
     return kwargs
 
@@ -75,6 +81,7 @@ class HostGradientShards:
         pin = policy.pin_memory and self._stream is not None
         self.shards = [torch.zeros(s.bucket.shard_numel, dtype=s.master.dtype, pin_memory=pin) for s in storages]
         self._filled = [False] * len(storages)  # host shard holds a gradient since clear()
+        self._zeroed = [False] * len(storages)  # ... which is zero (zero_grad(set_to_none=False)): overwrite it
         self._device_sums: list[Optional[torch.Tensor]] = [None] * len(storages)  # device accumulators
         self._published: Optional[torch.cuda.Event] = None  # the last copy of masters to the device
         self.accumulating = False  # set by ShardedOptimizer.accumulating(): keep sums on the device
@@ -92,11 +99,11 @@ class HostGradientShards:
 
     def _to_host(self, bucket_index: int, reduced: torch.Tensor) -> None:
         host = self.shards[bucket_index]
-        if self._filled[bucket_index]:  # a micro-batch not marked accumulating: sum on the host (blocking)
-            self.wait_copies()
+        if self._filled[bucket_index] and not self._zeroed[bucket_index]:
+            self.wait_copies()  # a micro-batch not marked accumulating: sum on the host (blocking)
             host.add_(reduced.to(host.device))
             return
-        self._filled[bucket_index] = True
+        self._filled[bucket_index], self._zeroed[bucket_index] = True, False
         if self._stream is None:
             host.copy_(reduced)
             return
@@ -134,11 +141,12 @@ class HostGradientShards:
         self._device_sums = [None] * len(self.shards)
         if set_to_none:
             self._filled = [False] * len(self.shards)
-        else:
+        else:  # as on the device: gradients that existed become zeros, and the next reduction replaces them
             self.wait_copies()
-            for shard in self.shards:
-                shard.zero_()
-            self._filled = [True] * len(self.shards)
+            for shard, filled in zip(self.shards, self._filled):
+                if filled:
+                    shard.zero_()
+            self._zeroed = list(self._filled)
 
     @property
     def has_gradients(self) -> bool:

@@ -103,7 +103,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank,
                                                             self.offload is not None, pin_memory)
         if self.offload is not None:
-            optimizer_kwargs = host_optimizer_kwargs(optimizer_class, optimizer_kwargs, self.offload)
+            group_keys = {key for group in self.param_groups for key in group}
+            optimizer_kwargs = host_optimizer_kwargs(optimizer_class, optimizer_kwargs, group_keys, self.offload)
             self.gradients = HostGradientShards(self.storages, self.offload)
         else:
             self.gradients = DeviceGradientShards(len(self.storages))
@@ -282,6 +283,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Tensors are references, as in ``torch.optim.Optimizer.state_dict``.
         """
+        self.sync_masters()
         return {
             "format": STATE_FORMAT,
             "rank": self.rank,
@@ -291,6 +293,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "master_weights": [s.master for s in self.storages] if self._has_separate_master else None,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
         }
+
+    def sync_masters(self) -> None:
+        """Bring the master weights up to date with parameters edited outside the optimizer since the last
+        step (``step()`` and saving do this themselves). Local, no communication."""
+        self.gradients.wait_copies()
+        for storage in self.storages:
+            storage.sync_master_with_params()
 
     @property
     def _has_separate_master(self) -> bool:
@@ -309,10 +318,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "groups, world size and bucket settings (resharding is the checkpoint API's job)")
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError("the state has a different number of param groups")
-        if (state_dict["master_weights"] is None) == self._has_separate_master:
-            raise ValueError("the state's master weights do not match this optimizer (16-bit parameters or CPU "
-                             "offload keep separate fp32 master weights); moving between them is the "
-                             "checkpoint API's job")
         if (state_dict["loss_scaler"] is None) != (self.loss_scaler is None):
             raise ValueError("the state's loss scaler does not match this model (fp16 or not)")
         self._install_state(state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
@@ -321,9 +326,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _install_state(self, inner_state: dict, hyperparameters: list[dict],
                        masters: Optional[list[torch.Tensor]], loss_scaler: Optional[dict]) -> None:
         """Install checked state: the inner optimizer's state dict, each group's hyperparameters (the inner
-        optimizer keeps its own kernel choice), optionally the master shards and the loss-scaler state."""
+        optimizer keeps its own kernel choice), optionally the master shards and the loss-scaler state.
+
+        ``masters`` is ``None`` for a state saved without separate masters (an fp32 model without offload):
+        then the masters keep following the parameters, which the user loads.
+        """
         kernels = [{k: v for k, v in g.items() if k in IMPLEMENTATION_KEYS} for g in self.inner.param_groups]
         self.gradients.wait_copies()  # no copy may still read the masters
+        # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
+        inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in
+                                                       zip(inner_state["param_groups"], kernels)]}
         self.inner.load_state_dict(inner_state)  # moves the state to the masters' device and dtype
         for outer, inner, saved, kernel in zip(self.param_groups, self.inner.param_groups, hyperparameters, kernels):
             outer.update({k: v for k, v in saved.items() if k != "params"})

@@ -42,7 +42,7 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     checkpoint is complete.
     """
     group = optimizer.process_group
-    optimizer.gradients.wait_copies()
+    optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
     entry = None
     try:
