@@ -1,0 +1,24 @@
+"""One adapter per implementation compared, behind the interface of :mod:`integrations.adapters.base`."""
+
+from __future__ import annotations
+
+from .base import MODEL_STATE_KINDS, Implementation, Runner, TrainSettings
+from .ddp import DDP
+from .deepspeed_zero import DeepSpeed
+from .fairscale_oss import FairScale
+from .torch_zero import TorchZero
+from .zeroimpl_optimizer import Zeroimpl
+
+
+def all_implementations() -> list[Implementation]:
+    """Every row, in the order of the comparison table; DDP, the reference, first."""
+    return [DDP(), TorchZero(), FairScale(), DeepSpeed(1), DeepSpeed(2), DeepSpeed(2, offload=True),
+            Zeroimpl(1), Zeroimpl(2), Zeroimpl(2, offload=True)]
+
+
+def implementations_by_name() -> dict[str, Implementation]:
+    return {implementation.name: implementation for implementation in all_implementations()}
+
+
+__all__ = ["MODEL_STATE_KINDS", "Implementation", "Runner", "TrainSettings", "all_implementations",
+           "implementations_by_name"]

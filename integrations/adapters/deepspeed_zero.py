@@ -1,0 +1,101 @@
+"""DeepSpeed ZeRO stage 1 or 2 (DeepSpeedZeroOptimizer), optionally with optimizer offload to the CPU.
+
+Configured as a DeepSpeed user would: the optimizer comes from the config (torch's AdamW without offload,
+DeepSpeedCPUAdam with offload, as DeepSpeed chooses), the engine scales the loss by the accumulation
+steps, clips and steps at the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import param_groups
+from .base import Implementation, Runner, TrainSettings
+from .loop import on_device, optimizer_state_tensors
+
+# DeepSpeedZeroOptimizer attributes (0.19) that hold tensors, by kind
+GRADIENT_ATTRIBUTES = ("averaged_gradients", "grads_in_partition", "accumulated_grads_in_cpu",
+                       "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload")
+BUFFER_ATTRIBUTES = ("ipg_buffer",)
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """Every tensor inside nested lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    return []
+
+
+class DeepSpeedRunner(Runner):
+    def __init__(self, engine, model: torch.nn.Module, device: torch.device):
+        self.engine = engine
+        self.model = model
+        self.device = device
+
+    def backward(self, micro_batches: list[dict]) -> list[float]:
+        losses = []
+        for index, batch in enumerate(micro_batches):
+            loss = self.engine(**on_device(batch, self.device)).loss
+            self.engine.backward(loss)  # divides by the accumulation steps itself
+            if index < len(micro_batches) - 1:
+                self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+            losses.append(loss.item())
+        return losses
+
+    def step(self) -> None:
+        self.engine.step()  # the boundary: clip (config gradient_clipping), step, zero the gradients
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().float().cpu().clone() for name, p in self.model.named_parameters()}
+
+    def model_state(self) -> dict[str, list[torch.Tensor]]:
+        zero = self.engine.optimizer
+        params = list(self.model.parameters())
+        masters = tensors_in(zero.single_partition_of_fp32_groups)
+        gradients = [p.grad for p in params + masters if p.grad is not None]
+        gradients += [t for name in GRADIENT_ATTRIBUTES for t in tensors_in(getattr(zero, name, None))]
+        return {"parameters": tensors_in(zero.bit16_groups_flat) + params, "gradients": gradients,
+                "optimizer_state": optimizer_state_tensors(zero.optimizer), "master_weights": masters,
+                "buffers": [t for name in BUFFER_ATTRIBUTES for t in tensors_in(getattr(zero, name, None))]
+                + list(self.model.buffers())}
+
+
+class DeepSpeed(Implementation):
+    modules = ("deepspeed",)
+    install_hint = "pip install --no-build-isolation deepspeed==0.19.8 (after torch)"
+
+    def __init__(self, stage: int, offload: bool = False):
+        self.stage, self.offload = stage, offload
+        self.name = f"DeepSpeed ZeRO-{stage}" + (" + offload" if offload else "")
+
+    def environment(self) -> dict[str, str]:
+        import torch.cuda
+
+        return {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
+
+    def config(self, settings: TrainSettings, world_size: int) -> dict:
+        zero = {"stage": self.stage}
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        adamw = {"lr": settings.lr, "betas": list(settings.betas), "eps": settings.eps,
+                 "weight_decay": settings.weight_decay}
+        if not self.offload:
+            adamw["torch_adam"] = True  # torch.optim.AdamW, as the other rows (FusedAdam needs CUDA)
+        return {"train_micro_batch_size_per_gpu": settings.micro_batch_size,
+                "gradient_accumulation_steps": settings.accum,
+                "train_batch_size": settings.micro_batch_size * settings.accum * world_size,
+                "gradient_clipping": settings.max_grad_norm or 0.0,
+                "optimizer": {"type": "AdamW", "params": adamw},
+                "zero_optimization": zero, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+
+    def build(self, model, settings: TrainSettings, device) -> DeepSpeedRunner:
+        import deepspeed
+        import torch.distributed as dist
+
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, settings.weight_decay),
+                                          config=self.config(settings, dist.get_world_size()))
+        return DeepSpeedRunner(engine, model, device)

@@ -1,0 +1,73 @@
+"""The training loop shared by every implementation that is a module wrapper plus a torch-style optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .base import Runner, TrainSettings
+
+
+def on_device(batch: dict, device: torch.device) -> dict:
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+class WrapperLoopRunner(Runner):
+    """Forward through ``module`` (a DDP-like wrapper of ``model``, or ``model`` itself), accumulate with
+    :meth:`no_sync` on non-final micro-batches, clip with :meth:`clip`, step ``optimizer``.
+
+    Subclasses override the hooks where their implementation differs; :meth:`model_state` lists what each
+    holds.
+    """
+
+    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, optimizer, settings: TrainSettings,
+                 device: torch.device):
+        self.module = module  # what forward runs through
+        self.model = model  # the Hugging Face model underneath
+        self.optimizer = optimizer
+        self.settings = settings
+        self.device = device
+
+    def no_sync(self):
+        """Context for non-final micro-batches: skip the gradient reduction."""
+        return self.module.no_sync()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip(self, max_norm: float) -> None:
+        """Clip by the global norm of the averaged gradients (every rank holds them all after DDP)."""
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def backward(self, micro_batches: list[dict]) -> list[float]:
+        self.zero_grad()
+        losses = []
+        for index, batch in enumerate(micro_batches):
+            final = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if final else self.no_sync():
+                loss = self.module(**on_device(batch, self.device)).loss
+                self.run_backward(loss / len(micro_batches))
+            losses.append(loss.item())
+        return losses
+
+    def step(self) -> None:
+        if self.settings.max_grad_norm is not None:
+            self.clip(self.settings.max_grad_norm)
+        self.optimizer.step()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().float().cpu().clone() for name, p in self.model.named_parameters()}
+
+    def common_state(self) -> dict[str, list[torch.Tensor]]:
+        """Parameters, their ``.grad`` and the model's buffers: what every implementation holds."""
+        params = list(self.model.parameters())
+        return {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None],
+                "optimizer_state": [], "master_weights": [], "buffers": list(self.model.buffers())}
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]

@@ -1,0 +1,49 @@
+"""zeroimpl's ShardedOptimizer, stage 1 or 2, with or without CPU offload, on the bare model (no DDP)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from zeroimpl import ShardedOptimizer
+
+from ..models import param_groups
+from .base import Implementation, TrainSettings
+from .loop import WrapperLoopRunner, optimizer_state_tensors
+
+
+class ZeroimplRunner(WrapperLoopRunner):
+    def no_sync(self):
+        # stage 1 reduces once per step anyway; with offload in stage 2 the sum stays on the device
+        return self.optimizer.accumulating() if self.optimizer.offload else contextlib.nullcontext()
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        self.optimizer.backward(loss)
+
+    def clip(self, max_norm: float) -> None:
+        self.optimizer.clip_grad_norm_(max_norm)
+
+    def model_state(self) -> dict[str, list[torch.Tensor]]:
+        optimizer = self.optimizer
+        state = self.common_state()
+        state["parameters"] = [s.param_buffer for s in optimizer.storages] + state["parameters"]  # frozen too
+        state["gradients"] += optimizer.gradients.device_tensors() + optimizer.gradients.host_tensors()
+        state["optimizer_state"] = optimizer_state_tensors(optimizer.inner)
+        state["master_weights"] = [s.master for s in optimizer.storages if s.has_separate_master]
+        state["buffers"] += optimizer.reducer.live_buffers()
+        return state
+
+
+class Zeroimpl(Implementation):
+    modules = ()
+
+    def __init__(self, stage: int, offload: bool = False):
+        self.stage, self.offload = stage, offload
+        self.name = f"zeroimpl stage {stage}" + (" + offload" if offload else "")
+
+    def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
+        optimizer = ShardedOptimizer(param_groups(model, settings.weight_decay), torch.optim.AdamW,
+                                     stage=self.stage, offload="cpu" if self.offload else None,
+                                     **settings.adamw_kwargs())
+        return ZeroimplRunner(model, model, optimizer, settings, device)

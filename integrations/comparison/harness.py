@@ -1,0 +1,149 @@
+"""Run implementations on the same model, data and optimizer settings, each in its own set of processes.
+
+For every implementation the harness spawns ``world_size`` fresh ranks (gloo on the CPU, NCCL on GPUs),
+builds the model with the same seed, trains ``steps`` optimizer steps on the same per-rank micro-batches,
+and records per rank: the loss of every micro-batch, the step times, the model-state bytes by kind and the
+peak memory. Rank 0 writes the final full parameters to ``workdir`` for the correctness verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..adapters import Implementation, TrainSettings
+from ..launch import run_distributed
+from ..models import batch, build_model
+from .measure import PeakMemory, model_state_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every implementation is run on."""
+
+    family: str = "gpt2"
+    size: str = "tiny"
+    world_size: int = 2
+    steps: int = 4
+    warmup_steps: int = 1  # not timed
+    settings: TrainSettings = field(default_factory=TrainSettings)
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+
+    def micro_batches(self, rank: int, step: int) -> list[dict]:
+        return [batch(self.family, self.size, rank, step, micro, self.settings.micro_batch_size)
+                for micro in range(self.settings.accum)]
+
+
+@dataclass
+class RankResult:
+    losses: list[float]  # every micro-batch, in order
+    step_seconds: list[float]  # every timed step (forward + backward + step)
+    model_state: dict[str, int]  # bytes by kind at the larger of: after the last backward, after the last step
+    peak_bytes: int  # peak memory past start-up (see measure.PeakMemory)
+    tokens_per_step: int
+
+
+@dataclass
+class RunResult:
+    implementation: str
+    stage: int
+    offload: bool
+    ranks: list[RankResult] = field(default_factory=list)
+    parameters_path: Optional[str] = None  # rank 0's final full parameters (torch.save of a dict)
+    skipped: Optional[str] = None  # why it did not run (not installed), with the fix
+    failed: Optional[str] = None  # the error, when it ran and failed
+
+    @property
+    def median_step_seconds(self) -> float:
+        return statistics.median(t for r in self.ranks for t in r.step_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(r.tokens_per_step for r in self.ranks) / self.median_step_seconds
+
+    @property
+    def model_state(self) -> dict[str, int]:
+        """The largest rank's model-state bytes by kind (ranks differ by at most padding)."""
+        return max((r.model_state for r in self.ranks), key=lambda m: m["total"])
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.peak_bytes for r in self.ranks)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_rank(rank: int, world_size: int, implementation: Implementation, workload: Workload,
+                parameters_path: str) -> RankResult:
+    device = torch.device(f"cuda:{rank}" if workload.device == "cuda" else "cpu")
+    memory = PeakMemory(device)
+    memory.start()
+    model = build_model(workload.family, workload.size).to(device)
+    runner = implementation.build(model, workload.settings, device)
+    losses, times = [], []
+    after_backward = None
+    for step in range(workload.steps):
+        micro_batches = workload.micro_batches(rank, step)
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        losses += runner.backward(micro_batches)
+        if step == workload.steps - 1:
+            after_backward = model_state_bytes(runner.model_state())
+        runner.step()
+        _synchronize(device)
+        if step >= workload.warmup_steps:
+            times.append(time.perf_counter() - start)
+    after_step = model_state_bytes(runner.model_state())
+    peak = memory.peak()
+    parameters = runner.full_parameters()
+    if rank == 0:
+        torch.save(parameters, parameters_path)
+    tokens = sum(b["input_ids"].numel() for b in workload.micro_batches(rank, 0))
+    return RankResult(losses, times, max(after_backward, after_step, key=lambda m: m["total"]), peak, tokens)
+
+
+def run_implementation(implementation: Implementation, workload: Workload, workdir: str,
+                       timeout: float = 1800.0) -> RunResult:
+    """Train ``implementation`` on ``workload`` in ``workload.world_size`` new processes."""
+    result = RunResult(implementation.name, implementation.stage, implementation.offload)
+    result.skipped = implementation.unavailable()
+    if result.skipped:
+        return result
+    if workload.steps <= workload.warmup_steps:
+        raise ValueError(f"steps ({workload.steps}) must exceed warmup_steps ({workload.warmup_steps})")
+    slug = "".join(c if c.isalnum() else "-" for c in implementation.name.lower())
+    parameters_path = os.path.join(os.path.abspath(workdir), f"{slug}.parameters.pt")
+    backend = "nccl" if workload.device == "cuda" else "gloo"
+    try:
+        result.ranks = run_distributed(workload.world_size, _train_rank, implementation, workload, parameters_path,
+                                       timeout=timeout, backend=backend, env=implementation.environment())
+        result.parameters_path = parameters_path
+    except AssertionError as error:  # a rank raised or hung: report it, keep comparing the others
+        result.failed = str(error)
+    return result
+
+
+def run_comparison(implementations: list[Implementation], workload: Workload, workdir: str,
+                   progress: Callable[[str], None] = lambda message: None) -> list[RunResult]:
+    """Run each implementation in turn; ``progress`` gets one line as each starts and ends."""
+    os.makedirs(workdir, exist_ok=True)
+    results = []
+    for index, implementation in enumerate(implementations, 1):
+        progress(f"[{index}/{len(implementations)}] {implementation.name} ...")
+        started = time.monotonic()
+        result = run_implementation(implementation, workload, workdir)
+        outcome = ("skipped: " + result.skipped if result.skipped else
+                   "FAILED" if result.failed else f"done in {time.monotonic() - started:.0f} s")
+        progress(f"[{index}/{len(implementations)}] {implementation.name}: {outcome}")
+        results.append(result)
+    return results

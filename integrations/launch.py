@@ -1,0 +1,77 @@
+"""Run a function on N real processes joined by a process group, and collect what each returns.
+
+Used by the test suite and by the comparison harness: one set of processes per call, so that every
+implementation compared starts from a clean process (no state, allocator or hooks left by another).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+import traceback
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _child(rank: int, world_size: int, workdir: str, backend: str, env: dict, fn, args) -> None:
+    os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    result_path = os.path.join(workdir, f"rank{rank}.pt")
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        torch.save({"ok": True, "result": result}, result_path)
+    except BaseException:  # report every failure to the parent, including assertion errors
+        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+        raise
+
+
+def run_distributed(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo",
+                    env: Optional[dict] = None) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
+
+    ``fn`` must be importable (a module-level function). ``env`` is added to each child's environment
+    (with ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``, as torchrun sets them) before ``fn`` runs; each child
+    uses ``OMP_NUM_THREADS`` threads (default 1, so that ranks do not fight over cores). Any failure or a
+    hang past ``timeout`` seconds raises in the caller with every rank's traceback.
+    """
+    context = multiprocessing.get_context("spawn")
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    os.environ["OMP_NUM_THREADS"] = env["OMP_NUM_THREADS"]  # the children's OpenMP reads it at import
+    with tempfile.TemporaryDirectory() as workdir:
+        processes = [context.Process(target=_child, args=(rank, world_size, workdir, backend, env, fn, args))
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        deadline_hit = False
+        while any(p.is_alive() for p in processes):
+            if any(p.exitcode not in (None, 0) for p in processes):
+                time.sleep(2.0)  # let the other ranks report their own error, then stop them
+                break
+            if time.monotonic() > deadline:
+                deadline_hit = True
+                break
+            time.sleep(0.05)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        outcomes = []
+        for rank in range(world_size):
+            path = os.path.join(workdir, f"rank{rank}.pt")
+            outcomes.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    errors = [f"rank {rank}: " + (o["error"] if o else "no result (killed or crashed)")
+              for rank, o in enumerate(outcomes) if not (o and o["ok"])]
+    if deadline_hit or errors:
+        raise AssertionError(("timed out after %ss\n" % timeout if deadline_hit else "") + "\n".join(errors))
+    return [o["result"] for o in outcomes]

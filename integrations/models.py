@@ -1,0 +1,76 @@
+"""Hugging Face models built offline from config objects, and the synthetic data every implementation sees.
+
+``build_model(family, size)`` gives the same initial weights in every process (seeded), so that runs of
+different implementations start from identical parameters. Sizes (approximate trainable parameters with
+the vocabulary below): ``tiny`` ~30K (tests), ``small`` ~1.1M (the default comparison: minutes on two
+CPU cores), ``base`` ~27-34M, ``large`` ~110M for GPT-2 (for machines with the memory and time).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("gpt2", "llama", "bert", "t5")
+SIZES = {  # (hidden, layers, heads, vocabulary, sequence length)
+    "tiny": (32, 2, 2, 128, 16),
+    "small": (128, 4, 4, 2048, 64),
+    "base": (512, 8, 8, 8192, 128),
+    "large": (768, 12, 12, 32000, 256),
+}
+
+
+def build_model(family: str, size: str = "tiny", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A freshly initialised model (seed 0, no dropout) whose ``forward(**batch)`` returns ``.loss``."""
+    import transformers
+
+    if family not in FAMILIES or size not in SIZES:
+        raise ValueError(f"unknown model {family!r} / size {size!r}: families {FAMILIES}, sizes {tuple(SIZES)}")
+    hidden, layers, heads, vocab, seq_len = SIZES[size]
+    torch.manual_seed(0)
+    if family == "gpt2":  # tied input and output embeddings
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=hidden, n_layer=layers,
+                                         n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+    elif family == "llama":
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                          num_hidden_layers=layers, num_attention_heads=heads,
+                                          num_key_value_heads=max(1, heads // 2), max_position_embeddings=seq_len,
+                                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(config)
+    elif family == "bert":
+        config = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                                         num_hidden_layers=layers, num_attention_heads=heads,
+                                         max_position_embeddings=seq_len, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, pad_token_id=0)
+        model = transformers.BertForMaskedLM(config)
+    else:
+        config = transformers.T5Config(vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=4 * hidden,
+                                       num_layers=layers // 2 or 1, num_heads=heads, dropout_rate=0.0,
+                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        model = transformers.T5ForConditionalGeneration(config)
+    return model.to(dtype)
+
+
+def vocabulary_and_length(size: str) -> tuple[int, int]:
+    _, _, _, vocab, seq_len = SIZES[size]
+    return vocab, seq_len
+
+
+def batch(family: str, size: str, rank: int, step: int, micro: int, batch_size: int = 4) -> dict:
+    """Micro-batch ``micro`` of optimizer step ``step`` on ``rank``: deterministic, different per rank.
+
+    Token 0 is reserved (padding / start), so ids are drawn from ``[2, vocab)``. T5 gets the same ids as
+    encoder input and as labels (a copy task); the others are language-modelled on the ids themselves.
+    """
+    vocab, seq_len = vocabulary_and_length(size)
+    generator = torch.Generator().manual_seed(1_000_003 * step + 1_009 * micro + rank)
+    ids = torch.randint(2, vocab, (batch_size, seq_len), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The usual Hugging Face split: decayed matrices, undecayed biases and norms (trainable only)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]

@@ -1,0 +1,72 @@
+"""zeroimpl.estimate_memory against what a ShardedOptimizer really holds (memory_report) on 2 ranks.
+
+The estimate from the model's parameters must be exact (same layout, optimizer state probed from the
+class); the estimate from a bare parameter count may differ only by padding (< 1 bucket of
+world_size * alignment elements per bucket, here < 0.5%).
+"""
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from workloads import batch, build_model, param_groups
+from zeroimpl import ShardedOptimizer, estimate_memory
+
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3}),
+              "sgd-momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+              "adagrad": (torch.optim.Adagrad, {"lr": 1e-2})}
+CONFIGS = [("adamw", 1, torch.float32, None), ("adamw", 2, torch.float32, None),
+           ("adamw", 1, torch.bfloat16, None), ("adamw", 2, torch.bfloat16, None),
+           ("adamw", 1, torch.float32, "cpu"), ("adamw", 2, torch.bfloat16, "cpu"),
+           ("sgd-momentum", 2, torch.float32, None), ("adagrad", 1, torch.bfloat16, "cpu")]
+
+
+def _measured_and_estimated(rank, world_size):
+    results = {}
+    for name, stage, dtype, offload in CONFIGS:
+        optimizer_class, kwargs = OPTIMIZERS[name]
+        model = build_model("llama", dtype)
+        groups = param_groups(model)
+        settings = dict(dtype=dtype, offload=offload, optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
+                        bucket_numel=4096)
+        from_model = estimate_memory(groups, world_size, stage, **settings)
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        from_count = estimate_memory(numel, world_size, stage, **settings)
+        optimizer = ShardedOptimizer(groups, optimizer_class, stage=stage, offload=offload, bucket_numel=4096,
+                                     **kwargs)
+        for step in range(2):  # the second backward is the steady state: optimizer state exists
+            optimizer.zero_grad()
+            optimizer.backward(model(**batch(rank, step, 0)).loss)
+            measured = optimizer.memory_report()
+            optimizer.step()
+        results[(name, stage, dtype, offload)] = (measured, from_model, from_count)
+    return results
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run_distributed(2, _measured_and_estimated)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_estimate_from_the_model_is_exact(reports, config):
+    for by_config in reports:
+        measured, from_model, _ = by_config[config]
+        assert from_model.as_dict() == measured.as_dict()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_estimate_from_a_count_is_within_padding(reports, config):
+    for by_config in reports:
+        measured, _, from_count = by_config[config]
+        assert from_count.total > 0
+        assert abs(from_count.total - measured.total) <= 0.005 * measured.total
+
+
+def test_estimate_refuses_bad_input():
+    with pytest.raises(ValueError, match="stage"):
+        estimate_memory(1000, 2, stage=3)
+    with pytest.raises(ValueError, match="positive"):
+        estimate_memory(0, 2)
+    with pytest.raises(ValueError, match="offload"):
+        estimate_memory(1000, 2, offload="gpu")
