@@ -1,0 +1,66 @@
+"""One call that runs the comparison end to end and writes its results (used by examples/ and benchmarks/)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Callable, Optional
+
+import torch
+
+from zeroimpl import estimate_memory
+
+from ..adapters import Implementation, all_implementations
+from ..models import build_model, param_groups
+from .harness import RunResult, Workload, run_comparison
+from .report import Row, build_rows, caption, markdown_table, terminal_table, write_chart, write_csv, write_json
+from .verdict import judge
+
+
+def predicted_model_state(implementation: Implementation, workload: Workload) -> Optional[int]:
+    """zeroimpl's estimate for its own rows (parameters, gradients, optimizer state, master weights)."""
+    if not implementation.name.startswith("zeroimpl"):
+        return None
+    model = build_model(workload.family, workload.size)
+    report = estimate_memory(param_groups(model, workload.settings.weight_decay), workload.world_size,
+                             implementation.stage, offload="cpu" if implementation.offload else None,
+                             optimizer_kwargs=workload.settings.adamw_kwargs())
+    return report.total
+
+
+def environment() -> dict:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for module in ("transformers", "deepspeed", "fairscale"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            versions[module] = "not installed"
+    cores = os.cpu_count()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{platform.machine()} CPU, {cores} cores"
+    return {"device": device, **versions}
+
+
+def compare(workload: Workload, outdir: str, implementations: Optional[list[Implementation]] = None,
+            progress: Callable[[str], None] = print) -> tuple[list[Row], list[RunResult]]:
+    """Run every implementation (default: all) on ``workload``; write ``comparison.{md,csv,json,png}``."""
+    implementations = implementations or all_implementations()
+    os.makedirs(outdir, exist_ok=True)
+    results = run_comparison(implementations, workload, os.path.join(outdir, "parameters"), progress)
+    reference = next((r for r in results if r.stage == 0), None)
+    if reference is None or not reference.ranks:
+        raise RuntimeError("the reference (DDP) did not run, so nothing can be judged: "
+                           + (reference.failed if reference else "include DDP in the implementations"))
+    verdicts = {r.implementation: v for r in results if (v := judge(r, reference)) is not None}
+    predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
+    rows = build_rows(results, verdicts, predicted)
+    parameters = sum(p.numel() for p in build_model(workload.family, workload.size).parameters())
+    title = caption(workload, parameters)
+    env = environment()
+    command_note = f"Machine: {env['device']}; " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device")
+    with open(os.path.join(outdir, "comparison.md"), "w") as handle:
+        handle.write(f"{title}\n\n{command_note}\n\n{markdown_table(rows)}\n")
+    write_csv(rows, os.path.join(outdir, "comparison.csv"))
+    write_json(rows, results, workload, env, os.path.join(outdir, "comparison.json"))
+    write_chart(rows, title, os.path.join(outdir, "comparison.png"))
+    progress("\n" + terminal_table(rows) + "\n\n" + title)
+    return rows, results
