@@ -17,9 +17,9 @@ import os
 
 import pytest
 
-from integrations.adapters import TrainSettings, all_implementations
+from integrations.adapters import Implementation, TrainSettings, all_implementations
 from integrations.comparison.compare import compare
-from integrations.comparison.harness import Workload
+from integrations.comparison.harness import Workload, run_implementation
 from integrations.models import build_model
 
 MARGIN_RTOL = 0.01
@@ -47,7 +47,7 @@ def test_every_implementation_ran_or_was_skipped_with_an_install_hint(comparison
 def test_zeroimpl_is_within_its_core_tolerance_of_ddp(comparison):
     rows, _, _ = comparison
     zeroimpl_rows = [row for name, row in rows.items() if name.startswith("zeroimpl")]
-    assert len(zeroimpl_rows) == 3
+    assert len(zeroimpl_rows) == 4
     for row in zeroimpl_rows:
         assert row.verdict in ("bitwise", "within tolerance"), row
         assert row.max_loss_deviation <= 1e-5 and row.max_parameter_deviation <= 1e-4
@@ -94,3 +94,33 @@ def test_outputs_are_written(comparison):
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(os.path.join(outdir, "comparison.md")) as handle:
         assert "zeroimpl stage 2" in handle.read()
+
+
+class _NotInstalledPeer(Implementation):
+    """A row whose library is missing here: the harness must report it without starting any process."""
+
+    name = "peer that is not installed"
+    stage = 2
+    modules = ("zeroimpl_no_such_peer_module",)
+    install_hint = "pip install zeroimpl-no-such-peer"
+
+    def build(self, model, settings, device):
+        raise AssertionError("a missing peer must never be built")
+
+
+def test_a_missing_peer_is_skipped_with_its_install_command(tmp_path):
+    result = run_implementation(_NotInstalledPeer(), Workload(), str(tmp_path))
+    assert result.skipped == "zeroimpl_no_such_peer_module not installed: pip install zeroimpl-no-such-peer"
+    assert result.ranks == [] and result.failed is None
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "t5"])
+def test_other_model_families_run_through_the_harness(tmp_path, family):
+    """LLaMA (untied, RMSNorm, rotary buffers), BERT (masked LM) and T5 (encoder-decoder) train under the
+    same harness; zeroimpl stage 2 stays within its core tolerance of DDP on each."""
+    rows, _ = compare(Workload(family, "tiny", world_size=2, steps=2), str(tmp_path),
+                      [i for i in all_implementations() if i.name in ("DDP", "zeroimpl stage 2")],
+                      progress=lambda message: None)
+    reference, stage2 = rows
+    assert reference.verdict == "bitwise" and stage2.verdict in ("bitwise", "within tolerance"), stage2
+    assert stage2.model_state_bytes["total"] < reference.model_state_bytes["total"]

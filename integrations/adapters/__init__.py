@@ -12,8 +12,9 @@ from .zeroimpl_optimizer import Zeroimpl
 
 def all_implementations() -> list[Implementation]:
     """Every row, in the order of the comparison table; DDP, the reference, first."""
-    return [DDP(), TorchZero(), FairScale(), DeepSpeed(1), DeepSpeed(2), DeepSpeed(2, offload=True),
-            Zeroimpl(1), Zeroimpl(2), Zeroimpl(2, offload=True)]
+    return [DDP(), TorchZero(), FairScale(),
+            DeepSpeed(1), DeepSpeed(2), DeepSpeed(1, offload=True), DeepSpeed(2, offload=True),
+            Zeroimpl(1), Zeroimpl(2), Zeroimpl(1, offload=True), Zeroimpl(2, offload=True)]
 
 
 def implementations_by_name() -> dict[str, Implementation]:

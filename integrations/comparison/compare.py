@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import tempfile
 from typing import Callable, Optional
 
 import torch
@@ -45,12 +46,13 @@ def compare(workload: Workload, outdir: str, implementations: Optional[list[Impl
     """Run every implementation (default: all) on ``workload``; write ``comparison.{md,csv,json,png}``."""
     implementations = implementations or all_implementations()
     os.makedirs(outdir, exist_ok=True)
-    results = run_comparison(implementations, workload, os.path.join(outdir, "parameters"), progress)
-    reference = next((r for r in results if r.stage == 0), None)
-    if reference is None or not reference.ranks:
-        raise RuntimeError("the reference (DDP) did not run, so nothing can be judged: "
-                           + (reference.failed if reference else "include DDP in the implementations"))
-    verdicts = {r.implementation: v for r in results if (v := judge(r, reference)) is not None}
+    with tempfile.TemporaryDirectory() as parameters_dir:  # final parameters: large, needed only here
+        results = run_comparison(implementations, workload, parameters_dir, progress)
+        reference = next((r for r in results if r.stage == 0), None)
+        if reference is None or not reference.ranks:
+            raise RuntimeError("the reference (DDP) did not run, so nothing can be judged: "
+                               + (reference.failed if reference else "include DDP in the implementations"))
+        verdicts = {r.implementation: v for r in results if (v := judge(r, reference)) is not None}
     predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
     rows = build_rows(results, verdicts, predicted)
     parameters = sum(p.numel() for p in build_model(workload.family, workload.size).parameters())

@@ -55,7 +55,7 @@ class RunResult:
     stage: int
     offload: bool
     ranks: list[RankResult] = field(default_factory=list)
-    parameters_path: Optional[str] = None  # rank 0's final full parameters (torch.save of a dict)
+    parameters_path: Optional[str] = None  # rank 0's final full parameters (torch.save of a dict), in workdir
     skipped: Optional[str] = None  # why it did not run (not installed), with the fix
     failed: Optional[str] = None  # the error, when it ran and failed
 

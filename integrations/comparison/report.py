@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -139,7 +140,7 @@ def write_chart(rows: list[Row], title: str, path: str) -> None:
     ran = [row for row in rows if row.model_state_bytes is not None]
     names = [row.implementation for row in ran]
     positions = range(len(ran))
-    figure, (memory, speed, deviation) = plt.subplots(1, 3, figsize=(18, 0.5 * len(ran) + 2.5), sharey=True)
+    figure, (memory, speed, deviation) = plt.subplots(1, 3, figsize=(18, 0.5 * len(ran) + 3.5), sharey=True)
     left = [0.0] * len(ran)
     for kind in MODEL_STATE_KINDS:
         values = [row.model_state_bytes[kind] / MIB for row in ran]
@@ -149,7 +150,7 @@ def write_chart(rows: list[Row], title: str, path: str) -> None:
                    label="peak (past start-up)", zorder=3)
     memory.set_xlabel("MiB per rank")
     memory.set_title("memory")
-    memory.legend(fontsize=8, loc="lower right")
+    memory.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
     speed.barh(positions, [row.step_ms for row in ran], color="tab:gray")
     speed.set_xlabel("median step time, ms")
     speed.set_title("speed")
@@ -167,7 +168,7 @@ def write_chart(rows: list[Row], title: str, path: str) -> None:
     deviation.set_title("deviation from DDP")
     memory.set_yticks(list(positions), names)
     memory.invert_yaxis()
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(textwrap.fill(title, 180), fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
