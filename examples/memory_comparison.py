@@ -12,6 +12,7 @@ The default (GPT-2 "base", 29M parameters, 2 ranks) takes about 4 minutes on 2 C
 """
 
 import argparse
+import sys
 
 from integrations.adapters import TrainSettings, all_implementations
 from integrations.comparison.compare import compare
@@ -41,7 +42,7 @@ def main():
                        if args.only is None or i.stage == 0 or any(n.lower() in i.name.lower() for n in args.only)]
     settings = TrainSettings(lr=args.lr, accum=args.accum, micro_batch_size=args.micro_batch_size)
     workload = Workload(args.model, args.size, args.world_size, args.steps, settings=settings, device=args.device)
-    compare(workload, args.out, implementations)
+    compare(workload, args.out, implementations, command="python " + " ".join(sys.argv))
     print(f"\nwrote {args.out}/comparison.md, .csv, .json and .png")
 
 

@@ -42,8 +42,10 @@ def environment() -> dict:
 
 
 def compare(workload: Workload, outdir: str, implementations: Optional[list[Implementation]] = None,
-            progress: Callable[[str], None] = print) -> tuple[list[Row], list[RunResult]]:
-    """Run every implementation (default: all) on ``workload``; write ``comparison.{md,csv,json,png}``."""
+            progress: Callable[[str], None] = print, command: Optional[str] = None) -> tuple[list[Row], list[RunResult]]:
+    """Run every implementation (default: all) on ``workload``; write ``comparison.{md,csv,json,png}``.
+
+    ``command``: the command line that reproduces the run, recorded in ``comparison.md``."""
     implementations = implementations or all_implementations()
     os.makedirs(outdir, exist_ok=True)
     with tempfile.TemporaryDirectory() as parameters_dir:  # final parameters: large, needed only here
@@ -59,6 +61,8 @@ def compare(workload: Workload, outdir: str, implementations: Optional[list[Impl
     title = caption(workload, parameters)
     env = environment()
     command_note = f"Machine: {env['device']}; " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device")
+    if command:
+        command_note += f".  \nCommand: `{command}`"
     with open(os.path.join(outdir, "comparison.md"), "w") as handle:
         handle.write(f"{title}\n\n{command_note}\n\n{markdown_table(rows)}\n")
     write_csv(rows, os.path.join(outdir, "comparison.csv"))
