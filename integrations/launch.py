@@ -41,31 +41,34 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 600.0, backend:
 
     ``fn`` must be importable (a module-level function). ``env`` is added to each child's environment
     (with ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``, as torchrun sets them) before ``fn`` runs; each child
-    uses ``OMP_NUM_THREADS`` threads (default 1, so that ranks do not fight over cores). Any failure or a
+    uses ``OMP_NUM_THREADS`` threads (default 1, so that ranks do not fight over cores; set through
+    ``torch.set_num_threads``, the parent's environment is left alone). Any failure or a
     hang past ``timeout`` seconds raises in the caller with every rank's traceback.
     """
     context = multiprocessing.get_context("spawn")
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    os.environ["OMP_NUM_THREADS"] = env["OMP_NUM_THREADS"]  # the children's OpenMP reads it at import
     with tempfile.TemporaryDirectory() as workdir:
         processes = [context.Process(target=_child, args=(rank, world_size, workdir, backend, env, fn, args))
                      for rank in range(world_size)]
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout
         deadline_hit = False
-        while any(p.is_alive() for p in processes):
-            if any(p.exitcode not in (None, 0) for p in processes):
-                time.sleep(2.0)  # let the other ranks report their own error, then stop them
-                break
-            if time.monotonic() > deadline:
-                deadline_hit = True
-                break
-            time.sleep(0.05)
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
+        try:
+            for process in processes:
+                process.start()
+            deadline = time.monotonic() + timeout
+            while any(p.is_alive() for p in processes):
+                if any(p.exitcode not in (None, 0) for p in processes):
+                    time.sleep(2.0)  # let the other ranks report their own error, then stop them
+                    break
+                if time.monotonic() > deadline:
+                    deadline_hit = True
+                    break
+                time.sleep(0.05)
+        finally:  # never leave ranks behind, hung in a collective (Ctrl-C, an error here)
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                if process.pid is not None:
+                    process.join()
         outcomes = []
         for rank in range(world_size):
             path = os.path.join(workdir, f"rank{rank}.pt")

@@ -2,8 +2,8 @@
 
 ``build_model(family, size)`` gives the same initial weights in every process (seeded), so that runs of
 different implementations start from identical parameters. Sizes (approximate trainable parameters with
-the vocabulary below): ``tiny`` ~30K (tests), ``small`` ~1.1M (the default comparison: minutes on two
-CPU cores), ``base`` ~27-34M, ``large`` ~110M for GPT-2 (for machines with the memory and time).
+the vocabulary below): ``tiny`` ~30K (tests), ``small`` ~1.1M (a quick comparison: about a minute on two
+CPU cores), ``base`` ~27-34M (the default comparison), ``large`` ~110M for GPT-2.
 """
 
 from __future__ import annotations

@@ -17,19 +17,37 @@ import os
 
 import pytest
 
-from integrations.adapters import Implementation, TrainSettings, all_implementations
+import torch
+
+from integrations.adapters import Implementation, TrainSettings, Zeroimpl, all_implementations
+from integrations.adapters.zeroimpl_optimizer import ZeroimplRunner
 from integrations.comparison.compare import compare
 from integrations.comparison.harness import Workload, run_implementation
 from integrations.models import build_model
+from zeroimpl import ShardedOptimizer
 
 MARGIN_RTOL = 0.01
+
+
+class WrongWeightDecay(Zeroimpl):
+    """zeroimpl stage 2 with weight decay on every parameter, biases and norms included: wrong on purpose."""
+
+    NAME = "wrong: decays biases and norms"
+
+    def __init__(self):
+        super().__init__(stage=2)
+        self.name = self.NAME
+
+    def build(self, model, settings, device):
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, **settings.adamw_kwargs())
+        return ZeroimplRunner(model, model, optimizer, settings, device)
 
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     outdir = str(tmp_path_factory.mktemp("comparison"))
     workload = Workload("gpt2", "tiny", world_size=2, steps=3, settings=TrainSettings(accum=2, lr=1e-2))
-    rows, _ = compare(workload, outdir, all_implementations(), progress=lambda message: None)
+    rows, _ = compare(workload, outdir, all_implementations() + [WrongWeightDecay()], progress=lambda message: None)
     return {row.implementation: row for row in rows}, workload, outdir
 
 
@@ -46,21 +64,27 @@ def test_every_implementation_ran_or_was_skipped_with_an_install_hint(comparison
 
 def test_zeroimpl_is_within_its_core_tolerance_of_ddp(comparison):
     rows, _, _ = comparison
-    zeroimpl_rows = [row for name, row in rows.items() if name.startswith("zeroimpl")]
+    zeroimpl_rows = [row for name, row in rows.items() if name.startswith("zeroimpl")]  # not the wrong one
     assert len(zeroimpl_rows) == 4
     for row in zeroimpl_rows:
         assert row.verdict in ("bitwise", "within tolerance"), row
         assert row.max_loss_deviation <= 1e-5 and row.max_parameter_deviation <= 1e-4
-    assert rows["DDP"].verdict == "bitwise"
+    assert rows["DDP"].verdict == "reference"
 
 
-def test_peers_are_judged_by_the_same_rule(comparison):
+def test_every_peer_that_ran_agrees_with_ddp(comparison):
+    """The peers are correct on this workload: a DEVIATES here means a broken adapter (or a peer bug)."""
     rows, _, _ = comparison
-    for row in rows.values():
-        if row.outcome == "ran":
-            passed = row.max_loss_deviation <= row.loss_tolerance and \
-                row.max_parameter_deviation <= row.parameter_tolerance
-            assert (row.verdict != "DEVIATES") == passed, row
+    for name, row in rows.items():
+        if row.outcome == "ran" and name != WrongWeightDecay.NAME:
+            assert row.verdict in ("reference", "bitwise", "within tolerance"), row
+
+
+def test_a_wrong_implementation_is_caught(comparison):
+    """Decaying biases and norms too (a classic param-group slip) moves them by about lr * wd * steps * |w|
+    = 3e-4 > the 1e-4 tolerance: the verdict must say DEVIATES."""
+    rows, _, _ = comparison
+    assert rows[WrongWeightDecay.NAME].verdict == "DEVIATES"
 
 
 def test_memory_stage2_below_stage1_below_ddp_by_the_analytic_margins(comparison):
@@ -122,5 +146,5 @@ def test_other_model_families_run_through_the_harness(tmp_path, family):
                       [i for i in all_implementations() if i.name in ("DDP", "zeroimpl stage 2")],
                       progress=lambda message: None)
     reference, stage2 = rows
-    assert reference.verdict == "bitwise" and stage2.verdict in ("bitwise", "within tolerance"), stage2
+    assert reference.verdict == "reference" and stage2.verdict in ("bitwise", "within tolerance"), stage2
     assert stage2.model_state_bytes["total"] < reference.model_state_bytes["total"]

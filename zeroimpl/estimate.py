@@ -43,7 +43,8 @@ def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: 
 
 
 def _param_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int) -> list[ParamSpec]:
-    """Layout input for a model's parameters (or param groups), or for ``params`` elements in one group."""
+    """Layout input for a model's parameters or param groups (each with its own dtype), or for ``params``
+    elements of ``dtype`` in one group."""
     if isinstance(params, int):
         if params <= 0:
             raise ValueError(f"the parameter count must be positive, got {params}")
@@ -57,10 +58,18 @@ def _param_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel:
         for param in group["params"]:
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
-                specs.append(ParamSpec(group_index, str(dtype), param.numel()))
+                specs.append(ParamSpec(group_index, str(param.dtype), param.numel()))
     if not specs:
         raise ValueError("no trainable parameters to estimate")
     return specs
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def estimate_memory(params: Union[int, Iterable], world_size: int, stage: int = 2, *,
@@ -70,9 +79,10 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: int = 
                     alignment: int = 8) -> MemoryReport:
     """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
 
-    ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact), or the
-    number of trainable elements (padding estimated). ``dtype``: the model's parameter dtype. The other
-    arguments are ShardedOptimizer's. Every rank holds the same bytes (shards are equal, padding included).
+    ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact; each
+    parameter's own dtype is used), or the number of trainable elements, all of ``dtype`` (padding
+    estimated). The other arguments are ShardedOptimizer's. Every rank holds the same bytes (shards are
+    equal, padding included).
     """
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
@@ -80,26 +90,27 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: int = 
     kwargs = dict(optimizer_kwargs or {})
     if policy is not None:
         kwargs = host_optimizer_kwargs(optimizer_class, kwargs, set(), policy)
-    specs = _param_specs(params, dtype, bucket_numel)
-    layout = build_layout(specs, world_size, bucket_numel, alignment)
-    shard = layout.shard_numel  # elements of this rank's shard, all buckets
-    buckets = len(layout.buckets)
-    master_dtype = torch.promote_types(dtype, torch.float32)
-    master_size = torch.empty((), dtype=master_dtype).element_size()
-    per_element, per_tensor = optimizer_state_bytes(optimizer_class, kwargs, master_dtype)
-    param_size = torch.empty((), dtype=dtype).element_size()
-
-    parameters = param_size * layout.padded_numel
-    full_gradients = param_size * sum(s.numel for s in specs) if stage == 1 else 0
-    state = per_element * shard + per_tensor * buckets
-    separate_master = policy is not None or master_dtype != dtype
-    masters = master_size * shard if separate_master else 0
+    layout = build_layout(_param_specs(params, dtype, bucket_numel), world_size, bucket_numel, alignment)
+    state_bytes = {}  # master dtype -> (per element, per tensor)
+    parameters = full_gradients = shards = masters = state = 0
+    for bucket in layout.buckets:
+        param_dtype = _dtype(bucket.dtype)
+        master_dtype = torch.promote_types(param_dtype, torch.float32)
+        if master_dtype not in state_bytes:
+            state_bytes[master_dtype] = optimizer_state_bytes(optimizer_class, kwargs, master_dtype)
+        per_element, per_tensor = state_bytes[master_dtype]
+        parameters += _size(param_dtype) * bucket.padded_numel
+        full_gradients += _size(param_dtype) * bucket.numel if stage == 1 else 0
+        state += per_element * bucket.shard_numel + per_tensor
+        if policy is not None or master_dtype != param_dtype:
+            masters += _size(master_dtype) * bucket.shard_numel
+        shard_dtype = master_dtype if policy is not None else (reduce_dtype or master_dtype)
+        shards += _size(shard_dtype) * bucket.shard_numel
     if policy is not None:
         device = StateBytes(parameters=parameters, gradients=full_gradients)
-        host = StateBytes(gradient_shard=master_size * shard, master_weights=masters, optimizer_state=state)
+        host = StateBytes(gradient_shard=shards, master_weights=masters, optimizer_state=state)
         return MemoryReport(device, host)
-    shard_size = torch.empty((), dtype=reduce_dtype or master_dtype).element_size()
-    device_shard = shard_size * shard if stage == 2 else 0  # stage 1 reduces at step()
-    device = StateBytes(parameters=parameters, gradients=full_gradients, gradient_shard=device_shard,
+    device = StateBytes(parameters=parameters, gradients=full_gradients,
+                        gradient_shard=shards if stage == 2 else 0,  # stage 1 reduces at step()
                         master_weights=masters, optimizer_state=state)
     return MemoryReport(device, StateBytes())

@@ -17,9 +17,5 @@ def all_implementations() -> list[Implementation]:
             Zeroimpl(1), Zeroimpl(2), Zeroimpl(1, offload=True), Zeroimpl(2, offload=True)]
 
 
-def implementations_by_name() -> dict[str, Implementation]:
-    return {implementation.name: implementation for implementation in all_implementations()}
-
-
-__all__ = ["MODEL_STATE_KINDS", "Implementation", "Runner", "TrainSettings", "all_implementations",
-           "implementations_by_name"]
+__all__ = ["MODEL_STATE_KINDS", "DDP", "DeepSpeed", "FairScale", "Implementation", "Runner", "TorchZero",
+           "TrainSettings", "Zeroimpl", "all_implementations"]

@@ -86,8 +86,9 @@ class Implementation(ABC):
             return f"{', '.join(missing)} not installed: {self.install_hint}"
         return None
 
-    def environment(self) -> dict[str, str]:
-        """Environment variables each rank needs before importing the implementation."""
+    def environment(self, device: str) -> dict[str, str]:
+        """Environment variables each rank needs before importing the implementation (``device``: "cpu" or
+        "cuda", where the run trains)."""
         return {}
 
     @abstractmethod

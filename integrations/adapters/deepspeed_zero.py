@@ -14,9 +14,9 @@ from .base import Implementation, Runner, TrainSettings
 from .loop import on_device, optimizer_state_tensors
 
 # DeepSpeedZeroOptimizer attributes (0.19) that hold tensors, by kind
-GRADIENT_ATTRIBUTES = ("averaged_gradients", "grads_in_partition", "accumulated_grads_in_cpu",
-                       "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload")
-BUFFER_ATTRIBUTES = ("ipg_buffer",)
+GRADIENT_ATTRIBUTES = ("averaged_gradients", "grads_in_partition", "accumulated_grads_in_cpu")
+# fixed staging buffers (the largest parameter's size, for offload copies) and the reduction bucket
+BUFFER_ATTRIBUTES = ("ipg_buffer", "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload")
 
 
 def tensors_in(value) -> list[torch.Tensor]:
@@ -72,15 +72,13 @@ class DeepSpeed(Implementation):
         self.stage, self.offload = stage, offload
         self.name = f"DeepSpeed ZeRO-{stage}" + (" + offload" if offload else "")
 
-    def environment(self) -> dict[str, str]:
-        import torch.cuda
+    def environment(self, device: str) -> dict[str, str]:
+        return {"DS_ACCELERATOR": "cuda" if device == "cuda" else "cpu"}  # the run's device, not the machine's
 
-        return {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
-
-    def config(self, settings: TrainSettings, world_size: int) -> dict:
+    def config(self, settings: TrainSettings, world_size: int, device: torch.device) -> dict:
         zero = {"stage": self.stage}
         if self.offload:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
         adamw = {"lr": settings.lr, "betas": list(settings.betas), "eps": settings.eps,
                  "weight_decay": settings.weight_decay}
         if not self.offload:
@@ -97,5 +95,5 @@ class DeepSpeed(Implementation):
         import torch.distributed as dist
 
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, settings.weight_decay),
-                                          config=self.config(settings, dist.get_world_size()))
+                                          config=self.config(settings, dist.get_world_size(), device))
         return DeepSpeedRunner(engine, model, device)

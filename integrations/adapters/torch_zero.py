@@ -15,7 +15,6 @@ class TorchZeroRunner(WrapperLoopRunner):
     def model_state(self) -> dict[str, list[torch.Tensor]]:
         state = self.common_state()
         state["optimizer_state"] = optimizer_state_tensors(self.optimizer.optim)  # this rank's shard
-        state["buffers"] += [bucket for per_device in self.optimizer._buckets for bucket in per_device]
         return state
 
 

@@ -11,7 +11,7 @@ import torch
 
 from zeroimpl import estimate_memory
 
-from ..adapters import Implementation, all_implementations
+from ..adapters import Implementation, Zeroimpl, all_implementations
 from ..models import build_model, param_groups
 from .harness import RunResult, Workload, run_comparison
 from .report import Row, build_rows, caption, markdown_table, terminal_table, write_chart, write_csv, write_json
@@ -20,7 +20,7 @@ from .verdict import judge
 
 def predicted_model_state(implementation: Implementation, workload: Workload) -> Optional[int]:
     """zeroimpl's estimate for its own rows (parameters, gradients, optimizer state, master weights)."""
-    if not implementation.name.startswith("zeroimpl"):
+    if not isinstance(implementation, Zeroimpl):
         return None
     model = build_model(workload.family, workload.size)
     report = estimate_memory(param_groups(model, workload.settings.weight_decay), workload.world_size,
@@ -29,15 +29,16 @@ def predicted_model_state(implementation: Implementation, workload: Workload) ->
     return report.total
 
 
-def environment() -> dict:
+def environment(workload: Workload) -> dict:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for module in ("transformers", "deepspeed", "fairscale"):
         try:
             versions[module] = __import__(module).__version__
         except ImportError:
             versions[module] = "not installed"
-    cores = os.cpu_count()
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{platform.machine()} CPU, {cores} cores"
+    device = f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    if workload.device == "cuda":
+        device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return {"device": device, **versions}
 
 
@@ -54,12 +55,13 @@ def compare(workload: Workload, outdir: str, implementations: Optional[list[Impl
         if reference is None or not reference.ranks:
             raise RuntimeError("the reference (DDP) did not run, so nothing can be judged: "
                                + (reference.failed if reference else "include DDP in the implementations"))
-        verdicts = {r.implementation: v for r in results if (v := judge(r, reference)) is not None}
+        verdicts = {r.implementation: v for r in results
+                    if (v := judge(r, reference, workload.settings.lr)) is not None}
     predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
     rows = build_rows(results, verdicts, predicted)
     parameters = sum(p.numel() for p in build_model(workload.family, workload.size).parameters())
     title = caption(workload, parameters)
-    env = environment()
+    env = environment(workload)
     command_note = f"Machine: {env['device']}; " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device")
     if command:
         command_note += f".  \nCommand: `{command}`"

@@ -8,6 +8,7 @@ peak memory. Rank 0 writes the final full parameters to ``workdir`` for the corr
 
 from __future__ import annotations
 
+import importlib
 import os
 import statistics
 import time
@@ -85,6 +86,8 @@ def _synchronize(device: torch.device) -> None:
 def _train_rank(rank: int, world_size: int, implementation: Implementation, workload: Workload,
                 parameters_path: str) -> RankResult:
     device = torch.device(f"cuda:{rank}" if workload.device == "cuda" else "cpu")
+    for module in ("transformers", *implementation.modules):
+        importlib.import_module(module)  # imports are start-up, not training: before the peak is reset
     memory = PeakMemory(device)
     memory.start()
     model = build_model(workload.family, workload.size).to(device)
@@ -98,7 +101,10 @@ def _train_rank(rank: int, world_size: int, implementation: Implementation, work
         start = time.perf_counter()
         losses += runner.backward(micro_batches)
         if step == workload.steps - 1:
+            _synchronize(device)
+            paused = time.perf_counter()
             after_backward = model_state_bytes(runner.model_state())
+            start += time.perf_counter() - paused  # the measurement is not training time
         runner.step()
         _synchronize(device)
         if step >= workload.warmup_steps:
@@ -126,7 +132,8 @@ def run_implementation(implementation: Implementation, workload: Workload, workd
     backend = "nccl" if workload.device == "cuda" else "gloo"
     try:
         result.ranks = run_distributed(workload.world_size, _train_rank, implementation, workload, parameters_path,
-                                       timeout=timeout, backend=backend, env=implementation.environment())
+                                       timeout=timeout, backend=backend,
+                                       env=implementation.environment(workload.device))
         result.parameters_path = parameters_path
     except AssertionError as error:  # a rank raised or hung: report it, keep comparing the others
         result.failed = str(error)

@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..adapters import MODEL_STATE_KINDS
 from .harness import RunResult, Workload
-from .verdict import LOSS_ATOL, PARAMETER_ATOL, Verdict
+from .verdict import LOSS_ATOL, PARAMETER_RTOL_OF_LR, Verdict
 
 MIB = 2 ** 20
 
@@ -34,12 +34,19 @@ class Row:
     verdict: Optional[str] = None
 
 
+def first_error(failure: str) -> str:
+    """The last line of the first rank's own traceback (not a rank that was stopped because another failed)."""
+    lines = [line for line in failure.strip().splitlines() if line.strip() and "no result" not in line]
+    errors = [line for line in lines if not line.startswith((" ", "Traceback", "rank "))]
+    return errors[0] if errors else failure.strip().splitlines()[-1]
+
+
 def build_rows(results: list[RunResult], verdicts: dict[str, Verdict], predicted: dict[str, int]) -> list[Row]:
     reference = next((r for r in results if r.stage == 0 and r.ranks), None)
     rows = []
     for result in results:
         outcome = ("skipped: " + result.skipped if result.skipped else
-                   "failed: " + result.failed.strip().splitlines()[-1] if result.failed else "ran")
+                   "failed: " + first_error(result.failed) if result.failed else "ran")
         row = Row(result.implementation, result.stage, result.offload, outcome)
         if result.ranks:
             row.model_state_bytes = result.model_state
@@ -103,7 +110,7 @@ def caption(workload: Workload, parameters: int) -> str:
             f"x {settings.accum} micro-batches of {settings.micro_batch_size}, clip {settings.max_grad_norm}. "
             "Memory in MiB per rank (largest rank); model states at the larger of after-backward and "
             "after-step; peak past start-up; step time median after warm-up; deviations from DDP "
-            f"(tolerance: loss {LOSS_ATOL:g}, parameters {PARAMETER_ATOL:g}).")
+            f"(tolerance: loss {LOSS_ATOL:g}, parameters {PARAMETER_RTOL_OF_LR * settings.lr:g} = 1% of lr).")
 
 
 def write_csv(rows: list[Row], path: str) -> None:
