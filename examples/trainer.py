@@ -22,8 +22,8 @@ from integrations.trainer import ZeroTrainer
 class SyntheticCorpus(torch.utils.data.Dataset):
     """``size`` fixed random sequences (seeded): the model memorises them, so the loss visibly falls."""
 
-    def __init__(self, vocab: int, seq_len: int, size: int = 256):
-        generator = torch.Generator().manual_seed(0)
+    def __init__(self, vocab: int, seq_len: int, size: int = 256, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(1, vocab, (size, seq_len), generator=generator)
 
     def __len__(self):
@@ -68,12 +68,14 @@ def main():
         bf16=args.bf16, use_cpu=not torch.cuda.is_available(), ddp_backend=None if torch.cuda.is_available() else "gloo",
         report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
     dataset = SyntheticCorpus(config.vocab_size, 32)
+    evaluation = SyntheticCorpus(config.vocab_size, 32, size=32, seed=1)
     if args.plugin == "zero":
-        trainer = ZeroTrainer(model=model, args=training_args, train_dataset=dataset, zero_stage=args.stage,
-                              zero_offload="cpu" if args.offload else None)
+        trainer = ZeroTrainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation,
+                              zero_stage=args.stage, zero_offload="cpu" if args.offload else None)
     else:
-        trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset)
+        trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation)
     trainer.train(resume_from_checkpoint=args.resume)
+    eval_loss = trainer.evaluate()["eval_loss"]
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     if args.plugin == "zero":
@@ -84,8 +86,9 @@ def main():
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
         params = {name: p.detach().float().clone() for name, p in trainer.model.named_parameters()}
-        torch.save({"losses": losses, "grad_norms": norms, "params": params, "step": trainer.state.global_step},
-                   args.dump)
+        torch.save({"losses": losses, "grad_norms": norms, "params": params, "step": trainer.state.global_step,
+                    "eval_loss": eval_loss, "learning_rates": [e["learning_rate"] for e in trainer.state.log_history
+                                                              if "learning_rate" in e]}, args.dump)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -39,6 +39,20 @@ from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 CHECKPOINT_SUBDIR = "zeroimpl"
 
 
+CONFLICT = ("ZeroTrainer shards the optimizer itself, so it cannot run with DeepSpeed or FSDP (both would own "
+            "the gradients): remove deepspeed=... / fsdp=... from TrainingArguments (and from accelerate's config), "
+            "or use the plain Trainer with them")
+
+
+def check_training_arguments(args: transformers.TrainingArguments) -> None:
+    """Refuse settings ZeroTrainer cannot honour, before Trainer builds anything."""
+    if args.deepspeed or args.fsdp:
+        raise ValueError(CONFLICT)
+    if args.fp16:
+        raise ValueError("ZeroTrainer does not support fp16 mixed precision yet (accelerate's GradScaler looks for "
+                         "full gradients, which ZeRO keeps in shards): use bf16=True, or fp32")
+
+
 class ShardedModule(torch.nn.Module):
     """The model as Trainer trains it: forward unchanged, ``no_sync`` and ``zero_grad`` routed to the optimizer.
 
@@ -78,13 +92,13 @@ class ZeroTrainer(transformers.Trainer):
 
     def __init__(self, *args, zero_stage: int = 2, zero_offload: Union[None, str, CPUOffload] = None,
                  zero_options: Optional[dict] = None, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            check_training_arguments(training_args)
         super().__init__(*args, **kwargs)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.fsdp:
-            raise ValueError("ZeroTrainer shards the optimizer itself: remove the DeepSpeed / FSDP settings from "
-                             "TrainingArguments (deepspeed=..., fsdp=...), or use the plain Trainer with them")
-        if self.args.fp16:
-            raise ValueError("ZeroTrainer does not support fp16 mixed precision yet (its GradScaler would look "
-                             "for gradients that ZeRO keeps in shards): use bf16=True, or fp32")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # enabled through accelerate's own config
+            raise ValueError(CONFLICT)
+        check_training_arguments(self.args)
         self.zero_stage = zero_stage
         self.zero_offload = zero_offload
         self.zero_options = dict(zero_options or {})

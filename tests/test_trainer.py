@@ -55,6 +55,8 @@ def test_losses_and_parameters_match_trainer_with_ddp(runs, stage):
     assert max(abs(a - b) for a, b in zip(zero["losses"], ddp["losses"])) <= 1e-4
     assert max(abs(a - b) for a, b in zip(zero["grad_norms"], ddp["grad_norms"])) <= 1e-4
     assert max_param_diff(zero, ddp) <= PARAM_ATOL
+    assert zero["learning_rates"] == ddp["learning_rates"]  # the schedule, as logged
+    assert abs(zero["eval_loss"] - ddp["eval_loss"]) <= 1e-4
     assert "rank 0: device" in stdout and "rank 1: device" in stdout  # the memory report of every rank
 
 
@@ -75,3 +77,18 @@ def test_resume_on_one_rank_continues_from_the_checkpoint(runs):
     uninterrupted, _ = runs["stage2"]
     assert resumed["step"] == STEPS and resumed["losses"][:3] == uninterrupted["losses"][:3]
     assert all(torch.isfinite(p).all() for p in resumed["params"].values())
+
+
+@pytest.mark.parametrize("setting", [{"deepspeed": {"zero_optimization": {"stage": 2}}}, {"fsdp": "full_shard"},
+                                     {"fp16": True}])
+def test_conflicting_training_arguments_are_refused(tmp_path, setting):
+    """Checked before Trainer builds anything, so no process group or accelerator is needed."""
+    import transformers
+
+    from integrations.trainer import check_training_arguments
+
+    arguments = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    for key, value in setting.items():
+        object.__setattr__(arguments, key, value)  # TrainingArguments would start DeepSpeed / FSDP itself
+    with pytest.raises(ValueError, match="ZeroTrainer"):
+        check_training_arguments(arguments)
