@@ -3,7 +3,10 @@ sharded checkpoints and resume on the same and on another world size.
 
 Tolerances: Trainer logs losses rounded to 4 digits (so losses are compared to 1e-4); parameters within
 PARAM_ATOL = 1e-4, the core parity tolerance (tests/test_parity.py), since clipping computes the global norm
-from shards in another summation order. Runs: tiny GPT-2 (2 layers, width 128), 6 steps, 2 micro-batches
+from shards in another summation order. bf16 autocast (fp32 parameters): a last-bit difference in an fp32
+weight can round it to another bf16 value, and Adam can then move a near-zero-gradient element by up to 2 lr,
+so bf16 is judged by the relative L2 distance of all parameters, BF16_REL_L2 = 2e-3 (measured 1.3e-3; bf16
+itself moves them 2.5e-3 away from the fp32 run), and by the losses (2e-4). Runs: tiny GPT-2 (2 layers, width 128), 6 steps, 2 micro-batches
 per step, max_grad_norm 1.0, linear schedule with warm-up.
 """
 
@@ -16,6 +19,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAM_ATOL = 1e-4
+BF16_REL_L2 = 2e-3
 STEPS = 6
 
 
@@ -36,6 +40,9 @@ def runs(tmp_path_factory):
     results = {"ddp": torchrun(tmp_path, "ddp", "--plugin", "none")}
     for stage in (1, 2):
         results[f"stage{stage}"] = torchrun(tmp_path, f"stage{stage}", "--stage", str(stage), "--save-steps", "3")
+    results["stage2_offload"] = torchrun(tmp_path, "stage2_offload", "--stage", "2", "--offload")
+    results["ddp_bf16"] = torchrun(tmp_path, "ddp_bf16", "--plugin", "none", "--bf16")
+    results["stage2_bf16"] = torchrun(tmp_path, "stage2_bf16", "--stage", "2", "--bf16")
     checkpoint = str(tmp_path / "stage2" / "checkpoint-3")
     results["resumed"] = torchrun(tmp_path, "resumed", "--stage", "2", "--resume", checkpoint)
     results["resumed_on_1"] = torchrun(tmp_path, "resumed_on_1", "--stage", "2", "--resume", checkpoint, nproc=1)
@@ -92,3 +99,26 @@ def test_conflicting_training_arguments_are_refused(tmp_path, setting):
         object.__setattr__(arguments, key, value)  # TrainingArguments would start DeepSpeed / FSDP itself
     with pytest.raises(ValueError, match="ZeroTrainer"):
         check_training_arguments(arguments)
+
+
+def test_offload_is_bitwise_equal_to_no_offload(runs):
+    """Both step with the fused AdamW kernel Trainer selects (adamw_torch_fused), so offload changes nothing."""
+    offload, stdout = runs["stage2_offload"]
+    device, _ = runs["stage2"]
+    assert offload["losses"] == device["losses"] and offload["eval_loss"] == device["eval_loss"]
+    assert max_param_diff(offload, device) == 0.0
+    assert "host 0.00 MiB" not in stdout  # the shard's master and state live on the host
+
+
+def test_bf16_autocast_matches_trainer_with_ddp(runs):
+    zero, _ = runs["stage2_bf16"]
+    ddp, _ = runs["ddp_bf16"]
+    assert max(abs(a - b) for a, b in zip(zero["losses"], ddp["losses"])) <= 2e-4
+    assert abs(zero["eval_loss"] - ddp["eval_loss"]) <= 1e-4
+    assert relative_distance(zero, ddp) <= BF16_REL_L2
+    assert relative_distance(zero, runs["stage2"][0]) > 5e-4  # autocast really ran in bf16 (fp32: 2.5e-3 away)
+
+
+def relative_distance(a, b):
+    distance = sum(((a["params"][n] - b["params"][n]) ** 2).sum() for n in b["params"]) ** 0.5
+    return (distance / sum((p ** 2).sum() for p in b["params"].values()) ** 0.5).item()
