@@ -16,7 +16,19 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from integrations.collectives import CollectiveCounter
 from integrations.trainer import ZeroTrainer
+
+
+class CollectivesPerStep(transformers.TrainerCallback):
+    """Collects the collectives of each optimizer step (``--count-collectives``)."""
+
+    def __init__(self, counter: CollectiveCounter):
+        self.counter = counter
+        self.per_step: list[list] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.per_step.append([tuple(call) for call in self.counter.take()])
 
 
 class SyntheticCorpus(torch.utils.data.Dataset):
@@ -50,6 +62,8 @@ def parse_args():
     parser.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     parser.add_argument("--output-dir", default="runs/trainer")
     parser.add_argument("--dump", default=None, help="write losses and final parameters here (torch.save)")
+    parser.add_argument("--count-collectives", action="store_true",
+                        help="record every torch.distributed collective per optimizer step (into --dump)")
     return parser.parse_args()
 
 
@@ -74,7 +88,13 @@ def main():
                               zero_stage=args.stage, zero_offload="cpu" if args.offload else None)
     else:
         trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation)
+    counted = None
+    if args.count_collectives:
+        counted = CollectivesPerStep(CollectiveCounter().install())
+        trainer.add_callback(counted)
     trainer.train(resume_from_checkpoint=args.resume)
+    if counted is not None:
+        counted.counter.uninstall()
     eval_loss = trainer.evaluate()["eval_loss"]
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -88,7 +108,11 @@ def main():
         params = {name: p.detach().float().clone() for name, p in trainer.model.named_parameters()}
         torch.save({"losses": losses, "grad_norms": norms, "params": params, "step": trainer.state.global_step,
                     "eval_loss": eval_loss, "learning_rates": [e["learning_rate"] for e in trainer.state.log_history
-                                                              if "learning_rate" in e]}, args.dump)
+                                                              if "learning_rate" in e],
+                    "collectives": counted.per_step if counted else None,
+                    "layout": {"buckets": len(trainer.sharded_optimizer.layout.buckets),
+                               "padded": trainer.sharded_optimizer.layout.padded_numel}
+                    if args.plugin == "zero" else None}, args.dump)
     if dist.is_initialized():
         dist.destroy_process_group()
 

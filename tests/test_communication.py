@@ -7,60 +7,30 @@ once per step however many micro-batches are accumulated; stage 2 reduces every 
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distributed import run_distributed
+from integrations.collectives import CollectiveCounter, summarize
 from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 
-COLLECTIVES = ["all_reduce", "reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor",
-               "all_gather_into_tensor", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single",
-               "reduce", "gather", "scatter", "all_reduce_coalesced", "all_gather_object", "barrier"]
-SIZE_ARG = {"reduce_scatter_single": 1, "reduce_scatter_tensor": 1}  # input; otherwise the first tensor
-
-
-def _record_collectives(calls):
-    for name in COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            sized = tensors[SIZE_ARG.get(_name, 0)] if tensors else None
-            calls.append((_name, sized.numel() if sized is not None else 0, sized.dtype if sized is not None else None))
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-
 def _count(rank, world_size, stage, accum, clip, dtype):
-    calls = []
-    _record_collectives(calls)
+    counter = CollectiveCounter().install()
     model = build_model("gpt2", dtype)
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=4096, lr=1e-3)
     per_step = []
     for step in range(3):
-        calls.clear()
+        counter.take()
         for micro in range(accum):
             optimizer.backward(model(**batch(rank, step, micro)).loss / accum)
         if clip:
             optimizer.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad()
-        per_step.append(list(calls))
+        per_step.append(counter.take())
     layout = optimizer.layout
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"per_step": per_step, "buckets": len(layout.buckets), "padded": layout.padded_numel,
             "numel": layout.numel, "psi": psi}
-
-
-def _summary(calls):
-    summary = {}
-    for name, numel, dtype in calls:
-        count, total, dtypes = summary.get(name, (0, 0, set()))
-        summary[name] = (count + 1, total + numel, dtypes | {dtype})
-    return summary
 
 
 @pytest.mark.parametrize("stage,accum,clip,dtype", [
@@ -76,7 +46,7 @@ def test_collectives_per_step(stage, accum, clip, dtype):
         reductions = accum if stage == 2 else 1
         small_all_reduces = int(clip) + int(dtype == torch.float16)  # the norm; the overflow flag
         for calls in result["per_step"]:
-            summary = _summary(calls)
+            summary = summarize(calls)
             assert summary.pop("reduce_scatter_single") == (reductions * buckets, reductions * padded, {torch.float32})
             assert summary.pop("all_gather_single") == (buckets, padded, {dtype})
             if small_all_reduces:

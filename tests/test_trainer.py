@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+from integrations.collectives import Call, summarize
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAM_ATOL = 1e-4
 BF16_REL_L2 = 2e-3
@@ -39,7 +41,8 @@ def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("trainer")
     results = {"ddp": torchrun(tmp_path, "ddp", "--plugin", "none")}
     for stage in (1, 2):
-        results[f"stage{stage}"] = torchrun(tmp_path, f"stage{stage}", "--stage", str(stage), "--save-steps", "3")
+        results[f"stage{stage}"] = torchrun(tmp_path, f"stage{stage}", "--stage", str(stage), "--save-steps", "3",
+                                            "--count-collectives")
     results["stage2_offload"] = torchrun(tmp_path, "stage2_offload", "--stage", "2", "--offload")
     results["ddp_bf16"] = torchrun(tmp_path, "ddp_bf16", "--plugin", "none", "--bf16")
     results["stage2_bf16"] = torchrun(tmp_path, "stage2_bf16", "--stage", "2", "--bf16")
@@ -122,3 +125,23 @@ def test_bf16_autocast_matches_trainer_with_ddp(runs):
 def relative_distance(a, b):
     distance = sum(((a["params"][n] - b["params"][n]) ** 2).sum() for n in b["params"]) ** 0.5
     return (distance / sum((p ** 2).sum() for p in b["params"].values()) ** 0.5).item()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_trainer_adds_no_gradient_communication(runs, stage):
+    """Per optimizer step (2 micro-batches): stage 1 reduce-scatters the gradients once, stage 2 once per
+    micro-batch; one all-gather of the parameters; the clipping norm (1 element) and Trainer's logging
+    gathers (scalars) -- no gradient all-reduce, so no DDP underneath. Step 1 also holds start-up traffic,
+    and step 4 the checkpoint saved after step 3 (object gathers): both are left out."""
+    zero, _ = runs[f"stage{stage}"]
+    buckets, padded = zero["layout"]["buckets"], zero["layout"]["padded"]
+    reductions = 2 if stage == 2 else 1
+    steps = [calls for step, calls in enumerate(zero["collectives"], start=1) if step not in (1, 4)]
+    assert len(steps) == STEPS - 2
+    for calls in steps:
+        summary = {name: (count, total) for name, (count, total, _) in summarize([Call(*c) for c in calls]).items()}
+        assert summary.pop("reduce_scatter_single") == (reductions * buckets, reductions * padded)
+        assert summary.pop("all_gather_single") == (buckets, padded)
+        assert summary.pop("all_reduce") == (1, 1)
+        logging_elements = summary.pop("all_gather")[1]
+        assert logging_elements <= 8 and summary == {}, summary
