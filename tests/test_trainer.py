@@ -26,8 +26,9 @@ STEPS = 6
 
 
 def torchrun(tmp_path, name, *flags, nproc=2):
+    """Run examples/trainer.py under torchrun (--standalone: a free port, so concurrent runs never collide)."""
     dump = str(tmp_path / f"{name}.pt")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                os.path.join(ROOT, "examples", "trainer.py"), "--steps", str(STEPS), "--accum", "2",
                "--output-dir", str(tmp_path / name), "--dump", dump, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
