@@ -8,7 +8,7 @@ Each implementation trains the same model (same initial weights), on the same da
 settings, in its own set of processes (gloo on CPU; NCCL with --device cuda). At the end it prints a table
 (memory by kind, peak, step time, deviation from DDP and a verdict), and writes comparison.md, .csv, .json
 and a .png chart to --out. Peers that are not installed are skipped with the command that installs them.
-The default (GPT-2 "base", 29M parameters, 2 ranks) takes about 4 minutes on 2 CPU cores.
+The default (GPT-2 "base", 29.5M parameters, 2 ranks, 11 rows) takes about 5 minutes on 2 CPU cores.
 """
 
 import argparse

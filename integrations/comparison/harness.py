@@ -8,6 +8,7 @@ peak memory. Rank 0 writes the final full parameters to ``workdir`` for the corr
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import statistics
@@ -48,6 +49,7 @@ class RankResult:
     model_state: dict[str, int]  # bytes by kind at the larger of: after the last backward, after the last step
     peak_bytes: int  # peak memory past start-up (see measure.PeakMemory)
     tokens_per_step: int
+    parameter_checksum: str  # SHA-256 of this rank's final full parameters: equal on every rank if in sync
 
 
 @dataclass
@@ -115,7 +117,16 @@ def _train_rank(rank: int, world_size: int, implementation: Implementation, work
     if rank == 0:
         torch.save(parameters, parameters_path)
     tokens = sum(b["input_ids"].numel() for b in workload.micro_batches(rank, 0))
-    return RankResult(losses, times, max(after_backward, after_step, key=lambda m: m["total"]), peak, tokens)
+    return RankResult(losses, times, max(after_backward, after_step, key=lambda m: m["total"]), peak, tokens,
+                      checksum(parameters))
+
+
+def checksum(parameters: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(parameters):
+        digest.update(name.encode())
+        digest.update(parameters[name].contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def run_implementation(implementation: Implementation, workload: Workload, workdir: str,

@@ -4,7 +4,8 @@ Tolerances follow zeroimpl's core parity tests (tests/test_parity.py), in fp32: 
 and parameters within ``PARAMETER_RTOL_OF_LR`` times the learning rate, i.e. 1% of one AdamW step (Adam
 divides by sqrt(v), so a last-bit difference in a near-zero gradient can move that element by up to lr;
 the core tests use 1e-4 at lr 1e-2). Every implementation is judged by the same rule; a NaN or Inf, a
-missing loss or a parameter of another shape is a deviation, never a pass.
+missing loss, a parameter of another shape or ranks that end with different parameters is a deviation,
+never a pass.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Verdict:
     max_parameter_deviation: float  # over every element of the final parameters (inf: likewise)
     loss_tolerance: float
     parameter_tolerance: float
+    ranks_agree: bool  # every rank ended with the same parameters (checksums)
     is_reference: bool = False
 
     @property
@@ -36,7 +38,8 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return (math.isfinite(self.max_loss_deviation) and math.isfinite(self.max_parameter_deviation)
+        return (self.ranks_agree and math.isfinite(self.max_loss_deviation)
+                and math.isfinite(self.max_parameter_deviation)
                 and self.max_loss_deviation <= self.loss_tolerance
                 and self.max_parameter_deviation <= self.parameter_tolerance)
 
@@ -82,5 +85,6 @@ def judge(run: RunResult, reference: RunResult, lr: float) -> Optional[Verdict]:
     """Compare ``run`` with ``reference`` (trained at learning rate ``lr``); ``None`` if either did not finish."""
     if not (run.parameters_path and reference.parameters_path):
         return None
+    ranks_agree = len({rank.parameter_checksum for rank in run.ranks}) == 1
     return Verdict(run.implementation, _loss_deviation(run, reference), _parameter_deviation(run, reference),
-                   LOSS_ATOL, PARAMETER_RTOL_OF_LR * lr, is_reference=run is reference)
+                   LOSS_ATOL, PARAMETER_RTOL_OF_LR * lr, ranks_agree, is_reference=run is reference)
