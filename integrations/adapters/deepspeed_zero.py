@@ -11,7 +11,7 @@ import torch
 
 from ..models import param_groups
 from .base import Implementation, Runner, TrainSettings
-from .loop import on_device, optimizer_state_tensors
+from .loop import on_device, optimizer_state_tensors, replicated_parameters
 
 # DeepSpeedZeroOptimizer attributes (0.19) that hold tensors, by kind
 GRADIENT_ATTRIBUTES = ("averaged_gradients", "grads_in_partition", "accumulated_grads_in_cpu")
@@ -50,7 +50,7 @@ class DeepSpeedRunner(Runner):
         self.engine.step()  # the boundary: clip (config gradient_clipping), step, zero the gradients
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().float().cpu().clone() for name, p in self.model.named_parameters()}
+        return replicated_parameters(self.model)  # ZeRO-1/2 all-gather the parameters after every step
 
     def model_state(self) -> dict[str, list[torch.Tensor]]:
         zero = self.engine.optimizer

@@ -60,13 +60,18 @@ class WrapperLoopRunner(Runner):
         self.optimizer.step()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().float().cpu().clone() for name, p in self.model.named_parameters()}
+        return replicated_parameters(self.model)
 
     def common_state(self) -> dict[str, list[torch.Tensor]]:
         """Parameters, their ``.grad`` and the model's buffers: what every implementation holds."""
         params = list(self.model.parameters())
         return {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None],
                 "optimizer_state": [], "master_weights": [], "buffers": list(self.model.buffers())}
+
+
+def replicated_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by name, fp32 on the CPU, for implementations whose ranks all hold the full model."""
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
