@@ -1,7 +1,8 @@
 """Count every collective zeroimpl issues per optimizer step, with its size.
 
 The claim: per step, one reduce-scatter of the gradients (Ψ elements plus bucket padding) and one
-all-gather of the parameters (the same), nothing else -- no gradient all-reduce. Stage 1 communicates
+all-gather of the parameters (the same), and one all-reduce of 1 element (every rank's "gradients hold
+NaN/Inf" flag) or 2 with clipping (the flag and the norm, fused) -- no gradient all-reduce. Stage 1 communicates
 once per step however many micro-batches are accumulated; stage 2 reduces every micro-batch.
 """
 
@@ -44,12 +45,10 @@ def test_collectives_per_step(stage, accum, clip, dtype):
         assert result["numel"] == result["psi"]  # tied and frozen parameters are not counted
         assert 0 <= padded - result["psi"] < buckets * 2 * 8  # padding < world_size * alignment per bucket
         reductions = accum if stage == 2 else 1
-        small_all_reduces = int(clip) + int(dtype == torch.float16)  # the norm; the overflow flag
         for calls in result["per_step"]:
             summary = summarize(calls)
             assert summary.pop("reduce_scatter_single") == (reductions * buckets, reductions * padded, {torch.float32})
             assert summary.pop("all_gather_single") == (buckets, padded, {dtype})
-            if small_all_reduces:
-                count, total, _ = summary.pop("all_reduce")
-                assert (count, total) == (small_all_reduces, small_all_reduces)
+            count, total, _ = summary.pop("all_reduce")
+            assert (count, total) == (1, 2 if clip else 1)
             assert summary == {}, f"unexpected collectives {summary}"

@@ -4,7 +4,8 @@ One optimizer step, as seen from one rank (Ψ trainable elements, N ranks)::
 
     backward  -> gradients reduce-scattered into this rank's gradient shard (Ψ/N)   [grad_sync.py]
                  kept on the device, or copied to the host with offload              [grad_shards.py, offload.py]
-    step      -> (fp16: unscale, agree on overflow) -> inner optimizer on the shard's master weights
+    step      -> (loss scaling: unscale) -> agree across ranks on NaN/Inf (fused with the clipping norm)
+              -> inner optimizer on the shard's master weights (or skip the step: see ``nonfinite``)
               -> master written into this rank's slice of the flat parameter buffers
               -> in-place all-gather of every parameter buffer (Ψ)                   [comm.py]
 
@@ -57,8 +58,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (default 2). Bounds the bucket buffers alive during backward; 0 waits for each at once.
         reduce_dtype: dtype in which gradients are reduced and the gradient shard is kept. Default: fp32
             (fp64 for fp64 parameters), for accuracy with 16-bit models.
-        loss_scale: dynamic loss scaling settings, used only when parameters are fp16 (then call
-            ``optimizer.backward(loss)`` instead of ``loss.backward()``).
+        loss_scale: dynamic loss scaling. ``"auto"`` (default): on with default settings when any parameter
+            is fp16, off otherwise. A :class:`LossScaleConfig`: on with those settings, whatever the dtype --
+            use it for fp16 autocast over fp32 parameters. ``None``: off. When on, call
+            ``optimizer.backward(loss)`` (or ``optimizer.scale_loss(loss).backward()``) instead of
+            ``loss.backward()``; steps whose gradients overflow are skipped and the scale backs off.
+        nonfinite: what ``step()`` does when the averaged gradients hold NaN or Inf and no loss scaling is on
+            (or the loss scale is already at its minimum). ``"raise"`` (default): clear the gradients, leave
+            parameters and state untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear
+            the gradients, skip the step and count it in ``skipped_steps``. Never an update with NaN.
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
         assume_elementwise: accept an optimizer class zeroimpl does not know; only set it if the class
             updates every element from its own parameter, gradient and state.
@@ -72,9 +80,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  stage: int = 2, *, offload: Union[None, str, CPUOffload] = None,
                  process_group: Optional[dist.ProcessGroup] = None,
                  bucket_numel: int = 2 ** 22, max_inflight_buckets: int = 2,
-                 reduce_dtype: Optional[torch.dtype] = None, loss_scale: LossScaleConfig = LossScaleConfig(),
+                 reduce_dtype: Optional[torch.dtype] = None,
+                 loss_scale: Union[str, None, LossScaleConfig] = "auto", nonfinite: str = "raise",
                  alignment: int = 8, assume_elementwise: bool = False, **optimizer_kwargs):
         validation.check_stage(stage)
+        validation.check_loss_scale(loss_scale)
+        validation.check_nonfinite(nonfinite)
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
         validation.check_optimizer_class(optimizer_class, assume_elementwise)
         validation.check_process_group(process_group)
@@ -114,11 +125,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 outer.setdefault(key, value)
         self.defaults = self.inner.defaults
 
-        uses_fp16 = any(p.dtype == torch.float16 for p in trainable)
-        self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler(loss_scale) if uses_fp16 else None
-        self._in_scaled_backward = False
+        if loss_scale == "auto":
+            loss_scale = LossScaleConfig() if any(p.dtype == torch.float16 for p in trainable) else None
+        self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler(loss_scale) if loss_scale else None
+        self.nonfinite = nonfinite
+        self._skipped_without_scaler = 0
+        self._loss_scaled = False  # a loss was scaled since the last step (checked when gradients arrive)
         self._unscaled = False  # gradient shards already divided by the loss scale this step
-        self._found_overflow = False
+        self._checked: Optional[bool] = None  # this step's agreed "gradients hold NaN/Inf", once computed
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
@@ -141,19 +155,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- backward ---------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> Optional[float]:
-        """Current fp16 loss scale, or None when no loss scaling is used."""
+        """Current loss scale, or None when no loss scaling is used."""
         return self.loss_scaler.scale if self.loss_scaler else None
 
-    def backward(self, loss: torch.Tensor, **backward_kwargs) -> None:
-        """``loss.backward()``, with the loss multiplied by the loss scale for fp16 models."""
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because the averaged gradients held NaN or Inf (overflow or ``"skip"``)."""
+        return self.loss_scaler.skipped_steps if self.loss_scaler else self._skipped_without_scaler
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the current loss scale (fp32), for a backward the caller runs; the loss
+        itself when no loss scaling is on."""
         if self.loss_scaler is None:
-            loss.backward(**backward_kwargs)
-            return
-        self._in_scaled_backward = True
-        try:
-            (loss.float() * self.loss_scaler.scale).backward(**backward_kwargs)
-        finally:
-            self._in_scaled_backward = False
+            return loss
+        self._loss_scaled = True
+        return loss.float() * self.loss_scaler.scale
+
+    def backward(self, loss: torch.Tensor, **backward_kwargs) -> None:
+        """``loss.backward()``, with the loss multiplied by the loss scale when loss scaling is on."""
+        self.scale_loss(loss).backward(**backward_kwargs)
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -174,58 +194,79 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _check_gradient_arrival(self) -> None:
         if self.loss_scaler is None:
             return
-        if not self._in_scaled_backward:
-            raise RuntimeError("this model has fp16 parameters, so the loss must be scaled: call "
-                               "optimizer.backward(loss) instead of loss.backward()")
+        if not self._loss_scaled:
+            raise RuntimeError("loss scaling is on (fp16 parameters, or loss_scale=LossScaleConfig(...)), so the "
+                               "loss must be scaled: call optimizer.backward(loss) instead of loss.backward()")
         if self._unscaled:
-            raise RuntimeError("backward() between clip_grad_norm_() and step() is not supported with fp16 "
+            raise RuntimeError("backward() between clip_grad_norm_() and step() is not supported with "
                                "loss scaling; run every backward of the step before clipping")
 
     # -- gradients --------------------------------------------------------------------------------
     def _prepare_gradients(self) -> bool:
-        """Finish the reduction (and fp16 unscaling); return whether there are gradients to step on."""
+        """Finish the reduction (and unscaling); return whether there are gradients to step on."""
         self.reducer.finalize()
         if not self.gradients.has_gradients:
             return False
         if self.loss_scaler is not None and not self._unscaled:
-            shards = self._grad_shards()
-            torch._foreach_mul_(shards, 1.0 / self.loss_scaler.scale)
-            nonfinite = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float()
-            overflow = self._all_reduce_scalar(nonfinite, dist.ReduceOp.MAX)
-            self._found_overflow = bool(overflow.item())  # the one host sync of the step
+            torch._foreach_mul_(self._grad_shards(), 1.0 / self.loss_scaler.scale)
             self._unscaled = True
         return True
+
+    def _agree_on_gradients(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
+        """One all-reduce of at most 2 elements: whether any rank's gradient shard holds NaN/Inf (stored in
+        ``self._checked``) and, given ``norm_type``, the global gradient norm (returned, on the device).
+
+        The one host sync of the step (``.item()`` of the agreed flag). Call after ``_prepare_gradients``.
+        """
+        shards = self._grad_shards()
+        nonfinite = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float()
+        op, norm_term = dist.ReduceOp.SUM, None
+        if norm_type == float("inf"):
+            op, norm_term = dist.ReduceOp.MAX, torch.stack([s.abs().max() for s in shards]).max().float()
+        elif norm_type is not None:
+            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=torch.float32) ** norm_type
+                                     for s in shards]).sum()
+        values = nonfinite.reshape(1) if norm_term is None else torch.stack([nonfinite, norm_term.to(nonfinite.device)])
+        agreed = comm.all_reduce_(values.to(self._device), op, self.process_group)
+        self._checked = bool(agreed[0].item())
+        if norm_term is None:
+            return None
+        return agreed[1] if norm_type == float("inf") else agreed[1] ** (1.0 / norm_type)
+
+    def found_nonfinite(self) -> bool:
+        """Whether this step's averaged (unscaled) gradients hold NaN or Inf on any rank, so that ``step()``
+        will skip the update (or raise, see ``nonfinite``). Identical on every rank; collective.
+
+        Finishes the reduction; costs nothing extra, since ``step()`` or ``clip_grad_norm_()`` would run the
+        same one-element all-reduce, and the answer is kept until the step.
+        """
+        if not self._prepare_gradients():
+            return False
+        if self._checked is None:
+            self._agree_on_gradients()
+        return self._checked
 
     def _grad_shards(self) -> list[torch.Tensor]:
         """The gradient shards of the buckets that have one (on the host with offload)."""
         return [shard for shard in self.gradients.ready() if shard is not None]
-
-    def _all_reduce_scalar(self, value: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
-        """All-reduce a 0-d value computed wherever the shards live; the result is on the parameters' device,
-        where the process group's backend can reduce it (NCCL needs CUDA tensors)."""
-        return comm.all_reduce_(value.reshape(1).to(self._device), op, self.process_group)[0]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm.
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, computed from the
-        shards with one all-reduce of one element. The result is identical on every rank.
+        shards with one all-reduce of two elements (the norm, and the NaN/Inf check that ``step()`` then
+        reuses). The result is identical on every rank. Gradients with NaN or Inf are left unclipped: the
+        returned norm is then NaN or Inf, and ``step()`` will skip or raise.
         """
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         if not self._prepare_gradients():
             return torch.zeros((), device=self._device)
-        shards = self._grad_shards()
-        if norm_type == float("inf"):
-            local = torch.stack([s.abs().max() for s in shards]).max().float()
-            total = self._all_reduce_scalar(local, dist.ReduceOp.MAX)
-        else:
-            local = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=torch.float32) ** norm_type
-                                 for s in shards]).sum()
-            total = self._all_reduce_scalar(local, dist.ReduceOp.SUM) ** (1.0 / norm_type)
-        if not self._found_overflow:
+        total = self._agree_on_gradients(norm_type)
+        if not self._checked:
+            shards = self._grad_shards()
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(shards, coefficient.to(shards[0].device))  # offload: one sync, not per tensor
         return total
@@ -239,11 +280,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self._prepare_gradients():
             return loss
-        if self._found_overflow:
-            self.reducer.zero_grad(set_to_none=True)
-            self._finish_step(overflow=True)
+        if not self.found_nonfinite():
+            self._update()
             return loss
+        raises = self.nonfinite == "raise" and (
+            self.loss_scaler is None or self.loss_scaler.scale <= self.loss_scaler.config.min_scale)
+        self._skip_step()
+        if raises:
+            at_minimum = f" even at the minimum loss scale {self.loss_scale}" if self.loss_scaler else ""
+            raise FloatingPointError(
+                f"the averaged gradients hold NaN or Inf{at_minimum}: this step was not applied and its gradients "
+                "were cleared (parameters and optimizer state are unchanged, on every rank). Usual causes: a "
+                "learning rate too high, a diverging loss, bad input data, or fp16 without loss scaling. Fix the "
+                "cause (lower the learning rate, clip gradients, use bf16), or pass nonfinite='skip' to skip such "
+                "steps and count them in optimizer.skipped_steps")
+        return loss
 
+    def _skip_step(self) -> None:
+        """Discard this step's gradients and count the skip (the loss scaler backs off)."""
+        self.reducer.zero_grad(set_to_none=True)
+        if self.loss_scaler is None:
+            self._skipped_without_scaler += 1
+        self._finish_step(overflow=True)
+
+    def _update(self) -> None:
+        """Step the inner optimizer on the master shards and all-gather the new parameters."""
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
         for storage, grad in zip(self.storages, self.gradients.ready()):
@@ -255,7 +316,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.gradients.publish(self.storages)
         self._all_gather_params()
         self._finish_step(overflow=False)
-        return loss
 
     def _all_gather_params(self) -> None:
         works = [comm.all_gather(s.param_buffer, s.shard, self.process_group) for s in self.storages]
@@ -269,13 +329,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _finish_step(self, overflow: bool) -> None:
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
+        self._reset_step_flags()
+
+    def _reset_step_flags(self) -> None:
+        self._loss_scaled = False
         self._unscaled = False
-        self._found_overflow = False
+        self._checked = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad(set_to_none)
-        self._unscaled = False
-        self._found_overflow = False
+        self._reset_step_flags()
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,7 +1,7 @@
-"""Dynamic loss scaling for fp16 training.
+"""Dynamic loss scaling for fp16 training (fp16 parameters, or fp16 autocast over fp32 parameters).
 
 fp16 gradients underflow unless the loss is multiplied by a large scale before backward. The scale is
-lowered when a step overflows and raised again after ``growth_interval`` clean steps. fp16 users call
+lowered when a step overflows and raised again after ``growth_interval`` clean steps. Users call
 ``optimizer.backward(loss)`` (instead of ``loss.backward()``), which multiplies the loss by the current
 scale; the optimizer divides the fp32 gradient shard by the same scale before clipping and stepping.
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LossScaleConfig:
-    """Settings of the dynamic loss scaler (used only when the model has fp16 parameters)."""
+    """Settings of the dynamic loss scaler (``ShardedOptimizer(loss_scale=...)``)."""
 
     initial_scale: float = 2.0 ** 16
     """Scale of the first step."""

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .precision import LossScaleConfig
 
 # Optimizers whose update of an element depends only on that element's parameter, gradient and state,
 # so that running them on a flat shard is the same as running them on whole parameters.
@@ -33,6 +34,18 @@ def check_process_group(group) -> None:
     if group is not None and dist.get_rank(group) < 0:
         raise ValueError("this rank is not a member of the process_group passed to ShardedOptimizer; "
                          "create the optimizer only on ranks of that group")
+
+
+def check_loss_scale(loss_scale) -> None:
+    if not (loss_scale is None or loss_scale == "auto" or isinstance(loss_scale, LossScaleConfig)):
+        raise ValueError(f"loss_scale must be 'auto' (on for fp16 parameters), None (off) or "
+                         f"zeroimpl.LossScaleConfig(...) (on), got {loss_scale!r}")
+
+
+def check_nonfinite(nonfinite) -> None:
+    if nonfinite not in ("raise", "skip"):
+        raise ValueError(f"nonfinite must be 'raise' (stop with FloatingPointError on NaN/Inf gradients) or "
+                         f"'skip' (skip such steps and count them), got {nonfinite!r}")
 
 
 def check_optimizer_class(optimizer_class, assume_elementwise: bool) -> None:

@@ -1,0 +1,141 @@
+"""NaN/Inf gradients never reach the parameters, and loss scaling works over fp32 parameters too.
+
+Policy under test (``ShardedOptimizer(nonfinite=...)``): with NaN or Inf in one rank's gradient, every rank
+agrees; ``"raise"`` raises FloatingPointError on every rank with parameters and optimizer state untouched,
+``"skip"`` skips and counts. A skipped step must leave training exactly where a run that never had that
+step would be (bitwise: same Adam step count, same state). Loss scaling by a power of two is exact in fp32,
+so fp32 parameters with ``loss_scale=LossScaleConfig(...)`` must train bitwise like no scaling.
+"""
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from workloads import batch, build_model, param_groups
+from zeroimpl import LossScaleConfig, ShardedOptimizer
+
+BAD_STEP = 1
+
+
+def _train(rank, stage, offload, nonfinite, poison, clip, steps=3, drop_step=None, **zero_kwargs):
+    """fp32 GPT-2, AdamW; at BAD_STEP rank 1's gradient of one weight is poisoned (``poison``: nan or inf).
+
+    ``drop_step``: leave that step out entirely (no backward, no step): the reference for a skipped step.
+    Returns per step what happened, and the final parameters and optimizer step counts.
+    """
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, offload=offload, lr=1e-2,
+                                 bucket_numel=4096, nonfinite=nonfinite, **zero_kwargs)
+    target = model.transformer.h[0].mlp.c_fc.weight
+    events = []
+    for step in range(steps):
+        if step == drop_step:
+            continue
+        handle = None
+        if poison is not None and step == BAD_STEP and rank == 1:
+            handle = target.register_hook(lambda g: g * float(poison))
+        optimizer.backward(model(**batch(rank, step, 0)).loss)
+        if handle:
+            handle.remove()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        norm = optimizer.clip_grad_norm_(1.0).item() if clip else None
+        try:
+            optimizer.step()
+            event = "stepped"
+        except FloatingPointError as error:
+            event = f"raised: {error}"
+        unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        events.append({"event": event, "unchanged": unchanged, "norm": norm,
+                       "finite": all(torch.isfinite(p).all().item() for p in model.parameters())})
+        optimizer.zero_grad()
+    steps_counted = [int(state["step"]) for state in optimizer.inner.state.values()]
+    return {"events": events, "skipped": optimizer.skipped_steps, "adam_steps": steps_counted,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _policies(rank, world_size, stage, offload, poison, clip):
+    return {"raise": _train(rank, stage, offload, "raise", poison, clip),
+            "skip": _train(rank, stage, offload, "skip", poison, clip),
+            "never_had_it": _train(rank, stage, offload, "raise", None, clip, drop_step=BAD_STEP)}
+
+
+@pytest.mark.parametrize("stage,offload,poison,clip", [
+    (1, None, "nan", False), (2, None, "inf", True), (2, "cpu", "nan", True), (1, "cpu", "inf", False)])
+def test_nonfinite_gradients_raise_or_skip_on_every_rank(stage, offload, poison, clip):
+    for result in run_distributed(2, _policies, stage, offload, poison, clip):
+        raised = result["raise"]["events"]
+        assert raised[BAD_STEP]["event"].startswith("raised: the averaged gradients hold NaN or Inf")
+        assert "nonfinite='skip'" in raised[BAD_STEP]["event"]
+        assert raised[BAD_STEP]["unchanged"]
+        assert [e["event"] for i, e in enumerate(raised) if i != BAD_STEP] == ["stepped", "stepped"]
+        skipped = result["skip"]
+        assert [e["event"] for e in skipped["events"]] == ["stepped"] * 3
+        assert skipped["events"][BAD_STEP]["unchanged"] and skipped["skipped"] == 1
+        assert all(e["finite"] for e in skipped["events"] + raised)
+        if clip:  # the norm of poisoned gradients is reported as such, identically on every rank
+            assert not torch.isfinite(torch.tensor(skipped["events"][BAD_STEP]["norm"]))
+        reference = result["never_had_it"]
+        assert skipped["adam_steps"] == reference["adam_steps"] == [2] * len(reference["adam_steps"])
+        for name, param in reference["params"].items():  # both policies recover exactly
+            assert torch.equal(skipped["params"][name], param), name
+            assert torch.equal(result["raise"]["params"][name], param), name
+
+
+def _fp32_scaled(rank, world_size, stage):
+    plain = _train(rank, stage, None, "raise", None, True)
+    scaled = _train(rank, stage, None, "raise", None, True, loss_scale=LossScaleConfig(initial_scale=2.0 ** 12))
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                 loss_scale=LossScaleConfig())
+    try:
+        model(**batch(rank, 0, 0)).loss.backward()
+        forgotten = None
+    except RuntimeError as error:
+        forgotten = str(error)
+    return plain, scaled, forgotten
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_loss_scaling_over_fp32_parameters_is_exact(stage):
+    """What fp16 autocast over fp32 parameters needs (Trainer fp16): scale, unscale, same result."""
+    for plain, scaled, forgotten in run_distributed(2, _fp32_scaled, stage):
+        assert [e["norm"] for e in scaled["events"]] == [e["norm"] for e in plain["events"]]
+        for name, param in plain["params"].items():
+            assert torch.equal(scaled["params"][name], param), name
+        assert "the loss must be scaled: call optimizer.backward(loss)" in forgotten  # not silently tiny
+
+
+def _fp16_at_minimum_scale(rank, world_size):
+    model = build_model("gpt2", torch.float16)
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-2,
+                                 loss_scale=LossScaleConfig(initial_scale=2.0, min_scale=1.0, hysteresis=1))
+    target = model.transformer.h[0].mlp.c_fc.weight
+    outcomes = []
+    for step in range(3):
+        handle = target.register_hook(lambda g: g * float("inf")) if rank == 0 else None
+        optimizer.backward(model(**batch(rank, step, 0)).loss)
+        handle and handle.remove()
+        try:
+            optimizer.step()
+            outcomes.append(("skipped", optimizer.loss_scale))
+        except FloatingPointError as error:
+            outcomes.append(("raised", str(error)))
+        optimizer.zero_grad()
+    return outcomes, optimizer.skipped_steps
+
+
+def test_fp16_overflow_at_the_minimum_scale_raises():
+    """Overflow is expected while the scale is high; at the minimum it means the gradients really are bad."""
+    for outcomes, skipped in run_distributed(2, _fp16_at_minimum_scale):
+        assert outcomes[0] == ("skipped", 1.0)  # 2 -> 1
+        assert outcomes[1][0] == "raised" and "minimum loss scale 1.0" in outcomes[1][1]
+        assert outcomes[2][0] == "raised" and skipped == 3
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("nonfinite", "ignore", "nonfinite must be 'raise'"),
+    ("loss_scale", "dynamic", "loss_scale must be 'auto'"),
+    ("loss_scale", 1024.0, "loss_scale must be 'auto'")])
+def test_bad_policy_values_are_refused(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        ShardedOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.AdamW, **{option: value})
