@@ -45,6 +45,14 @@ class SyntheticCorpus(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
+def use_loss_scaler(trainer: transformers.Trainer, initial_scale: float) -> None:
+    """The GradScaler accelerate makes for ``fp16=True``, with our initial scale. accelerate turns fp16 into
+    autocast and a GradScaler on accelerators only (on CPU it silently trains in fp32), so on CPU this also
+    does what it does on a GPU: the fp16 path then runs on CPU as well. ZeroTrainer copies the settings."""
+    trainer.accelerator.native_amp = True  # prepare_model wraps forward in torch.autocast(device, float16)
+    trainer.accelerator.scaler = torch.amp.GradScaler(trainer.args.device.type, init_scale=initial_scale)
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plugin", default="zero", choices=["zero", "none"])
@@ -55,7 +63,12 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=4, help="per device")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--optim", default=transformers.TrainingArguments.optim,
+                        help="Trainer's optimizer name (default: Trainer's, the fused AdamW)")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (on CPU too)")
+    parser.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16,
+                        help="fp16: first loss scale (a high one makes the first steps overflow and be skipped)")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -79,7 +92,7 @@ def main():
         gradient_accumulation_steps=args.accum, learning_rate=args.lr, weight_decay=0.01,
         max_grad_norm=args.max_grad_norm, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        bf16=args.bf16, use_cpu=not torch.cuda.is_available(), ddp_backend=None if torch.cuda.is_available() else "gloo",
+        optim=args.optim, bf16=args.bf16, fp16=args.fp16, use_cpu=not torch.cuda.is_available(), ddp_backend=None if torch.cuda.is_available() else "gloo",
         report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
     dataset = SyntheticCorpus(config.vocab_size, 32)
     evaluation = SyntheticCorpus(config.vocab_size, 32, size=32, seed=1)
@@ -88,6 +101,8 @@ def main():
                               zero_stage=args.stage, zero_offload="cpu" if args.offload else None)
     else:
         trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation)
+    if args.fp16:
+        use_loss_scaler(trainer, args.initial_loss_scale)
     counted = None
     if args.count_collectives:
         counted = CollectivesPerStep(CollectiveCounter().install())
@@ -105,8 +120,12 @@ def main():
     if args.dump and rank == 0:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+        scales = [entry["loss_scale"] for entry in trainer.state.log_history if "loss_scale" in entry]
         params = {name: p.detach().float().clone() for name, p in trainer.model.named_parameters()}
         torch.save({"losses": losses, "grad_norms": norms, "params": params, "step": trainer.state.global_step,
+                    "loss_scales": scales,
+                    "skipped_steps": trainer.sharded_optimizer.skipped_steps if args.plugin == "zero" else None,
+                    "final_loss_scale": trainer.accelerator.scaler.get_scale() if args.fp16 else None,
                     "eval_loss": eval_loss, "learning_rates": [e["learning_rate"] for e in trainer.state.log_history
                                                               if "learning_rate" in e],
                     "collectives": counted.per_step if counted else None,

@@ -14,6 +14,12 @@ How it fits Trainer (transformers 5), and the traps it avoids:
   optimizer step; stage 2 reduces each micro-batch (that is what frees the full gradient); with offload the
   sums stay on the device until the final micro-batch. Trainer's ``model.zero_grad()`` after each step
   reaches :meth:`ShardedOptimizer.zero_grad`, which clears the gradient shards too.
+* **fp16** (``fp16=True``: fp16 autocast over fp32 parameters). accelerate's ``torch.amp.GradScaler`` looks
+  for full ``.grad`` on every parameter, which ZeRO keeps in shards, so it is replaced by
+  :class:`OptimizerLossScaler`, which hands scaling, unscaling and the overflow check to ShardedOptimizer's
+  own dynamic loss scaler (set up like the GradScaler it replaces). An overflowing step is skipped on every
+  rank and reported to Trainer as skipped, so the LR schedule waits, exactly as with the GradScaler; the
+  current scale is logged as ``loss_scale``.
 * **Clipping and the logged grad norm** are the global norm of the averaged gradients
   (:meth:`ShardedOptimizer.clip_grad_norm_`), not the rank-local norm accelerate would compute.
 * **Checkpoints** are sharded: at ``save_steps`` every rank writes its own shard through
@@ -33,7 +39,7 @@ from typing import Optional, Union
 import torch
 import transformers
 
-from zeroimpl import CPUOffload, ShardedOptimizer
+from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 CHECKPOINT_SUBDIR = "zeroimpl"
@@ -48,9 +54,54 @@ def check_training_arguments(args: transformers.TrainingArguments) -> None:
     """Refuse settings ZeroTrainer cannot honour, before Trainer builds anything."""
     if args.deepspeed or args.fsdp:
         raise ValueError(CONFLICT)
-    if args.fp16:
-        raise ValueError("ZeroTrainer does not support fp16 mixed precision yet (accelerate's GradScaler looks for "
-                         "full gradients, which ZeRO keeps in shards): use bf16=True, or fp32")
+
+
+class OptimizerLossScaler:
+    """What accelerate and Trainer ask of ``torch.amp.GradScaler``, done by ShardedOptimizer's loss scaler.
+
+    accelerate calls ``scale(loss)`` before backward and ``step(optimizer)`` then ``update()`` for each
+    optimizer step; a step is "skipped" for Trainer (no LR-scheduler step) when the optimizer's own ``step``,
+    which accelerate patches to notice the call, is not called. Trainer saves ``state_dict()`` in
+    ``scaler.pt``; the same state is also in the sharded checkpoint.
+    """
+
+    def __init__(self, optimizer: ShardedOptimizer):
+        self.optimizer = optimizer
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.scale_loss(loss)
+
+    def unscale_(self, optimizer=None) -> None:
+        self.optimizer.found_nonfinite()  # unscales the gradient shards, once per step
+
+    def step(self, optimizer, *args, **kwargs):
+        if self.optimizer.found_nonfinite():
+            # the unpatched step: it skips (or raises at the minimum scale) and accelerate sees no step
+            return type(self.optimizer).step(self.optimizer)
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale=None) -> None:
+        if new_scale is not None:
+            raise NotImplementedError("ZeroTrainer's loss scale is dynamic; it cannot be set by hand")
+
+    def get_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict:
+        return self.optimizer.loss_scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.loss_scaler.load_state_dict(state)
+
+
+def loss_scale_like(scaler: torch.amp.GradScaler) -> LossScaleConfig:
+    """The dynamic loss scaling of a torch GradScaler (which has no hysteresis) in zeroimpl's terms."""
+    return LossScaleConfig(initial_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+                           backoff_factor=scaler.get_backoff_factor(),
+                           growth_interval=scaler.get_growth_interval(), hysteresis=1)
 
 
 class ShardedModule(torch.nn.Module):
@@ -116,9 +167,14 @@ class ZeroTrainer(transformers.Trainer):
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
+        options = dict(self.zero_options)
+        amp_scaler = self.accelerator.scaler  # set by accelerate for fp16 mixed precision only
+        if amp_scaler is not None:
+            options.setdefault("loss_scale", loss_scale_like(amp_scaler))
         self.sharded_optimizer = ShardedOptimizer(groups, optimizer_class, stage=self.zero_stage,
-                                                  offload=self.zero_offload, **self.zero_options,
-                                                  **optimizer_kwargs)
+                                                  offload=self.zero_offload, **options, **optimizer_kwargs)
+        if amp_scaler is not None:  # before accelerate prepares the optimizer, which keeps the scaler
+            self.accelerator.scaler = OptimizerLossScaler(self.sharded_optimizer)
         if isinstance(self.model_wrapped, ShardedModule):
             self.model_wrapped.optimizer = self.sharded_optimizer
         self.optimizer = self.sharded_optimizer
@@ -145,6 +201,11 @@ class ZeroTrainer(transformers.Trainer):
         if grad_norm is None:  # no clipping: the global 2-norm, leaving the gradients as they are
             grad_norm = self.sharded_optimizer.clip_grad_norm_(float("inf"))
         return grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs and self.sharded_optimizer is not None and self.sharded_optimizer.loss_scale is not None:
+            logs["loss_scale"] = self.sharded_optimizer.loss_scale
+        super().log(logs, *args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

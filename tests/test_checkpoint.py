@@ -48,8 +48,9 @@ def make(dtype, optimizer_name, stage, offload):
     if offload == "cpu":
         offload = CPUOffload(fused_step=False)  # the same kernel as without offload: bitwise comparable
     optimizer = ShardedOptimizer(param_groups(model), optimizer_class, stage=stage, offload=offload,
-                                 bucket_numel=4096, loss_scale=LossScaleConfig(initial_scale=256.0, growth_interval=2),
-                                 **kwargs)
+                                 bucket_numel=4096, **kwargs,
+                                 loss_scale=LossScaleConfig(initial_scale=256.0, growth_interval=2)
+                                 if dtype == torch.float16 else None)
     return model, optimizer
 
 

@@ -59,8 +59,10 @@ class GradientReducer:
 
     def __init__(self, layout: ShardLayout, storages: list[BucketStorage], group,
                  stage: int, reduce_dtypes: list[torch.dtype], max_inflight: int,
-                 gradients: Union[DeviceGradientShards, HostGradientShards], on_gradient: Callable[[], None]):
+                 gradients: Union[DeviceGradientShards, HostGradientShards], on_gradient: Callable[[], None],
+                 timeout: Optional[float] = None):
         self.layout = layout
+        self.timeout = timeout  # seconds a reduce-scatter may take before CollectiveError (None: the group's)
         self.storages = storages
         self.group = group
         self.stage = stage
@@ -161,7 +163,7 @@ class GradientReducer:
         buffer[bucket.numel:].zero_()
         output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
         self._inflight.append(_Reduction(bucket_index, buffer, output,
-                                         comm.reduce_scatter(output, buffer, self.group)))
+                                         comm.reduce_scatter(output, buffer, self.group, self.timeout)))
         self._next_launch = bucket_index + 1
         while len(self._inflight) > self.max_inflight:
             self._complete_oldest()

@@ -67,6 +67,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (or the loss scale is already at its minimum). ``"raise"`` (default): clear the gradients, leave
             parameters and state untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear
             the gradients, skip the step and count it in ``skipped_steps``. Never an update with NaN.
+        collective_timeout: seconds any one of this optimizer's collectives may take before it raises
+            :class:`zeroimpl.CollectiveError` (a rank died or hangs). Default ``None``: the process group's
+            own timeout (``init_process_group(timeout=...)``). A rank that dies outright is usually noticed
+            at once (gloo sees the connection drop; torchrun stops the other ranks).
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
         assume_elementwise: accept an optimizer class zeroimpl does not know; only set it if the class
             updates every element from its own parameter, gradient and state.
@@ -82,10 +86,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  bucket_numel: int = 2 ** 22, max_inflight_buckets: int = 2,
                  reduce_dtype: Optional[torch.dtype] = None,
                  loss_scale: Union[str, None, LossScaleConfig] = "auto", nonfinite: str = "raise",
-                 alignment: int = 8, assume_elementwise: bool = False, **optimizer_kwargs):
+                 collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
+                 **optimizer_kwargs):
         validation.check_stage(stage)
         validation.check_loss_scale(loss_scale)
         validation.check_nonfinite(nonfinite)
+        validation.check_timeout(collective_timeout)
+        self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
         validation.check_optimizer_class(optimizer_class, assume_elementwise)
         validation.check_process_group(process_group)
@@ -105,7 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if param.requires_grad and all(param is not seen for seen in trainable):
                     trainable.append(param)
                     specs.append(ParamSpec(group_index, str(param.dtype), param.numel()))
-        validation.check_params(trainable, process_group)
+        validation.check_params(trainable, process_group, collective_timeout)
 
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         self.layout: ShardLayout = build_layout(specs, self.world_size, bucket_numel, alignment)
@@ -137,7 +144,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
         self.reducer = GradientReducer(self.layout, self.storages, process_group, stage, reduce_dtypes,
-                                       max_inflight_buckets, self.gradients, self._check_gradient_arrival)
+                                       max_inflight_buckets, self.gradients, self._check_gradient_arrival,
+                                       collective_timeout)
         self._constructed = True
 
     def _inner_groups(self) -> list[dict]:
@@ -227,7 +235,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=torch.float32) ** norm_type
                                      for s in shards]).sum()
         values = nonfinite.reshape(1) if norm_term is None else torch.stack([nonfinite, norm_term.to(nonfinite.device)])
-        agreed = comm.all_reduce_(values.to(self._device), op, self.process_group)
+        agreed = comm.all_reduce_(values.to(self._device), op, self.process_group, self.collective_timeout,
+                                  "gradient check all-reduce")
         self._checked = bool(agreed[0].item())
         if norm_term is None:
             return None
@@ -318,7 +327,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._finish_step(overflow=False)
 
     def _all_gather_params(self) -> None:
-        works = [comm.all_gather(s.param_buffer, s.shard, self.process_group) for s in self.storages]
+        works = [comm.all_gather(s.param_buffer, s.shard, self.process_group, self.collective_timeout)
+                 for s in self.storages]
         for work in works:
             work.wait()
         # the all-gather wrote the parameters in place: let autograd refuse graphs built before it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -48,6 +50,12 @@ def check_nonfinite(nonfinite) -> None:
                          f"'skip' (skip such steps and count them), got {nonfinite!r}")
 
 
+def check_timeout(timeout) -> None:
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"collective_timeout must be None (the process group's timeout) or a number of seconds "
+                         f"> 0, got {timeout!r}")
+
+
 def check_optimizer_class(optimizer_class, assume_elementwise: bool) -> None:
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
@@ -62,7 +70,7 @@ def check_optimizer_class(optimizer_class, assume_elementwise: bool) -> None:
                          "assume_elementwise=True; otherwise it cannot be sharded")
 
 
-def check_params(params: list[torch.Tensor], group) -> None:
+def check_params(params: list[torch.Tensor], group, timeout: Optional[float] = None) -> None:
     """Local checks, then one cheap cross-rank check that every rank holds the same parameters."""
     if not params:
         raise ValueError("ShardedOptimizer got no trainable parameters (all have requires_grad=False?)")
@@ -79,10 +87,11 @@ def check_params(params: list[torch.Tensor], group) -> None:
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"process group backend is nccl but parameters are on {device}; move the model to "
                          "its GPU (model.to(f'cuda:{local_rank}')) or use backend='gloo' for CPU training")
-    _check_same_across_ranks(params, group, device if backend == "nccl" else torch.device("cpu"))
+    _check_same_across_ranks(params, group, device if backend == "nccl" else torch.device("cpu"), timeout)
 
 
-def _check_same_across_ranks(params: list[torch.Tensor], group, device: torch.device) -> None:
+def _check_same_across_ranks(params: list[torch.Tensor], group, device: torch.device,
+                             timeout: Optional[float]) -> None:
     """Compare shapes and a float64 checksum of every parameter with two small MAX all-reduces.
 
     ``max(x) == -max(-x)`` holds on every rank exactly when all ranks hold the same ``x``.
@@ -90,15 +99,16 @@ def _check_same_across_ranks(params: list[torch.Tensor], group, device: torch.de
     shapes = torch.tensor([len(params), sum(p.numel() for p in params),
                            hash(tuple(tuple(p.shape) for p in params)) % (2 ** 50)],
                           dtype=torch.float64, device=device)
-    _raise_if_ranks_differ(shapes, group, "the number or the shapes of the trainable parameters")
+    _raise_if_ranks_differ(shapes, group, "the number or the shapes of the trainable parameters", timeout)
     with torch.no_grad():
         sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
                             for p in params]).flatten().to(device)
-    _raise_if_ranks_differ(sums, group, "the values of the parameters")
+    _raise_if_ranks_differ(sums, group, "the values of the parameters", timeout)
 
 
-def _raise_if_ranks_differ(values: torch.Tensor, group, what: str) -> None:
-    both = comm.all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, group)
+def _raise_if_ranks_differ(values: torch.Tensor, group, what: str, timeout: Optional[float]) -> None:
+    both = comm.all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, group, timeout,
+                            "construction check all-reduce")
     high, negated_low = both.chunk(2)
     if not torch.equal(high, -negated_low):
         raise RuntimeError(f"ranks differ in {what} at ShardedOptimizer construction; build the model with "

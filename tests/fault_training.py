@@ -1,0 +1,71 @@
+"""A training job for the fault tests, run under torchrun: tiny GPT-2, ZeRO stage 2, a checkpoint after
+every step, resume from the newest complete checkpoint on start.
+
+    torchrun --nproc_per_node 2 tests/fault_training.py OUT --steps 5 [--fault kill|hang --fault-step 3]
+
+``--fault kill``: in the first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT == 0), rank 1 kills itself
+with SIGKILL after the backward of ``--fault-step``, before that step's optimizer step. ``--fault hang``:
+rank 1 sleeps instead, and the others must stop within ``--collective-timeout``. Rank 0 writes the final
+parameters to ``OUT/final.pt``.
+"""
+
+import argparse
+import os
+import re
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import batch, build_model, param_groups  # noqa: E402
+from zeroimpl import ShardedOptimizer  # noqa: E402
+from zeroimpl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+
+
+def newest_checkpoint(out: str):
+    """(step, path) of the newest published checkpoint (saves publish atomically, so any listed one is whole)."""
+    steps = [int(m.group(1)) for name in os.listdir(out) if (m := re.fullmatch(r"step-(\d+)", name))]
+    return (max(steps), os.path.join(out, f"step-{max(steps)}")) if steps else (0, None)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--fault", choices=["none", "kill", "hang"], default="none")
+    parser.add_argument("--fault-step", type=int, default=3)
+    parser.add_argument("--collective-timeout", type=float, default=None)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-2, bucket_numel=4096,
+                                 collective_timeout=args.collective_timeout)
+    os.makedirs(args.out, exist_ok=True)
+    done, checkpoint = newest_checkpoint(args.out)
+    if checkpoint:
+        load_checkpoint(checkpoint, optimizer, model)
+        print(f"rank {rank}: resumed from {os.path.basename(checkpoint)}", flush=True)
+    for step in range(done + 1, args.steps + 1):
+        optimizer.backward(model(**batch(rank, step, 0)).loss)
+        if rank == 1 and first_attempt and step == args.fault_step:
+            if args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif args.fault == "hang":
+                time.sleep(600)
+        optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        save_checkpoint(os.path.join(args.out, f"step-{step}"), optimizer, model)
+    if rank == 0:
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, os.path.join(args.out, "final.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

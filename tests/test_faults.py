@@ -1,0 +1,53 @@
+"""A rank that dies or hangs mid-step stops the job in bounded time, and torchrun's restart resumes it.
+
+Jobs run tests/fault_training.py under torchrun (2 CPU ranks, gloo): tiny GPT-2, stage 2, a checkpoint
+after every step. Bounds: the hung rank's peers must stop within the collective timeout (3 s) plus process
+start and teardown, so the whole job must end within HANG_JOB_LIMIT seconds (without the timeout it would wait out the hung
+rank's 600 s sleep). The restarted job must end bitwise where an uninterrupted one does.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "fault_training.py")
+COLLECTIVE_TIMEOUT = 3.0
+HANG_JOB_LIMIT = 90.0
+
+
+def torchrun(out, *flags, restarts=0, timeout=300):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "--max-restarts", str(restarts), "--monitor-interval", "0.5", SCRIPT, str(out), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    started = time.monotonic()
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    return completed, time.monotonic() - started
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path):
+    """Rank 1 is SIGKILLed mid-step 3; torchrun stops rank 0 and restarts both, which resume from step 2."""
+    interrupted, _ = torchrun(tmp_path / "killed", "--fault", "kill", "--fault-step", "3", restarts=1)
+    assert interrupted.returncode == 0, interrupted.stderr[-4000:]
+    assert "rank 0: resumed from step-2" in interrupted.stdout and "rank 1: resumed from step-2" in interrupted.stdout
+    clean, _ = torchrun(tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-4000:]
+    restarted = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
+    uninterrupted = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
+    assert restarted.keys() == uninterrupted.keys()
+    assert all(torch.equal(restarted[n], uninterrupted[n]) for n in uninterrupted)
+
+
+def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
+    """Rank 1 sleeps in step 3; rank 0's gradient reduce-scatter gives up after 3 s with a clear error, and
+    torchrun then stops rank 1 too: the job fails quickly instead of hanging."""
+    failed, seconds = torchrun(tmp_path / "hung", "--fault", "hang", "--fault-step", "3",
+                               "--collective-timeout", str(COLLECTIVE_TIMEOUT))
+    assert failed.returncode != 0
+    assert "CollectiveError" in failed.stderr and f"collective_timeout={COLLECTIVE_TIMEOUT} s" in failed.stderr
+    assert "Restart the job from the last checkpoint" in failed.stderr
+    assert seconds < HANG_JOB_LIMIT, seconds
+    assert sorted(os.listdir(tmp_path / "hung")) == ["step-1", "step-2"]  # nothing half-written survives
