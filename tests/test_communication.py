@@ -1,8 +1,9 @@
 """Count every collective zeroimpl issues per optimizer step, with its size.
 
 The claim: per step, one reduce-scatter of the gradients (Ψ elements plus bucket padding) and one
-all-gather of the parameters (the same), and one all-reduce of 1 element (every rank's "gradients hold
-NaN/Inf" flag) or 2 with clipping (the flag and the norm, fused) -- no gradient all-reduce. Stage 1 communicates
+all-gather of the parameters (the same), and one all-reduce of 4 elements (the "gradients hold NaN/Inf"
+flag, the clipping norm, and two sums that tell whether every rank ran as many backward passes) -- no
+gradient all-reduce. Stage 1 communicates
 once per step however many micro-batches are accumulated; stage 2 reduces every micro-batch.
 """
 
@@ -50,5 +51,5 @@ def test_collectives_per_step(stage, accum, clip, dtype):
             assert summary.pop("reduce_scatter_single") == (reductions * buckets, reductions * padded, {torch.float32})
             assert summary.pop("all_gather_single") == (buckets, padded, {dtype})
             count, total, _ = summary.pop("all_reduce")
-            assert (count, total) == (1, 2 if clip else 1)
+            assert (count, total) == (1, 4)
             assert summary == {}, f"unexpected collectives {summary}"

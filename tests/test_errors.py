@@ -82,6 +82,24 @@ def _misuse(rank, world_size):
                          torch.optim.AdamW)
     errors["devices"] = _catch(mixed_devices)
 
+    def wrapped_in_ddp(stage):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage)
+        ddp(torch.ones(3, 4) * (rank + 1)).sum().backward()
+        optimizer.step()
+    errors["ddp1"] = _catch(lambda: wrapped_in_ddp(1))
+    errors["ddp2"] = _catch(lambda: wrapped_in_ddp(2))
+
+    def different_backward_counts():  # stage 1: no collective in backward, so step() can check the counts
+        model = _linear()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1)
+        for _ in range(rank + 1):
+            model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    errors["backward_counts"] = _catch(different_backward_counts)
+
     def all_frozen():
         ShardedOptimizer([torch.nn.Parameter(torch.zeros(2), requires_grad=False)], torch.optim.AdamW)
     errors["frozen"] = _catch(all_frozen)
@@ -96,6 +114,8 @@ def test_misuse_raises_on_every_rank():
         assert "call optimizer.backward(loss)" in errors["fp16"]
         assert "several devices" in errors["devices"]
         assert "no trainable parameters" in errors["frozen"]
+        assert "wrapped in DistributedDataParallel" in errors["ddp1"] and "do not wrap it in DDP" in errors["ddp2"]
+        assert "different numbers of backward passes" in errors["backward_counts"]
 
 
 def _lifecycle(rank, world_size):

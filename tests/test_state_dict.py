@@ -69,7 +69,11 @@ def _mismatch(rank, world_size):
     plain = torch.optim.AdamW(build_model("gpt2").parameters()).state_dict()
     smaller = build_model("gpt2")
     smaller_opt = ShardedOptimizer(param_groups(smaller)[:1], torch.optim.AdamW, bucket_numel=4096)
-    for name, state in {"other_rank": other_rank, "plain": plain, "other_model": smaller_opt.state_dict()}.items():
+    regrouped = build_model("gpt2")  # the same model, with all parameters in one param group
+    regrouped_opt = ShardedOptimizer([{"params": list(regrouped.parameters())}], torch.optim.AdamW, bucket_numel=4096)
+    states = {"other_rank": other_rank, "plain": plain, "other_model": smaller_opt.state_dict(),
+              "other_groups": regrouped_opt.state_dict()}
+    for name, state in states.items():
         try:
             optimizer.load_state_dict(state)
         except ValueError as error:
@@ -81,4 +85,4 @@ def test_mismatched_state_is_refused():
     for errors in run_distributed(2, _mismatch):
         assert "saved by rank" in errors["other_rank"]
         assert "not a ShardedOptimizer state dict" in errors["plain"]
-        assert "layout" in errors["other_model"]
+        assert "layout" in errors["other_model"] and "layout" in errors["other_groups"]

@@ -73,7 +73,7 @@ class GradientReducer:
         self.gradients = gradients  # where finished reductions go
 
         self._inflight: deque[_Reduction] = deque()
-        # stage 2, per backward pass:
+        self.backward_passes = 0  # backward passes that reached these parameters since the last step/zero_grad
         self._in_backward = False
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
         self._arrived: list[set[int]] = [set() for _ in layout.buckets]  # param indices with a gradient
@@ -100,11 +100,11 @@ class GradientReducer:
             raise RuntimeError("ShardedOptimizer got a sparse gradient; sparse gradients cannot be "
                                "sharded. Use dense embeddings (e.g. nn.Embedding(sparse=False)).")
         self._on_gradient()
-        if self.stage == 1:
-            return
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if self.stage == 1:
+            return
         bucket_index, param_index = self._bucket_of[id(param)]
         arrived = self._arrived[bucket_index]
         if param_index in arrived or bucket_index < self._next_launch:
@@ -118,9 +118,11 @@ class GradientReducer:
         self._launch_ready_buckets()
 
     def _finish_backward(self) -> None:
-        """End of backward (stage 2): launch what is left, in order, and wait for everything."""
-        while self._next_launch < len(self.layout.buckets):
-            self._launch(self._next_launch)
+        """End of backward: count it; stage 2: launch what is left, in order, and wait for everything."""
+        self.backward_passes += 1
+        if self.stage == 2:
+            while self._next_launch < len(self.layout.buckets):
+                self._launch(self._next_launch)
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -183,8 +185,11 @@ class GradientReducer:
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
-            raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside "
-                               "backward (by hand or with torch.autograd.grad) would be ignored; use stage=1")
+            raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside zeroimpl's "
+                               "backward hooks would be ignored. If the model is wrapped in "
+                               "DistributedDataParallel, unwrap it (DDP writes all-reduced gradients back; "
+                               "ShardedOptimizer reduces them itself); if you set param.grad by hand or with "
+                               "torch.autograd.grad, use stage=1")
         if self.stage == 1 and with_grad:
             for storage in self.storages:
                 bucket_index = storage.bucket.index
@@ -212,6 +217,7 @@ class GradientReducer:
                 elif param.grad is not None:
                     param.grad.zero_()
         self._reset_round()
+        self.backward_passes = 0
         self.gradients.clear(set_to_none)
 
 

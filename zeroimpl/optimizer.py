@@ -137,6 +137,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler(loss_scale) if loss_scale else None
         self.nonfinite = nonfinite
         self._skipped_without_scaler = 0
+        self._wrapping_checked = False
         self._loss_scaled = False  # a loss was scaled since the last step (checked when gradients arrive)
         self._unscaled = False  # gradient shards already divided by the loss scale this step
         self._checked: Optional[bool] = None  # this step's agreed "gradients hold NaN/Inf", once computed
@@ -212,6 +213,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- gradients --------------------------------------------------------------------------------
     def _prepare_gradients(self) -> bool:
         """Finish the reduction (and unscaling); return whether there are gradients to step on."""
+        if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
+            validation.check_not_wrapped_in_ddp(self.trainable_params[0])
+            self._wrapping_checked = True
         self.reducer.finalize()
         if not self.gradients.has_gradients:
             return False
@@ -221,24 +225,39 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return True
 
     def _agree_on_gradients(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """One all-reduce of at most 2 elements: whether any rank's gradient shard holds NaN/Inf (stored in
-        ``self._checked``) and, given ``norm_type``, the global gradient norm (returned, on the device).
+        """One all-reduce of 3 or 4 elements: whether any rank's gradient shard holds NaN/Inf (stored in
+        ``self._checked``), whether every rank ran the same number of backward passes, and, given
+        ``norm_type``, the global gradient norm (returned, on the device).
 
-        The one host sync of the step (``.item()`` of the agreed flag). Call after ``_prepare_gradients``.
+        Counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM) or ``max(c) == -max(-c)`` (MAX), so every
+        rank reaches the same verdict. The one host sync of the step. Call after ``_prepare_gradients``.
         """
         shards = self._grad_shards()
+        device = shards[0].device
         nonfinite = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float()
-        op, norm_term = dist.ReduceOp.SUM, None
+        passes = float(self.reducer.backward_passes)
         if norm_type == float("inf"):
-            op, norm_term = dist.ReduceOp.MAX, torch.stack([s.abs().max() for s in shards]).max().float()
-        elif norm_type is not None:
-            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=torch.float32) ** norm_type
-                                     for s in shards]).sum()
-        values = nonfinite.reshape(1) if norm_term is None else torch.stack([nonfinite, norm_term.to(nonfinite.device)])
-        agreed = comm.all_reduce_(values.to(self._device), op, self.process_group, self.collective_timeout,
-                                  "gradient check all-reduce")
-        self._checked = bool(agreed[0].item())
-        if norm_term is None:
+            op = dist.ReduceOp.MAX
+            norm_term = torch.stack([s.abs().max() for s in shards]).max().float()
+            counts = torch.tensor([passes, -passes], device=device)
+        else:
+            op = dist.ReduceOp.SUM
+            norm_term = torch.zeros((), device=device) if norm_type is None else torch.stack(
+                [torch.linalg.vector_norm(s, norm_type, dtype=torch.float32) ** norm_type for s in shards]).sum()
+            counts = torch.tensor([passes, passes * passes], device=device)
+        values = torch.cat([nonfinite.reshape(1), norm_term.reshape(1), counts]).to(self._device)
+        agreed = comm.all_reduce_(values, op, self.process_group, self.collective_timeout, "gradient check all-reduce")
+        flags = agreed[[0, 2, 3]].tolist()  # the one host sync
+        same_passes = (flags[1] == -flags[2] if op == dist.ReduceOp.MAX
+                       else self.world_size * flags[2] == flags[1] ** 2)
+        if not same_passes:
+            self.zero_grad()
+            raise RuntimeError(
+                f"the ranks ran different numbers of backward passes before step() (this rank: {int(passes)}); "
+                "every rank must run the same micro-batches per optimizer step. The gradients were cleared; "
+                "nothing was updated")
+        self._checked = bool(flags[0])
+        if norm_type is None:
             return None
         return agreed[1] if norm_type == float("inf") else agreed[1] ** (1.0 / norm_type)
 
@@ -247,7 +266,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         will skip the update (or raise, see ``nonfinite``). Identical on every rank; collective.
 
         Finishes the reduction; costs nothing extra, since ``step()`` or ``clip_grad_norm_()`` would run the
-        same one-element all-reduce, and the answer is kept until the step.
+        same small all-reduce, and the answer is kept until the step.
         """
         if not self._prepare_gradients():
             return False
@@ -264,7 +283,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm.
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, computed from the
-        shards with one all-reduce of two elements (the norm, and the NaN/Inf check that ``step()`` then
+        shards with one all-reduce of four elements (the norm, and the checks that ``step()`` then
         reuses). The result is identical on every rank. Gradients with NaN or Inf are left unclipped: the
         returned norm is then NaN or Inf, and ``step()`` will skip or raise.
         """
@@ -339,6 +358,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _finish_step(self, overflow: bool) -> None:
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
+        self.reducer.backward_passes = 0
         self._reset_step_flags()
 
     def _reset_step_flags(self) -> None:

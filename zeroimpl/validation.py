@@ -70,6 +70,23 @@ def check_optimizer_class(optimizer_class, assume_elementwise: bool) -> None:
                          "assume_elementwise=True; otherwise it cannot be sharded")
 
 
+def check_not_wrapped_in_ddp(param: torch.Tensor) -> None:
+    """Raise if torch's DistributedDataParallel also holds ``param``: it would all-reduce every gradient that
+    ShardedOptimizer reduces itself (twice the traffic, DDP's full-size buckets; stage 2 loses its gradients).
+
+    DDP keeps its parameters in a list ``_module_parameters``; this finds that list among the parameter's
+    referrers. Two scans of the live objects (``gc.get_referrers``), so ``step()`` does it once.
+    """
+    import gc
+
+    lists = [holder for holder in gc.get_referrers(param) if isinstance(holder, list)]
+    for owner in gc.get_referrers(*lists) if lists else ():
+        if isinstance(owner, dict) and any(owner.get("_module_parameters") is holder for holder in lists):
+            raise RuntimeError("the model is wrapped in DistributedDataParallel, which all-reduces every gradient "
+                               "that ShardedOptimizer already reduce-scatters: pass the bare model's parameters "
+                               "and do not wrap it in DDP (call the model itself; ShardedOptimizer replaces DDP)")
+
+
 def check_params(params: list[torch.Tensor], group, timeout: Optional[float] = None) -> None:
     """Local checks, then one cheap cross-rank check that every rank holds the same parameters."""
     if not params:
