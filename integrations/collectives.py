@@ -16,13 +16,28 @@ import torch.distributed as dist
 COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor",
                "all_gather_into_tensor", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single",
                "reduce", "gather", "scatter", "all_reduce_coalesced", "all_gather_object", "barrier")
-SIZE_ARGUMENT = {"reduce_scatter_single": 1, "reduce_scatter_tensor": 1}  # the input; otherwise the first tensor
 
 
 class Call(NamedTuple):
     name: str
-    numel: int  # elements of the tensor that measures the call's size (0 for calls without one)
+    numel: int  # elements of the full tensor the collective reduces or gathers (0 for calls without one)
     dtype: Optional[torch.dtype]
+
+
+def _full_size(args, kwargs) -> tuple[int, Optional[torch.dtype]]:
+    """The call's full size: its largest tensor argument, or list of tensors summed, positional or keyword.
+
+    That is the reduced tensor of an all-reduce / reduce / broadcast, the input of a reduce-scatter and the
+    output of an all-gather, whichever spelling (``all_gather_single(out, in)``, ``all_gather(list, t)``,
+    DeepSpeed's keyword calls) is used."""
+    sizes, dtype = [0], None
+    for value in (*args, *kwargs.values()):
+        tensors = [value] if isinstance(value, torch.Tensor) else (
+            [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else [])
+        if tensors:
+            sizes.append(sum(t.numel() for t in tensors))
+            dtype = dtype or tensors[0].dtype
+    return max(sizes), dtype
 
 
 class CollectiveCounter:
@@ -52,10 +67,7 @@ class CollectiveCounter:
 
     def _counted(self, name: str, original):
         def counted(*args, **kwargs):
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            sized = tensors[SIZE_ARGUMENT.get(name, 0)] if len(tensors) > SIZE_ARGUMENT.get(name, 0) else None
-            self.calls.append(Call(name, sized.numel() if sized is not None else 0,
-                                   sized.dtype if sized is not None else None))
+            self.calls.append(Call(name, *_full_size(args, kwargs)))
             return original(*args, **kwargs)
 
         return counted

@@ -2,12 +2,15 @@
 
 Per configuration (stage 1, stage 2, stage 2 with offload; accumulation 2 and clipping), 2 ranks train a
 tiny GPT-2 for WARMUP + STEPS optimizer steps. Measured after WARMUP, half-way and at the end: the number
-of live tensors (gc), the hooks on the parameters, zeroimpl's parameter-owner registry, and the resident
-set size. A leak of even one small tensor per step would add STEPS tensors. RSS settles during the first
-half (the allocator's pools fill: +2.3 to +3.4 MiB measured); over the second half it may move by
-RSS_SLACK_MIB at most (measured +0.03 to +0.6 MiB), which a leak of 7 KiB per step would exceed.
+of live tensors and of all gc-tracked Python objects, the hooks on the parameters, zeroimpl's
+parameter-owner registry, and the resident set size (after malloc_trim). A leak of even one small tensor
+or object per step would add STEPS of them: the counts must not move at all. RSS settles during the first
+half (the allocator's pools fill: about +2.3 MiB measured); over the second half it may move by
+RSS_SLACK_MIB at most (measured +0.01 to +0.13 MiB; 1.1 MiB once without malloc_trim on a loaded machine),
+which a leak of 14 KiB per step would exceed.
 """
 
+import ctypes
 import gc
 import warnings
 
@@ -19,19 +22,23 @@ from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 
 WARMUP, STEPS = 20, 300
-RSS_SLACK_MIB = 1.0
+RSS_SLACK_MIB = 2.0
 
 
 def _rss_mib() -> float:
+    """Resident set size after returning the allocator's free heap pages to the OS (less noise)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096 / 2 ** 20
 
 
-def _live_tensors() -> int:
+def _live_objects() -> tuple[int, int]:
+    """(live tensors, all live Python objects that the garbage collector tracks)."""
     gc.collect()
+    objects = gc.get_objects()
     with warnings.catch_warnings():  # isinstance() touches torch.distributed's deprecated reduce_op object
         warnings.simplefilter("ignore", FutureWarning)
-        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+        return sum(1 for obj in objects if isinstance(obj, torch.Tensor)), len(objects)
 
 
 def _hooks(model) -> int:
@@ -40,7 +47,9 @@ def _hooks(model) -> int:
 
 def _measure(model):
     from zeroimpl import grad_sync
-    return {"tensors": _live_tensors(), "hooks": _hooks(model), "owners": len(grad_sync._OWNERS), "rss": _rss_mib()}
+    tensors, objects = _live_objects()
+    return {"tensors": tensors, "objects": objects, "hooks": _hooks(model), "owners": len(grad_sync._OWNERS),
+            "rss": _rss_mib()}
 
 
 def _long_run(rank, world_size, stage, offload):
@@ -68,6 +77,6 @@ def test_hundreds_of_steps_hold_steady(stage, offload):
     for samples in run_distributed(2, _long_run, stage, offload):
         before, middle, after = samples[WARMUP], samples[WARMUP + STEPS // 2], samples["end"]
         print(f"stage {stage} offload {offload}: {before} -> {middle} -> {after}")
-        assert after["tensors"] == before["tensors"]
+        assert after["tensors"] == before["tensors"] and after["objects"] == before["objects"]
         assert after["hooks"] == before["hooks"] > 0 and after["owners"] == before["owners"]
         assert after["rss"] - middle["rss"] <= RSS_SLACK_MIB

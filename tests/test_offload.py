@@ -125,9 +125,11 @@ def _host_syncs_few_and_many_buckets(rank, world_size, dtype):
     return [_host_syncs(rank, world_size, dtype, bucket_numel) for bucket_numel in (2 ** 20, 1)]
 
 
-@pytest.mark.parametrize("dtype,expected", [(torch.float32, ["item"]), (torch.float16, ["item"])])
-def test_host_syncs_per_step_do_not_grow_with_buckets(dtype, expected):
-    """One host sync in clip + step, the agreed NaN/Inf flag (fp16: overflow), with 2 or 20+ buckets."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_host_syncs_per_step_do_not_grow_with_buckets(dtype):
+    """One host sync in clip + step, the step's agreed checks (NaN/Inf, backward counts), with 2 or 20+
+    buckets."""
+    expected = ["tolist"]
     for (few, few_buckets), (many, many_buckets) in run_distributed(2, _host_syncs_few_and_many_buckets, dtype):
         assert few_buckets == 2 and many_buckets >= 20  # one bucket per param group; one per parameter
         assert few == many == [expected, expected]

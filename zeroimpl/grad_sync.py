@@ -197,9 +197,8 @@ class GradientReducer:
                     if param.grad is not None:
                         self._write_grad(bucket_index, param_index, param.grad)
                         self._arrived[bucket_index].add(param_index)
+                        param.grad = None  # freed as copied: the bucket buffers replace the gradients
                 self._launch(bucket_index)
-                for param in storage.params:
-                    param.grad = None
             self._reset_round()
 
     def live_buffers(self) -> list[torch.Tensor]:

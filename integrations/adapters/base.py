@@ -54,6 +54,10 @@ class Runner(ABC):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model by name, full (unsharded), on this rank. May be a collective."""
 
+    def expose_collectives(self) -> None:
+        """Make every collective go through ``torch.distributed``'s Python functions, where
+        :class:`integrations.collectives.CollectiveCounter` sees it (for communication counts only)."""
+
     @abstractmethod
     def model_state(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds for training, by kind (:data:`MODEL_STATE_KINDS`):

@@ -29,6 +29,14 @@ class WrapperLoopRunner(Runner):
         self.settings = settings
         self.device = device
 
+    def expose_collectives(self) -> None:
+        """DDP all-reduces its buckets from C++; its default comm hook does the same through ``dist.all_reduce``."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(self.module, DistributedDataParallel):
+            self.module.register_comm_hook(None, allreduce_hook)
+
     def no_sync(self):
         """Context for non-final micro-batches: skip the gradient reduction."""
         return self.module.no_sync()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..adapters import Implementation, TrainSettings
+from ..collectives import CollectiveCounter
 from ..launch import run_distributed
 from ..models import batch, build_model
 from .measure import PeakMemory, model_state_bytes
@@ -36,6 +37,7 @@ class Workload:
     warmup_steps: int = 1  # not timed
     settings: TrainSettings = field(default_factory=TrainSettings)
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+    count_collectives: bool = False  # record every timed step's collectives (slows the run: not for timing)
 
     def micro_batches(self, rank: int, step: int) -> list[dict]:
         return [batch(self.family, self.size, rank, step, micro, self.settings.micro_batch_size)
@@ -50,6 +52,7 @@ class RankResult:
     peak_bytes: int  # peak memory past start-up (see measure.PeakMemory)
     tokens_per_step: int
     parameter_checksum: str  # SHA-256 of this rank's final full parameters: equal on every rank if in sync
+    collectives: list[list[tuple]] = field(default_factory=list)  # per timed step: (name, numel, dtype name)
 
 
 @dataclass
@@ -90,11 +93,14 @@ def _train_rank(rank: int, world_size: int, implementation: Implementation, work
     device = torch.device(f"cuda:{rank}" if workload.device == "cuda" else "cpu")
     for module in ("transformers", *implementation.modules):
         importlib.import_module(module)  # imports are start-up, not training: before the peak is reset
+    counter = CollectiveCounter().install() if workload.count_collectives else None
     memory = PeakMemory(device)
     memory.start()
     model = build_model(workload.family, workload.size).to(device)
     runner = implementation.build(model, workload.settings, device)
-    losses, times = [], []
+    if counter is not None:
+        runner.expose_collectives()
+    losses, times, collectives = [], [], []
     after_backward = None
     for step in range(workload.steps):
         micro_batches = workload.micro_batches(rank, step)
@@ -111,6 +117,12 @@ def _train_rank(rank: int, world_size: int, implementation: Implementation, work
         _synchronize(device)
         if step >= workload.warmup_steps:
             times.append(time.perf_counter() - start)
+        if counter is not None:
+            calls = [(c.name, c.numel, str(c.dtype)) for c in counter.take() if c.name != "barrier"]
+            if step >= workload.warmup_steps:
+                collectives.append(calls)
+    if counter is not None:
+        counter.uninstall()
     after_step = model_state_bytes(runner.model_state())
     peak = memory.peak()
     parameters = runner.full_parameters()
@@ -118,7 +130,7 @@ def _train_rank(rank: int, world_size: int, implementation: Implementation, work
         torch.save(parameters, parameters_path)
     tokens = sum(b["input_ids"].numel() for b in workload.micro_batches(rank, 0))
     return RankResult(losses, times, max(after_backward, after_step, key=lambda m: m["total"]), peak, tokens,
-                      checksum(parameters))
+                      checksum(parameters), collectives)
 
 
 def checksum(parameters: dict[str, torch.Tensor]) -> str:
