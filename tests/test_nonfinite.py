@@ -53,16 +53,26 @@ def _train(rank, stage, offload, nonfinite, poison, clip, steps=3, drop_step=Non
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _policies(rank, world_size, stage, offload, poison, clip):
-    return {"raise": _train(rank, stage, offload, "raise", poison, clip),
-            "skip": _train(rank, stage, offload, "skip", poison, clip),
-            "never_had_it": _train(rank, stage, offload, "raise", None, clip, drop_step=BAD_STEP)}
+POLICY_CASES = [(1, None, "nan", False), (2, None, "inf", True), (2, "cpu", "nan", True), (1, "cpu", "inf", False)]
 
 
-@pytest.mark.parametrize("stage,offload,poison,clip", [
-    (1, None, "nan", False), (2, None, "inf", True), (2, "cpu", "nan", True), (1, "cpu", "inf", False)])
-def test_nonfinite_gradients_raise_or_skip_on_every_rank(stage, offload, poison, clip):
-    for result in run_distributed(2, _policies, stage, offload, poison, clip):
+def _policies(rank, world_size):
+    return [{"raise": _train(rank, stage, offload, "raise", poison, clip),
+             "skip": _train(rank, stage, offload, "skip", poison, clip),
+             "never_had_it": _train(rank, stage, offload, "raise", None, clip, drop_step=BAD_STEP)}
+            for stage, offload, poison, clip in POLICY_CASES]
+
+
+@pytest.fixture(scope="module")
+def policy_runs():
+    """Every case in one launch of 2 ranks."""
+    return run_distributed(2, _policies)
+
+
+@pytest.mark.parametrize("case", range(len(POLICY_CASES)))
+def test_nonfinite_gradients_raise_or_skip_on_every_rank(policy_runs, case):
+    stage, offload, poison, clip = POLICY_CASES[case]
+    for result in (per_rank[case] for per_rank in policy_runs):
         raised = result["raise"]["events"]
         assert raised[BAD_STEP]["event"].startswith("raised: the averaged gradients hold NaN or Inf")
         assert "nonfinite='skip'" in raised[BAD_STEP]["event"]

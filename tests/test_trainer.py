@@ -152,10 +152,10 @@ def relative_distance(a, b):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_trainer_adds_no_gradient_communication(runs, stage):
     """Per optimizer step (2 micro-batches): stage 1 reduce-scatters the gradients once, stage 2 once per
-    micro-batch; one all-gather of the parameters; the step's checks (NaN/Inf flag, clipping norm, backward-pass counts: 4 elements) and
-    Trainer's logging
-    gathers (scalars) -- no gradient all-reduce, so no DDP underneath. Step 1 also holds start-up traffic,
-    and step 4 the checkpoint saved after step 3 (object gathers): both are left out."""
+    micro-batch; one all-gather of the parameters; the step's checks (NaN/Inf flag, clipping norm,
+    backward-pass counts: 4 elements) and Trainer's logging gathers (scalars) -- no gradient all-reduce,
+    so no DDP underneath. Step 1 also holds start-up traffic, and step 4 the checkpoint saved after step 3
+    (object gathers): both are left out."""
     zero, _ = runs[f"stage{stage}"]
     buckets, padded = zero["layout"]["buckets"], zero["layout"]["padded"]
     reductions = 2 if stage == 2 else 1
