@@ -18,6 +18,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13's names, or the older ones
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def timed(function, repeats: int = 7) -> float:
     for _ in range(2):
         function()
@@ -55,9 +60,8 @@ def main():
         tensors = [t for t in tensors if t.numel() % world == 0]
         shards = [torch.empty(t.numel() // world, device=device) for t in tensors]
         all_reduce = timed(in_buckets(lambda o, t: dist.all_reduce(t, async_op=True), tensors, shards))
-        reduce_scatter = timed(in_buckets(lambda o, t: dist.reduce_scatter_single(o, t, async_op=True),
-                                          tensors, shards))
-        all_gather = timed(in_buckets(lambda o, t: dist.all_gather_single(t, o, async_op=True), tensors, shards))
+        reduce_scatter = timed(in_buckets(lambda o, t: REDUCE_SCATTER(o, t, async_op=True), tensors, shards))
+        all_gather = timed(in_buckets(lambda o, t: ALL_GATHER(t, o, async_op=True), tensors, shards))
         rows.append((bucket, all_reduce, reduce_scatter, all_gather))
     if rank == 0:
         lines = [f"# Collectives on {backend}, {world} ranks, {numel:,} fp32 elements ({numel * 4 / 2 ** 20:.0f} MiB)",

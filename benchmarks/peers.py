@@ -20,7 +20,7 @@ GPT-2 with the same AdamW settings in its own fresh processes (gloo on CPU, NCCL
 3. The issue's targets, each marked met or missed and by how much, plus the offload host step from
    benchmarks/host_step.py's committed results.
 
-The full run (GPT-2 base, 29.5M parameters) takes about 35 minutes on 2 CPU cores; --quick (GPT-2 small,
+The full run (GPT-2 base, 29.5M parameters) takes about 30 minutes on 2 CPU cores; --quick (GPT-2 small,
 1.1M, fewer rows) about 5 minutes. With 2 cores, world size 4 runs 4 ranks on 2 cores: its times measure
 contention as much as the implementations.
 """
@@ -236,7 +236,8 @@ def main():
         handle.write("\n\n".join(sections) + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as handle:
         json.dump({"environment": env, "command": command, "targets": checks, "communication": comm,
-                   "rows": {w: [r.__dict__ for r in rows] for w, rows in rows_by_world.items()}}, handle, indent=1)
+                   "rows": {w: [r.__dict__ for r in rows] for w, rows in rows_by_world.items()},
+                   "live_memory_rows": [r.__dict__ for r in live_rows or []]}, handle, indent=1)
     log("\n".join(checks))
     log(f"wrote {args.out}/README.md, results.json and world-size-*.png")
 

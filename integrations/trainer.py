@@ -98,7 +98,9 @@ class OptimizerLossScaler:
 
 
 def loss_scale_like(scaler: torch.amp.GradScaler) -> LossScaleConfig:
-    """The dynamic loss scaling of a torch GradScaler (which has no hysteresis) in zeroimpl's terms."""
+    """The dynamic loss scaling of a torch GradScaler (which has no hysteresis) in zeroimpl's terms. One
+    difference is kept on purpose: the scale stops at ``min_scale`` 1, where an overflow means broken
+    gradients and ShardedOptimizer's ``nonfinite`` policy applies (a GradScaler would keep halving)."""
     return LossScaleConfig(initial_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
                            backoff_factor=scaler.get_backoff_factor(),
                            growth_interval=scaler.get_growth_interval(), hysteresis=1)
@@ -173,7 +175,8 @@ class ZeroTrainer(transformers.Trainer):
             options.setdefault("loss_scale", loss_scale_like(amp_scaler))
         self.sharded_optimizer = ShardedOptimizer(groups, optimizer_class, stage=self.zero_stage,
                                                   offload=self.zero_offload, **options, **optimizer_kwargs)
-        if amp_scaler is not None:  # before accelerate prepares the optimizer, which keeps the scaler
+        if amp_scaler is not None and self.sharded_optimizer.loss_scaler is not None:
+            # before accelerate prepares the optimizer, which keeps the scaler
             self.accelerator.scaler = OptimizerLossScaler(self.sharded_optimizer)
         if isinstance(self.model_wrapped, ShardedModule):
             self.model_wrapped.optimizer = self.sharded_optimizer

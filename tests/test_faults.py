@@ -43,8 +43,9 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path):
 
 
 def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
-    """Rank 1 sleeps in step 3; rank 0's gradient reduce-scatter gives up after 3 s with a clear error, and
-    torchrun then stops rank 1 too: the job fails quickly instead of hanging."""
+    """Rank 1 sleeps in step 3 after its backward; rank 0's next collective (the step's check all-reduce)
+    gives up after 3 s with a clear error, and torchrun then stops rank 1 too: the job fails quickly
+    instead of hanging."""
     failed, seconds = torchrun(tmp_path / "hung", "--fault", "hang", "--fault-step", "3",
                                "--collective-timeout", str(COLLECTIVE_TIMEOUT))
     assert failed.returncode != 0

@@ -7,7 +7,7 @@ parameter-owner registry, and the resident set size (after malloc_trim). A leak 
 or object per step would add STEPS of them: the counts must not move at all. RSS settles during the first
 half (the allocator's pools fill: about +2.3 MiB measured); over the second half it may move by
 RSS_SLACK_MIB at most (measured +0.01 to +0.13 MiB; 1.1 MiB once without malloc_trim on a loaded machine),
-which a leak of 17 KiB per step would exceed.
+which a leak of 18 KiB per step would exceed.
 """
 
 import ctypes

@@ -17,8 +17,16 @@ from zeroimpl import LossScaleConfig, ShardedOptimizer
 BAD_STEP = 1
 
 
+def _poison_first_element(gradient: torch.Tensor, value: str) -> torch.Tensor:
+    """One element only: after the reduce-scatter it lands in one rank's shard, so the other rank's shard is
+    finite and only the agreement across ranks can make it skip or raise too."""
+    poisoned = gradient.clone()
+    poisoned.view(-1)[0] = float(value)
+    return poisoned
+
+
 def _train(rank, stage, offload, nonfinite, poison, clip, steps=3, drop_step=None, **zero_kwargs):
-    """fp32 GPT-2, AdamW; at BAD_STEP rank 1's gradient of one weight is poisoned (``poison``: nan or inf).
+    """fp32 GPT-2, AdamW; at BAD_STEP one element of rank 1's gradient of one weight is poisoned (nan or inf).
 
     ``drop_step``: leave that step out entirely (no backward, no step): the reference for a skipped step.
     Returns per step what happened, and the final parameters and optimizer step counts.
@@ -33,7 +41,7 @@ def _train(rank, stage, offload, nonfinite, poison, clip, steps=3, drop_step=Non
             continue
         handle = None
         if poison is not None and step == BAD_STEP and rank == 1:
-            handle = target.register_hook(lambda g: g * float(poison))
+            handle = target.register_hook(lambda g: _poison_first_element(g, poison))
         optimizer.backward(model(**batch(rank, step, 0)).loss)
         if handle:
             handle.remove()
@@ -122,7 +130,7 @@ def _fp16_at_minimum_scale(rank, world_size):
     target = model.transformer.h[0].mlp.c_fc.weight
     outcomes = []
     for step in range(3):
-        handle = target.register_hook(lambda g: g * float("inf")) if rank == 0 else None
+        handle = target.register_hook(lambda g: _poison_first_element(g, "inf")) if rank == 0 else None
         optimizer.backward(model(**batch(rank, step, 0)).loss)
         handle and handle.remove()
         try:
@@ -145,7 +153,10 @@ def test_fp16_overflow_at_the_minimum_scale_raises():
 @pytest.mark.parametrize("option,value,message", [
     ("nonfinite", "ignore", "nonfinite must be 'raise'"),
     ("loss_scale", "dynamic", "loss_scale must be 'auto'"),
-    ("loss_scale", 1024.0, "loss_scale must be 'auto'")])
+    ("loss_scale", 1024.0, "loss_scale must be 'auto'"),
+    ("collective_timeout", float("inf"), "collective_timeout must be None"),
+    ("collective_timeout", True, "collective_timeout must be None"),
+    ("collective_timeout", 0, "collective_timeout must be None")])
 def test_bad_policy_values_are_refused(option, value, message):
     with pytest.raises(ValueError, match=message):
         ShardedOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.AdamW, **{option: value})

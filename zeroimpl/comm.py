@@ -7,7 +7,9 @@ name is used where it exists and a test can wrap ``torch.distributed`` attribute
 Every wait goes through :class:`Pending`: a collective that fails (a peer died: gloo sees the connection
 drop) or does not finish within ``timeout`` seconds (a peer hangs) raises :class:`CollectiveError` on this
 rank instead of blocking forever. ``timeout=None`` leaves the bound to the process group's own timeout
-(``init_process_group(timeout=...)``).
+(``init_process_group(timeout=...)``). The timeout applies to CPU tensors (gloo) only: on CUDA, a wait with
+a timeout would block the host until the collective ends and lose the overlap with backward, so there
+NCCL's watchdog enforces the process group's timeout (it aborts the process).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         return Pending(None, "reduce-scatter", timeout)
     launch = _collective("reduce_scatter_single", "reduce_scatter_tensor")
     return Pending(launch(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True),
-                   "gradient reduce-scatter", timeout)
+                   "gradient reduce-scatter", _host_timeout(input, timeout))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None) -> Pending:
@@ -68,11 +70,17 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
             output.copy_(input)
         return Pending(None, "all-gather", timeout)
     launch = _collective("all_gather_single", "all_gather_into_tensor")
-    return Pending(launch(output, input, group=group, async_op=True), "parameter all-gather", timeout)
+    return Pending(launch(output, input, group=group, async_op=True), "parameter all-gather",
+                   _host_timeout(output, timeout))
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
                 name: str = "all-reduce") -> torch.Tensor:
     """Reduce ``tensor`` in place across the group and return it."""
-    Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True), name, timeout).wait()
+    Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True), name, _host_timeout(tensor, timeout)).wait()
     return tensor
+
+
+def _host_timeout(tensor: torch.Tensor, timeout: Optional[float]) -> Optional[float]:
+    """The timeout for a wait on ``tensor``'s collective: none on CUDA (see the module docstring)."""
+    return timeout if tensor.device.type == "cpu" else None

@@ -67,10 +67,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (or the loss scale is already at its minimum). ``"raise"`` (default): clear the gradients, leave
             parameters and state untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear
             the gradients, skip the step and count it in ``skipped_steps``. Never an update with NaN.
-        collective_timeout: seconds any one of this optimizer's collectives may take before it raises
-            :class:`zeroimpl.CollectiveError` (a rank died or hangs). Default ``None``: the process group's
-            own timeout (``init_process_group(timeout=...)``). A rank that dies outright is usually noticed
-            at once (gloo sees the connection drop; torchrun stops the other ranks).
+        collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take
+            before it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs). Default ``None``: the
+            process group's own timeout (``init_process_group(timeout=...)``). On CUDA, NCCL's watchdog
+            enforces the process group's timeout (a bounded wait would block the host). A rank that dies
+            outright is usually noticed at once (gloo sees the connection drop; torchrun stops the others).
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
         assume_elementwise: accept an optimizer class zeroimpl does not know; only set it if the class
             updates every element from its own parameter, gradient and state.
@@ -140,7 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._wrapping_checked = False
         self._loss_scaled = False  # a loss was scaled since the last step (checked when gradients arrive)
         self._unscaled = False  # gradient shards already divided by the loss scale this step
-        self._checked: Optional[bool] = None  # this step's agreed "gradients hold NaN/Inf", once computed
+        self._nonfinite: Optional[bool] = None  # this step's agreed "gradients hold NaN/Inf"; None: not checked
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
@@ -169,7 +170,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because the averaged gradients held NaN or Inf (overflow or ``"skip"``)."""
+        """Optimizer steps skipped because the averaged gradients held NaN or Inf (those that raised too).
+        Saved with the loss scaler's state when loss scaling is on; otherwise counted from construction."""
         return self.loss_scaler.skipped_steps if self.loss_scaler else self._skipped_without_scaler
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -201,6 +203,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.gradients.accumulating = previous
 
     def _check_gradient_arrival(self) -> None:
+        self._nonfinite = None  # a new gradient: this step's checks must run again
         if self.loss_scaler is None:
             return
         if not self._loss_scaled:
@@ -225,8 +228,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return True
 
     def _agree_on_gradients(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """One all-reduce of 3 or 4 elements: whether any rank's gradient shard holds NaN/Inf (stored in
-        ``self._checked``), whether every rank ran the same number of backward passes, and, given
+        """One all-reduce of 4 elements: whether any rank's gradient shard holds NaN/Inf (stored in
+        ``self._nonfinite``), whether every rank ran the same number of backward passes, and, given
         ``norm_type``, the global gradient norm (returned, on the device).
 
         Counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM) or ``max(c) == -max(-c)`` (MAX), so every
@@ -247,32 +250,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
             counts = torch.tensor([passes, passes * passes], device=device)
         values = torch.cat([nonfinite.reshape(1), norm_term.reshape(1), counts]).to(self._device)
         agreed = comm.all_reduce_(values, op, self.process_group, self.collective_timeout, "gradient check all-reduce")
-        flags = agreed[[0, 2, 3]].tolist()  # the one host sync
-        same_passes = (flags[1] == -flags[2] if op == dist.ReduceOp.MAX
-                       else self.world_size * flags[2] == flags[1] ** 2)
+        flags = agreed.tolist()  # the one host sync: [nonfinite, norm term, count term, count term]
+        same_passes = (flags[2] == -flags[3] if op == dist.ReduceOp.MAX
+                       else self.world_size * flags[3] == flags[2] ** 2)
         if not same_passes:
             self.zero_grad()
             raise RuntimeError(
                 f"the ranks ran different numbers of backward passes before step() (this rank: {int(passes)}); "
                 "every rank must run the same micro-batches per optimizer step. The gradients were cleared; "
                 "nothing was updated")
-        self._checked = bool(flags[0])
+        self._nonfinite = bool(flags[0])
         if norm_type is None:
             return None
+        if self._nonfinite and norm_type == float("inf"):  # a MAX all-reduce need not carry a NaN through
+            return torch.full((), float("nan"), device=self._device)
         return agreed[1] if norm_type == float("inf") else agreed[1] ** (1.0 / norm_type)
 
     def found_nonfinite(self) -> bool:
         """Whether this step's averaged (unscaled) gradients hold NaN or Inf on any rank, so that ``step()``
         will skip the update (or raise, see ``nonfinite``). Identical on every rank; collective.
 
-        Finishes the reduction; costs nothing extra, since ``step()`` or ``clip_grad_norm_()`` would run the
-        same small all-reduce, and the answer is kept until the step.
+        Finishes the reduction and runs the step's small all-reduce, whose answer ``step()`` then reuses
+        (until a new gradient arrives).
         """
         if not self._prepare_gradients():
             return False
-        if self._checked is None:
+        if self._nonfinite is None:
             self._agree_on_gradients()
-        return self._checked
+        return self._nonfinite
 
     def _grad_shards(self) -> list[torch.Tensor]:
         """The gradient shards of the buckets that have one (on the host with offload)."""
@@ -293,10 +298,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._prepare_gradients():
             return torch.zeros((), device=self._device)
         total = self._agree_on_gradients(norm_type)
-        if not self._checked:
+        if not self._nonfinite:
             shards = self._grad_shards()
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(shards, coefficient.to(shards[0].device))  # offload: one sync, not per tensor
+            # offload on a GPU: this copy of one scalar to the host is the step's second sync (with clipping)
+            torch._foreach_mul_(shards, coefficient.to(shards[0].device))
         return total
 
     # -- step -------------------------------------------------------------------------------------
@@ -364,7 +370,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _reset_step_flags(self) -> None:
         self._loss_scaled = False
         self._unscaled = False
-        self._checked = None
+        self._nonfinite = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad(set_to_none)
@@ -412,7 +418,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError("the state has a different number of param groups")
         if (state_dict["loss_scaler"] is None) != (self.loss_scaler is None):
-            raise ValueError("the state's loss scaler does not match this model (fp16 or not)")
+            raise ValueError("the state's loss scaler does not match this optimizer (loss scaling on in one, off "
+                             "in the other)")
         self._install_state(state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
                             state_dict["loss_scaler"])
 

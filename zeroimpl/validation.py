@@ -51,9 +51,10 @@ def check_nonfinite(nonfinite) -> None:
 
 
 def check_timeout(timeout) -> None:
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"collective_timeout must be None (the process group's timeout) or a number of seconds "
-                         f"> 0, got {timeout!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                    and 0 < timeout < float("inf")):
+        raise ValueError(f"collective_timeout must be None (the process group's timeout) or a finite number of "
+                         f"seconds > 0, got {timeout!r}")
 
 
 def check_optimizer_class(optimizer_class, assume_elementwise: bool) -> None:
@@ -79,9 +80,12 @@ def check_not_wrapped_in_ddp(param: torch.Tensor) -> None:
     """
     import gc
 
+    gc.collect()  # a dropped DDP wrapper kept only by a reference cycle must not count on some ranks only
     lists = [holder for holder in gc.get_referrers(param) if isinstance(holder, list)]
     for owner in gc.get_referrers(*lists) if lists else ():
-        if isinstance(owner, dict) and any(owner.get("_module_parameters") is holder for holder in lists):
+        held = (owner.get("_module_parameters") if isinstance(owner, dict)
+                else getattr(owner, "_module_parameters", None))
+        if any(held is holder for holder in lists):
             raise RuntimeError("the model is wrapped in DistributedDataParallel, which all-reduces every gradient "
                                "that ShardedOptimizer already reduce-scatters: pass the bare model's parameters "
                                "and do not wrap it in DDP (call the model itself; ShardedOptimizer replaces DDP)")

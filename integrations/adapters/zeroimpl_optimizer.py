@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 
@@ -39,15 +38,12 @@ class ZeroimplRunner(WrapperLoopRunner):
 class Zeroimpl(Implementation):
     modules = ()
 
-    def __init__(self, stage: int, offload: bool = False, options: Optional[dict] = None):
-        """``options``: further ShardedOptimizer keywords (bucket_numel, max_inflight_buckets, ...), named in
-        the row's label."""
-        self.stage, self.offload, self.options = stage, offload, dict(options or {})
-        self.name = f"zeroimpl stage {stage}" + (" + offload" if offload else "") + "".join(
-            f", {key}={value}" for key, value in self.options.items())
+    def __init__(self, stage: int, offload: bool = False):
+        self.stage, self.offload = stage, offload
+        self.name = f"zeroimpl stage {stage}" + (" + offload" if offload else "")
 
     def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
         optimizer = ShardedOptimizer(param_groups(model, settings.weight_decay), torch.optim.AdamW,
                                      stage=self.stage, offload="cpu" if self.offload else None,
-                                     **self.options, **settings.adamw_kwargs())
+                                     **settings.adamw_kwargs())
         return ZeroimplRunner(model, model, optimizer, settings, device)
