@@ -201,6 +201,10 @@ class GradientReducer:
                 self._launch(bucket_index)
             self._reset_round()
 
+    def end_step(self) -> None:
+        """The optimizer step consumed this step's gradients: count backward passes afresh."""
+        self.backward_passes = 0
+
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
         live = [b for b in self._buffers if b is not None]
@@ -216,7 +220,7 @@ class GradientReducer:
                 elif param.grad is not None:
                     param.grad.zero_()
         self._reset_round()
-        self.backward_passes = 0
+        self.end_step()
         self.gradients.clear(set_to_none)
 
 

@@ -364,7 +364,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _finish_step(self, overflow: bool) -> None:
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
-        self.reducer.backward_passes = 0
+        self.reducer.end_step()
         self._reset_step_flags()
 
     def _reset_step_flags(self) -> None:
