@@ -15,12 +15,14 @@ import torch.distributed as dist
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor",
                "all_gather_into_tensor", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single",
-               "reduce", "gather", "scatter", "all_reduce_coalesced", "all_gather_object", "barrier")
+               "reduce", "gather", "scatter", "all_reduce_coalesced", "all_gather_object", "barrier",
+               "isend", "irecv")  # point-to-point: zeroimpl's pairwise reduce-scatter / all-gather on gloo
 
 
 class Call(NamedTuple):
     name: str
-    numel: int  # elements of the full tensor the collective reduces or gathers (0 for calls without one)
+    numel: int  # elements of the full tensor the collective reduces or gathers (0 for calls without one);
+    #             isend / irecv: the elements sent / received
     dtype: Optional[torch.dtype]
 
 

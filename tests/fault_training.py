@@ -3,7 +3,7 @@ every step, resume from the newest complete checkpoint on start.
 
     torchrun --nproc_per_node 2 tests/fault_training.py OUT --steps 5 [--fault kill|hang --fault-step 3]
 
-``--fault kill``: in the first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT == 0), rank 1 kills itself
+``--fault kill``: in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT == 0), rank 1 kills itself
 with SIGKILL after the backward of ``--fault-step``, before that step's optimizer step. ``--fault hang``:
 rank 1 sleeps instead, and the others must stop within ``--collective-timeout``. Rank 0 writes the final
 parameters to ``OUT/final.pt``.

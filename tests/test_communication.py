@@ -1,11 +1,15 @@
 """Count every collective zeroimpl issues per optimizer step, with its size.
 
 The claim: per step, one reduce-scatter of the gradients (Ψ elements plus bucket padding) and one
-all-gather of the parameters (the same), and one all-reduce of 4 elements (the "gradients hold NaN/Inf"
+all-gather of the parameters (the same) -- on gloo by default as pairwise exchanges, in which each of the
+2 ranks sends and receives half of each, else (ZEROIMPL_COLLECTIVES=native, NCCL's default) as the
+backend's collectives -- and one all-reduce of 4 elements (the "gradients hold NaN/Inf"
 flag, the clipping norm, and two sums that tell whether every rank ran as many backward passes) -- no
 gradient all-reduce. Stage 1 communicates
 once per step however many micro-batches are accumulated; stage 2 reduces every micro-batch.
 """
+
+import os
 
 import pytest
 import torch
@@ -15,7 +19,8 @@ from integrations.collectives import CollectiveCounter, summarize
 from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 
-def _count(rank, world_size, stage, accum, clip, dtype):
+def _count(rank, world_size, stage, accum, clip, dtype, algorithm):
+    os.environ["ZEROIMPL_COLLECTIVES"] = algorithm
     counter = CollectiveCounter().install()
     model = build_model("gpt2", dtype)
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=4096, lr=1e-3)
@@ -35,21 +40,37 @@ def _count(rank, world_size, stage, accum, clip, dtype):
             "numel": layout.numel, "psi": psi}
 
 
-@pytest.mark.parametrize("stage,accum,clip,dtype", [
-    (1, 1, False, torch.float32), (2, 1, False, torch.float32),
-    (1, 4, False, torch.float32), (2, 4, False, torch.float32),
-    (2, 1, True, torch.float32), (2, 2, True, torch.float16),
+@pytest.mark.parametrize("stage,accum,clip,dtype,algorithm", [
+    (1, 1, False, torch.float32, "pairwise"), (2, 1, False, torch.float32, "pairwise"),
+    (1, 4, False, torch.float32, "pairwise"), (2, 4, False, torch.float32, "native"),
+    (2, 1, True, torch.float32, "native"), (2, 2, True, torch.float16, "pairwise"),
 ])
-def test_collectives_per_step(stage, accum, clip, dtype):
-    for result in run_distributed(2, _count, stage, accum, clip, dtype):
+def test_collectives_per_step(stage, accum, clip, dtype, algorithm):
+    for result in run_distributed(2, _count, stage, accum, clip, dtype, algorithm):
         buckets, padded = result["buckets"], result["padded"]
         assert result["numel"] == result["psi"]  # tied and frozen parameters are not counted
         assert 0 <= padded - result["psi"] < buckets * 2 * 8  # padding < world_size * alignment per bucket
         reductions = accum if stage == 2 else 1
         for calls in result["per_step"]:
-            summary = summarize(calls)
-            assert summary.pop("reduce_scatter_single") == (reductions * buckets, reductions * padded, {torch.float32})
-            assert summary.pop("all_gather_single") == (buckets, padded, {dtype})
+            if algorithm == "native":
+                summary = summarize(calls)
+                assert summary.pop("reduce_scatter_single") == (reductions * buckets, reductions * padded,
+                                                                {torch.float32})
+                assert summary.pop("all_gather_single") == (buckets, padded, {dtype})
+            else:  # per bucket and reduction, one send and one receive of half the bucket; gradients in fp32
+                summary = summarize([c for c in calls if c.name not in ("isend", "irecv")])
+                expected = {}
+                for name in ("isend", "irecv"):
+                    for key, count, elements in (((name, torch.float32), reductions * buckets, reductions * padded // 2),
+                                                 ((name, dtype), buckets, padded // 2)):
+                        before = expected.get(key, (0, 0))
+                        expected[key] = (before[0] + count, before[1] + elements)
+                sent = {}
+                for call in calls:
+                    if call.name in ("isend", "irecv"):
+                        before = sent.get((call.name, call.dtype), (0, 0))
+                        sent[(call.name, call.dtype)] = (before[0] + 1, before[1] + call.numel)
+                assert sent == expected
             count, total, _ = summary.pop("all_reduce")
             assert (count, total) == (1, 4)
             assert summary == {}, f"unexpected collectives {summary}"

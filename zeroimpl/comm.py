@@ -1,8 +1,21 @@
 """The collectives zeroimpl issues, in one place so that they can be read, counted and replaced.
 
-torch 2.13 renamed ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` to ``reduce_scatter_single`` /
-``all_gather_single``; the functions are looked up on ``torch.distributed`` at call time, so the newest
-name is used where it exists and a test can wrap ``torch.distributed`` attributes to count traffic.
+Two algorithms move the same bytes (each rank sends ``(N - 1) / N`` of the tensor per reduce-scatter or
+all-gather, the ring minimum):
+
+* ``native`` -- the backend's ``reduce_scatter_single`` / ``all_gather_single`` (torch < 2.13:
+  ``reduce_scatter_tensor`` / ``all_gather_into_tensor``). NCCL runs ring algorithms: the default on GPUs.
+* ``pairwise`` -- N - 1 point-to-point exchanges, in step k sending to rank ``r + k`` and receiving from
+  ``r - k`` (mod N), all posted at once and then waited for; a reduce-scatter then sums the N
+  pieces of its shard locally (fixed order: own piece, then ``r - 1``, ``r - 2``, ...; at N = 2 the one
+  sum ``own + other`` equals the native sum bitwise). The default on gloo, whose native reduce-scatter and
+  all-gather cost 1.2x and 0.65x its all-reduce of the same 4M-element buckets on 2 ranks, pairwise
+  0.85x and 0.5x (``benchmarks/results/collectives-gloo.md``). A pairwise reduce-scatter holds a receive
+  buffer of ``(N - 1) / N`` of its bucket until its wait.
+
+``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors (read when the collective is
+issued; set it alike on every rank). Tensors on an accelerator always use ``native``. The
+``torch.distributed`` functions are looked up at call time, so that a test can wrap them to count traffic.
 
 Every wait goes through :class:`Pending`: a collective that fails (a peer died: gloo sees the connection
 drop) or does not finish within ``timeout`` seconds (a peer hangs) raises :class:`CollectiveError` on this
@@ -15,10 +28,14 @@ NCCL's watchdog enforces the process group's timeout (it aborts the process).
 from __future__ import annotations
 
 import datetime
-from typing import Optional
+import os
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+ALGORITHMS = ("native", "pairwise")
 
 
 class CollectiveError(RuntimeError):
@@ -30,55 +47,112 @@ def _collective(new_name: str, old_name: str):
 
 
 class Pending:
-    """An issued collective (or ``work=None``: one that finished when it was issued)."""
+    """Issued communication: ``works`` to wait for (none: it finished when issued), then ``finish()``.
 
-    def __init__(self, work: Optional[dist.Work], name: str, timeout: Optional[float]):
-        self.work, self.name, self.timeout = work, name, timeout
+    ``timeout`` bounds the wait for all of ``works`` together, not each."""
+
+    def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
+                 buffers: tuple = ()):
+        self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
+        self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
 
     def wait(self) -> None:
-        if self.work is None:
-            return
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         try:
-            if self.timeout is None:
-                self.work.wait()
-            else:
-                self.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            for work in self.works:
+                if deadline is None:
+                    work.wait()
+                else:
+                    left = max(deadline - time.monotonic(), 1e-3)
+                    work.wait(timeout=datetime.timedelta(seconds=left))
         except RuntimeError as error:
             bound = (f"within collective_timeout={self.timeout} s" if self.timeout
                      else "within the process group's timeout")
             raise CollectiveError(
                 f"ShardedOptimizer's {self.name} failed or did not finish {bound} ({error}). Another rank has "
                 "probably died, hangs, or runs a different number of backward passes or steps; this rank cannot "
-                "continue. Restart the job from the last checkpoint (zeroimpl.checkpoint.load_checkpoint; "
-                "torchrun --max-restarts=N restarts every rank)") from error
+                "continue. Restart the job from the last checkpoint (zeroimpl.checkpoint.load_checkpoint)") from error
+        self.works, self.buffers = [], ()
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None) -> Pending:
-    """Start ``output = sum over ranks of input[rank * n:(rank + 1) * n]``; ``n = output.numel()``."""
-    if dist.get_world_size(group) == 1:  # nothing to sum: skip the backend's own copies
+def algorithm(group, tensor: torch.Tensor) -> str:
+    """``native`` or ``pairwise`` for ``tensor``: native off the CPU, else the environment's choice, else
+    pairwise on gloo and native elsewhere."""
+    if tensor.device.type != "cpu":
+        return "native"
+    chosen = os.environ.get("ZEROIMPL_COLLECTIVES", "")
+    if chosen:
+        if chosen not in ALGORITHMS:
+            raise ValueError(f"ZEROIMPL_COLLECTIVES={chosen!r} is not one of {ALGORITHMS}; unset it for the default")
+        return chosen
+    return "pairwise" if dist.get_backend(group) == "gloo" else "native"
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
+                   tag: int = 0) -> Pending:
+    """Start ``output = sum over ranks of input[rank * n:(rank + 1) * n]``; ``n = output.numel()``.
+
+    ``input`` (``world_size * n`` elements) must stay untouched until the wait; ``tag`` tells apart
+    reduce-scatters in flight at once (pairwise), one per bucket."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    name, timeout = "gradient reduce-scatter", _host_timeout(input, timeout)
+    if world == 1:  # nothing to sum: skip the backend's own copies
         output.copy_(input[:output.numel()])
-        return Pending(None, "reduce-scatter", timeout)
-    launch = _collective("reduce_scatter_single", "reduce_scatter_tensor")
-    return Pending(launch(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True),
-                   "gradient reduce-scatter", _host_timeout(input, timeout))
+        return Pending([], name, timeout)
+    if algorithm(group, input) == "native":
+        launch = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+        return Pending([launch(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout)
+    pieces = input.view(world, -1)
+    received = torch.empty(world - 1, output.numel(), dtype=input.dtype, device=input.device)
+    works = _exchange([pieces[(rank + k) % world] for k in range(1, world)], list(received), group, 2 * tag)
+
+    def add_pieces():
+        torch.add(pieces[rank], received[0], out=output)
+        for piece in received[1:]:
+            output.add_(piece)
+    return Pending(works, name, timeout, add_pieces, buffers=(received,))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None) -> Pending:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
+               tag: int = 0) -> Pending:
     """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``."""
-    if dist.get_world_size(group) == 1:
-        if input.data_ptr() != output.data_ptr():
-            output.copy_(input)
-        return Pending(None, "all-gather", timeout)
-    launch = _collective("all_gather_single", "all_gather_into_tensor")
-    return Pending(launch(output, input, group=group, async_op=True), "parameter all-gather",
-                   _host_timeout(output, timeout))
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    name, timeout = "parameter all-gather", _host_timeout(output, timeout)
+    if world > 1 and algorithm(group, output) == "native":
+        launch = _collective("all_gather_single", "all_gather_into_tensor")
+        return Pending([launch(output, input, group=group, async_op=True)], name, timeout)
+    pieces = output.view(world, -1)
+    if input.data_ptr() != pieces[rank].data_ptr():
+        pieces[rank].copy_(input)
+    works = _exchange([pieces[rank]] * (world - 1), [pieces[(rank - k) % world] for k in range(1, world)],
+                      group, 2 * tag + 1)
+    return Pending(works, name, timeout)
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
                 name: str = "all-reduce") -> torch.Tensor:
     """Reduce ``tensor`` in place across the group and return it."""
-    Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True), name, _host_timeout(tensor, timeout)).wait()
+    Pending([dist.all_reduce(tensor, op=op, group=group, async_op=True)], name, _host_timeout(tensor, timeout)).wait()
     return tensor
+
+
+def _exchange(sends: list, receives: list, group, tag: int) -> list:
+    """Post step k = 1..N-1 of a pairwise exchange: ``sends[k - 1]`` to rank ``r + k``, ``receives[k - 1]``
+    from rank ``r - k`` (mod N); return the works."""
+    rank, works = dist.get_rank(group), []
+    for k, (send, receive) in enumerate(zip(sends, receives), start=1):
+        works.append(dist.isend(send, _peer(group, rank + k), group=group, tag=tag))
+        works.append(dist.irecv(receive, _peer(group, rank - k), group=group, tag=tag))
+    return works
+
+
+def _peer(group, group_rank: int) -> int:
+    """The global rank of ``group_rank`` (mod the group's size): what isend/irecv address."""
+    group_rank %= dist.get_world_size(group)
+    return group_rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
 
 
 def _host_timeout(tensor: torch.Tensor, timeout: Optional[float]) -> Optional[float]:

@@ -165,7 +165,8 @@ class GradientReducer:
         buffer[bucket.numel:].zero_()
         output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
         self._inflight.append(_Reduction(bucket_index, buffer, output,
-                                         comm.reduce_scatter(output, buffer, self.group, self.timeout)))
+                                         comm.reduce_scatter(output, buffer, self.group, self.timeout,
+                                                             tag=bucket_index)))
         self._next_launch = bucket_index + 1
         while len(self._inflight) > self.max_inflight:
             self._complete_oldest()
@@ -209,7 +210,7 @@ class GradientReducer:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
         live = [b for b in self._buffers if b is not None]
         for reduction in self._inflight:
-            live += [reduction.buffer, reduction.output]
+            live += [reduction.buffer, reduction.output, *reduction.work.buffers]
         return live
 
     def zero_grad(self, set_to_none: bool = True) -> None:
