@@ -4,9 +4,11 @@
 
 ZeRO replaces DDP's all-reduce of Ψ gradient elements by a reduce-scatter of Ψ plus an all-gather of Ψ
 parameters: the same 2Ψ on the wire when the backend runs the ring algorithms (NCCL). Whether that is as
-fast as an all-reduce depends on the backend's implementations, which this measures: one tensor of
-``--numel`` fp32 elements, whole and in buckets of 2**20, 2**22 and 2**24 elements (launched together,
-then waited for, as zeroimpl does), median of 7 after 2 warm-ups. Rank 0 writes collectives-<backend>.md.
+fast as an all-reduce depends on the backend's implementations, which this measures through zeroimpl's own
+``zeroimpl.comm`` functions, with each of its algorithms (``native``: the backend's collectives;
+``pairwise``: point-to-point exchanges): one tensor of ``--numel`` fp32 elements, whole and in buckets of
+2**20, 2**22 and 2**24 elements (launched together, then waited for, as zeroimpl does), median of 7 after
+2 warm-ups. Rank 0 writes collectives-<backend>.md.
 """
 
 import argparse
@@ -17,10 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-
-# torch 2.13's names, or the older ones
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from zeroimpl import comm
 
 
 def timed(function, repeats: int = 7) -> float:
@@ -36,9 +35,10 @@ def timed(function, repeats: int = 7) -> float:
     return statistics.median(samples) * 1e3
 
 
-def in_buckets(launch, tensors, outputs):
+def in_buckets(launch, tensors, outputs, algorithm=None):
     def run():
-        for work in [launch(o, t) for o, t in zip(outputs, tensors)]:
+        os.environ["ZEROIMPL_COLLECTIVES"] = algorithm or ""
+        for work in [launch(o, t, tag) for tag, (o, t) in enumerate(zip(outputs, tensors))]:
             work.wait()
     return run
 
@@ -59,19 +59,24 @@ def main():
         tensors = [full[i:i + bucket] for i in range(0, numel, bucket)]
         tensors = [t for t in tensors if t.numel() % world == 0]
         shards = [torch.empty(t.numel() // world, device=device) for t in tensors]
-        all_reduce = timed(in_buckets(lambda o, t: dist.all_reduce(t, async_op=True), tensors, shards))
-        reduce_scatter = timed(in_buckets(lambda o, t: REDUCE_SCATTER(o, t, async_op=True), tensors, shards))
-        all_gather = timed(in_buckets(lambda o, t: ALL_GATHER(t, o, async_op=True), tensors, shards))
-        rows.append((bucket, all_reduce, reduce_scatter, all_gather))
+        times = [timed(in_buckets(lambda o, t, tag: dist.all_reduce(t, async_op=True), tensors, shards))]
+        for algorithm in comm.ALGORITHMS:
+            times.append(timed(in_buckets(lambda o, t, tag: comm.reduce_scatter(o, t, None, tag=tag),
+                                          tensors, shards, algorithm)))
+            times.append(timed(in_buckets(lambda o, t, tag: comm.all_gather(t, o, None, tag=tag),
+                                          tensors, shards, algorithm)))
+        rows.append((bucket, *times))
     if rank == 0:
         lines = [f"# Collectives on {backend}, {world} ranks, {numel:,} fp32 elements ({numel * 4 / 2 ** 20:.0f} MiB)",
                  "", f"Command: `torchrun --nproc_per_node {world} benchmarks/collectives.py --numel {args.numel}`; "
-                 f"torch {torch.__version__}, {os.cpu_count()} CPU cores. Milliseconds, median of 7.", "",
-                 "| bucket (elements) | all-reduce | reduce-scatter | all-gather | reduce-scatter + all-gather "
-                 "over all-reduce |", "|---|---|---|---|---|"]
-        for bucket, ar, rs, ag in rows:
+                 f"torch {torch.__version__}, {os.cpu_count()} CPU cores. Milliseconds, median of 7. RS: "
+                 "reduce-scatter, AG: all-gather, through zeroimpl.comm with each algorithm.", "",
+                 "| bucket (elements) | all-reduce | native RS | native AG | pairwise RS | pairwise AG | "
+                 "native RS + AG over all-reduce | pairwise RS + AG over all-reduce |", "|---|---|---|---|---|---|---|---|"]
+        for bucket, ar, rs, ag, prs, pag in rows:
             label = "whole tensor" if bucket == numel else f"{bucket:,}"
-            lines.append(f"| {label} | {ar:.0f} | {rs:.0f} | {ag:.0f} | {(rs + ag) / ar:.2f}x |")
+            lines.append(f"| {label} | {ar:.0f} | {rs:.0f} | {ag:.0f} | {prs:.0f} | {pag:.0f} | {(rs + ag) / ar:.2f}x "
+                         f"| {(prs + pag) / ar:.2f}x |")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"collectives-{backend}.md"), "w") as handle:
             handle.write("\n".join(lines) + "\n")
