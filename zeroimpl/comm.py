@@ -99,8 +99,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     reduce-scatters in flight at once (pairwise), one per bucket."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     name, timeout = "gradient reduce-scatter", _host_timeout(input, timeout)
-    if world == 1:  # nothing to sum: skip the backend's own copies
-        output.copy_(input[:output.numel()])
+    if world == 1:  # nothing to sum: skip the backend's own copies (and any copy when output is input)
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input[:output.numel()])
         return Pending([], name, timeout)
     if algorithm(group, input) == "native":
         launch = _collective("reduce_scatter_single", "reduce_scatter_tensor")

@@ -6,8 +6,9 @@ Tensors named here (all 1-D):
   of every bucket member (zero for members without a gradient and for the padding). Lives only from the
   first gradient of the bucket until its reduce-scatter has finished.
 * ``reduced`` -- ``bucket.shard_numel`` elements in the reduce dtype: this rank's part of one reduction
-  of the averaged gradient, handed to the gradient store (:mod:`zeroimpl.grad_shards`), which sums the
-  reductions since the last ``zero_grad()`` on the device or, with offload, on the host.
+  of the averaged gradient (at world size 1, the bucket buffer itself), handed to the gradient store
+  (:mod:`zeroimpl.grad_shards`), which sums the reductions since the last ``zero_grad()`` on the device
+  or, with offload, on the host.
 
 Stage 1 keeps gradients in ``param.grad`` during backward and reduces all buckets once, when the optimizer
 needs them (``finalize()``): one reduce-scatter per step however many micro-batches were accumulated.
@@ -163,7 +164,10 @@ class GradientReducer:
                 slot = self.layout.slots[param_index]
                 buffer[slot.offset:slot.end].zero_()
         buffer[bucket.numel:].zero_()
-        output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
+        if self.layout.world_size == 1:  # nothing to sum: the bucket buffer is the shard, no copy
+            output = buffer
+        else:
+            output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
         self._inflight.append(_Reduction(bucket_index, buffer, output,
                                          comm.reduce_scatter(output, buffer, self.group, self.timeout,
                                                              tag=bucket_index)))
