@@ -99,6 +99,22 @@ def test_nonfinite_gradients_raise_or_skip_on_every_rank(policy_runs, case):
             assert torch.equal(result["raise"]["params"][name], param), name
 
 
+def _huge_but_finite(rank, world_size):
+    return [_train(rank, stage, None, "raise", "1e20", clip) for stage, clip in ((1, False), (2, True))]
+
+
+def test_finite_gradients_whose_norm_overflows_are_not_taken_for_nan():
+    """NaN/Inf is read off the gradient norm; one finite element of 1e20 overflows the fp32 norm, so the step
+    must fall back to the exact check and step, as torch does (clipping then scales by max_norm / inf = 0)."""
+    for per_case in run_distributed(2, _huge_but_finite):
+        for clip, result in zip((False, True), per_case):
+            assert [e["event"] for e in result["events"]] == ["stepped"] * 3
+            assert result["skipped"] == 0 and all(e["finite"] for e in result["events"])
+            assert not result["events"][BAD_STEP]["unchanged"]
+            if clip:
+                assert result["events"][BAD_STEP]["norm"] == float("inf")
+
+
 def _fp32_scaled(rank, world_size, stage):
     plain = _train(rank, stage, None, "raise", None, True)
     scaled = _train(rank, stage, None, "raise", None, True, loss_scale=LossScaleConfig(initial_scale=2.0 ** 12))

@@ -232,25 +232,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``self._nonfinite``), whether every rank ran the same number of backward passes, and, given
         ``norm_type``, the global gradient norm (returned, on the device).
 
+        NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
+        over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
+        alike, :meth:`_any_nonfinite` tells NaN/Inf apart from finite gradients whose norm overflows fp32.
         Counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM) or ``max(c) == -max(-c)`` (MAX), so every
         rank reaches the same verdict. The one host sync of the step. Call after ``_prepare_gradients``.
         """
         shards = self._grad_shards()
         device = shards[0].device
-        nonfinite = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float()
         passes = float(self.reducer.backward_passes)
         if norm_type == float("inf"):
             op = dist.ReduceOp.MAX
-            norm_term = torch.stack([s.abs().max() for s in shards]).max().float()
+            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=torch.float32)
+                                     for s in shards]).max()
             counts = torch.tensor([passes, -passes], device=device)
         else:
             op = dist.ReduceOp.SUM
-            norm_term = torch.zeros((), device=device) if norm_type is None else torch.stack(
-                [torch.linalg.vector_norm(s, norm_type, dtype=torch.float32) ** norm_type for s in shards]).sum()
+            power = 2.0 if norm_type is None else norm_type
+            norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=torch.float32) ** power
+                                     for s in shards]).sum()
             counts = torch.tensor([passes, passes * passes], device=device)
-        values = torch.cat([nonfinite.reshape(1), norm_term.reshape(1), counts]).to(self._device)
+        suspect = (~torch.isfinite(norm_term)).float()
+        values = torch.cat([suspect.reshape(1), norm_term.reshape(1), counts]).to(self._device)
         agreed = comm.all_reduce_(values, op, self.process_group, self.collective_timeout, "gradient check all-reduce")
-        flags = agreed.tolist()  # the one host sync: [nonfinite, norm term, count term, count term]
+        flags = agreed.tolist()  # the one host sync: [suspect, norm term, count term, count term]
         same_passes = (flags[2] == -flags[3] if op == dist.ReduceOp.MAX
                        else self.world_size * flags[3] == flags[2] ** 2)
         if not same_passes:
@@ -259,12 +264,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"the ranks ran different numbers of backward passes before step() (this rank: {int(passes)}); "
                 "every rank must run the same micro-batches per optimizer step. The gradients were cleared; "
                 "nothing was updated")
-        self._nonfinite = bool(flags[0])
+        self._nonfinite = bool(flags[0]) and self._any_nonfinite(shards)
         if norm_type is None:
             return None
         if self._nonfinite and norm_type == float("inf"):  # a MAX all-reduce need not carry a NaN through
             return torch.full((), float("nan"), device=self._device)
         return agreed[1] if norm_type == float("inf") else agreed[1] ** (1.0 / norm_type)
+
+    def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
+        """Whether any rank's gradient shard holds NaN/Inf, exactly (a mask per shard, one more all-reduce
+        and host sync). Runs only on steps whose norm is not finite, on every rank together."""
+        local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1).to(self._device)
+        agreed = comm.all_reduce_(local, dist.ReduceOp.MAX, self.process_group, self.collective_timeout,
+                                  "gradient NaN/Inf all-reduce")
+        return bool(agreed.item())
 
     def found_nonfinite(self) -> bool:
         """Whether this step's averaged (unscaled) gradients hold NaN or Inf on any rank, so that ``step()``
