@@ -8,6 +8,9 @@ GPT-2 with the same AdamW settings in its own fresh processes (gloo on CPU, NCCL
 1. Speed and memory, at world sizes 1, 2 and 4: median step time (forward + backward + step, after
    warm-up) and tokens/s as ratios to DDP measured in the same run, model-state bytes and peak memory per
    rank. One table and one chart per world size.
+   Memory across model sizes: model-state bytes and peak memory per rank for GPT-2 small, base and large
+   (1.1M, 29.5M, 110M parameters) at world size 2, in one table and one chart (the base row is the
+   world-size-2 run above).
    Peak memory is the peak resident set past start-up, which on CPU also holds what glibc keeps of freed
    blocks; a second pass at world size 2 fixes glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_=65536), so
    that freed blocks go back to the OS and the peak follows the live bytes (slower: every large allocation
@@ -20,9 +23,9 @@ GPT-2 with the same AdamW settings in its own fresh processes (gloo on CPU, NCCL
 3. The issue's targets, each marked met or missed and by how much, plus the offload host step from
    benchmarks/host_step.py's committed results.
 
-The full run (GPT-2 base, 29.5M parameters) takes about 30 minutes on 2 CPU cores; --quick (GPT-2 small,
-1.1M, fewer rows) about 5 minutes. With 2 cores, world size 4 runs 4 ranks on 2 cores: its times measure
-contention as much as the implementations.
+The full run (GPT-2 base, 29.5M parameters; the size sweep adds GPT-2 small and large) takes about 45
+minutes on 2 CPU cores; --quick (GPT-2 small, sizes tiny and small, fewer rows) about 5 minutes. With 2
+cores, world size 4 runs 4 ranks on 2 cores: its times measure contention as much as the implementations.
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ from integrations.models import build_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_TIME_VS_DDP = 0.95
 STEP_TIME_VS_DEEPSPEED_2 = 0.75
-VOLUME_WEIGHT = {"all_reduce": 2, "all_reduce_coalesced": 2}  # other collectives: 1
+# in multiples of the full tensor at world size 2: an all-reduce is a reduce-scatter plus an all-gather; a
+# point-to-point send of half a tensor (zeroimpl's pairwise exchanges on gloo) is as much traffic as a ring
+# reduce-scatter or all-gather of the whole, and each transfer counts once, at its sender
+VOLUME_WEIGHT = {"all_reduce": 2, "all_reduce_coalesced": 2, "isend": 2, "irecv": 0}  # other collectives: 1
+SIZE_SWEEP = {"full": ("small", "base", "large"), "quick": ("tiny", "small")}  # at world size 2
 QUICK_ROWS = ("DDP", "PyTorch ZeRO", "FairScale OSS+SDP", "DeepSpeed ZeRO-2", "zeroimpl stage 1", "zeroimpl stage 2")
 
 
@@ -63,7 +70,7 @@ def log(message: str) -> None:
 
 
 # -- speed and memory -----------------------------------------------------------------------------------
-def speed_and_memory(workload: Workload, implementations, outdir: str) -> list[Row]:
+def speed_and_memory(workload: Workload, implementations, chart: str) -> list[Row]:
     with tempfile.TemporaryDirectory() as workdir:
         results = run_comparison(implementations, workload, workdir, progress=log)
         reference = next(r for r in results if r.stage == 0)
@@ -72,9 +79,65 @@ def speed_and_memory(workload: Workload, implementations, outdir: str) -> list[R
         verdicts = {r.implementation: v for r in results if (v := judge(r, reference, workload.settings.lr))}
     predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
     rows = build_rows(results, verdicts, predicted)
-    write_chart(rows, f"{workload.family} {workload.size}, world size {workload.world_size}",
-                os.path.join(outdir, f"world-size-{workload.world_size}.png"))
+    write_chart(rows, f"{workload.family} {workload.size}, world size {workload.world_size}", chart)
     return rows
+
+
+# -- memory across model sizes --------------------------------------------------------------------------
+def parameter_count(size: str) -> int:
+    return sum(p.numel() for p in build_model("gpt2", size).parameters() if p.requires_grad)
+
+
+def sizes_markdown(rows_by_size: dict[str, list[Row]]) -> str:
+    """Per implementation and size: model states and peak per rank (MiB), and model-state bytes per parameter."""
+    sizes = list(rows_by_size)
+    psi = {size: parameter_count(size) for size in sizes}
+    header = "| implementation | " + " | ".join(f"{size} ({psi[size] / 1e6:.1f}M): states / peak MiB, B/param"
+                                              for size in sizes) + " |"
+    lines = [header, "|---|" + "---|" * len(sizes)]
+    for name in [r.implementation for r in rows_by_size[sizes[0]]]:
+        cells = []
+        for size in sizes:
+            row = _row(rows_by_size[size], name)
+            if row is None:
+                cells.append("-")
+                continue
+            states = row.model_state_bytes["total"]
+            cells.append(f"{states / MIB:.1f} / {row.peak_bytes / MIB:.0f}, {states / psi[size]:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_sizes_chart(rows_by_size: dict[str, list[Row]], path: str) -> None:
+    """Model states and peak per rank against the parameter count, one line per implementation (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(rows_by_size)
+    psi = [parameter_count(size) for size in sizes]
+    figure, panels = plt.subplots(1, 2, figsize=(15, 6), sharex=True)
+    names = [r.implementation for r in rows_by_size[sizes[0]]]
+    for index, name in enumerate(names):
+        points = [(p, row) for p, size in zip(psi, sizes) if (row := _row(rows_by_size[size], name)) is not None]
+        if not points:
+            continue
+        style = {"marker": "o", "linestyle": "-" if name.startswith("zeroimpl") else "--",
+                 "color": plt.cm.tab20(index % 20), "label": name}
+        panels[0].plot([p for p, _ in points], [r.model_state_bytes["total"] / MIB for _, r in points], **style)
+        panels[1].plot([p for p, _ in points], [r.peak_bytes / MIB for _, r in points], **style)
+    for panel, title in zip(panels, ("model states per rank (MiB)", "peak memory per rank past start-up (MiB)")):
+        panel.set_xscale("log")
+        panel.set_yscale("log")
+        panel.set_xlabel("trainable parameters (GPT-2 " + ", ".join(sizes) + ")")
+        panel.set_title(title)
+        panel.grid(True, which="both", alpha=0.3)
+    panels[1].legend(fontsize=8, loc="upper left")
+    figure.suptitle("Memory across model sizes, world size 2, fp32, AdamW")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 # -- communication --------------------------------------------------------------------------------------
@@ -121,13 +184,15 @@ def _row(rows: list[Row], name: str):
 
 
 def targets(rows_by_world: dict[int, list[Row]], comm: dict[int, dict], host_step: dict,
-            live_rows: Optional[list[Row]]) -> list[str]:
-    """One line per target: met or MISSED, with the measured figure."""
+            live_rows: Optional[list[Row]], other_sizes: dict[str, list[Row]]) -> list[str]:
+    """One line per target: met or MISSED, with the measured figure. ``other_sizes``: label -> rows of the
+    model-size sweep's runs beyond the main size."""
     lines = []
     peers_at_stage = {1: ("PyTorch ZeRO", "DeepSpeed ZeRO-1"), 2: ("FairScale OSS+SDP", "DeepSpeed ZeRO-2")}
     memory_passes = [(f"world size {w}", rows) for w, rows in rows_by_world.items()]
     if live_rows:
         memory_passes.append(("world size 2, live memory (fixed mmap threshold)", live_rows))
+    memory_passes += list(other_sizes.items())
     for label, rows in memory_passes:
         for stage in (1, 2):
             for offload in ("", " + offload"):
@@ -194,7 +259,21 @@ def main():
     for world in args.world_sizes:
         log(f"speed and memory: gpt2 {size}, world size {world}")
         workload = Workload("gpt2", size, world, steps=steps, warmup_steps=2, device=args.device)
-        rows_by_world[world] = speed_and_memory(workload, implementations, args.out)
+        rows_by_world[world] = speed_and_memory(workload, implementations,
+                                                os.path.join(args.out, f"world-size-{world}.png"))
+    rows_by_size = {}
+    if 2 in args.world_sizes:
+        sizes_out = os.path.join(args.out, "model-sizes")
+        os.makedirs(sizes_out, exist_ok=True)
+        for sweep_size in SIZE_SWEEP["quick" if args.quick else "full"]:
+            if sweep_size == size:
+                rows_by_size[sweep_size] = rows_by_world[2]
+                continue
+            log(f"memory across model sizes: gpt2 {sweep_size}, world size 2")
+            rows_by_size[sweep_size] = speed_and_memory(
+                Workload("gpt2", sweep_size, 2, steps=3, warmup_steps=1, device=args.device), implementations,
+                os.path.join(sizes_out, f"gpt2-{sweep_size}.png"))
+        write_sizes_chart(rows_by_size, os.path.join(sizes_out, "memory.png"))
     live_rows = None
     if 2 in args.world_sizes and args.device == "cpu":
         log("live-memory pass: world size 2, MALLOC_MMAP_THRESHOLD_=65536")
@@ -203,14 +282,15 @@ def main():
             live_out = os.path.join(args.out, "live-memory")
             os.makedirs(live_out, exist_ok=True)
             live_rows = speed_and_memory(Workload("gpt2", size, 2, steps=4, warmup_steps=1, device=args.device),
-                                         implementations, live_out)
+                                         implementations, os.path.join(live_out, "world-size-2.png"))
         finally:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
     comm = {}
     for accum in (1, 2):
         log(f"communication: gpt2 small, world size 2, accumulation {accum}")
         comm[accum] = communication(workload, implementations, accum)
-    checks = targets(rows_by_world, comm, host_step_summary(), live_rows)
+    checks = targets(rows_by_world, comm, host_step_summary(), live_rows,
+                     {f"gpt2 {s}, world size 2": rows for s, rows in rows_by_size.items() if s != size})
     env = environment(workload)
     command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     sections = [f"# zeroimpl against its peers ({'quick' if args.quick else 'full'} run)",
@@ -223,6 +303,12 @@ def main():
                      f"this run. Chart: `world-size-{world}.png`.", markdown_table(rows),
                      "tokens/s: " + ", ".join(f"{r.implementation} {r.tokens_per_second:,.0f}" for r in rows
                                               if r.tokens_per_second)]
+    if rows_by_size:
+        sections += ["## Memory across model sizes: world size 2, fp32, AdamW, micro-batch 4",
+                     f"Per rank: model states / peak memory past start-up in MiB, and model-state bytes per trainable "
+                     f"parameter (DDP with AdamW in fp32: 16). The {size} runs are the world-size-2 table above; the "
+                     "others ran 3 steps (the rows' full tables: `model-sizes/gpt2-*.png` and results.json). Chart: "
+                     "`model-sizes/memory.png`.", sizes_markdown(rows_by_size)]
     if live_rows:
         sections += [f"## Live memory: world size 2, gpt2 {size}, MALLOC_MMAP_THRESHOLD_=65536",
                      "Freed blocks go back to the OS, so the peak follows the live bytes; step times here include "
@@ -230,14 +316,18 @@ def main():
     sections += ["## Communication per optimizer step (gpt2 small, world size 2, rank 0)",
                  f"Ψ = {comm[1]['psi']:,} trainable parameters. Elements of the full tensor each collective reduces "
                  "or gathers; DDP's bucket all-reduces counted through its default comm hook. Volume: an "
-                 "all-reduce counts twice its size (reduce-scatter + all-gather), other collectives once.",
+                 "all-reduce counts twice its size (reduce-scatter + all-gather), a point-to-point send (zeroimpl's pairwise "
+                 "exchanges on gloo: half a bucket each way) twice the elements sent and a receive not at all, "
+                 "other collectives once.",
                  communication_markdown(comm)]
     with open(os.path.join(args.out, "README.md"), "w") as handle:
         handle.write("\n\n".join(sections) + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as handle:
         json.dump({"environment": env, "command": command, "targets": checks, "communication": comm,
                    "rows": {w: [r.__dict__ for r in rows] for w, rows in rows_by_world.items()},
-                   "live_memory_rows": [r.__dict__ for r in live_rows or []]}, handle, indent=1)
+                   "live_memory_rows": [r.__dict__ for r in live_rows or []],
+                   "model_size_rows": {s: [r.__dict__ for r in rows] for s, rows in rows_by_size.items()}},
+                  handle, indent=1)
     log("\n".join(checks))
     log(f"wrote {args.out}/README.md, results.json and world-size-*.png")
 
