@@ -3,10 +3,11 @@
 The claim: per step, one reduce-scatter of the gradients (Ψ elements plus bucket padding) and one
 all-gather of the parameters (the same) -- on gloo by default as pairwise exchanges, in which each of the
 2 ranks sends and receives half of each, else (ZEROIMPL_COLLECTIVES=native, NCCL's default) as the
-backend's collectives -- and one all-reduce of 4 elements (the "gradients hold NaN/Inf"
-flag, the clipping norm, and two sums that tell whether every rank ran as many backward passes) -- no
-gradient all-reduce. Stage 1 communicates
-once per step however many micro-batches are accumulated; stage 2 reduces every micro-batch.
+backend's collectives -- and one all-reduce of 4 elements (the "gradient norm not finite" flag, the
+clipping norm, and two sums that tell whether every rank ran as many backward passes) -- no gradient
+all-reduce. (Only a step whose norm is not finite adds a 1-element all-reduce: tests/test_nonfinite.py.)
+Stage 1 communicates once per step however many micro-batches are accumulated; stage 2 reduces every
+micro-batch.
 """
 
 import os

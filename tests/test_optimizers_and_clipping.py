@@ -3,9 +3,11 @@
 The 2-norm is summed in another order than torch's (per-shard partial sums, then across ranks), so it
 agrees to NORM_RTOL = 1e-6; the inf-norm (a max) is exact. Parameters then agree within
 SGD_ATOL = 1e-6 (SGD is linear in the clip coefficient) and ADAM_ATOL = 1e-4 (see test_parity.py).
+fp64 models (AdamW): FP64_RTOL = 1e-12 on norms, FP64_ATOL = 1e-10 on parameters.
 """
 
 import pytest
+import torch
 
 from distributed import run_distributed
 from workloads import RunConfig, bitwise_equal, max_param_diff, train
@@ -13,6 +15,8 @@ from workloads import RunConfig, bitwise_equal, max_param_diff, train
 NORM_RTOL = 1e-6
 SGD_ATOL = 1e-6
 ADAM_ATOL = 1e-4
+FP64_RTOL = 1e-12
+FP64_ATOL = 1e-10
 CLIPS = {"none": None, "l2": (0.5, 2.0), "inf": (0.05, float("inf"))}
 
 
@@ -23,6 +27,10 @@ def _runs(rank, world_size):
             for stage in (None, 1, 2):
                 results[(optimizer, clip_name, stage)] = train(
                     RunConfig("gpt2", stage, optimizer=optimizer, clip=clip, accum=2))
+    for clip_name, clip in CLIPS.items():
+        for stage in (None, 1, 2):
+            results[("adamw", clip_name, stage, "fp64")] = train(
+                RunConfig("gpt2", stage, clip=clip, accum=2, dtype=torch.float64))
     return results
 
 
@@ -49,6 +57,19 @@ def test_clipping_matches_torch(results, optimizer, clip_name, stage):
         assert any(n > CLIPS[clip_name][0] for n in reference["norms"]), "the test must actually clip"
         atol = SGD_ATOL if optimizer == "sgd" else ADAM_ATOL
         assert max_param_diff(run["params"], reference["params"]) <= atol
+
+
+@pytest.mark.parametrize("clip_name", ["none", "l2", "inf"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp64_models_clip_and_step_like_torch(results, clip_name, stage):
+    """fp64 gradient shards: norms and the NaN/Inf check in fp64 (fp32 would be a narrowing torch refuses);
+    within FP64_RTOL of DDP's norms, FP64_ATOL of its parameters (summation order only)."""
+    for rank_results in results:
+        run, reference = rank_results[("adamw", clip_name, stage, "fp64")], rank_results[("adamw", clip_name, None, "fp64")]
+        assert run["params"] and all(p.dtype == torch.float64 for p in run["params"].values())
+        for norm, expected in zip(run["norms"], reference["norms"]):
+            assert abs(norm - expected) <= FP64_RTOL * expected
+        assert max_param_diff(run["params"], reference["params"]) <= FP64_ATOL
 
 
 def test_norm_identical_on_every_rank(results):

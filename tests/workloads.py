@@ -81,7 +81,7 @@ class RunConfig:
 
 
 def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
-    """Train and return this rank's losses, gradient norms and final parameters (by name, fp32)."""
+    """Train and return this rank's losses, gradient norms and final parameters (by name, fp32; fp64 models: fp64)."""
     rank = dist.get_rank()  # global rank: data differs between independent subgroups
     model = build_model(config.model, config.dtype)
     optimizer_class, kwargs = OPTIMIZERS[config.optimizer]
@@ -119,7 +119,8 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
-    params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    params = {name: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True)
+              for name, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}
 
 

@@ -236,20 +236,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
         alike, :meth:`_any_nonfinite` tells NaN/Inf apart from finite gradients whose norm overflows fp32.
         Counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM) or ``max(c) == -max(-c)`` (MAX), so every
-        rank reaches the same verdict. The one host sync of the step. Call after ``_prepare_gradients``.
+        rank reaches the same verdict. The one host sync of the step (two on a step whose norm is not
+        finite). Norms are taken in fp32, or fp64 for fp64 shards. Call after ``_prepare_gradients``.
         """
         shards = self._grad_shards()
         device = shards[0].device
         passes = float(self.reducer.backward_passes)
         if norm_type == float("inf"):
             op = dist.ReduceOp.MAX
-            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=torch.float32)
+            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=_norm_dtype(s))
                                      for s in shards]).max()
             counts = torch.tensor([passes, -passes], device=device)
         else:
             op = dist.ReduceOp.SUM
             power = 2.0 if norm_type is None else norm_type
-            norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=torch.float32) ** power
+            norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=_norm_dtype(s)) ** power
                                      for s in shards]).sum()
             counts = torch.tensor([passes, passes * passes], device=device)
         suspect = (~torch.isfinite(norm_term)).float()
@@ -479,3 +480,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         host = StateBytes(gradient_shard=tensor_bytes(self.gradients.host_tensors()),
                           master_weights=masters if on_host else 0, optimizer_state=state if on_host else 0)
         return MemoryReport(device, host)
+
+
+def _norm_dtype(shard: torch.Tensor) -> torch.dtype:
+    """fp32 for 16-bit and fp32 gradient shards, fp64 for fp64 ones (torch refuses to narrow in a norm)."""
+    return torch.promote_types(shard.dtype, torch.float32)
