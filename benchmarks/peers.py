@@ -23,14 +23,15 @@ GPT-2 with the same AdamW settings in its own fresh processes (gloo on CPU, NCCL
 3. The issue's targets, each marked met or missed and by how much, plus the offload host step from
    benchmarks/host_step.py's committed results.
 
-The full run (GPT-2 base, 29.5M parameters; the size sweep adds GPT-2 small and large) takes about 45
-minutes on 2 CPU cores; --quick (GPT-2 small, sizes tiny and small, fewer rows) about 5 minutes. With 2
+The full run (GPT-2 base, 29.5M parameters; the size sweep adds GPT-2 small and large) takes about 35
+minutes on 2 CPU cores; --quick (GPT-2 small, sizes tiny and small, fewer rows) about 6 minutes. With 2
 cores, world size 4 runs 4 ranks on 2 cores: its times measure contention as much as the implementations.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -84,8 +85,10 @@ def speed_and_memory(workload: Workload, implementations, chart: str) -> list[Ro
 
 
 # -- memory across model sizes --------------------------------------------------------------------------
-def parameter_count(size: str) -> int:
-    return sum(p.numel() for p in build_model("gpt2", size).parameters() if p.requires_grad)
+@functools.lru_cache(maxsize=None)
+def parameter_count(size: str, family: str = "gpt2") -> int:
+    """Trainable parameters (Ψ) of the harness's model of that size."""
+    return sum(p.numel() for p in build_model(family, size).parameters() if p.requires_grad)
 
 
 def sizes_markdown(rows_by_size: dict[str, list[Row]]) -> str:
@@ -146,7 +149,7 @@ def communication(base: Workload, implementations, accum: int) -> dict[str, dict
     in multiples of Ψ, from the last timed step."""
     workload = Workload(base.family, "small", 2, steps=3, warmup_steps=1, device=base.device,
                         settings=TrainSettings(accum=accum), count_collectives=True)
-    psi = sum(p.numel() for p in build_model(workload.family, workload.size).parameters() if p.requires_grad)
+    psi = parameter_count(workload.size, workload.family)
     with tempfile.TemporaryDirectory() as workdir:
         results = run_comparison(implementations, workload, workdir, progress=log)
     table = {"psi": psi}

@@ -4,9 +4,9 @@
 
 Explains the step-time ratios of benchmarks/peers.py. Per world size and round, DDP + AdamW, zeroimpl stage 1
 and stage 2 (AdamW) each train the harness's GPT-2 on CPU ranks (gloo, OMP_NUM_THREADS=1) in fresh processes,
-one after the other, so that slow drifts of the machine hit every implementation alike. Median milliseconds per phase
-on rank 0 after 3 warm-up steps; a phase ends when the call returns, so communication overlapped with
-backward is in ``backward``, and a stage-1 reduce-scatter in ``clip``. Writes
+one after the other, so that slow drifts of the machine hit every implementation alike. Median milliseconds
+per phase on rank 0 after 3 warm-up steps; a phase ends when the call returns, so communication overlapped
+with backward is in ``backward``, and a stage-1 reduce-scatter in ``clip``. Writes
 benchmarks/results/step-phases.md.
 
 Sharding saves (1 - 1/N) of the optimizer step and changes which collectives run; everything else is

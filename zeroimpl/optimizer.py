@@ -366,8 +366,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._finish_step(overflow=False)
 
     def _all_gather_params(self) -> None:
-        works = [comm.all_gather(s.param_buffer, s.shard, self.process_group, self.collective_timeout, tag=s.bucket.index)
-                 for s in self.storages]
+        works = [comm.all_gather(s.param_buffer, s.shard, self.process_group, self.collective_timeout,
+                                 tag=s.bucket.index) for s in self.storages]
         for work in works:
             work.wait()
         # the all-gather wrote the parameters in place: let autograd refuse graphs built before it
