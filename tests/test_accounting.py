@@ -1,21 +1,22 @@
 """memory_report() against the closed-form bytes of ZeRO stage 1 and 2 (arXiv 1910.02054, section 5),
 without and with CPU offload (arXiv 2101.06840).
 
-With Ψp = padded trainable elements, N ranks, B buckets, p = bytes per parameter element and AdamW
-(two fp32 moments per element plus one fp32 step counter per bucket tensor), without offload, all on the
-device:
+With Ψp = padded trainable elements, N ranks, p = bytes per parameter element, and on this rank O owned
+parameter elements (its shard without padding) in K pieces (parts of one parameter in one shard), and
+AdamW (two fp32 moments per element plus one fp32 step counter per piece tensor), without offload, all on
+the device:
 
 | kind            | stage 1 after backward | stage 2 after backward | both after step       |
 | parameters      | p·Ψp                   | p·Ψp                   | p·Ψp                  |
 | gradients       | p·Ψ (full .grad)       | 0                      | 0                     |
-| gradient_shard  | 0                      | 4·Ψp/N                 | 4·Ψp/N (until zero_grad) |
+| gradient_shard  | 0                      | 4·Ψp/N                 | 0 (the step consumed it) |
 | master_weights  | 0 for fp32, 4·Ψp/N for 16-bit                                            |
-| optimizer_state | 8·Ψp/N + 4·B after the first step                                        |
+| optimizer_state | 8·O + 4·K after the first step                                           |
 | bucket_buffers  | 0 outside backward and step                                              |
 
 With offload the device keeps parameters and (stage 1, between backward and step) the full ``.grad``; the
 host holds gradient_shard 4·Ψp/N (allocated once, at construction), master_weights 4·Ψp/N whatever the
-model's dtype, and optimizer_state 8·Ψp/N + 4·B: 16 bytes per shard element.
+model's dtype, and optimizer_state 8·O + 4·K: about 16 bytes per shard element.
 """
 
 import pytest
@@ -47,18 +48,20 @@ def _reports(rank, world_size, stage, dtype, offload):
               "masters": {s.master.device.type for s in optimizer.storages},
               "params": {s.param_buffer.device.type for s in optimizer.storages},
               "separate_masters": all(s.has_separate_master for s in optimizer.storages)}
-    return reports, {"padded": layout.padded_numel, "buckets": len(layout.buckets), "psi": psi}, places
+    pieces = layout.pieces(rank)
+    sizes = {"padded": layout.padded_numel, "owned": sum(p.length for p in pieces), "pieces": len(pieces), "psi": psi}
+    return reports, sizes, places
 
 
-def _expected(stage, dtype, offload, padded, buckets, psi, world_size):
+def _expected(stage, dtype, offload, padded, owned, pieces, psi, world_size):
     """The closed form of the table above: {moment: {"device": {...}, "host": {...}}}."""
     p = torch.finfo(dtype).bits // 8
     shard = padded // world_size
-    state = 8 * shard + 4 * buckets
+    state = 8 * owned + 4 * pieces
     device_master = 0 if dtype == torch.float32 or offload else 4 * shard
     full_grad = p * psi if stage == 1 else 0
     device_shard_after_backward = 4 * shard if stage == 2 and not offload else 0
-    device_shard_after_step = 0 if offload else 4 * shard
+    device_shard_after_step = 0
     host = (lambda optimizer_state: dict(gradient_shard=4 * shard, master_weights=4 * shard,
                                          optimizer_state=optimizer_state)) if offload else (lambda _: {})
 
@@ -89,7 +92,8 @@ def test_bytes_match_the_formula(reports_by_config, stage, dtype, offload):
     world_size = 2
     for by_config in reports_by_config:
         reports, sizes, _ = by_config[(stage, dtype, offload)]
-        expected = _expected(stage, dtype, offload, sizes["padded"], sizes["buckets"], sizes["psi"], world_size)
+        expected = _expected(stage, dtype, offload, sizes["padded"], sizes["owned"], sizes["pieces"], sizes["psi"],
+                             world_size)
         for moment, places in expected.items():
             report = reports[moment]
             for name, place in (("device", report.device), ("host", report.host)):
@@ -101,12 +105,13 @@ def test_bytes_match_the_formula(reports_by_config, stage, dtype, offload):
 def test_offload_places_state_and_masters_on_the_host(reports_by_config):
     """Where each kind lives, from the tensors themselves: with offload the optimizer state and the master
     weights are CPU tensors apart from the parameters (here the device is the CPU too, so the byte
-    accounting above is what tells device from host), and host memory is 16 bytes per shard element."""
+    accounting above is what tells device from host), and host memory is 16 bytes per owned shard element
+    (gradient shard and master: 8 per shard element, padding included; state: 8 per owned element)."""
     for by_config in reports_by_config:
         reports, sizes, places = by_config[(2, torch.bfloat16, "cpu")]
         assert places == {"state": {"cpu"}, "masters": {"cpu"}, "params": {"cpu"}, "separate_masters": True}
         host = reports["step1"].host
-        assert host.total == 16 * (sizes["padded"] // 2) + 4 * sizes["buckets"]
+        assert host.total == 8 * (sizes["padded"] // 2) + 8 * sizes["owned"] + 4 * sizes["pieces"]
         assert reports["step1"].device.total == 2 * sizes["padded"]  # bf16 parameters, nothing else
 
 

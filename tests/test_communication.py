@@ -3,8 +3,9 @@
 The claim: per step, one reduce-scatter of the gradients (Ψ elements plus bucket padding) and one
 all-gather of the parameters (the same) -- on gloo by default as pairwise exchanges, in which each of the
 2 ranks sends and receives half of each, else (ZEROIMPL_COLLECTIVES=native, NCCL's default) as the
-backend's collectives -- and one all-reduce of 4 elements (the "gradient norm not finite" flag, the
-clipping norm, and two sums that tell whether every rank ran as many backward passes) -- no gradient
+backend's collectives -- and one all-reduce of 5 elements (the "gradient norm not finite" flag, the
+clipping norm, two sums that tell whether every rank ran as many backward passes, and whether some rank
+lacks a gradient for some parameter) -- no gradient
 all-reduce. (Only a step whose norm is not finite adds a 1-element all-reduce: tests/test_nonfinite.py.)
 Stage 1 communicates once per step however many micro-batches are accumulated; stage 2 reduces every
 micro-batch.
@@ -73,5 +74,5 @@ def test_collectives_per_step(stage, accum, clip, dtype, algorithm):
                         sent[(call.name, call.dtype)] = (before[0] + 1, before[1] + call.numel)
                 assert sent == expected
             count, total, _ = summary.pop("all_reduce")
-            assert (count, total) == (1, 4)
+            assert (count, total) == (1, 5)
             assert summary == {}, f"unexpected collectives {summary}"

@@ -1,6 +1,6 @@
 """zeroimpl.estimate_memory against what a ShardedOptimizer really holds (memory_report) on 2 ranks.
 
-The estimate from the model's parameters must be exact (same layout, optimizer state probed from the
+The estimate from the model's parameters for this rank must be exact (same layout, optimizer state probed from the
 class); the estimate from a bare parameter count may differ only by padding (< 1 bucket of
 world_size * alignment elements per bucket, here < 0.5%).
 """
@@ -29,7 +29,7 @@ def _measured_and_estimated(rank, world_size):
         groups = param_groups(model)
         settings = dict(dtype=dtype, offload=offload, optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
                         bucket_numel=4096)
-        from_model = estimate_memory(groups, world_size, stage, **settings)
+        from_model = estimate_memory(groups, world_size, stage, rank=rank, **settings)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         from_count = estimate_memory(numel, world_size, stage, **settings)
         optimizer = ShardedOptimizer(groups, optimizer_class, stage=stage, offload=offload, bucket_numel=4096,

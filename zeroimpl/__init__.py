@@ -1,13 +1,14 @@
 """zeroimpl: ZeRO stage 1 and 2 as a drop-in torch optimizer wrapper."""
 
 from .accounting import MemoryReport, StateBytes
-from .comm import CollectiveError
+from .buffers_sync import broadcast_buffers
+from .comm import CollectiveError, DivergenceError
 from .estimate import estimate_memory
 from .layout import ShardLayout, build_layout
 from .offload import CPUOffload
 from .optimizer import ShardedOptimizer
 from .precision import LossScaleConfig
 
-__all__ = ["ShardedOptimizer", "CPUOffload", "CollectiveError", "LossScaleConfig", "MemoryReport", "StateBytes", "ShardLayout",
+__all__ = ["ShardedOptimizer", "CPUOffload", "CollectiveError", "DivergenceError", "broadcast_buffers", "LossScaleConfig", "MemoryReport", "StateBytes", "ShardLayout",
            "build_layout", "estimate_memory"]
 __version__ = "0.1.0"

@@ -33,6 +33,19 @@ class BucketStorage:
     shard: torch.Tensor  # (shard_numel,), view of param_buffer
     master: torch.Tensor  # (shard_numel,), fp32 copy (16-bit model or offload), else the same tensor as shard
     _versions: tuple = field(default=(), repr=False)  # params' version counters when master was last in sync
+    _addresses: dict = field(default_factory=dict, repr=False)  # parameter index -> data_ptr of its view
+
+    def __post_init__(self) -> None:
+        self._addresses = {i: p.data_ptr() for i, p in zip(self.bucket.param_indices, self.params)}
+
+    def holds(self, param_index: int, param: torch.nn.Parameter) -> bool:
+        """Whether member ``param_index`` is still its view of ``param_buffer``: converting or moving the model
+        (``model.to``, ``.half()``, ``param.data = ...``) rebinds it to other memory."""
+        return param.data_ptr() == self._addresses[param_index]
+
+    def rebound_params(self) -> list[int]:
+        """Parameter indices of the members that are no longer views of ``param_buffer``."""
+        return [i for i, p in zip(self.bucket.param_indices, self.params) if p.data_ptr() != self._addresses[i]]
 
     @property
     def has_separate_master(self) -> bool:

@@ -3,13 +3,13 @@
 ``estimate_memory`` answers "will it fit?" for a model (exact: it builds the same layout the optimizer
 would) or for a bare parameter count (close: padding is estimated from bucket sizes). It predicts what
 :meth:`ShardedOptimizer.memory_report` reports at the peak of model states in a training loop: right after
-the backward passes of a step (``zero_grad()`` having been called after the previous one), once the
-optimizer state exists. Stage 1 then holds the full ``.grad`` (freed bucket by bucket as ``step()`` reduces
+the backward passes of a step, once the optimizer state exists (every parameter stepped). Stage 1 then holds the full ``.grad`` (freed bucket by bucket as ``step()`` reduces
 it into the shard); stage 2 holds the gradient shard instead. Transient bucket buffers (0 outside backward
 and step) and activations are not model states and are not included.
 
 Optimizer state is measured, not tabulated: the optimizer class takes one step on a 3-element tensor, and
-each state tensor counts per element (same size as the parameter) or per bucket (a scalar such as Adam's
+each state tensor counts per element (same size as the parameter) or per piece -- the part of one
+parameter in one rank's shard, which the inner optimizer sees as one tensor -- (a scalar such as Adam's
 ``step``). So any elementwise optimizer is predicted, with the kernel offload would choose.
 """
 
@@ -76,13 +76,14 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: int = 
                     dtype: torch.dtype = torch.float32, offload: Union[None, str, CPUOffload] = None,
                     optimizer_class: type = torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None,
                     reduce_dtype: Optional[torch.dtype] = None, bucket_numel: int = 2 ** 22,
-                    alignment: int = 8) -> MemoryReport:
+                    alignment: int = 8, rank: Optional[int] = None) -> MemoryReport:
     """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
 
     ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact; each
     parameter's own dtype is used), or the number of trainable elements, all of ``dtype`` (padding
-    estimated). The other arguments are ShardedOptimizer's. Every rank holds the same bytes (shards are
-    equal, padding included).
+    estimated). ``rank``: the rank to predict (default: the one holding the most). The other arguments are
+    ShardedOptimizer's. Ranks differ only in optimizer state: padding has none, and the state of one
+    parameter's piece has a scalar (Adam's ``step``) per piece.
     """
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
@@ -92,7 +93,12 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: int = 
         kwargs = host_optimizer_kwargs(optimizer_class, kwargs, set(), policy)
     layout = build_layout(_param_specs(params, dtype, bucket_numel), world_size, bucket_numel, alignment)
     state_bytes = {}  # master dtype -> (per element, per tensor)
-    parameters = full_gradients = shards = masters = state = 0
+    parameters = full_gradients = shards = masters = 0
+    state_of_rank = [0] * world_size
+    pieces_of_rank = [{} for _ in range(world_size)]  # rank -> bucket index -> its pieces there
+    for r, by_bucket in enumerate(pieces_of_rank):
+        for piece in layout.pieces(r):
+            by_bucket.setdefault(piece.bucket_index, []).append(piece)
     for bucket in layout.buckets:
         param_dtype = _dtype(bucket.dtype)
         master_dtype = torch.promote_types(param_dtype, torch.float32)
@@ -101,11 +107,14 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: int = 
         per_element, per_tensor = state_bytes[master_dtype]
         parameters += _size(param_dtype) * bucket.padded_numel
         full_gradients += _size(param_dtype) * bucket.numel if stage == 1 else 0
-        state += per_element * bucket.shard_numel + per_tensor
+        for r, pieces in enumerate(pieces_of_rank):
+            mine = pieces.get(bucket.index, [])
+            state_of_rank[r] += per_element * sum(p.length for p in mine) + per_tensor * len(mine)
         if policy is not None or master_dtype != param_dtype:
             masters += _size(master_dtype) * bucket.shard_numel
         shard_dtype = master_dtype if policy is not None else (reduce_dtype or master_dtype)
         shards += _size(shard_dtype) * bucket.shard_numel
+    state = max(state_of_rank) if rank is None else state_of_rank[rank]
     if policy is not None:
         device = StateBytes(parameters=parameters, gradients=full_gradients)
         host = StateBytes(gradient_shard=shards, master_weights=masters, optimizer_state=state)

@@ -21,10 +21,21 @@ every reduction is waited for, so no bucket buffer survives backward::
 
     compute: --grad b0--|--grad b1--|--grad b2--|
     comm:               |--RS b0----|--RS b1----|--RS b2--|  (at most `max_inflight` in flight)
+
+A *round* is what one backward pass reduces: each bucket once. It ends at the end of the outermost
+backward. Reentrant activation checkpointing runs a nested backward per segment; the end of a nested one
+leaves the round open (``RoundState.DEFERRED``) so that the next segments fill the same buckets; a round
+still open when the optimizer needs the gradients, or when a new backward starts, is closed then. A
+backward that failed part-way leaves its round open too; its gradients are kept, as torch keeps the
+``.grad`` that a failed backward had already accumulated.
+
+Besides the values, the reducer records which parameters received a gradient since the last
+``zero_grad()`` or step (``grad_exists``), so that parameters without one are not stepped, as in torch.
 """
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional, Union
@@ -43,6 +54,15 @@ if TYPE_CHECKING:
 # id(param) -> the live reducer that owns it. A live reducer keeps its parameters alive, so an id found
 # here always names the same parameter object.
 _OWNERS: "weakref.WeakValueDictionary[int, GradientReducer]" = weakref.WeakValueDictionary()
+_REGISTRATION_HOOK = None  # the global parameter-registration hook, installed with the first reducer
+
+
+class RoundState(enum.Enum):
+    """Where the current round (one backward pass's reductions) stands."""
+
+    IDLE = "idle"  # no gradient since the round was last closed
+    RUNNING = "running"  # an end-of-backward callback is queued on a live backward
+    DEFERRED = "deferred"  # a nested (reentrant) backward ended; the outer one may bring more gradients
 
 
 class _Reduction:
@@ -75,7 +95,12 @@ class GradientReducer:
 
         self._inflight: deque[_Reduction] = deque()
         self.backward_passes = 0  # backward passes that reached these parameters since the last step/zero_grad
-        self._in_backward = False
+        self._state = RoundState.IDLE
+        self._end_callback: Optional[weakref.ref] = None  # the callback queued on the running backward
+        num_params = len(layout.slots)
+        self.grad_exists = [False] * num_params  # by parameter index: a gradient arrived since the last clear
+        self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
+        self.replaced: list[str] = []  # parameters that a module replaced by other Parameter objects
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
         self._arrived: list[set[int]] = [set() for _ in layout.buckets]  # param indices with a gradient
         self._next_launch = 0  # buckets below this index are launched
@@ -94,32 +119,55 @@ class GradientReducer:
             for param in storage.params:
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
         weakref.finalize(self, _remove_handles, self._handles)
+        _install_registration_hook()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError("ShardedOptimizer does not support compiled autograd "
+                               "(torch._dynamo.config.compiled_autograd): its gradient hooks reduce-scatter "
+                               "during backward. Compile the model's forward (torch.compile(model)) and run "
+                               "backward without compiled autograd")
         if param.grad.is_sparse:
             raise RuntimeError("ShardedOptimizer got a sparse gradient; sparse gradients cannot be "
                                "sharded. Use dense embeddings (e.g. nn.Embedding(sparse=False)).")
+        bucket_index, param_index = self._bucket_of[id(param)]
+        if not self.storages[bucket_index].holds(param_index, param):
+            raise RuntimeError(rebound_message([param_index]))
         self._on_gradient()
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._follow_backward()
+        self.grad_exists[param_index] = True
         if self.stage == 1:
             return
-        bucket_index, param_index = self._bucket_of[id(param)]
-        arrived = self._arrived[bucket_index]
-        if param_index in arrived or bucket_index < self._next_launch:
-            raise RuntimeError(
-                "a parameter received a second gradient in one backward pass after its bucket was "
-                "reduced (reentrant activation checkpointing?); use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+        if param_index in self._arrived[bucket_index] or bucket_index < self._next_launch:
+            # a second gradient in one round: reentrant checkpointing whose outer backward we could not see
+            # end, or a parameter shared by two checkpointed segments. Close the round and start another.
+            self._close_round()
+            self._follow_backward()
         self._write_grad(bucket_index, param_index, param.grad)
         param.grad = None
-        arrived.add(param_index)
+        self._arrived[bucket_index].add(param_index)
         self._launch_ready_buckets()
 
-    def _finish_backward(self) -> None:
-        """End of backward: count it; stage 2: launch what is left, in order, and wait for everything."""
+    def _follow_backward(self) -> None:
+        """Make sure that the end of the backward now running closes the round."""
+        if self._state is RoundState.RUNNING and self._end_callback() is None:
+            self._close_round()  # that backward failed part-way: keep what it reduced, as torch keeps .grad
+        if self._state is not RoundState.RUNNING:
+            callback = _EndOfBackward(weakref.ref(self))
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
+            self._end_callback = weakref.ref(callback)  # dies with the backward if it fails
+            self._state = RoundState.RUNNING
+
+    def _end_of_backward(self) -> None:
+        self._end_callback = None
+        if _inside_outer_backward():  # a reentrant checkpoint's nested backward: the outer one goes on
+            self._state = RoundState.DEFERRED
+            return
+        self._close_round()
+
+    def _close_round(self) -> None:
+        """Count the backward pass; stage 2: launch what is left, in order, and wait for everything."""
         self.backward_passes += 1
         if self.stage == 2:
             while self._next_launch < len(self.layout.buckets):
@@ -127,9 +175,10 @@ class GradientReducer:
         self._reset_round()
 
     def _reset_round(self) -> None:
-        """Wait for every reduction and forget the per-backward state (also after a failed backward)."""
+        """Wait for every reduction and forget the per-round state."""
         self.wait_all()
-        self._in_backward = False
+        self._state = RoundState.IDLE
+        self._end_callback = None
         self._next_launch = 0
         self._buffers = [None] * len(self._buffers)
         for arrived in self._arrived:
@@ -146,7 +195,11 @@ class GradientReducer:
     def _write_grad(self, bucket_index: int, param_index: int, grad: torch.Tensor) -> None:
         slot = self.layout.slots[param_index]
         view = self._buffer(bucket_index)[slot.offset:slot.end].view(grad.shape)
-        torch.mul(grad, self._scale, out=view)  # pre-divide by world size, as DDP does
+        if grad.dtype == view.dtype:
+            torch.mul(grad, self._scale, out=view)  # pre-divide by world size, as DDP does
+        else:  # widen first: dividing a 16-bit gradient would round it in 16 bits
+            view.copy_(grad)
+            view.mul_(self._scale)
 
     def _launch_ready_buckets(self) -> None:
         buckets = self.layout.buckets
@@ -187,6 +240,8 @@ class GradientReducer:
     # -- the optimizer's verbs ------------------------------------------------------------------
     def finalize(self) -> None:
         """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now)."""
+        if self._state is RoundState.DEFERRED or (self._state is RoundState.RUNNING and self._end_callback() is None):
+            self._close_round()  # left open by a reentrant backward, or by one that failed part-way
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
@@ -202,13 +257,18 @@ class GradientReducer:
                     if param.grad is not None:
                         self._write_grad(bucket_index, param_index, param.grad)
                         self._arrived[bucket_index].add(param_index)
+                        self.grad_exists[param_index] = True
                         param.grad = None  # freed as copied: the bucket buffers replace the gradients
                 self._launch(bucket_index)
             self._reset_round()
 
     def end_step(self) -> None:
-        """The optimizer step consumed this step's gradients: count backward passes afresh."""
+        """The optimizer step consumed this step's gradients (as ``zero_grad()`` would clear them): count
+        backward passes afresh and forget which parameters had a gradient, remembering it for
+        ``zero_grad(set_to_none=False)``."""
         self.backward_passes = 0
+        self._consumed = self.grad_exists
+        self.grad_exists = [False] * len(self.grad_exists)
 
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
@@ -218,6 +278,8 @@ class GradientReducer:
         return live
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch: ``set_to_none`` forgets the gradients; otherwise every parameter that had a gradient
+        (now, or when the last step consumed it) keeps a zero gradient, and is stepped with it."""
         for storage in self.storages:
             for param in storage.params:
                 if set_to_none:
@@ -225,8 +287,55 @@ class GradientReducer:
                 elif param.grad is not None:
                     param.grad.zero_()
         self._reset_round()
-        self.end_step()
+        self.backward_passes = 0
+        if set_to_none:
+            self.grad_exists = [False] * len(self.grad_exists)
+        else:
+            self.grad_exists = [now or then for now, then in zip(self.grad_exists, self._consumed)]
+        self._consumed = [False] * len(self._consumed)
         self.gradients.clear(set_to_none)
+
+
+def rebound_message(param_indices: list[int]) -> str:
+    return (f"trainable parameters {param_indices[:5]} (the optimizer's numbering) no longer live in the "
+            "optimizer's flat buffers: the model was converted or moved after the ShardedOptimizer was built "
+            "(model.to(...), .half(), .double(), resize_token_embeddings, param.data = ...), so the optimizer "
+            "would no longer update it. Convert and move the model first, then build the optimizer; to change "
+            "the model later, save a checkpoint, build a new ShardedOptimizer and load it")
+
+
+class _EndOfBackward:
+    """The callback queued on a backward; the autograd engine drops it with a backward that fails."""
+
+    def __init__(self, reducer_ref):
+        self.reducer_ref = reducer_ref
+
+    def __call__(self) -> None:
+        reducer = self.reducer_ref()
+        if reducer is not None:
+            reducer._end_of_backward()
+
+
+def _inside_outer_backward() -> bool:
+    """Whether the backward now ending runs inside another one's node (reentrant checkpointing)."""
+    current_node = getattr(torch._C, "_current_autograd_node", None)
+    return current_node is not None and current_node() is not None
+
+
+def _install_registration_hook() -> None:
+    """Notice a module replacing a parameter that a live reducer manages (``load_state_dict(assign=True)``,
+    ``module.weight = nn.Parameter(...)``): that reducer's optimizer would keep updating the old object."""
+    global _REGISTRATION_HOOK
+    if _REGISTRATION_HOOK is None:
+        _REGISTRATION_HOOK = torch.nn.modules.module.register_module_parameter_registration_hook(
+            _on_parameter_registered)
+
+
+def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
+    old = getattr(module, name, None)  # still the old parameter: the hook runs before the assignment
+    owner = _OWNERS.get(id(old)) if isinstance(old, torch.Tensor) and old is not param else None
+    if owner is not None:
+        owner.replaced.append(f"{type(module).__name__}.{name}")
 
 
 def _forward_to(reducer_ref):

@@ -9,8 +9,11 @@ One optimizer step, as seen from one rank (Ψ trainable elements, N ranks)::
               -> master written into this rank's slice of the flat parameter buffers
               -> in-place all-gather of every parameter buffer (Ψ)                   [comm.py]
 
-The inner optimizer (e.g. torch.optim.AdamW) sees one flat 1-D tensor per bucket: the rank's master
-shard. It therefore holds optimizer state for Ψ/N elements only -- on the host, with CPU offload.
+The inner optimizer (e.g. torch.optim.AdamW) sees one 1-D tensor per *piece*: the part of one parameter
+that lies in this rank's master shard (a view of the shard; padding belongs to no piece). It therefore
+holds optimizer state for Ψ/N elements only -- on the host, with CPU offload -- and, as torch does per
+parameter, skips a piece whose parameter has no gradient on any rank (state, step count and weights
+untouched).
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ from . import comm, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
-from .grad_sync import GradientReducer
-from .layout import ParamSpec, ShardLayout, build_layout
+from .grad_sync import GradientReducer, rebound_message
+from .layout import ParamSpec, ShardLayout, ShardPiece, build_layout
 from .offload import CPUOffload, HostGradientShards, host_optimizer_kwargs, resolve_offload
 from .precision import DynamicLossScaler, LossScaleConfig
 
 STATE_FORMAT = "zeroimpl.sharded_optimizer/1"
 # param-group keys that choose the inner optimizer's kernel, not the math: they stay the inner's own
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+# param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have
+OUTER_ONLY_KEYS = frozenset({"params", "param_names"})
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -63,6 +68,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             use it for fp16 autocast over fp32 parameters. ``None``: off. When on, call
             ``optimizer.backward(loss)`` (or ``optimizer.scale_loss(loss).backward()``) instead of
             ``loss.backward()``; steps whose gradients overflow are skipped and the scale backs off.
+        verify_every: every this many optimizer steps, compare a checksum of every bucket of parameters
+            across ranks after the step (one small all-reduce) and raise :class:`zeroimpl.DivergenceError`
+            naming the first parameter that differs (default ``None``: never). Ranks that silently diverge
+            (a rank-dependent bug in user code, a corrupted update) then stop within ``verify_every`` steps.
         nonfinite: what ``step()`` does when the averaged gradients hold NaN or Inf and no loss scaling is on
             (or the loss scale is already at its minimum). ``"raise"`` (default): clear the gradients, leave
             parameters and state untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear
@@ -88,7 +97,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  reduce_dtype: Optional[torch.dtype] = None,
                  loss_scale: Union[str, None, LossScaleConfig] = "auto", nonfinite: str = "raise",
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
-                 **optimizer_kwargs):
+                 verify_every: Optional[int] = None, **optimizer_kwargs):
         validation.check_stage(stage)
         validation.check_loss_scale(loss_scale)
         validation.check_nonfinite(nonfinite)
@@ -99,6 +108,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         validation.check_process_group(process_group)
         if max_inflight_buckets < 0:
             raise ValueError(f"max_inflight_buckets must be >= 0, got {max_inflight_buckets}")
+        validation.check_verify_every(verify_every)
+        self.verify_every = verify_every
+        self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
         super().__init__(params, dict(optimizer_kwargs))  # normalises groups, refuses duplicates
 
@@ -116,7 +128,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         validation.check_params(trainable, process_group, collective_timeout)
 
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
+        # frozen when built: a later requires_grad=True cannot join the fixed layout (checked at every step)
+        self._frozen_params = [p for group in self.param_groups for p in group["params"] if not p.requires_grad]
         self.layout: ShardLayout = build_layout(specs, self.world_size, bucket_numel, alignment)
+        self._pieces: list[ShardPiece] = self.layout.pieces(self.rank)  # this rank's part of each parameter
         self._device = trainable[0].device
         pin_memory = self.offload is not None and self.offload.pin_memory and self._device.type == "cuda"
         self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank,
@@ -142,6 +157,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._loss_scaled = False  # a loss was scaled since the last step (checked when gradients arrive)
         self._unscaled = False  # gradient shards already divided by the loss scale this step
         self._nonfinite: Optional[bool] = None  # this step's agreed "gradients hold NaN/Inf"; None: not checked
+        self._stepped: Optional[list[bool]] = None  # by parameter index, has a gradient on some rank; None: all
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
@@ -151,9 +167,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._constructed = True
 
     def _inner_groups(self) -> list[dict]:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.param_groups]
-        for storage in self.storages:
-            groups[storage.bucket.group_index]["params"].append(storage.master)
+        """The inner optimizer's param groups: one view of the master shard per piece, in piece order."""
+        self._piece_masters = [self.storages[p.bucket_index].master[p.shard_offset:p.shard_offset + p.length]
+                               for p in self._pieces]
+        groups = [{**{k: v for k, v in g.items() if k not in OUTER_ONLY_KEYS}, "params": []} for g in self.param_groups]
+        for piece, master in zip(self._pieces, self._piece_masters):
+            groups[self.layout.buckets[piece.bucket_index].group_index]["params"].append(master)
         return groups
 
     def add_param_group(self, param_group: dict) -> None:
@@ -219,6 +238,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
             validation.check_not_wrapped_in_ddp(self.trainable_params[0])
             self._wrapping_checked = True
+        self._check_model_unchanged()
         self.reducer.finalize()
         if not self.gradients.has_gradients:
             return False
@@ -227,10 +247,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._unscaled = True
         return True
 
+    def _check_model_unchanged(self) -> None:
+        """Raise, before any collective of the step, if the model no longer is what the layout describes."""
+        unfrozen = [i for i, p in enumerate(self._frozen_params) if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(
+                f"{len(unfrozen)} parameter(s) of the param groups were frozen (requires_grad=False) when the "
+                "ShardedOptimizer was built and now require grad; the shard layout is fixed, so they would never "
+                "be trained. Build the optimizer with every parameter you will train unfrozen and freeze what "
+                "you need afterwards (a parameter without a gradient is not updated, as in torch), or build a "
+                "new ShardedOptimizer after unfreezing (a checkpoint carries the state over)")
+        if self.reducer.replaced:
+            raise RuntimeError(
+                f"the model replaced parameters that this optimizer manages ({', '.join(self.reducer.replaced[:5])}) "
+                "with other Parameter objects (load_state_dict(assign=True), module.weight = nn.Parameter(...)), "
+                "so the optimizer would keep updating the old ones. Load with assign=False (the default), or "
+                "build the ShardedOptimizer after changing the model")
+        rebound = [i for s in self.storages for i in s.rebound_params()]
+        if rebound:
+            raise RuntimeError(rebound_message(rebound))
+
     def _agree_on_gradients(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
         """One all-reduce of 4 elements: whether any rank's gradient shard holds NaN/Inf (stored in
         ``self._nonfinite``), whether every rank ran the same number of backward passes, and, given
-        ``norm_type``, the global gradient norm (returned, on the device).
+        ``norm_type``, the global gradient norm (returned, on the device), and whether some rank lacks a
+        gradient for some parameter: only then does a second all-reduce (one flag per parameter) tell which
+        parameters have a gradient on no rank (``self._stepped``), so that they are not stepped.
 
         NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
         over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
@@ -254,9 +296,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                      for s in shards]).sum()
             counts = torch.tensor([passes, passes * passes], device=device)
         suspect = (~torch.isfinite(norm_term)).float()
-        values = torch.cat([suspect.reshape(1), norm_term.reshape(1), counts]).to(self._device)
+        lacking = torch.tensor([0.0 if all(self.reducer.grad_exists) else 1.0], device=device)
+        values = torch.cat([suspect.reshape(1), norm_term.reshape(1), counts, lacking]).to(self._device)
         agreed = comm.all_reduce_(values, op, self.process_group, self.collective_timeout, "gradient check all-reduce")
-        flags = agreed.tolist()  # the one host sync: [suspect, norm term, count term, count term]
+        flags = agreed.tolist()  # the one host sync: [suspect, norm term, count term, count term, lacking]
         same_passes = (flags[2] == -flags[3] if op == dist.ReduceOp.MAX
                        else self.world_size * flags[3] == flags[2] ** 2)
         if not same_passes:
@@ -266,11 +309,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "every rank must run the same micro-batches per optimizer step. The gradients were cleared; "
                 "nothing was updated")
         self._nonfinite = bool(flags[0]) and self._any_nonfinite(shards)
+        self._stepped = self._params_with_gradients() if flags[4] > 0 else None
         if norm_type is None:
             return None
         if self._nonfinite and norm_type == float("inf"):  # a MAX all-reduce need not carry a NaN through
             return torch.full((), float("nan"), device=self._device)
         return agreed[1] if norm_type == float("inf") else agreed[1] ** (1.0 / norm_type)
+
+    def _params_with_gradients(self) -> list[bool]:
+        """By parameter index, whether any rank has a gradient for it (one all-reduce of a flag per parameter,
+        run on every rank alike, only on steps where some rank lacks some gradient)."""
+        local = torch.tensor(self.reducer.grad_exists, dtype=torch.float32, device=self._device)
+        agreed = comm.all_reduce_(local, dist.ReduceOp.MAX, self.process_group, self.collective_timeout,
+                                  "gradient presence all-reduce")
+        return [flag > 0 for flag in agreed.tolist()]
 
     def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
         """Whether any rank's gradient shard holds NaN/Inf, exactly (a mask per shard, one more all-reduce
@@ -354,15 +406,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _update(self) -> None:
         """Step the inner optimizer on the master shards and all-gather the new parameters."""
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
+            inner.update({k: v for k, v in outer.items() if k not in OUTER_ONLY_KEYS | IMPLEMENTATION_KEYS})
+        grads = []  # per bucket: the gradient shard in the master's dtype, or None
         for storage, grad in zip(self.storages, self.gradients.ready()):
             storage.sync_master_with_params()
-            storage.master.grad = None if grad is None else grad.to(storage.master.dtype)
+            grads.append(None if grad is None else grad.to(storage.master.dtype))
+        for piece, master in zip(self._pieces, self._piece_masters):
+            grad = grads[piece.bucket_index]
+            if self._stepped is not None and not self._stepped[piece.param_index]:
+                master.grad = None  # no gradient on any rank: torch would not touch it either
+            elif grad is None:  # a zero gradient kept by zero_grad(set_to_none=False), nothing reduced since
+                master.grad = torch.zeros_like(master)
+            else:
+                master.grad = grad[piece.shard_offset:piece.shard_offset + piece.length]
         self.inner.step()
-        for storage in self.storages:
-            storage.master.grad = None
+        for master in self._piece_masters:
+            master.grad = None
         self.gradients.publish(self.storages)
         self._all_gather_params()
+        self._steps_taken += 1
+        if self.verify_every and self._steps_taken % self.verify_every == 0:
+            self.verify_ranks_agree()
         self._finish_step(overflow=False)
 
     def _all_gather_params(self) -> None:
@@ -375,16 +439,57 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for storage in self.storages:
             storage.mark_master_in_sync()
 
+    @torch.no_grad()
+    def verify_ranks_agree(self) -> None:
+        """Raise :class:`zeroimpl.DivergenceError` on every rank unless every rank holds bit-identical
+        parameters. Collective: one all-reduce of two int64 checksums per bucket (a wrapping sum of the
+        buffer's bits), and one per parameter of the differing buckets to name the first that differs.
+        ``verify_every`` calls it after every that-many steps."""
+        sums = torch.stack([_bit_checksum(s.param_buffer) for s in self.storages])
+        differing = [s for s, same in zip(self.storages, self._same_on_every_rank(sums)) if not same]
+        if not differing:
+            return
+        params = [(i, p) for s in differing for i, p in zip(s.bucket.param_indices, s.params)]
+        same = self._same_on_every_rank(torch.stack([_bit_checksum(p.detach().reshape(-1)) for _, p in params]))
+        first = min((i for (i, _), agree in zip(params, same) if not agree), default=params[0][0])
+        raise comm.DivergenceError(
+            f"the ranks hold different parameters after step {self._steps_taken}: {self._param_name(first)} "
+            f"differs (and {len(differing)} bucket(s) in all). Data-parallel ranks must stay identical; usual "
+            "causes: rank-dependent code that edits parameters, a different model or seed on some rank, or a "
+            "corrupted update. Restart from the last checkpoint; if it recurs, find what edits that parameter")
+
+    def _same_on_every_rank(self, values: torch.Tensor) -> list[bool]:
+        """Elementwise, whether every rank holds the same int64 ``values`` (``max(x) == -max(-x)``)."""
+        both = comm.all_reduce_(torch.cat([values, -values]).to(self._device), dist.ReduceOp.MAX,
+                                self.process_group, self.collective_timeout, "parameter checksum all-reduce")
+        high, negated_low = both.chunk(2)
+        return (high == -negated_low).tolist()
+
+    def _param_name(self, param_index: int) -> str:
+        """A trainable parameter's name (when built from ``model.named_parameters()``) and shape."""
+        param = self.trainable_params[param_index]
+        for group_index, group in enumerate(self.param_groups):
+            for position, member in enumerate(group["params"]):
+                if member is param:
+                    names = group.get("param_names")
+                    where = repr(names[position]) if names else f"parameter {position} of param group {group_index}"
+                    return f"{where} (shape {tuple(param.shape)})"
+        return f"trainable parameter {param_index} (shape {tuple(param.shape)})"
+
     def _finish_step(self, overflow: bool) -> None:
+        """The step consumed the gradients, as ``zero_grad()`` would have cleared them: a loop that calls
+        ``model.zero_grad()`` (which sees no ``.grad`` to clear) trains as with torch."""
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.reducer.end_step()
+        self.gradients.clear(set_to_none=True)
         self._reset_step_flags()
 
     def _reset_step_flags(self) -> None:
         self._loss_scaled = False
         self._unscaled = False
         self._nonfinite = None
+        self._stepped = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad(set_to_none)
@@ -452,7 +557,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                        zip(inner_state["param_groups"], kernels)]}
         self.inner.load_state_dict(inner_state)  # moves the state to the masters' device and dtype
         for outer, inner, saved, kernel in zip(self.param_groups, self.inner.param_groups, hyperparameters, kernels):
-            outer.update({k: v for k, v in saved.items() if k != "params"})
+            outer.update({k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS})
             outer.update(kernel)
             inner.update(kernel)
         if masters is not None:
@@ -462,6 +567,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     storage.mark_master_in_sync()
         if self.loss_scaler is not None and loss_scaler is not None:
             self.loss_scaler.load_state_dict(loss_scaler)
+
+    # -- the checkpoint package's seam -----------------------------------------------------------
+    def piece_states(self) -> list[tuple[ShardPiece, torch.Tensor, Optional[dict]]]:
+        """This rank's pieces, in ``layout.pieces(rank)`` order, each with its view of the master shard and
+        the inner optimizer's state for it (``None``: never stepped)."""
+        return [(piece, master, self.inner.state.get(master)) for piece, master in zip(self._pieces, self._piece_masters)]
+
+    def inner_state_dict(self, piece_states: list[Optional[dict]], hyperparameters: list[dict]) -> dict:
+        """A ``state_dict()`` of the inner optimizer (torch's format) from a state per piece (in
+        :meth:`piece_states` order; ``None``: not stepped yet) and each param group's hyperparameters."""
+        number = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
+        state = {number[id(master)]: piece_state for master, piece_state in zip(self._piece_masters, piece_states)
+                 if piece_state is not None}
+        groups = [{**{k: v for k, v in inner.items() if k != "params"},
+                   **{k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS},
+                   "params": [number[id(p)] for p in inner["params"]]}
+                  for saved, inner in zip(hyperparameters, self.inner.param_groups)]
+        return {"state": state, "param_groups": groups}
 
     # -- introspection ----------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
@@ -480,6 +603,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         host = StateBytes(gradient_shard=tensor_bytes(self.gradients.host_tensors()),
                           master_weights=masters if on_host else 0, optimizer_state=state if on_host else 0)
         return MemoryReport(device, host)
+
+
+def _bit_checksum(flat: torch.Tensor) -> torch.Tensor:
+    """An int64 sum of the bits of a contiguous 1-D tensor, read as integers of the element's width: any one
+    changed element changes it (wrapping on overflow)."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    return flat.view(as_int).sum(dtype=torch.int64)
 
 
 def _norm_dtype(shard: torch.Tensor) -> torch.dtype:

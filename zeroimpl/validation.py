@@ -57,6 +57,12 @@ def check_timeout(timeout) -> None:
                          f"seconds > 0, got {timeout!r}")
 
 
+def check_verify_every(verify_every) -> None:
+    if verify_every is not None and not (isinstance(verify_every, int) and not isinstance(verify_every, bool)
+                                         and verify_every >= 1):
+        raise ValueError(f"verify_every must be None (never) or a number of steps >= 1, got {verify_every!r}")
+
+
 def check_optimizer_class(optimizer_class, assume_elementwise: bool) -> None:
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "

@@ -8,12 +8,13 @@ What a checkpoint holds (see :mod:`.files` for the directory and its crash safet
   and ``state[key]`` for every per-element state tensor of the inner optimizer (``exp_avg``,
   ``momentum_buffer``, ...). Padding is never saved.
 * ``index.pt``: the saved layout, every trainable parameter's shape, dtype and state-dict names, the param
-  groups (hyperparameters and members), the optimizer class, the scalar state of every bucket (Adam's
-  ``step``; ``None`` for a bucket not stepped yet), the fp16 loss-scaler state and the files' checksums.
+  groups (hyperparameters and members), the optimizer class, the scalar state of every parameter (Adam's
+  ``step``; ``None`` for a parameter not stepped yet), the fp16 loss-scaler state and the files' checksums.
+  (Format 1 kept one scalar state per bucket; it still loads.)
 * ``model-extras.pt``: the model's state that the optimizer does not hold (frozen parameters, buffers).
 
-Any elementwise optimizer works: a state value is either per element (1-D, one entry per shard element) or
-a scalar shared by the bucket; anything else is refused at save time.
+Any elementwise optimizer works: a state value is either per element (1-D, one entry per element of the
+parameter's piece) or a scalar of the parameter; anything else is refused at save time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from . import files
 from .files import EXTRAS, INDEX, CheckpointError, rank_file
 from .reshard import plan, saved_pieces
 
-FORMAT = "zeroimpl.checkpoint/1"
+FORMAT = "zeroimpl.checkpoint/2"
+READABLE_FORMATS = ("zeroimpl.checkpoint/1", FORMAT)
 
 
 # -- save ---------------------------------------------------------------------------------------------
@@ -44,58 +46,59 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     group = optimizer.process_group
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
-    entry = None
+    entry = keys = None
     try:
+        split = [(piece, master, *_split_state(state, piece.length)) for piece, master, state in optimizer.piece_states()]
+        keys = _common_keys([elementwise for _, _, elementwise, _ in split if elementwise is not None])
         if optimizer.rank == 0:
             files.prepare_partial(directory)
     except Exception as caught:  # e.g. no permission: every rank must hear of it, not hang
         error = caught
-    _agree(error, group, "preparing the checkpoint directory")
+    keys = _common_keys([{key: None for key in k} for k in _agree(error, group, "preparing the checkpoint directory", keys) if k])
     try:
-        entry = files.write(_rank_payload(optimizer), os.path.join(files.partial_path(directory),
-                                                                   rank_file(optimizer.rank)))
+        entry = files.write(_rank_payload(optimizer, split, keys), os.path.join(files.partial_path(directory),
+                                                                                rank_file(optimizer.rank)))
+        entry = (entry, {piece.param_index: scalars for piece, _, _, scalars in split})
     except Exception as caught:
         error = caught
     entries = _agree(error, group, "writing the rank files", entry)
     try:
         if optimizer.rank == 0:
             partial = files.partial_path(directory)
-            listing = {rank_file(rank): found for rank, found in enumerate(entries)}
+            listing = {rank_file(rank): found for rank, (found, _) in enumerate(entries)}
             listing[EXTRAS] = files.write(_model_extras(optimizer, model), os.path.join(partial, EXTRAS))
-            files.write(_index(optimizer, model, listing), os.path.join(partial, INDEX))
+            scalars = [merge_scalars([by_param[i] for _, by_param in entries if i in by_param])
+                       for i in range(len(optimizer.trainable_params))]
+            files.write(_index(optimizer, model, listing, keys, scalars), os.path.join(partial, INDEX))
             files.publish(directory)
     except Exception as caught:
         error = caught
     _agree(error, group, "publishing the checkpoint")
 
 
-def _rank_payload(optimizer: ShardedOptimizer) -> dict:
-    pieces = optimizer.layout.pieces(optimizer.rank)
-    per_bucket = [_split_state(optimizer.inner.state.get(s.master), s.master.numel()) for s in optimizer.storages]
-    keys = _common_keys([elementwise for elementwise, _ in per_bucket if elementwise is not None])
-
-    def gather(tensors: list[Optional[torch.Tensor]]) -> torch.Tensor:
-        chunks = [torch.zeros(p.length) if tensors[p.bucket_index] is None else
-                  tensors[p.bucket_index][p.shard_offset:p.shard_offset + p.length] for p in pieces]
-        return torch.cat([c.detach().cpu() for c in chunks]) if chunks else torch.zeros(0)
+def _rank_payload(optimizer: ShardedOptimizer, split: list, keys: list[str]) -> dict:
+    """This rank's file: its pieces, their masters and their per-element state (zeros where not stepped)."""
+    def gather(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.detach().cpu() for t in tensors]) if tensors else torch.zeros(0)
 
     return {
         "format": FORMAT,
         "rank": optimizer.rank,
-        "pieces": torch.tensor([(p.param_index, p.param_start, p.param_end) for p in pieces],
+        "pieces": torch.tensor([(p.param_index, p.param_start, p.param_end) for p, _, _, _ in split],
                                dtype=torch.int64).reshape(-1, 3),
-        "master": gather([s.master for s in optimizer.storages]),
-        "state": {key: gather([None if e is None else e[key] for e, _ in per_bucket]) for key in keys},
+        "master": gather([master for _, master, _, _ in split]),
+        "state": {key: gather([torch.zeros(p.length, dtype=m.dtype) if e is None else e[key] for p, m, e, _ in split])
+                  for key in keys},
     }
 
 
-def _split_state(state: Optional[dict], shard_numel: int):
-    """A bucket's inner state -> (per-element tensors, scalars); ``(None, None)`` for no state yet."""
+def _split_state(state: Optional[dict], numel: int):
+    """A piece's inner state -> (per-element tensors, scalars); ``(None, None)`` for no state yet."""
     if not state:
         return None, None
     elementwise, scalars = {}, {}
     for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == shard_numel:
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel:
             elementwise[key] = value
         elif torch.is_tensor(value) and value.dim() == 0:
             scalars[key] = value.detach().cpu().clone()
@@ -111,7 +114,7 @@ def _split_state(state: Optional[dict], shard_numel: int):
 def _common_keys(states: list[dict]) -> list[str]:
     keys = sorted(states[0]) if states else []
     if any(sorted(state) != keys for state in states):
-        raise CheckpointError("buckets hold different optimizer state keys; cannot checkpoint this optimizer")
+        raise CheckpointError("parameters hold different optimizer state keys; cannot checkpoint this optimizer")
     return keys
 
 
@@ -140,12 +143,12 @@ def _groups(optimizer: ShardedOptimizer) -> list[dict]:
              "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
 
 
-def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict) -> dict:
+def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, keys: list[str],
+           param_scalars: list[Optional[dict]]) -> dict:
     names = _param_names(optimizer, model)
-    per_bucket = [_split_state(optimizer.inner.state.get(s.master), s.master.numel()) for s in optimizer.storages]
     return {
         "format": FORMAT,
-        "state_keys": _common_keys([elementwise for elementwise, _ in per_bucket if elementwise is not None]),
+        "state_keys": keys,
         "world_size": optimizer.world_size,
         "stage": optimizer.stage,
         "offload": optimizer.offload is not None,
@@ -154,7 +157,7 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict) -
         "params": [{"shape": tuple(p.shape), "dtype": str(p.dtype), "names": n}
                    for p, n in zip(optimizer.trainable_params, names)],
         "groups": _groups(optimizer),
-        "bucket_scalars": [scalars for _, scalars in per_bucket],
+        "param_scalars": param_scalars,
         "loss_scaler": optimizer.loss_scaler.state_dict() if optimizer.loss_scaler else None,
         "files": listing,
     }
@@ -184,7 +187,8 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         error = caught
     _agree(error, optimizer.process_group, "loading the checkpoint")
 
-    masters, inner_state, hyperparameters = restored
+    masters, piece_states, hyperparameters = restored
+    inner_state = optimizer.inner_state_dict(piece_states, hyperparameters)
     optimizer.zero_grad(set_to_none=True)
     optimizer._install_state(inner_state, hyperparameters, masters, index["loss_scaler"])
     optimizer.gradients.publish(optimizer.storages)
@@ -196,7 +200,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
 
 
 def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
+    if not isinstance(index, dict) or index.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {FORMAT!r})")
     if index["optimizer_class"] != _class_name(type(optimizer.inner)):
         raise CheckpointError(f"the checkpoint holds {index['optimizer_class']} state; this optimizer runs "
@@ -225,14 +229,13 @@ def _check_extras(extras: dict, model: torch.nn.Module) -> None:
 
 
 def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
-    """Read this rank's new shard: (masters per bucket, the inner optimizer's state dict, hyperparameters)."""
+    """Read this rank's new shard: (masters per bucket, the inner state per piece, hyperparameters)."""
     saved_layout = _saved_layout(index)
     layout, storages = optimizer.layout, optimizer.storages
-    scalars = [_bucket_scalars(index, saved_layout, bucket.param_indices) for bucket in layout.buckets]
+    scalars = param_scalars(index, saved_layout)
     keys = list(index["state_keys"])
     masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in storages]
-    states = [{key: torch.zeros(s.master.numel(), dtype=s.master.dtype) for key in keys}
-              if scalars[b] is not None else None for b, s in enumerate(storages)]
+    states = [{key: torch.zeros(s.master.numel(), dtype=s.master.dtype) for key in keys} for s in storages]
 
     copies = plan(saved_layout, layout, optimizer.rank)
     for source in sorted({c.source_rank for c in copies}):
@@ -240,18 +243,16 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
         for c in (c for c in copies if c.source_rank == source):
             src, dst = slice(c.source_offset, c.source_offset + c.length), slice(c.target_offset, c.target_offset + c.length)
             masters[c.target_bucket][dst] = payload["master"][src]
-            if states[c.target_bucket] is not None:
-                for key in keys:
-                    states[c.target_bucket][key][dst] = payload["state"][key][src]
+            for key in keys:
+                states[c.target_bucket][key][dst] = payload["state"][key][src]
 
-    inner_index = {id(p): i for i, p in enumerate(p for g in optimizer.inner.param_groups for p in g["params"])}
-    inner_state = {inner_index[id(s.master)]: {**scalars[b], **states[b]}
-                   for b, s in enumerate(storages) if states[b] is not None}
-    groups = [g["hyperparameters"] for g in index["groups"]]
-    param_groups = [{**{k: v for k, v in inner.items() if k != "params"}, **g,
-                     "params": [inner_index[id(p)] for p in inner["params"]]}
-                    for g, inner in zip(groups, optimizer.inner.param_groups)]
-    return masters, {"state": inner_state, "param_groups": param_groups}, groups
+    piece_states = []
+    for piece, _, _ in optimizer.piece_states():
+        found = scalars[piece.param_index]
+        window = slice(piece.shard_offset, piece.shard_offset + piece.length)
+        piece_states.append(None if found is None else
+                            {**_copy_scalars(found), **{key: states[piece.bucket_index][key][window].clone() for key in keys}})
+    return masters, piece_states, [g["hyperparameters"] for g in index["groups"]]
 
 
 def _saved_layout(index: dict) -> ShardLayout:
@@ -264,21 +265,26 @@ def _saved_layout(index: dict) -> ShardLayout:
     return layout
 
 
-def _bucket_scalars(index: dict, saved_layout: ShardLayout, param_indices) -> Optional[dict]:
-    """The scalar state of a new bucket: that of the saved buckets its parameters come from."""
-    found = {saved_layout.slots[i].bucket_index for i in param_indices}
-    return merge_scalars([index["bucket_scalars"][b] for b in sorted(found)])
+def param_scalars(index: dict, saved_layout: ShardLayout) -> list[Optional[dict]]:
+    """The scalar state of every trainable parameter (``None``: never stepped). Format 1 kept one per bucket."""
+    if "param_scalars" in index:
+        return index["param_scalars"]
+    return [index["bucket_scalars"][slot.bucket_index] for slot in saved_layout.slots]
 
 
 def merge_scalars(values: list[Optional[dict]]) -> Optional[dict]:
-    """One scalar state from several sources that must agree (``None``: no state, never stepped)."""
+    """One parameter's scalar state from the pieces that hold it, which must agree (``None``: never stepped)."""
     if all(v is None for v in values):
         return None
     first = values[0]
     if any(v is None or v.keys() != first.keys() or any(not _same(v[k], first[k]) for k in v) for v in values):
-        raise CheckpointError("parameters that now share a bucket had different scalar optimizer state (e.g. "
-                              "Adam's step count) when saved; they cannot be merged into one shard")
-    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in first.items()}
+        raise CheckpointError("the pieces of one parameter hold different scalar optimizer state (e.g. Adam's step "
+                              "count); the ranks have diverged")
+    return _copy_scalars(first)
+
+
+def _copy_scalars(scalars: dict) -> dict:
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
 
 
 def _same(a, b) -> bool:

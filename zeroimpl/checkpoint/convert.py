@@ -15,7 +15,7 @@ import torch
 
 from ..optimizer import ShardedOptimizer
 from . import files
-from .api import FORMAT, _groups, _read_rank, _saved_layout, _split_state, merge_scalars
+from .api import READABLE_FORMATS, _groups, _read_rank, _saved_layout, _split_state, param_scalars
 from .files import EXTRAS, INDEX, CheckpointError
 
 
@@ -23,8 +23,8 @@ def _read_full(directory: str):
     """(index, saved layout, full flat masters per parameter, full flat state per key per parameter)."""
     directory = files.resolve_directory(directory)
     index = files.read(directory, INDEX, None)
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {FORMAT!r})")
+    if not isinstance(index, dict) or index.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {READABLE_FORMATS[-1]!r})")
     layout = _saved_layout(index)
     numels = [slot.numel for slot in layout.slots]
     keys = list(index["state_keys"])
@@ -66,12 +66,13 @@ def consolidated_optimizer_state_dict(directory: str) -> dict:
     """The checkpoint's optimizer state as ``torch.optim.Optimizer.state_dict()`` of the plain inner optimizer,
     built over the same param groups (frozen members included, as torch numbers them)."""
     _, index, layout, _, states = _read_full(directory)
+    scalars_of = param_scalars(index, layout)
     state, param_groups, number = {}, [], 0
     for group in index["groups"]:
         numbers = []
         for member in group["members"]:
             if member >= 0:
-                scalars = index["bucket_scalars"][layout.slots[member].bucket_index]
+                scalars = scalars_of[member]
                 if scalars is not None:
                     shape = index["params"][member]["shape"]
                     state[number] = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
@@ -98,31 +99,15 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
                 number_of[member] = number
     saved_state = state_dict["state"]
 
-    inner_index = {id(p): i for i, p in enumerate(p for g in optimizer.inner.param_groups for p in g["params"])}
-    inner_state = {}
-    for storage in optimizer.storages:
-        bucket = storage.bucket
-        per_param = [saved_state.get(number_of[i]) for i in bucket.param_indices]
-        if all(s is None for s in per_param):
+    piece_states = []
+    for piece, _, _ in optimizer.piece_states():
+        param = optimizer.trainable_params[piece.param_index]
+        saved = saved_state.get(number_of[piece.param_index])
+        if saved is None:
+            piece_states.append(None)
             continue
-        if any(s is None for s in per_param):
-            raise CheckpointError("some parameters of a bucket have optimizer state and others none; step the "
-                                  "torch optimizer over all parameters before converting")
-        params = [optimizer.trainable_params[i] for i in bucket.param_indices]
-        splits = [_split_state({k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == p.shape else v)
-                                for k, v in s.items()}, p.numel()) for s, p in zip(per_param, params)]
-        scalars = merge_scalars([scalars for _, scalars in splits])
-        shard = {key: torch.zeros(storage.master.numel(), dtype=storage.master.dtype) for key in splits[0][0]}
-        start, end = bucket.shard_range(optimizer.rank)
-        for (elementwise, _), i in zip(splits, bucket.param_indices):
-            slot = optimizer.layout.slots[i]
-            low, high = max(slot.offset, start), min(slot.end, end)
-            for key, values in elementwise.items():
-                if low < high:
-                    shard[key][low - start:high - start] = values[low - slot.offset:high - slot.offset]
-        inner_state[inner_index[id(storage.master)]] = {**scalars, **shard}
-    param_groups = [{**{k: v for k, v in inner.items() if k != "params"},
-                     **{k: v for k, v in saved.items() if k != "params"},
-                     "params": [inner_index[id(p)] for p in inner["params"]]}
-                    for saved, inner in zip(saved_groups, optimizer.inner.param_groups)]
-    optimizer._install_state({"state": inner_state, "param_groups": param_groups}, saved_groups, None, None)
+        elementwise, scalars = _split_state({k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == param.shape else v)
+                                             for k, v in saved.items()}, param.numel())
+        window = slice(piece.param_start, piece.param_end)
+        piece_states.append({**scalars, **{key: values[window].clone() for key, values in elementwise.items()}})
+    optimizer._install_state(optimizer.inner_state_dict(piece_states, saved_groups), saved_groups, None, None)
