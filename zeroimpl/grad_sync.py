@@ -36,6 +36,7 @@ Besides the values, the reducer records which parameters received a gradient sin
 from __future__ import annotations
 
 import enum
+import sys
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional, Union
@@ -123,7 +124,7 @@ class GradientReducer:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if torch.compiler.is_compiling():
+        if _under_compiled_autograd():
             raise RuntimeError("ShardedOptimizer does not support compiled autograd "
                                "(torch._dynamo.config.compiled_autograd): its gradient hooks reduce-scatter "
                                "during backward. Compile the model's forward (torch.compile(model)) and run "
@@ -314,6 +315,13 @@ class _EndOfBackward:
         reducer = self.reducer_ref()
         if reducer is not None:
             reducer._end_of_backward()
+
+
+def _under_compiled_autograd() -> bool:
+    """Whether compiled autograd is tracing this backward (its graph cannot hold our collectives and
+    callbacks). Reads torch's flag only when torch._dynamo has been imported."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return torch.compiler.is_compiling() or bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
 
 def _inside_outer_backward() -> bool:

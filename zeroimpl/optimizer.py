@@ -442,21 +442,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
         """Raise :class:`zeroimpl.DivergenceError` on every rank unless every rank holds bit-identical
-        parameters. Collective: one all-reduce of two int64 checksums per bucket (a wrapping sum of the
-        buffer's bits), and one per parameter of the differing buckets to name the first that differs.
-        ``verify_every`` calls it after every that-many steps."""
-        sums = torch.stack([_bit_checksum(s.param_buffer) for s in self.storages])
-        differing = [s for s, same in zip(self.storages, self._same_on_every_rank(sums)) if not same]
-        if not differing:
+        parameters: the trainable ones and the frozen members of the param groups. Collective: one
+        all-reduce of two int64 checksums (wrapping sums of the bits) per bucket and per frozen parameter,
+        and one per parameter of a differing bucket to name the first that differs. ``verify_every`` calls
+        it after every that-many steps."""
+        frozen = [p.detach().reshape(-1) for p in self._frozen_params]
+        sums = torch.stack([_bit_checksum(t) for t in [s.param_buffer for s in self.storages] + frozen])
+        same = self._same_on_every_rank(sums)
+        differing = [s for s, agree in zip(self.storages, same) if not agree]
+        suspects = [(i, p) for s in differing for i, p in zip(s.bucket.param_indices, s.params)]
+        if suspects:
+            per_param = torch.stack([_bit_checksum(p.detach().reshape(-1)) for _, p in suspects])
+            first = next(p for (_, p), agree in zip(suspects, self._same_on_every_rank(per_param)) if not agree)
+        elif not all(same):
+            first = self._frozen_params[same.index(False, len(self.storages)) - len(self.storages)]
+        else:
             return
-        params = [(i, p) for s in differing for i, p in zip(s.bucket.param_indices, s.params)]
-        same = self._same_on_every_rank(torch.stack([_bit_checksum(p.detach().reshape(-1)) for _, p in params]))
-        first = min((i for (i, _), agree in zip(params, same) if not agree), default=params[0][0])
         raise comm.DivergenceError(
             f"the ranks hold different parameters after step {self._steps_taken}: {self._param_name(first)} "
-            f"differs (and {len(differing)} bucket(s) in all). Data-parallel ranks must stay identical; usual "
-            "causes: rank-dependent code that edits parameters, a different model or seed on some rank, or a "
-            "corrupted update. Restart from the last checkpoint; if it recurs, find what edits that parameter")
+            f"differs ({same.count(False)} bucket(s) or frozen parameter(s) in all). Data-parallel ranks must stay "
+            "identical; usual causes: rank-dependent code that edits parameters, a different model or seed on "
+            "some rank, or a corrupted update. Restart from the last checkpoint; if it recurs, find what edits "
+            "that parameter")
 
     def _same_on_every_rank(self, values: torch.Tensor) -> list[bool]:
         """Elementwise, whether every rank holds the same int64 ``values`` (``max(x) == -max(-x)``)."""
@@ -465,16 +472,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         high, negated_low = both.chunk(2)
         return (high == -negated_low).tolist()
 
-    def _param_name(self, param_index: int) -> str:
-        """A trainable parameter's name (when built from ``model.named_parameters()``) and shape."""
-        param = self.trainable_params[param_index]
+    def _param_name(self, param: torch.Tensor) -> str:
+        """A parameter's name (when built from ``model.named_parameters()``) or position, and shape."""
         for group_index, group in enumerate(self.param_groups):
             for position, member in enumerate(group["params"]):
                 if member is param:
                     names = group.get("param_names")
                     where = repr(names[position]) if names else f"parameter {position} of param group {group_index}"
                     return f"{where} (shape {tuple(param.shape)})"
-        return f"trainable parameter {param_index} (shape {tuple(param.shape)})"
+        return f"a parameter of shape {tuple(param.shape)}"
 
     def _finish_step(self, overflow: bool) -> None:
         """The step consumed the gradients, as ``zero_grad()`` would have cleared them: a loop that calls
