@@ -39,7 +39,7 @@ from typing import Optional, Union
 import torch
 import transformers
 
-from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
+from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, sync_buffers
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 CHECKPOINT_SUBDIR = "zeroimpl"
@@ -107,17 +107,21 @@ def loss_scale_like(scaler: torch.amp.GradScaler) -> LossScaleConfig:
 
 
 class ShardedModule(torch.nn.Module):
-    """The model as Trainer trains it: forward unchanged, ``no_sync`` and ``zero_grad`` routed to the optimizer.
+    """The model as Trainer trains it: ``no_sync`` and ``zero_grad`` routed to the optimizer, and, as DDP does
+    with ``broadcast_buffers=True``, rank 0's buffers broadcast before every forward with gradients enabled.
 
     Trainer recognises it as already wrapped, so accelerate never wraps it in DistributedDataParallel.
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, broadcast_buffers: bool = True):
         super().__init__()
         self.module = module
+        self.broadcast_buffers = broadcast_buffers
         self.optimizer: Optional[ShardedOptimizer] = None  # set once the trainer builds it
 
     def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            sync_buffers(self.module)
         return self.module(*args, **kwargs)
 
     def no_sync(self):
@@ -187,7 +191,8 @@ class ZeroTrainer(transformers.Trainer):
         if isinstance(model, ShardedModule) or not training:
             return model
         self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)  # autocast only
-        wrapped = ShardedModule(model)
+        # Trainer passes ddp_broadcast_buffers to DDP only when set; DDP's default is True
+        wrapped = ShardedModule(model, broadcast_buffers=self.args.ddp_broadcast_buffers is not False)
         wrapped.optimizer = self.sharded_optimizer
         return wrapped
 

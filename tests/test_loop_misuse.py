@@ -167,7 +167,10 @@ class _NormNet(torch.nn.Module):
 
 
 def _buffers(rank, mode):
-    """Running statistics and parameters after 3 steps: DDP, zeroimpl with broadcast_buffers, without."""
+    """Running statistics and parameters after 3 steps: DDP, zeroimpl with broadcast_buffers, ZeroTrainer's
+    model wrapper, and zeroimpl without either."""
+    from integrations.trainer import ShardedModule
+
     model = _NormNet()
     if mode == "ddp":
         forward, optimizer = DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -175,6 +178,8 @@ def _buffers(rank, mode):
         forward, optimizer = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
         if mode == "broadcast":
             broadcast_buffers(model)
+        elif mode == "trainer":
+            forward = ShardedModule(model)
     for step in range(3):
         forward(_batch(rank, step) * (1 + rank)).backward()
         optimizer.step()
@@ -226,7 +231,7 @@ def _two_ranks(rank, world_size):
         for checkpointing in (None, "reentrant", "non-reentrant"):
             cases[("reduce-scatters", stage, checkpointing)] = (
                 lambda stage=stage, checkpointing=checkpointing: _reduce_scatters_per_backward(stage, checkpointing))
-    for mode in ("ddp", "broadcast", "none"):
+    for mode in ("ddp", "broadcast", "trainer", "none"):
         cases[("buffers", mode)] = lambda mode=mode: _buffers(rank, mode)
     results = {}
     for key, case in cases.items():  # one case failing unexpectedly must not hide the others
@@ -310,9 +315,10 @@ def test_checkpointing_reduces_each_bucket_once_per_backward(two_ranks, stage, c
         assert calls == plain == (buckets if stage == 2 else 0)
 
 
-def test_broadcast_buffers_keeps_ranks_identical_as_ddp_does(two_ranks):
+@pytest.mark.parametrize("mode", ["broadcast", "trainer"])
+def test_broadcast_buffers_keeps_ranks_identical_as_ddp_does(two_ranks, mode):
     for results in two_ranks:
-        ddp, ours = _result(results, ("buffers", "ddp")), _result(results, ("buffers", "broadcast"))
+        ddp, ours = _result(results, ("buffers", "ddp")), _result(results, ("buffers", mode))
         assert all(torch.equal(ddp[name], ours[name]) for name in ddp)
     without = [_result(results, ("buffers", "none"))["norm.running_mean"] for results in two_ranks]
     assert not torch.equal(*without)  # without it, each rank keeps its own statistics

@@ -1,7 +1,7 @@
 """zeroimpl: ZeRO stage 1 and 2 as a drop-in torch optimizer wrapper."""
 
 from .accounting import MemoryReport, StateBytes
-from .buffers_sync import broadcast_buffers
+from .buffers_sync import broadcast_buffers, sync_buffers
 from .comm import CollectiveError, DivergenceError
 from .estimate import estimate_memory
 from .layout import ShardLayout, build_layout
@@ -9,6 +9,6 @@ from .offload import CPUOffload
 from .optimizer import ShardedOptimizer
 from .precision import LossScaleConfig
 
-__all__ = ["ShardedOptimizer", "CPUOffload", "CollectiveError", "DivergenceError", "broadcast_buffers", "LossScaleConfig", "MemoryReport", "StateBytes", "ShardLayout",
+__all__ = ["ShardedOptimizer", "CPUOffload", "CollectiveError", "DivergenceError", "broadcast_buffers", "sync_buffers", "LossScaleConfig", "MemoryReport", "StateBytes", "ShardLayout",
            "build_layout", "estimate_memory"]
 __version__ = "0.1.0"
