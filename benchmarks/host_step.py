@@ -1,8 +1,8 @@
 """Host optimizer step of CPU offload: parameters per second of AdamW implementations on the CPU.
 
 Every implementation updates the same fp32 parameters, split into tensors of ``--chunk`` elements (zeroimpl's
-inner optimizer sees one such tensor per bucket shard), with the same gradients and hyperparameters, in the
-same process and run:
+inner optimizer sees one tensor per parameter piece in its shard; here each parameter fills one bucket),
+with the same gradients and hyperparameters, in the same process and run:
 
 * torch AdamW for-loop / foreach / fused -- torch's three CPU kernels (zeroimpl offload uses fused);
 * DeepSpeedCPUAdam -- DeepSpeed's AVX/OpenMP CPU Adam (skipped, with a hint, if deepspeed is missing);
