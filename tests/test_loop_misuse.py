@@ -206,15 +206,65 @@ def _verify(rank, stage):
             model.aux_head.bias[0] += 1e-3
     model(_batch(rank, 5)).backward()
     frozen_edit = _error_of(optimizer.step)  # step 6: checked
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()  # the failed check left a finished step: no gradient is left to apply again
+    consumed = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with torch.no_grad():
         model.aux_head.bias.copy_(Net().aux_head.bias)
         if rank == 1:
             model.body[2].weight[3, 3] += 1e-3
     trainable_edit = _error_of(optimizer.verify_ranks_agree)
-    return clean, frozen_edit, trainable_edit
+    return clean, frozen_edit, trainable_edit, consumed
 
 
-def _two_ranks(rank, world_size):
+def _torch_clipping_in_stage1():
+    """torch.nn.utils.clip_grad_norm_ on stage 1's local .grad would clip by this rank's norm."""
+    model = Net()
+    optimizer = _optimizer(model, 1)
+    model(_batch(0, 0)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    message = _error_of(optimizer.step)
+    return message, all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _rebuild_after_delete():
+    """The recovery the unfreezing error names: delete the optimizer, build another; and a second optimizer
+    over the same parameters is refused without breaking the first."""
+    model = Net()
+    optimizer = _optimizer(model, 2)
+    refused = _error_of(lambda: _optimizer(model, 2))
+    model(_batch(0, 0)).backward()
+    optimizer.step()  # the first optimizer still trains the model
+    first_still_trains = not torch.equal(model.body[0].weight, Net().body[0].weight)
+    del optimizer
+    rebuilt = _error_of(lambda: _optimizer(model, 2))
+    return refused, first_still_trains, rebuilt
+
+
+def _old_state_dict():
+    model = Net()
+    optimizer = _optimizer(model, 2)
+    state = optimizer.state_dict()
+    state["format"] = "zeroimpl.sharded_optimizer/1"
+    return _error_of(lambda: optimizer.load_state_dict(state))
+
+
+def _scalar_parameter_from_torch(tmp):
+    """A 0-dim parameter (a learnable temperature): Adam's `step` and `exp_avg` have its shape."""
+    from zeroimpl.checkpoint import load_torch_optimizer_state, save_checkpoint
+
+    model = Net()
+    model.temperature = torch.nn.Parameter(torch.tensor(1.0))
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (model(_batch(0, 0)) * model.temperature).backward()
+    plain.step()
+    optimizer = _optimizer(model, 2)
+    load_torch_optimizer_state(optimizer, plain.state_dict())
+    return _error_of(lambda: save_checkpoint(tmp, optimizer, model))
+
+
+def _two_ranks(rank, world_size, shared_directory):
     cases = {}
     for stage in (1, 2):
         cases[("double", stage)] = lambda stage=stage: _changed_model(stage, lambda m: m.double())
@@ -231,6 +281,10 @@ def _two_ranks(rank, world_size):
         for checkpointing in (None, "reentrant", "non-reentrant"):
             cases[("reduce-scatters", stage, checkpointing)] = (
                 lambda stage=stage, checkpointing=checkpointing: _reduce_scatters_per_backward(stage, checkpointing))
+    cases[("torch clipping", 1)] = _torch_clipping_in_stage1
+    cases["rebuild"] = _rebuild_after_delete
+    cases["old state dict"] = _old_state_dict
+    cases["scalar parameter"] = lambda: _scalar_parameter_from_torch(os.path.join(shared_directory, "scalar"))
     for mode in ("ddp", "broadcast", "trainer", "none"):
         cases[("buffers", mode)] = lambda mode=mode: _buffers(rank, mode)
     results = {}
@@ -254,8 +308,8 @@ def _result(results, key):
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_distributed(2, _two_ranks)
+def two_ranks(tmp_path_factory):
+    return run_distributed(2, _two_ranks, str(tmp_path_factory.mktemp("checkpoints")))
 
 
 STAGES = (1, 2)
@@ -327,8 +381,8 @@ def test_broadcast_buffers_keeps_ranks_identical_as_ddp_does(two_ranks, mode):
 @pytest.mark.parametrize("stage", STAGES)
 def test_verify_every_catches_ranks_that_diverge(two_ranks, stage):
     for results in two_ranks:
-        clean, frozen_edit, trainable_edit = _result(results, ("verify", stage))
-        assert clean == "no error"
+        clean, frozen_edit, trainable_edit, consumed = _result(results, ("verify", stage))
+        assert clean == "no error" and consumed
         assert frozen_edit.startswith("DivergenceError") and "after step 6" in frozen_edit
         assert "'aux_head.bias' (shape (4,))" in frozen_edit
         assert trainable_edit.startswith("DivergenceError") and "'body.2.weight' (shape (16, 16))" in trainable_edit
@@ -366,3 +420,28 @@ def test_16bit_gradients_average_in_fp32_at_a_world_size_that_is_not_a_power_of_
     in bf16 before widening was 4e-3 off."""
     for worst in run_distributed(3, _bf16_gradient_at_three_ranks):
         assert worst < 1e-5
+
+
+def test_torch_clip_grad_norm_in_stage1_raises_before_any_update(two_ranks):
+    for results in two_ranks:
+        message, unchanged = _result(results, ("torch clipping", 1))
+        assert message.startswith("RuntimeError") and "modified in place between backward and step" in message
+        assert "optimizer.clip_grad_norm_" in message and unchanged
+
+
+def test_a_deleted_optimizer_can_be_replaced_and_a_refused_one_breaks_nothing(two_ranks):
+    for results in two_ranks:
+        refused, first_still_trains, rebuilt = _result(results, "rebuild")
+        assert "already managed by another ShardedOptimizer" in refused
+        assert first_still_trains and rebuilt == "no error"
+
+
+def test_an_old_format_state_dict_is_refused_clearly(two_ranks):
+    for results in two_ranks:
+        message = _result(results, "old state dict")
+        assert message.startswith("ValueError") and "older zeroimpl" in message
+
+
+def test_a_scalar_parameter_converts_from_torch_and_saves(two_ranks):
+    for results in two_ranks:
+        assert _result(results, "scalar parameter") == "no error"

@@ -32,12 +32,13 @@ def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.Proce
 @torch.no_grad()
 def sync_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Overwrite every rank's buffers with those of the group's first rank, now. Collective."""
+    source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
     for buffer in model.buffers():
         by_dtype.setdefault((buffer.dtype, buffer.device), []).append(buffer)
     for buffers in by_dtype.values():
         flat = torch.cat([b.reshape(-1) for b in buffers])
-        dist.broadcast(flat, group=process_group, group_src=0)
+        dist.broadcast(flat, src=source, group=process_group)
         offset = 0
         for buffer in buffers:
             buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))

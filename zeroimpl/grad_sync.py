@@ -81,7 +81,8 @@ class GradientReducer:
 
     def __init__(self, layout: ShardLayout, storages: list[BucketStorage], group,
                  stage: int, reduce_dtypes: list[torch.dtype], max_inflight: int,
-                 gradients: Union[DeviceGradientShards, HostGradientShards], on_gradient: Callable[[], None],
+                 gradients: Union[DeviceGradientShards, HostGradientShards],
+                 on_gradient: "weakref.WeakMethod[Callable[[], None]]",
                  timeout: Optional[float] = None):
         self.layout = layout
         self.timeout = timeout  # seconds a reduce-scatter may take before CollectiveError (None: the group's)
@@ -90,7 +91,7 @@ class GradientReducer:
         self.stage = stage
         self.reduce_dtypes = reduce_dtypes  # per bucket
         self.max_inflight = max_inflight
-        self._on_gradient = on_gradient  # called on every gradient arrival (misuse checks)
+        self._on_gradient = on_gradient  # weak method called on every gradient arrival (misuse checks)
         self._scale = 1.0 / layout.world_size
         self.gradients = gradients  # where finished reductions go
 
@@ -102,17 +103,16 @@ class GradientReducer:
         self.grad_exists = [False] * num_params  # by parameter index: a gradient arrived since the last clear
         self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
         self.replaced: list[str] = []  # parameters that a module replaced by other Parameter objects
+        self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
         self._arrived: list[set[int]] = [set() for _ in layout.buckets]  # param indices with a gradient
         self._next_launch = 0  # buckets below this index are launched
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._handles = []
+        check_not_owned([p for s in storages for p in s.params])
         for storage in storages:
             for index, param in zip(storage.bucket.param_indices, storage.params):
-                if _OWNERS.get(id(param)) is not None:
-                    raise RuntimeError("a parameter is already managed by another ShardedOptimizer; delete "
-                                       "that optimizer (or build the model anew) before creating another")
                 _OWNERS[id(param)] = self
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
         hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
@@ -124,22 +124,19 @@ class GradientReducer:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if _under_compiled_autograd():
-            raise RuntimeError("ShardedOptimizer does not support compiled autograd "
-                               "(torch._dynamo.config.compiled_autograd): its gradient hooks reduce-scatter "
-                               "during backward. Compile the model's forward (torch.compile(model)) and run "
-                               "backward without compiled autograd")
-        if param.grad.is_sparse:
-            raise RuntimeError("ShardedOptimizer got a sparse gradient; sparse gradients cannot be "
-                               "sharded. Use dense embeddings (e.g. nn.Embedding(sparse=False)).")
         bucket_index, param_index = self._bucket_of[id(param)]
-        if not self.storages[bucket_index].holds(param_index, param):
-            raise RuntimeError(rebound_message([param_index]))
-        self._on_gradient()
+        problem = self._refused(param, bucket_index, param_index)
+        if problem is not None:
+            self._reset_round()  # no reduction of this backward may stay in flight behind the error
+            raise RuntimeError(problem)
+        on_gradient = self._on_gradient()
+        if on_gradient is not None:
+            on_gradient()
         self._follow_backward()
-        self.grad_exists[param_index] = True
         if self.stage == 1:
+            self._grad_versions[param_index] = param.grad._version
             return
+        self.grad_exists[param_index] = True
         if param_index in self._arrived[bucket_index] or bucket_index < self._next_launch:
             # a second gradient in one round: reentrant checkpointing whose outer backward we could not see
             # end, or a parameter shared by two checkpointed segments. Close the round and start another.
@@ -149,6 +146,19 @@ class GradientReducer:
         param.grad = None
         self._arrived[bucket_index].add(param_index)
         self._launch_ready_buckets()
+
+    def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
+        """Why this gradient cannot be taken, or None."""
+        if _under_compiled_autograd():
+            return ("ShardedOptimizer does not support compiled autograd (torch._dynamo.config.compiled_autograd): "
+                    "its gradient hooks reduce-scatter during backward. Compile the model's forward "
+                    "(torch.compile(model)) and run backward without compiled autograd")
+        if param.grad.is_sparse:
+            return ("ShardedOptimizer got a sparse gradient; sparse gradients cannot be sharded. Use dense "
+                    "embeddings (e.g. nn.Embedding(sparse=False)).")
+        if not self.storages[bucket_index].holds(param_index, param):
+            return rebound_message([param_index])
+        return None
 
     def _follow_backward(self) -> None:
         """Make sure that the end of the backward now running closes the round."""
@@ -252,6 +262,7 @@ class GradientReducer:
                                "ShardedOptimizer reduces them itself); if you set param.grad by hand or with "
                                "torch.autograd.grad, use stage=1")
         if self.stage == 1 and with_grad:
+            self._check_grads_unedited()
             for storage in self.storages:
                 bucket_index = storage.bucket.index
                 for param_index, param in zip(storage.bucket.param_indices, storage.params):
@@ -263,13 +274,28 @@ class GradientReducer:
                 self._launch(bucket_index)
             self._reset_round()
 
-    def end_step(self) -> None:
+    def _check_grads_unedited(self) -> None:
+        """Stage 1 reduces ``param.grad`` at the step: an in-place edit since backward (torch's
+        ``clip_grad_norm_``) would act on this rank's local gradient instead of the average."""
+        edited = [i for s in self.storages for i, p in zip(s.bucket.param_indices, s.params)
+                  if p.grad is not None and i in self._grad_versions and p.grad._version != self._grad_versions[i]]
+        if edited:
+            self.zero_grad()
+            raise RuntimeError(
+                f"param.grad of {len(edited)} parameter(s) was modified in place between backward and step "
+                "(torch.nn.utils.clip_grad_norm_, or a manual scaling). Stage 1 averages the gradients only at "
+                "the step, so the edit would act on this rank's local gradient, not on the average as with DDP. "
+                "Clip with optimizer.clip_grad_norm_(max_norm) and scale the loss instead of the gradients. The "
+                "gradients were cleared; nothing was updated")
+
+    def end_step(self, stepped: Optional[list[bool]] = None) -> None:
         """The optimizer step consumed this step's gradients (as ``zero_grad()`` would clear them): count
-        backward passes afresh and forget which parameters had a gradient, remembering it for
-        ``zero_grad(set_to_none=False)``."""
+        backward passes afresh and forget which parameters had a gradient, remembering those the step
+        stepped (``stepped``, agreed across ranks; ``None``: all) for ``zero_grad(set_to_none=False)``."""
         self.backward_passes = 0
-        self._consumed = self.grad_exists
+        self._consumed = list(stepped) if stepped is not None else [True] * len(self.grad_exists)
         self.grad_exists = [False] * len(self.grad_exists)
+        self._grad_versions.clear()
 
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
@@ -289,12 +315,20 @@ class GradientReducer:
                     param.grad.zero_()
         self._reset_round()
         self.backward_passes = 0
+        self._grad_versions.clear()
         if set_to_none:
             self.grad_exists = [False] * len(self.grad_exists)
         else:
             self.grad_exists = [now or then for now, then in zip(self.grad_exists, self._consumed)]
         self._consumed = [False] * len(self._consumed)
         self.gradients.clear(set_to_none)
+
+
+def check_not_owned(params: list[torch.Tensor]) -> None:
+    """Raise if a live ShardedOptimizer already manages one of ``params``."""
+    if any(_OWNERS.get(id(p)) is not None for p in params):
+        raise RuntimeError("a parameter is already managed by another ShardedOptimizer; delete that optimizer "
+                           "(del optimizer) or build the model anew before creating another")
 
 
 def rebound_message(param_indices: list[int]) -> str:

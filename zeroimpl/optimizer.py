@@ -19,6 +19,7 @@ untouched).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
@@ -28,12 +29,12 @@ from . import comm, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
-from .grad_sync import GradientReducer, rebound_message
+from .grad_sync import GradientReducer, check_not_owned, rebound_message
 from .layout import ParamSpec, ShardLayout, ShardPiece, build_layout
 from .offload import CPUOffload, HostGradientShards, host_optimizer_kwargs, resolve_offload
 from .precision import DynamicLossScaler, LossScaleConfig
 
-STATE_FORMAT = "zeroimpl.sharded_optimizer/1"
+STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
 # param-group keys that choose the inner optimizer's kernel, not the math: they stay the inner's own
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 # param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have
@@ -126,6 +127,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     trainable.append(param)
                     specs.append(ParamSpec(group_index, str(param.dtype), param.numel()))
         validation.check_params(trainable, process_group, collective_timeout)
+        check_not_owned(trainable)  # before the parameters are moved into this optimizer's buffers
 
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         # frozen when built: a later requires_grad=True cannot join the fixed layout (checked at every step)
@@ -162,7 +164,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
         self.reducer = GradientReducer(self.layout, self.storages, process_group, stage, reduce_dtypes,
-                                       max_inflight_buckets, self.gradients, self._check_gradient_arrival,
+                                       max_inflight_buckets, self.gradients,
+                                       weakref.WeakMethod(self._check_gradient_arrival),
                                        collective_timeout)
         self._constructed = True
 
@@ -240,8 +243,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._wrapping_checked = True
         self._check_model_unchanged()
         self.reducer.finalize()
-        if not self.gradients.has_gradients:
-            return False
+        if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
+            return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
         if self.loss_scaler is not None and not self._unscaled:
             torch._foreach_mul_(self._grad_shards(), 1.0 / self.loss_scaler.scale)
             self._unscaled = True
@@ -255,8 +258,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{len(unfrozen)} parameter(s) of the param groups were frozen (requires_grad=False) when the "
                 "ShardedOptimizer was built and now require grad; the shard layout is fixed, so they would never "
                 "be trained. Build the optimizer with every parameter you will train unfrozen and freeze what "
-                "you need afterwards (a parameter without a gradient is not updated, as in torch), or build a "
-                "new ShardedOptimizer after unfreezing (a checkpoint carries the state over)")
+                "you need afterwards (a parameter without a gradient is not updated, as in torch), or delete this "
+                "optimizer and build a new ShardedOptimizer after unfreezing (a checkpoint carries the state over)")
         if self.reducer.replaced:
             raise RuntimeError(
                 f"the model replaced parameters that this optimizer manages ({', '.join(self.reducer.replaced[:5])}) "
@@ -282,18 +285,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finite). Norms are taken in fp32, or fp64 for fp64 shards. Call after ``_prepare_gradients``.
         """
         shards = self._grad_shards()
-        device = shards[0].device
+        device = shards[0].device if shards else self._device
         passes = float(self.reducer.backward_passes)
         if norm_type == float("inf"):
             op = dist.ReduceOp.MAX
             norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=_norm_dtype(s))
-                                     for s in shards]).max()
+                                     for s in shards] or [torch.zeros((), device=device)]).max()
             counts = torch.tensor([passes, -passes], device=device)
         else:
             op = dist.ReduceOp.SUM
             power = 2.0 if norm_type is None else norm_type
             norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=_norm_dtype(s)) ** power
-                                     for s in shards]).sum()
+                                     for s in shards] or [torch.zeros((), device=device)]).sum()
             counts = torch.tensor([passes, passes * passes], device=device)
         suspect = (~torch.isfinite(norm_term)).float()
         lacking = torch.tensor([0.0 if all(self.reducer.grad_exists) else 1.0], device=device)
@@ -364,8 +367,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._prepare_gradients():
             return torch.zeros((), device=self._device)
         total = self._agree_on_gradients(norm_type)
-        if not self._nonfinite:
-            shards = self._grad_shards()
+        shards = self._grad_shards()
+        if not self._nonfinite and shards:
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             # offload on a GPU: this copy of one scalar to the host is the step's second sync (with clipping)
             torch._foreach_mul_(shards, coefficient.to(shards[0].device))
@@ -425,9 +428,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.gradients.publish(self.storages)
         self._all_gather_params()
         self._steps_taken += 1
+        self._finish_step(overflow=False)
         if self.verify_every and self._steps_taken % self.verify_every == 0:
             self.verify_ranks_agree()
-        self._finish_step(overflow=False)
 
     def _all_gather_params(self) -> None:
         works = [comm.all_gather(s.param_buffer, s.shard, self.process_group, self.collective_timeout,
@@ -487,7 +490,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``model.zero_grad()`` (which sees no ``.grad`` to clear) trains as with torch."""
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
-        self.reducer.end_step()
+        self.reducer.end_step(stepped=self._stepped)
         self.gradients.clear(set_to_none=True)
         self._reset_step_flags()
 
@@ -531,6 +534,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout."""
+        if isinstance(state_dict, dict) and state_dict.get("format") == "zeroimpl.sharded_optimizer/1":
+            raise ValueError("this state was saved by an older zeroimpl, whose optimizer state was per bucket; "
+                             "it cannot be loaded with load_state_dict. Resume from a checkpoint written by "
+                             "zeroimpl.checkpoint.save_checkpoint instead (those of every version load)")
         if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
             raise ValueError("not a ShardedOptimizer state dict (missing format tag "
                              f"{STATE_FORMAT!r}); a plain torch optimizer state needs the checkpoint API")

@@ -99,15 +99,22 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
                 number_of[member] = number
     saved_state = state_dict["state"]
 
+    params = optimizer.trainable_params
+    # which keys are per element: told by a parameter that is not a scalar (for a 0-dim parameter, Adam's
+    # `step` and `exp_avg` have the same shape)
+    per_element = {k for i, number in number_of.items() if params[i].dim() > 0
+                   for k, v in (saved_state.get(number) or {}).items()
+                   if torch.is_tensor(v) and v.shape == params[i].shape}
     piece_states = []
     for piece, _, _ in optimizer.piece_states():
-        param = optimizer.trainable_params[piece.param_index]
+        param = params[piece.param_index]
         saved = saved_state.get(number_of[piece.param_index])
         if saved is None:
             piece_states.append(None)
             continue
-        elementwise, scalars = _split_state({k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == param.shape else v)
-                                             for k, v in saved.items()}, param.numel())
+        elementwise, scalars = _split_state(
+            {k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == param.shape and (param.dim() > 0 or k in per_element)
+                 else v) for k, v in saved.items()}, param.numel())
         window = slice(piece.param_start, piece.param_end)
         piece_states.append({**scalars, **{key: values[window].clone() for key, values in elementwise.items()}})
     optimizer._install_state(optimizer.inner_state_dict(piece_states, saved_groups), saved_groups, None, None)
