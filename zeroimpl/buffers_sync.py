@@ -20,7 +20,9 @@ def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.Proce
     (training, as DDP's ``broadcast_buffers=True``); ``handle.remove()`` stops it. Call it on every rank.
 
     Floating and integer buffers alike (BatchNorm's ``num_batches_tracked`` too), one broadcast per dtype.
-    Forwards under ``torch.no_grad()`` (evaluation) do not broadcast, as with DDP.
+    Forwards under ``torch.no_grad()`` (evaluation) do not broadcast, as with DDP. One difference: DDP also
+    skips the broadcast on the forward that follows a ``no_sync()`` one (so with gradient accumulation it
+    broadcasts once per optimizer step); this broadcasts before every such forward.
     """
     def before_forward(module: torch.nn.Module, args) -> None:
         if torch.is_grad_enabled():
