@@ -82,9 +82,21 @@ def _all_reports(rank, world_size):
     return {config: _reports(rank, world_size, *config) for config in CONFIGS}
 
 
+def _everything(rank, world_size):
+    """The reports of every configuration and the bucket-buffer peaks, in one launch of 2 ranks."""
+    return {"reports": _all_reports(rank, world_size),
+            "peaks": {max_inflight: _peak_bucket_buffers(rank, world_size, max_inflight)
+                      for max_inflight in MAX_INFLIGHT}}
+
+
 @pytest.fixture(scope="module")
-def reports_by_config():
-    return run_distributed(2, _all_reports)
+def runs():
+    return run_distributed(2, _everything)
+
+
+@pytest.fixture(scope="module")
+def reports_by_config(runs):
+    return [by_rank["reports"] for by_rank in runs]
 
 
 @pytest.mark.parametrize("stage,dtype,offload", CONFIGS)
@@ -133,12 +145,15 @@ def _peak_bucket_buffers(rank, world_size, max_inflight):
     return peak[0], largest, len(optimizer.layout.buckets), after.device.bucket_buffers, after.device.gradients
 
 
-@pytest.mark.parametrize("max_inflight", [0, 2])
-def test_stage2_bucket_buffers_are_bounded_and_freed(max_inflight):
+MAX_INFLIGHT = [0, 2]
+
+
+@pytest.mark.parametrize("max_inflight", MAX_INFLIGHT)
+def test_stage2_bucket_buffers_are_bounded_and_freed(runs, max_inflight):
     """During backward at most max_inflight reduce-scatters (buffer + its 1/N output + the (N-1)/N receive
     buffer of gloo's pairwise exchange: 2 buckets at N = 2) plus the bucket being filled are alive; after
     backward nothing is."""
-    for peak, largest, buckets, after, gradients in run_distributed(2, _peak_bucket_buffers, max_inflight):
+    for peak, largest, buckets, after, gradients in (by_rank["peaks"][max_inflight] for by_rank in runs):
         assert buckets > max_inflight + 2  # the bound is below "every bucket at once"
         assert 0 < peak <= (max_inflight * 2 + 1) * largest
         assert after == 0 and gradients == 0

@@ -80,9 +80,10 @@ def _save_runs(rank, world_size, root):
     return results
 
 
-def _resume_runs(rank, world_size, root, variants):
-    """For each (saved name, stage, offload): resume from the checkpoint, and the uninterrupted reference
-    at this world size with the same settings."""
+def _resume_runs(rank, world_size, root, variants, reference=True):
+    """For each (saved name, stage, offload): resume from the checkpoint, and (``reference``) the uninterrupted
+    reference at this world size with the same settings. At world size 4 the reference of ("adamw", 2, None)
+    is saved as "saved-on-4" (for test_sharded_load_reads_only_needed_files)."""
     results = {}
     for name, stage, offload in variants:
         dtype, optimizer_name, _, _ = SAVED[name]
@@ -91,13 +92,16 @@ def _resume_runs(rank, world_size, root, variants):
         loaded = params_of(model), optimizer.loss_scale, optimizer.param_groups[1]["lr"]
         train(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
         resumed = params_of(model)
+        if not reference:
+            results[(name, stage, offload)] = {"loaded": loaded, "resumed": resumed}
+            continue
         model, optimizer = make(dtype, optimizer_name, stage, offload)
         train(model, optimizer, rank, world_size, range(SAVE_AT))
         optimizer.param_groups[1]["lr"] *= 0.5
         train(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
         results[(name, stage, offload)] = {"loaded": loaded, "resumed": resumed, "reference": params_of(model)}
-    if world_size == 4:  # for test_sharded_load_reads_only_needed_files
-        save_checkpoint(os.path.join(root, "saved-on-4"), optimizer, model)
+        if world_size == 4 and (name, stage, offload) == ("adamw", 2, None):
+            save_checkpoint(os.path.join(root, "saved-on-4"), optimizer, model)
     return results
 
 
@@ -105,6 +109,47 @@ def _resume_runs(rank, world_size, root, variants):
 def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("checkpoints"))
     return root, run_distributed(2, _save_runs, root)
+
+
+# One launch per world size, in fresh processes, for everything each test below loads at that size.
+SAME_SIZE_VARIANTS = [("adamw", 2, None), ("adamw", 1, "cpu"), ("sgd", 2, "cpu"), ("sgd", 1, None),
+                      ("adagrad", 1, None), ("fp16", 2, "cpu"), ("fp16", 1, None)]
+OTHER_SIZE_VARIANTS = [("adamw", 2, None), ("sgd", 1, "cpu"), ("adagrad", 2, None), ("fp16", 2, None)]
+
+
+def _at_world_size_2(rank, world_size, root):
+    # the same world size is compared with the uninterrupted run of the save launch: no reference run here
+    return {"resumed": _resume_runs(rank, world_size, root, SAME_SIZE_VARIANTS, reference=False),
+            "one_more_step": _one_more_step_rank(rank, world_size, root),
+            "files_read": _files_read_on_load(rank, world_size, root)}
+
+
+def _at_world_size_3(rank, world_size, root):
+    results = {"resumed": _resume_runs(rank, world_size, root, OTHER_SIZE_VARIANTS),
+               "from_torch": _from_torch_state(rank, world_size, root)}
+    _reshard_and_save_again(rank, world_size, root)
+    return results
+
+
+@pytest.fixture(scope="module")
+def at_world_size_1(saved):
+    return [{"resumed": r} for r in run_distributed(1, _resume_runs, saved[0], OTHER_SIZE_VARIANTS)]
+
+
+@pytest.fixture(scope="module")
+def at_world_size_3(saved):
+    return run_distributed(3, _at_world_size_3, saved[0])
+
+
+@pytest.fixture(scope="module")
+def at_world_size_4(saved):
+    """Also writes "saved-on-4", which the world-size-2 launch reads."""
+    return [{"resumed": r} for r in run_distributed(4, _resume_runs, saved[0], OTHER_SIZE_VARIANTS)]
+
+
+@pytest.fixture(scope="module")
+def at_world_size_2(saved, at_world_size_4):
+    return run_distributed(2, _at_world_size_2, saved[0])
 
 
 def _relative_l2(params, reference):
@@ -116,11 +161,9 @@ def _max_diff(a, b):
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-def test_same_world_size_resumes_bitwise_across_stage_and_offload(saved):
+def test_same_world_size_resumes_bitwise_across_stage_and_offload(saved, at_world_size_2):
     root, saves = saved
-    variants = [("adamw", 2, None), ("adamw", 1, "cpu"), ("sgd", 2, "cpu"), ("sgd", 1, None), ("adagrad", 1, None),
-                ("fp16", 2, "cpu"), ("fp16", 1, None)]
-    for rank, results in enumerate(run_distributed(2, _resume_runs, root, variants)):
+    for rank, results in enumerate(by_rank["resumed"] for by_rank in at_world_size_2):
         for (name, stage, offload), run in results.items():
             params, loss_scale, lr = run["loaded"]
             expected_params, expected_scale = saves[rank][name]["at_save"]
@@ -132,10 +175,9 @@ def test_same_world_size_resumes_bitwise_across_stage_and_offload(saved):
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
-def test_other_world_sizes_resume_within_parity_tolerance(saved, world_size):
-    root, _ = saved
-    variants = [("adamw", 2, None), ("sgd", 1, "cpu"), ("adagrad", 2, None), ("fp16", 2, None)]
-    for results in run_distributed(world_size, _resume_runs, root, variants):
+def test_other_world_sizes_resume_within_parity_tolerance(request, world_size):
+    launch = request.getfixturevalue(f"at_world_size_{world_size}")
+    for results in (by_rank["resumed"] for by_rank in launch):
         for key, run in results.items():
             if SAVED[key[0]][0] == torch.float32:
                 assert _max_diff(run["resumed"], run["reference"]) <= PARAM_ATOL, key
@@ -144,7 +186,7 @@ def test_other_world_sizes_resume_within_parity_tolerance(saved, world_size):
 
 
 # -- conversions -------------------------------------------------------------------------------------
-def test_export_and_consolidated_state_reproduce_the_next_step_in_one_process(saved):
+def test_export_and_consolidated_state_reproduce_the_next_step_in_one_process(saved, at_world_size_2):
     """One process, no process group: the exported fp32 weights are the saved parameters; plain torch AdamW
     with the consolidated state, fed the same averaged gradient, takes the same next step as zeroimpl."""
     root, saves = saved
@@ -162,7 +204,7 @@ def test_export_and_consolidated_state_reproduce_the_next_step_in_one_process(sa
         p.grad = None if g0 is None else g0 + g1
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    reference = _one_more_step(root)
+    reference = at_world_size_2[0]["one_more_step"]  # 2 ranks: load the checkpoint, one more step
     assert _max_diff(params_of(model), reference) <= 1e-6
 
 
@@ -171,10 +213,6 @@ def _one_more_step_rank(rank, world_size, root):
     load_checkpoint(os.path.join(root, "adamw"), optimizer, model)
     train(model, optimizer, rank, world_size, [SAVE_AT])
     return params_of(model)
-
-
-def _one_more_step(root):
-    return run_distributed(2, _one_more_step_rank, root)[0]
 
 
 def _from_torch_state(rank, world_size, root):
@@ -192,9 +230,8 @@ def _from_torch_state(rank, world_size, root):
     return states
 
 
-def test_starting_from_a_torch_optimizer_state_matches_loading_the_checkpoint(saved):
-    root, _ = saved
-    for (params_a, inner_a), (params_b, inner_b) in run_distributed(3, _from_torch_state, root):
+def test_starting_from_a_torch_optimizer_state_matches_loading_the_checkpoint(at_world_size_3):
+    for (params_a, inner_a), (params_b, inner_b) in (by_rank["from_torch"] for by_rank in at_world_size_3):
         assert all(torch.equal(params_a[n], params_b[n]) for n in params_a)
         for index, state in inner_a["state"].items():
             assert all(torch.equal(state[k], inner_b["state"][index][k]) for k in state)
@@ -213,10 +250,8 @@ def _files_read_on_load(rank, world_size, root):
     return sorted(n for n in opened if n.startswith("rank-"))
 
 
-def test_sharded_load_reads_only_needed_files(saved):
-    root, _ = saved
-    run_distributed(4, _resume_runs, root, [("adamw", 2, None)])  # writes saved-on-4
-    opened = run_distributed(2, _files_read_on_load, root)
+def test_sharded_load_reads_only_needed_files(at_world_size_2):
+    opened = [by_rank["files_read"] for by_rank in at_world_size_2]  # 2 ranks load saved-on-4
     assert set(opened[0]) <= {"rank-00000.pt", "rank-00001.pt"}  # the first half of every bucket
     assert "rank-00000.pt" not in opened[1] and opened[1]
 
@@ -240,11 +275,10 @@ def _reshard_and_save_again(rank, world_size, root):
         save_checkpoint(os.path.join(root, f"{name}-resaved-on-{world_size}"), optimizer, model)
 
 
-def test_resharding_restores_master_weights_and_state_bitwise(saved):
+def test_resharding_restores_master_weights_and_state_bitwise(saved, at_world_size_3):
     """Saved on 2 ranks (stage 2), loaded on 3 (stage 1 with offload) and saved again: the full master
     weights, optimizer state, hyperparameters and loss scale are the same, bit for bit."""
-    root, _ = saved
-    run_distributed(3, _reshard_and_save_again, root)
+    root, _ = saved  # at_world_size_3 has loaded and saved again
     for name in ("adamw", "fp16"):
         before, after = os.path.join(root, name), os.path.join(root, f"{name}-resaved-on-3")
         weights_before, weights_after = export_fp32_state_dict(before), export_fp32_state_dict(after)

@@ -9,6 +9,7 @@
 
 import os
 import pickle
+import re
 import shutil
 
 import pytest
@@ -76,16 +77,55 @@ def _load_after_crash(rank, world_size, directory):
     return restored, sorted(os.listdir(os.path.dirname(directory)))
 
 
-@pytest.mark.parametrize("crash_point", ["rank file", "index", "between renames"])
-def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, crash_point):
-    directory = str(tmp_path / "checkpoint")
-    with pytest.raises(AssertionError, match="killed or crashed|exit"):
-        run_distributed(2, _die_during_save, directory, crash_point, timeout=120)
+CRASH_POINTS = ["rank file", "index", "between renames"]
+
+
+def _crash_directory(root, crash_point):
+    return os.path.join(root, crash_point.replace(" ", "-"), "checkpoint")
+
+
+def _after_the_crashes(rank, world_size, root):
+    """Every multi-rank check after the saves that died, in one launch of 2 ranks (each builds its own model
+    and optimizer, in its own folder)."""
+    return {"loaded": {point: _load_after_crash(rank, world_size, _crash_directory(root, point))
+                       for point in CRASH_POINTS},
+            "refusals": _refusals(rank, world_size, os.path.join(root, "refusals")),
+            "malicious": _malicious(rank, world_size, os.path.join(root, "malicious"))}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Each killed save in its own launch (its ranks die); what each left on disk is recorded before the
+    one launch of ``_after_the_crashes`` loads and saves over it."""
+    root = str(tmp_path_factory.mktemp("checkpoint_safety"))
+    crashes = {}
+    for crash_point in CRASH_POINTS:
+        directory = _crash_directory(root, crash_point)
+        os.makedirs(os.path.dirname(directory))
+        try:
+            run_distributed(2, _die_during_save, directory, crash_point, timeout=120)
+            error = None
+        except AssertionError as raised:
+            error = str(raised)
+        crashes[crash_point] = {"error": error, "directory": os.path.exists(directory),
+                                "previous": os.path.exists(directory + ".previous"),
+                                "partial": os.path.exists(directory + ".partial"),
+                                "index": os.path.exists(os.path.join(directory, files.INDEX))}
+    os.makedirs(os.path.join(root, "refusals"))
+    os.makedirs(os.path.join(root, "malicious"))
+    return crashes, run_distributed(2, _after_the_crashes, root)
+
+
+@pytest.mark.parametrize("crash_point", CRASH_POINTS)
+def test_a_killed_save_leaves_the_previous_checkpoint_loadable(launches, crash_point):
+    crashes, after = launches
+    on_disk = crashes[crash_point]
+    assert on_disk["error"] is not None and re.search("killed or crashed|exit", on_disk["error"])  # it died
     if crash_point == "between renames":
-        assert not os.path.exists(directory) and os.path.exists(directory + ".previous")
+        assert not on_disk["directory"] and on_disk["previous"]
     else:  # died half-way through writing the new checkpoint, next to the intact old one
-        assert os.path.exists(directory + ".partial") and os.path.exists(os.path.join(directory, files.INDEX))
-    for restored, listing in run_distributed(2, _load_after_crash, directory):
+        assert on_disk["partial"] and on_disk["index"]
+    for restored, listing in (by_rank["loaded"][crash_point] for by_rank in after):
         assert restored
         assert "checkpoint" in listing and "checkpoint.partial" not in listing and "checkpoint.previous" not in listing
 
@@ -136,8 +176,8 @@ def _refusals(rank, world_size, root):
     return messages
 
 
-def test_damaged_or_foreign_checkpoints_are_refused_on_every_rank(tmp_path):
-    for rank, messages in enumerate(run_distributed(2, _refusals, str(tmp_path))):
+def test_damaged_or_foreign_checkpoints_are_refused_on_every_rank(launches):
+    for rank, messages in enumerate(by_rank["refusals"] for by_rank in launches[1]):
         assert "is corrupt" in messages["truncated"] or "rank 1 failed" in messages["truncated"]
         assert "is corrupt" in messages["bit flip"] or "rank 1 failed" in messages["bit flip"]
         assert "rank-00001.pt is missing" in messages["missing shard"]
@@ -176,8 +216,8 @@ def _malicious(rank, world_size, root):
     return outcome, os.path.exists(os.path.join(root, "pwned"))
 
 
-def test_files_are_never_unpickled(tmp_path):
-    for outcome, code_ran in run_distributed(2, _malicious, str(tmp_path)):
+def test_files_are_never_unpickled(launches):
+    for outcome, code_ran in (by_rank["malicious"] for by_rank in launches[1]):
         assert not code_ran
         assert "cannot be read safely" in outcome[files.INDEX]
         assert "cannot be read safely" in outcome[files.rank_file(0)] or "rank 0 failed" in outcome[files.rank_file(0)]

@@ -22,8 +22,21 @@ from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 
 def _count(rank, world_size, stage, accum, clip, dtype, algorithm):
+    """One configuration, with ZEROIMPL_COLLECTIVES and the counter installed for it alone (set, then restored)."""
+    previous = os.environ.get("ZEROIMPL_COLLECTIVES")
     os.environ["ZEROIMPL_COLLECTIVES"] = algorithm
     counter = CollectiveCounter().install()
+    try:
+        return _count_steps(rank, counter, stage, accum, clip, dtype)
+    finally:
+        counter.uninstall()
+        if previous is None:
+            del os.environ["ZEROIMPL_COLLECTIVES"]
+        else:
+            os.environ["ZEROIMPL_COLLECTIVES"] = previous
+
+
+def _count_steps(rank, counter, stage, accum, clip, dtype):
     model = build_model("gpt2", dtype)
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=4096, lr=1e-3)
     per_step = []
@@ -42,13 +55,26 @@ def _count(rank, world_size, stage, accum, clip, dtype, algorithm):
             "numel": layout.numel, "psi": psi}
 
 
-@pytest.mark.parametrize("stage,accum,clip,dtype,algorithm", [
+CONFIGS = [
     (1, 1, False, torch.float32, "pairwise"), (2, 1, False, torch.float32, "pairwise"),
     (1, 4, False, torch.float32, "pairwise"), (2, 4, False, torch.float32, "native"),
     (2, 1, True, torch.float32, "native"), (2, 2, True, torch.float16, "pairwise"),
-])
-def test_collectives_per_step(stage, accum, clip, dtype, algorithm):
-    for result in run_distributed(2, _count, stage, accum, clip, dtype, algorithm):
+]
+
+
+def _count_all(rank, world_size):
+    return {config: _count(rank, world_size, *config) for config in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def counts_by_config():
+    """Every configuration in one launch of 2 ranks, each with its own model, optimizer and counter."""
+    return run_distributed(2, _count_all)
+
+
+@pytest.mark.parametrize("stage,accum,clip,dtype,algorithm", CONFIGS)
+def test_collectives_per_step(counts_by_config, stage, accum, clip, dtype, algorithm):
+    for result in (by_rank[(stage, accum, clip, dtype, algorithm)] for by_rank in counts_by_config):
         buckets, padded = result["buckets"], result["padded"]
         assert result["numel"] == result["psi"]  # tied and frozen parameters are not counted
         assert 0 <= padded - result["psi"] < buckets * 2 * 8  # padding < world_size * alignment per bucket

@@ -106,8 +106,8 @@ def _misuse(rank, world_size):
     return errors
 
 
-def test_misuse_raises_on_every_rank():
-    for errors in run_distributed(2, _misuse):
+def test_misuse_raises_on_every_rank(runs):
+    for errors in (by_rank["misuse"] for by_rank in runs):
         assert "ranks differ in the values of the parameters" in errors["differing"]
         assert "sparse gradient" in errors["sparse"] and "sparse=False" in errors["sparse"]
         assert "cannot add param groups after construction" in errors["add_group"]
@@ -158,8 +158,18 @@ def _lifecycle(rank, world_size):
     return out
 
 
-def test_lifecycle_and_recovery():
-    for out in run_distributed(2, _lifecycle):
+def _both(rank, world_size):
+    return {"lifecycle": _lifecycle(rank, world_size), "misuse": _misuse(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both multi-rank checks in one launch of 2 ranks (each builds its own models and optimizers)."""
+    return run_distributed(2, _both)
+
+
+def test_lifecycle_and_recovery(runs):
+    for out in (by_rank["lifecycle"] for by_rank in runs):
         assert "already managed by another ShardedOptimizer" in out["second_owner1"]
         assert "already managed by another ShardedOptimizer" in out["second_owner2"]
         assert out["released1"] and out["released2"]

@@ -32,13 +32,14 @@ def _relative_l2(params, reference):
 
 
 @pytest.fixture(scope="module")
-def tracking_runs():
-    return run_distributed(2, _tracking_runs)
+def runs():
+    """Every run of this file in one launch of 2 ranks (each builds its own model and optimizer)."""
+    return run_distributed(2, _all_runs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16bit_tracks_fp32(tracking_runs, dtype):
-    for rank_results in tracking_runs:
+def test_16bit_tracks_fp32(runs, dtype):
+    for rank_results in (by_rank["tracking"] for by_rank in runs):
         for stage in (1, 2):
             run, reference = rank_results[(stage, dtype)], rank_results[(stage, torch.float32)]
             assert max(abs(a - b) for a, b in zip(run["losses"], reference["losses"])) <= LOSS_ATOL
@@ -68,15 +69,25 @@ def _overflow_run(rank, world_size, stage, hysteresis, overflow_steps, offload=N
     return records
 
 
-@pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (1, "cpu"), (2, "cpu")])
-def test_fp16_overflow_skipped_on_every_rank_and_scale_backs_off(stage, offload):
-    for records in run_distributed(2, _overflow_run, stage, 1, (1,), offload):
+OVERFLOW_CASES = [(1, None), (2, None), (1, "cpu"), (2, "cpu")]
+
+
+def _all_runs(rank, world_size):
+    return {"tracking": _tracking_runs(rank, world_size),
+            "overflow": {(stage, offload): _overflow_run(rank, world_size, stage, 1, (1,), offload)
+                         for stage, offload in OVERFLOW_CASES},
+            "hysteresis": _overflow_run(rank, world_size, 2, 2, (1, 2))}
+
+
+@pytest.mark.parametrize("stage,offload", OVERFLOW_CASES)
+def test_fp16_overflow_skipped_on_every_rank_and_scale_backs_off(runs, stage, offload):
+    for records in (by_rank["overflow"][(stage, offload)] for by_rank in runs):
         assert [r["changed"] for r in records] == [True, False, True, True]
         assert [r["scale"] for r in records] == [1024.0, 512.0, 512.0, 512.0]
         assert all(r["finite"] for r in records)
 
 
-def test_fp16_hysteresis_delays_backoff():
-    for records in run_distributed(2, _overflow_run, 2, 2, (1, 2)):
+def test_fp16_hysteresis_delays_backoff(runs):
+    for records in (by_rank["hysteresis"] for by_rank in runs):
         assert [r["changed"] for r in records] == [True, False, False, True]
         assert [r["scale"] for r in records] == [1024.0, 1024.0, 512.0, 512.0]

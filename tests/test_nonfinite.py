@@ -71,10 +71,21 @@ def _policies(rank, world_size):
             for stage, offload, poison, clip in POLICY_CASES]
 
 
+def _all_runs(rank, world_size):
+    return {"policies": _policies(rank, world_size), "huge_but_finite": _huge_but_finite(rank, world_size),
+            "fp32_scaled": {stage: _fp32_scaled(rank, world_size, stage) for stage in (1, 2)},
+            "fp16_at_minimum_scale": _fp16_at_minimum_scale(rank, world_size)}
+
+
 @pytest.fixture(scope="module")
-def policy_runs():
-    """Every case in one launch of 2 ranks."""
-    return run_distributed(2, _policies)
+def runs():
+    """Every case of this file in one launch of 2 ranks (each builds its own model and optimizer)."""
+    return run_distributed(2, _all_runs)
+
+
+@pytest.fixture(scope="module")
+def policy_runs(runs):
+    return [by_rank["policies"] for by_rank in runs]
 
 
 @pytest.mark.parametrize("case", range(len(POLICY_CASES)))
@@ -103,10 +114,10 @@ def _huge_but_finite(rank, world_size):
     return [_train(rank, stage, None, "raise", "1e20", clip) for stage, clip in ((1, False), (2, True))]
 
 
-def test_finite_gradients_whose_norm_overflows_are_not_taken_for_nan():
+def test_finite_gradients_whose_norm_overflows_are_not_taken_for_nan(runs):
     """NaN/Inf is read off the gradient norm; one finite element of 1e20 overflows the fp32 norm, so the step
     must fall back to the exact check and step, as torch does (clipping then scales by max_norm / inf = 0)."""
-    for per_case in run_distributed(2, _huge_but_finite):
+    for per_case in (by_rank["huge_but_finite"] for by_rank in runs):
         for clip, result in zip((False, True), per_case):
             assert [e["event"] for e in result["events"]] == ["stepped"] * 3
             assert result["skipped"] == 0 and all(e["finite"] for e in result["events"])
@@ -130,9 +141,9 @@ def _fp32_scaled(rank, world_size, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_loss_scaling_over_fp32_parameters_is_exact(stage):
+def test_loss_scaling_over_fp32_parameters_is_exact(runs, stage):
     """What fp16 autocast over fp32 parameters needs (Trainer fp16): scale, unscale, same result."""
-    for plain, scaled, forgotten in run_distributed(2, _fp32_scaled, stage):
+    for plain, scaled, forgotten in (by_rank["fp32_scaled"][stage] for by_rank in runs):
         assert [e["norm"] for e in scaled["events"]] == [e["norm"] for e in plain["events"]]
         for name, param in plain["params"].items():
             assert torch.equal(scaled["params"][name], param), name
@@ -158,9 +169,9 @@ def _fp16_at_minimum_scale(rank, world_size):
     return outcomes, optimizer.skipped_steps
 
 
-def test_fp16_overflow_at_the_minimum_scale_raises():
+def test_fp16_overflow_at_the_minimum_scale_raises(runs):
     """Overflow is expected while the scale is high; at the minimum it means the gradients really are bad."""
-    for outcomes, skipped in run_distributed(2, _fp16_at_minimum_scale):
+    for outcomes, skipped in (by_rank["fp16_at_minimum_scale"] for by_rank in runs):
         assert outcomes[0] == ("skipped", 1.0)  # 2 -> 1
         assert outcomes[1][0] == "raised" and "minimum loss scale 1.0" in outcomes[1][1]
         assert outcomes[2][0] == "raised" and skipped == 3

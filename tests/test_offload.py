@@ -53,13 +53,15 @@ def _assert_parity(results, dtype):
 
 @pytest.fixture(scope="module")
 def world_size_2():
-    return run_distributed(2, _parity_runs, (torch.float32, torch.bfloat16))
+    """Every check at world size 2 in one launch of 2 ranks (``_world_size_2`` at the end of this file); each
+    configuration builds its own model and optimizer."""
+    return run_distributed(2, _world_size_2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_offload_matches_no_offload_at_world_size_2(world_size_2, dtype):
     for rank_results in world_size_2:
-        _assert_parity(rank_results, dtype)
+        _assert_parity(rank_results["parity"], dtype)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -84,8 +86,8 @@ def _hint_memory(rank, world_size):
     return seen, optimizer.layout.padded_numel // world_size
 
 
-def test_accumulating_sums_on_the_device_and_crosses_once():
-    for seen, shard_numel in run_distributed(2, _hint_memory):
+def test_accumulating_sums_on_the_device_and_crosses_once(world_size_2):
+    for seen, shard_numel in (by_rank["hint_memory"] for by_rank in world_size_2):
         assert seen == [4 * shard_numel, 4 * shard_numel, 0]
 
 
@@ -125,12 +127,15 @@ def _host_syncs_few_and_many_buckets(rank, world_size, dtype):
     return [_host_syncs(rank, world_size, dtype, bucket_numel) for bucket_numel in (2 ** 20, 1)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_host_syncs_per_step_do_not_grow_with_buckets(dtype):
+HOST_SYNC_DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", HOST_SYNC_DTYPES)
+def test_host_syncs_per_step_do_not_grow_with_buckets(world_size_2, dtype):
     """One host sync in clip + step, the step's agreed checks (NaN/Inf, backward counts), with 2 or 20+
     buckets."""
     expected = ["tolist"]
-    for (few, few_buckets), (many, many_buckets) in run_distributed(2, _host_syncs_few_and_many_buckets, dtype):
+    for (few, few_buckets), (many, many_buckets) in (by_rank["host_syncs"][dtype] for by_rank in world_size_2):
         assert few_buckets == 2 and many_buckets >= 20  # one bucket per param group; one per parameter
         assert few == many == [expected, expected]
 
@@ -151,10 +156,12 @@ def _edited_params(rank, world_size, dtype, offload):
     return all(torch.count_nonzero(p) == 0 for p in model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("dtype,offload", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
-                                           (torch.bfloat16, None)])
-def test_parameters_edited_outside_the_optimizer_are_kept(dtype, offload):
-    assert run_distributed(2, _edited_params, dtype, offload) == [True, True]
+EDITED_CASES = [(torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.bfloat16, None)]
+
+
+@pytest.mark.parametrize("dtype,offload", EDITED_CASES)
+def test_parameters_edited_outside_the_optimizer_are_kept(world_size_2, dtype, offload):
+    assert [by_rank["edited"][(dtype, offload)] for by_rank in world_size_2] == [True, True]
 
 
 def _any_optimizer(rank, world_size, optimizer_name):
@@ -174,9 +181,12 @@ def _any_optimizer(rank, world_size, optimizer_name):
     return all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
 
 
-@pytest.mark.parametrize("optimizer_name", ["rmsprop", "adagrad", "nadam"])
-def test_offload_with_other_optimizers_is_bitwise(optimizer_name):
-    assert run_distributed(2, _any_optimizer, optimizer_name) == [True, True]
+OTHER_OPTIMIZERS = ["rmsprop", "adagrad", "nadam"]
+
+
+@pytest.mark.parametrize("optimizer_name", OTHER_OPTIMIZERS)
+def test_offload_with_other_optimizers_is_bitwise(world_size_2, optimizer_name):
+    assert [by_rank["other_optimizers"][optimizer_name] for by_rank in world_size_2] == [True, True]
 
 
 def _edits_before_save_and_per_parameter(rank, world_size):
@@ -208,8 +218,8 @@ def _edits_before_save_and_per_parameter(rank, world_size):
     return before_save, only_the_edit, len(inside)
 
 
-def test_outside_edits_reach_saved_state_and_resync_only_the_edited_parameter():
-    results = run_distributed(2, _edits_before_save_and_per_parameter)
+def test_outside_edits_reach_saved_state_and_resync_only_the_edited_parameter(world_size_2):
+    results = [by_rank["outside_edits"] for by_rank in world_size_2]
     assert all(before_save and only_the_edit for before_save, only_the_edit, _ in results)
     assert sum(count for _, _, count in results) > 0  # the edit did change some master elements
 
@@ -233,6 +243,18 @@ def _zero_grad_keep(rank, world_size):
     return unchanged, len(waits), len(optimizer.layout.buckets)
 
 
-def test_zero_grad_without_none_neither_steps_nor_blocks():
-    for unchanged, waits, buckets in run_distributed(2, _zero_grad_keep):
+def test_zero_grad_without_none_neither_steps_nor_blocks(world_size_2):
+    for unchanged, waits, buckets in (by_rank["zero_grad_keep"] for by_rank in world_size_2):
         assert unchanged and waits == 0 and buckets > 2
+
+
+def _world_size_2(rank, world_size):
+    # the host-sync count first, while the processes are fresh (nothing can have been initialised already)
+    return {"host_syncs": {dtype: _host_syncs_few_and_many_buckets(rank, world_size, dtype)
+                           for dtype in HOST_SYNC_DTYPES},
+            "parity": _parity_runs(rank, world_size, (torch.float32, torch.bfloat16)),
+            "hint_memory": _hint_memory(rank, world_size),
+            "edited": {case: _edited_params(rank, world_size, *case) for case in EDITED_CASES},
+            "other_optimizers": {name: _any_optimizer(rank, world_size, name) for name in OTHER_OPTIMIZERS},
+            "outside_edits": _edits_before_save_and_per_parameter(rank, world_size),
+            "zero_grad_keep": _zero_grad_keep(rank, world_size)}

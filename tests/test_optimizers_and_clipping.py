@@ -34,9 +34,19 @@ def _runs(rank, world_size):
     return results
 
 
+def _all_runs(rank, world_size):
+    return {"runs": _runs(rank, world_size), "edited_lr": _edited_lr(rank, world_size)}
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(2, _runs)
+def launch():
+    """Every run of this file in one launch of 2 ranks (each builds its own model and optimizer)."""
+    return run_distributed(2, _all_runs)
+
+
+@pytest.fixture(scope="module")
+def results(launch):
+    return [by_rank["runs"] for by_rank in launch]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
@@ -94,7 +104,7 @@ def _edited_lr(rank, world_size):
     return unchanged, optimizer.inner.param_groups[0]["lr"], sorted(optimizer.param_groups[0])
 
 
-def test_param_groups_are_live():
-    for unchanged, inner_lr, keys in run_distributed(2, _edited_lr):
+def test_param_groups_are_live(launch):
+    for unchanged, inner_lr, keys in (by_rank["edited_lr"] for by_rank in launch):
         assert unchanged and inner_lr == 0.0
         assert {"lr", "momentum", "weight_decay", "nesterov"} <= set(keys)  # filled from the inner defaults

@@ -58,10 +58,19 @@ def test_parameters_identical_across_ranks(world_size_2):
         assert bitwise_equal(run, {**world_size_2[1][key], "losses": run["losses"]}), key
 
 
+@pytest.fixture(scope="module")
+def world_size_4():
+    """The world-size-4 runs and the subgroup runs (also 4 ranks) in one launch."""
+    return run_distributed(4, _at_world_size_4)
+
+
 @pytest.mark.parametrize("world_size", [1, 3, 4])
-def test_other_world_sizes(world_size):
+def test_other_world_sizes(request, world_size):
     """World size 1 is exact (nothing to sum); 3 and 4 sum in another order than DDP's ring."""
-    results = run_distributed(world_size, _runs_at, (2,))
+    if world_size == 4:
+        results = [by_rank["runs"] for by_rank in request.getfixturevalue("world_size_4")]
+    else:
+        results = run_distributed(world_size, _runs_at, (2,))
     for rank_results in results:
         for model in MODELS:
             reference = rank_results[(model, None, 2)]
@@ -78,9 +87,13 @@ def _subgroup_runs(rank, world_size):
     return {stage: train(RunConfig("gpt2", stage, accum=2), group=mine) for stage in (None, 1, 2)}
 
 
-def test_process_subgroups():
+def _at_world_size_4(rank, world_size):
+    return {"runs": _runs_at(rank, world_size, (2,)), "subgroups": _subgroup_runs(rank, world_size)}
+
+
+def test_process_subgroups(world_size_4):
     """Two independent data-parallel pairs in a world of 4, each equal to DDP on its own pair."""
-    results = run_distributed(4, _subgroup_runs)
+    results = [by_rank["subgroups"] for by_rank in world_size_4]
     for rank_results in results:
         assert bitwise_equal(rank_results[1], rank_results[None])
         _assert_close(rank_results[2], rank_results[None])

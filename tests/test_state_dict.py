@@ -50,13 +50,17 @@ def _resume(rank, world_size, dtype, stage, optimizer_name, offload=None):
     return uninterrupted, resumed, optimizer.loss_scale
 
 
-@pytest.mark.parametrize("dtype,stage,optimizer_name,offload", [
+ROUND_TRIPS = [
     (torch.float32, 1, "adamw", None), (torch.float32, 2, "sgd", None), (torch.bfloat16, 2, "adamw", None),
     (torch.float16, 1, "adamw", None), (torch.float32, 2, "adamw", "cpu"), (torch.float16, 2, "adamw", "cpu"),
     (torch.bfloat16, 1, "sgd", "cpu"),
-])
-def test_round_trip_resumes_bitwise(dtype, stage, optimizer_name, offload):
-    for uninterrupted, resumed, _ in run_distributed(2, _resume, dtype, stage, optimizer_name, offload):
+]
+
+
+@pytest.mark.parametrize("dtype,stage,optimizer_name,offload", ROUND_TRIPS)
+def test_round_trip_resumes_bitwise(runs, dtype, stage, optimizer_name, offload):
+    for by_rank in runs:
+        uninterrupted, resumed, _ = by_rank["round_trips"][(dtype, stage, optimizer_name, offload)]
         for name in uninterrupted:
             assert torch.equal(uninterrupted[name], resumed[name]), name
 
@@ -81,8 +85,19 @@ def _mismatch(rank, world_size):
     return errors
 
 
-def test_mismatched_state_is_refused():
-    for errors in run_distributed(2, _mismatch):
+def _all_runs(rank, world_size):
+    """Every round trip, then the refusals, in one launch of 2 ranks (each builds its own model and optimizer)."""
+    return {"round_trips": {config: _resume(rank, world_size, *config) for config in ROUND_TRIPS},
+            "mismatch": _mismatch(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(2, _all_runs)
+
+
+def test_mismatched_state_is_refused(runs):
+    for errors in (by_rank["mismatch"] for by_rank in runs):
         assert "saved by rank" in errors["other_rank"]
         assert "not a ShardedOptimizer state dict" in errors["plain"]
         assert "layout" in errors["other_model"] and "layout" in errors["other_groups"]
