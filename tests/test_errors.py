@@ -61,7 +61,7 @@ def _misuse(rank, world_size):
     def sparse_gradient():
         torch.manual_seed(0)
         embedding = torch.nn.Embedding(10, 4, sparse=True)
-        ShardedOptimizer(embedding.parameters(), torch.optim.SGD, stage=2, lr=0.1)
+        optimizer = ShardedOptimizer(embedding.parameters(), torch.optim.SGD, stage=2, lr=0.1)  # noqa: F841 (kept alive)
         embedding(torch.tensor([1, 2])).sum().backward()
     errors["sparse"] = _catch(sparse_gradient)
 
@@ -72,7 +72,7 @@ def _misuse(rank, world_size):
 
     def fp16_without_scaling():
         model = build_model("gpt2", torch.float16)
-        ShardedOptimizer(model.parameters(), torch.optim.AdamW)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW)  # noqa: F841 (kept alive)
         ids = torch.ones(1, 4, dtype=torch.long)
         model(input_ids=ids, labels=ids).loss.backward()
     errors["fp16"] = _catch(fp16_without_scaling)

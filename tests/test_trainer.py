@@ -153,7 +153,7 @@ def relative_distance(a, b):
 def test_trainer_adds_no_gradient_communication(runs, stage):
     """Per optimizer step (2 micro-batches): stage 1 reduce-scatters the gradients once, stage 2 once per
     micro-batch; one all-gather of the parameters (on gloo both as pairwise exchanges); the step's checks (NaN/Inf flag, clipping norm,
-    backward-pass counts: 4 elements) and Trainer's logging gathers (scalars) -- no gradient all-reduce,
+    backward-pass counts, missing-gradient flag: 5 elements) and Trainer's logging gathers (scalars) -- no gradient all-reduce,
     so no DDP underneath. Step 1 also holds start-up traffic, and step 4 the checkpoint saved after step 3
     (object gathers): both are left out."""
     zero, _ = runs[f"stage{stage}"]
@@ -166,7 +166,7 @@ def test_trainer_adds_no_gradient_communication(runs, stage):
         # gloo: the reduce-scatters and the all-gather as pairwise exchanges, half of each bucket each way
         assert summary.pop("isend") == summary.pop("irecv") == ((reductions + 1) * buckets,
                                                                 (reductions + 1) * padded // 2)
-        assert summary.pop("all_reduce") == (1, 4)  # NaN/Inf flag, clipping norm, backward-pass counts
+        assert summary.pop("all_reduce") == (1, 5)  # NaN/Inf flag, clipping norm, pass counts, missing flag
         logging_elements = summary.pop("all_gather")[1]
         assert logging_elements <= 8 and summary == {}, summary
 
