@@ -133,6 +133,7 @@ def main():
                                "padded": trainer.sharded_optimizer.layout.padded_numel}
                     if args.plugin == "zero" else None}, args.dump)
     if dist.is_initialized():
+        dist.barrier()  # tear gloo down together: a rank exiting while another still runs can abort in C++
         dist.destroy_process_group()
 
 

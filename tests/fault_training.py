@@ -64,6 +64,7 @@ def main():
         save_checkpoint(os.path.join(args.out, f"step-{step}"), optimizer, model)
     if rank == 0:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, os.path.join(args.out, "final.pt"))
+    dist.barrier()  # no rank tears gloo down while another still uses its connections
     dist.destroy_process_group()
 
 
