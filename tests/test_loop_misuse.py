@@ -115,7 +115,7 @@ class _FailingNet(Net):
 
 def _retried_backward(rank, world_size, stage):
     """A backward that fails part-way, retried without zero_grad(): torch keeps the gradients the failed
-    backward had accumulated and adds the retry's. Returns (zeroimpl's, torch's) parameters after one SGD
+    backward had accumulated and adds the second backward's. Returns (zeroimpl's, torch's) parameters after one SGD
     step; torch's is one process per rank with the gradients averaged by hand."""
     results = []
     for implementation in ("zeroimpl", "torch"):

@@ -144,6 +144,14 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optiona
     return tensor
 
 
+def same_on_every_rank(values: torch.Tensor, group, timeout: Optional[float] = None,
+                       name: str = "agreement all-reduce") -> torch.Tensor:
+    """Elementwise, whether every rank holds the same ``values`` (1-D): ``max(x) == -max(-x)``, one MAX
+    all-reduce of twice their size. The answer is identical on every rank."""
+    high, negated_low = all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, group, timeout, name).chunk(2)
+    return high == -negated_low
+
+
 def _exchange(sends: list, receives: list, group, tag: int) -> list:
     """Post step k = 1..N-1 of a pairwise exchange: ``sends[k - 1]`` to rank ``r + k``, ``receives[k - 1]``
     from rank ``r - k`` (mod N); return the works."""

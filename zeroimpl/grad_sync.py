@@ -110,8 +110,7 @@ class GradientReducer:
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._handles = []
-        check_not_owned([p for s in storages for p in s.params])
-        for storage in storages:
+        for storage in storages:  # (ShardedOptimizer checked ownership before moving the parameters)
             for index, param in zip(storage.bucket.param_indices, storage.params):
                 _OWNERS[id(param)] = self
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
@@ -162,13 +161,17 @@ class GradientReducer:
 
     def _follow_backward(self) -> None:
         """Make sure that the end of the backward now running closes the round."""
-        if self._state is RoundState.RUNNING and self._end_callback() is None:
-            self._close_round()  # that backward failed part-way: keep what it reduced, as torch keeps .grad
+        if self._backward_failed():
+            self._close_round()  # keep what it reduced, as torch keeps .grad
         if self._state is not RoundState.RUNNING:
             callback = _EndOfBackward(weakref.ref(self))
             torch.autograd.Variable._execution_engine.queue_callback(callback)
             self._end_callback = weakref.ref(callback)  # dies with the backward if it fails
             self._state = RoundState.RUNNING
+
+    def _backward_failed(self) -> bool:
+        """The backward our callback was queued on ended without calling it: it failed part-way."""
+        return self._state is RoundState.RUNNING and self._end_callback() is None
 
     def _end_of_backward(self) -> None:
         self._end_callback = None
@@ -251,7 +254,7 @@ class GradientReducer:
     # -- the optimizer's verbs ------------------------------------------------------------------
     def finalize(self) -> None:
         """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now)."""
-        if self._state is RoundState.DEFERRED or (self._state is RoundState.RUNNING and self._end_callback() is None):
+        if self._state is RoundState.DEFERRED or self._backward_failed():
             self._close_round()  # left open by a reentrant backward, or by one that failed part-way
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]

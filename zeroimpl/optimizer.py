@@ -468,12 +468,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "some rank, or a corrupted update. Restart from the last checkpoint; if it recurs, find what edits "
             "that parameter")
 
-    def _same_on_every_rank(self, values: torch.Tensor) -> list[bool]:
-        """Elementwise, whether every rank holds the same int64 ``values`` (``max(x) == -max(-x)``)."""
-        both = comm.all_reduce_(torch.cat([values, -values]).to(self._device), dist.ReduceOp.MAX,
-                                self.process_group, self.collective_timeout, "parameter checksum all-reduce")
-        high, negated_low = both.chunk(2)
-        return (high == -negated_low).tolist()
+    def _same_on_every_rank(self, checksums: torch.Tensor) -> list[bool]:
+        return comm.same_on_every_rank(checksums.to(self._device), self.process_group, self.collective_timeout,
+                                       "parameter checksum all-reduce").tolist()
 
     def _param_name(self, param: torch.Tensor) -> str:
         """A parameter's name (when built from ``model.named_parameters()``) or position, and shape."""

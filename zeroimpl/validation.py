@@ -134,10 +134,7 @@ def _check_same_across_ranks(params: list[torch.Tensor], group, device: torch.de
 
 
 def _raise_if_ranks_differ(values: torch.Tensor, group, what: str, timeout: Optional[float]) -> None:
-    both = comm.all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, group, timeout,
-                            "construction check all-reduce")
-    high, negated_low = both.chunk(2)
-    if not torch.equal(high, -negated_low):
+    if not comm.same_on_every_rank(values, group, timeout, "construction check all-reduce").all():
         raise RuntimeError(f"ranks differ in {what} at ShardedOptimizer construction; build the model with "
                            "the same seed (or load the same checkpoint / broadcast rank 0's weights) on every "
                            "rank before creating the optimizer")
