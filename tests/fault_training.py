@@ -66,6 +66,11 @@ def main():
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, os.path.join(args.out, "final.pt"))
     dist.barrier()  # no rank tears gloo down while another still uses its connections
     dist.destroy_process_group()
+    # gloo's threads must be gone before the interpreter finalizes: one still running then and needing the GIL
+    # (to free a tensor of the last collective) aborts the process ("terminate called without an active
+    # exception"). destroy_process_group joins them unless something still holds the process group.
+    gloo_threads = [t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().startswith(("pt_gloo", "gloo"))]
+    print(f"rank {rank}: gloo threads after destroy_process_group: {len(gloo_threads)}", flush=True)
 
 
 if __name__ == "__main__":
