@@ -2,7 +2,7 @@
 
     python benchmarks/peers.py [--quick] [--out benchmarks/results/peers]
 
-Reuses the comparison harness (integrations/comparison): every implementation trains the same Hugging Face
+Reuses the comparison harness (zeroimpl/integrations/comparison): every implementation trains the same Hugging Face
 GPT-2 with the same AdamW settings in its own fresh processes (gloo on CPU, NCCL with --device cuda).
 
 1. Speed and memory, at world sizes 1, 2 and 4: median step time (forward + backward + step, after
@@ -39,12 +39,12 @@ import tempfile
 import time
 from typing import Optional
 
-from integrations.adapters import TrainSettings, all_implementations
-from integrations.comparison.compare import environment, predicted_model_state
-from integrations.comparison.harness import RunResult, Workload, run_comparison
-from integrations.comparison.report import MIB, Row, build_rows, markdown_table, write_chart
-from integrations.comparison.verdict import judge
-from integrations.models import build_model
+from zeroimpl.integrations.adapters import TrainSettings, all_implementations
+from zeroimpl.integrations.comparison.compare import environment, predicted_model_state
+from zeroimpl.integrations.comparison.harness import RunResult, Workload, run_comparison
+from zeroimpl.integrations.comparison.report import MIB, Row, build_rows, markdown_table, write_chart
+from zeroimpl.integrations.comparison.verdict import judge
+from zeroimpl.integrations.models import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_TIME_VS_DDP = 0.95

@@ -32,7 +32,7 @@ def rank_main(kind: str, size: str, micro_batch: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from integrations.models import batch, build_model
+    from zeroimpl.integrations.models import batch, build_model
     from zeroimpl import ShardedOptimizer
 
     dist.init_process_group("gloo")

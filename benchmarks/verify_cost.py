@@ -1,7 +1,7 @@
 """What ``ShardedOptimizer(verify_every=K)`` costs: one cross-rank parameter check against one training step.
 
 Each check (``verify_ranks_agree()``) reads every parameter once (an int64 sum of its bits per bucket) and
-all-reduces two int64 numbers per bucket. Measured on GPT-2 (``integrations.models`` sizes) at world size 2
+all-reduces two int64 numbers per bucket. Measured on GPT-2 (``zeroimpl.integrations.models`` sizes) at world size 2
 on gloo, stage 2, AdamW: the median of the timed checks and of the timed training steps (forward,
 backward, step, zero_grad), in the same processes and run. The cost per step of ``verify_every=K`` is the
 check's time divided by K.
@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from integrations.launch import run_distributed  # noqa: E402
-from integrations.models import SIZES, build_model  # noqa: E402
+from zeroimpl.integrations.launch import run_distributed  # noqa: E402
+from zeroimpl.integrations.models import SIZES, build_model  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from integrations.collectives import CollectiveCounter
-from integrations.trainer import ZeroTrainer
+from zeroimpl.integrations.collectives import CollectiveCounter
+from zeroimpl.integrations.trainer import ZeroTrainer
 
 
 class CollectivesPerStep(transformers.TrainerCallback):

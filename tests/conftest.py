@@ -3,10 +3,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/ helpers (distributed.py, workloads.py)
 
-# Every rank the tests launch (integrations.launch.run_distributed, the comparison harness included) is a new
+# Every rank the tests launch (zeroimpl.integrations.launch.run_distributed, the comparison harness included) is a new
 # process forked from one server that has imported torch and transformers once per session, instead of a
 # new interpreter importing them again (several seconds per rank). Nothing else runs in that server.
-from integrations.launch import start_ranks_from_forkserver  # noqa: E402
+from zeroimpl.integrations.launch import start_ranks_from_forkserver  # noqa: E402
 
 start_ranks_from_forkserver(["torch", "torch.distributed", "transformers",
                              "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",

@@ -1,5 +1,5 @@
-"""The tests' process launcher is the one the comparison harness uses: ``integrations.launch``."""
+"""The tests' process launcher is the one the comparison harness uses: ``zeroimpl.integrations.launch``."""
 
-from integrations.launch import run_distributed
+from zeroimpl.integrations.launch import run_distributed
 
 __all__ = ["run_distributed"]

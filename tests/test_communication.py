@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from integrations.collectives import CollectiveCounter, summarize
+from zeroimpl.integrations.collectives import CollectiveCounter, summarize
 from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 

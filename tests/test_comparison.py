@@ -1,4 +1,4 @@
-"""The side-by-side comparison (integrations/) on a tiny GPT-2 with every installed peer.
+"""The side-by-side comparison (zeroimpl/integrations/) on a tiny GPT-2 with every installed peer.
 
 Asserts the verdicts (zeroimpl within its core-test tolerance of DDP: loss 1e-5, parameters 1e-4), that
 missing peers are skipped with an install hint rather than crashing, that the model-state memory of
@@ -19,11 +19,11 @@ import pytest
 
 import torch
 
-from integrations.adapters import Implementation, TrainSettings, Zeroimpl, all_implementations
-from integrations.adapters.zeroimpl_optimizer import ZeroimplRunner
-from integrations.comparison.compare import compare
-from integrations.comparison.harness import Workload, run_implementation
-from integrations.models import build_model
+from zeroimpl.integrations.adapters import Implementation, TrainSettings, Zeroimpl, all_implementations
+from zeroimpl.integrations.adapters.zeroimpl_optimizer import ZeroimplRunner
+from zeroimpl.integrations.comparison.compare import compare
+from zeroimpl.integrations.comparison.harness import Workload, run_implementation
+from zeroimpl.integrations.models import build_model
 from zeroimpl import ShardedOptimizer
 
 MARGIN_RTOL = 0.01

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import run_distributed
-from integrations.collectives import CollectiveCounter, summarize
+from zeroimpl.integrations.collectives import CollectiveCounter, summarize
 from test_training_loops import Net, _batch
 from zeroimpl import DivergenceError, ShardedOptimizer, broadcast_buffers
 
@@ -169,7 +169,7 @@ class _NormNet(torch.nn.Module):
 def _buffers(rank, mode):
     """Running statistics and parameters after 3 steps: DDP, zeroimpl with broadcast_buffers, ZeroTrainer's
     model wrapper, and zeroimpl without either."""
-    from integrations.trainer import ShardedModule
+    from zeroimpl.integrations.trainer import ShardedModule
 
     model = _NormNet()
     if mode == "ddp":

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from integrations.collectives import Call, summarize
+from zeroimpl.integrations.collectives import Call, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAM_ATOL = 1e-4
@@ -112,7 +112,7 @@ def test_conflicting_training_arguments_are_refused(tmp_path, setting):
     """Checked before Trainer builds anything, so no process group or accelerator is needed."""
     import transformers
 
-    from integrations.trainer import check_training_arguments
+    from zeroimpl.integrations.trainer import check_training_arguments
 
     arguments = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     for key, value in setting.items():

@@ -56,7 +56,7 @@ class Runner(ABC):
 
     def expose_collectives(self) -> None:
         """Make every collective go through ``torch.distributed``'s Python functions, where
-        :class:`integrations.collectives.CollectiveCounter` sees it (for communication counts only)."""
+        :class:`zeroimpl.integrations.collectives.CollectiveCounter` sees it (for communication counts only)."""
 
     @abstractmethod
     def model_state(self) -> dict[str, list[torch.Tensor]]:

@@ -1,6 +1,6 @@
 """Hugging Face Trainer with zeroimpl: ZeRO stage 1/2 and CPU offload by changing two lines of a script.
 
-    from integrations.trainer import ZeroTrainer
+    from zeroimpl.integrations.trainer import ZeroTrainer
     trainer = ZeroTrainer(model=model, args=args, train_dataset=..., zero_stage=2, zero_offload=None)
 
 How it fits Trainer (transformers 5), and the traps it avoids:

@@ -4,9 +4,18 @@
 different implementations start from identical parameters. Sizes (approximate trainable parameters with
 the vocabulary below): ``tiny`` ~30K (tests), ``small`` ~1.1M (a quick comparison: about a minute on two
 CPU cores), ``base`` ~27-34M (the default comparison), ``large`` ~110M for GPT-2.
+
+``family`` may instead be a local model directory (``config.json``, and weights if saved with
+``save_pretrained``): the model is loaded from it (its own weights, or seeded initial ones from the config
+alone) with the head its config names (causal LM, masked LM or sequence-to-sequence LM); ``size`` is then
+ignored, and batches use the config's vocabulary and ``DIRECTORY_SEQUENCE_LENGTH`` tokens (fewer if the
+model's positions are fewer).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -19,12 +28,42 @@ SIZES = {  # (hidden, layers, heads, vocabulary, sequence length)
 }
 
 
-def build_model(family: str, size: str = "tiny", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A freshly initialised model (seed 0, no dropout) whose ``forward(**batch)`` returns ``.loss``."""
+DIRECTORY_SEQUENCE_LENGTH = 128
+
+
+def is_directory_model(family: str) -> bool:
+    """Whether ``family`` names a local model directory rather than one of ``FAMILIES``."""
+    return family not in FAMILIES and os.path.isfile(os.path.join(family, "config.json"))
+
+
+def _directory_model(path: str) -> torch.nn.Module:
+    """The model saved in ``path``: the class its config names (``architectures``), else the first of causal,
+    sequence-to-sequence and masked language model that exists for its type; its weights if saved."""
     import transformers
 
+    config = transformers.AutoConfig.from_pretrained(path)
+    has_weights = any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path))
+    named = [getattr(transformers, name) for name in config.architectures or () if hasattr(transformers, name)]
+    autos = (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForMaskedLM)
+    for model_class in named or autos:
+        try:
+            return model_class.from_pretrained(path) if has_weights else model_class.from_config(config)
+        except ValueError:  # this head does not exist for the config's model type
+            continue
+    raise ValueError(f"{path}: model type {config.model_type!r} has no causal, sequence-to-sequence or masked "
+                     "language-model head in transformers; the comparison trains language models only")
+
+
+def build_model(family: str, size: str = "tiny", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A model (seed 0, no dropout in the built-in families) whose ``forward(**batch)`` returns ``.loss``."""
+    import transformers
+
+    if is_directory_model(family):
+        torch.manual_seed(0)
+        return _directory_model(family).to(dtype)
     if family not in FAMILIES or size not in SIZES:
-        raise ValueError(f"unknown model {family!r} / size {size!r}: families {FAMILIES}, sizes {tuple(SIZES)}")
+        raise ValueError(f"unknown model {family!r} / size {size!r}: families {FAMILIES} or a local model "
+                         f"directory (with config.json), sizes {tuple(SIZES)}")
     hidden, layers, heads, vocab, seq_len = SIZES[size]
     torch.manual_seed(0)
     if family == "gpt2":  # tied input and output embeddings
@@ -52,7 +91,15 @@ def build_model(family: str, size: str = "tiny", dtype: torch.dtype = torch.floa
     return model.to(dtype)
 
 
-def vocabulary_and_length(size: str) -> tuple[int, int]:
+@functools.lru_cache(maxsize=None)
+def vocabulary_and_length(family: str, size: str) -> tuple[int, int]:
+    """The batches' vocabulary and sequence length for ``family`` (or a model directory) and ``size``."""
+    if is_directory_model(family):
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(family)
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        return config.vocab_size, min(DIRECTORY_SEQUENCE_LENGTH, positions or DIRECTORY_SEQUENCE_LENGTH)
     _, _, _, vocab, seq_len = SIZES[size]
     return vocab, seq_len
 
@@ -63,7 +110,7 @@ def batch(family: str, size: str, rank: int, step: int, micro: int, batch_size: 
     Token 0 is reserved (padding / start), so ids are drawn from ``[2, vocab)``. T5 gets the same ids as
     encoder input and as labels (a copy task); the others are language-modelled on the ids themselves.
     """
-    vocab, seq_len = vocabulary_and_length(size)
+    vocab, seq_len = vocabulary_and_length(family, size)
     generator = torch.Generator().manual_seed(1_000_003 * step + 1_009 * micro + rank)
     ids = torch.randint(2, vocab, (batch_size, seq_len), generator=generator)
     return {"input_ids": ids, "labels": ids.clone()}

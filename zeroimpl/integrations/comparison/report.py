@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..adapters import MODEL_STATE_KINDS
+from ..models import is_directory_model
 from .harness import RunResult, Workload
 from .verdict import LOSS_ATOL, PARAMETER_RTOL_OF_LR, Verdict
 
@@ -105,7 +106,9 @@ def terminal_table(rows: list[Row]) -> str:
 
 def caption(workload: Workload, parameters: int) -> str:
     settings = workload.settings
-    return (f"{workload.family} ({workload.size}, {parameters / 1e6:.2f}M parameters), world size "
+    model = (f"{workload.family} ({parameters / 1e6:.2f}M parameters)" if is_directory_model(workload.family)
+             else f"{workload.family} ({workload.size}, {parameters / 1e6:.2f}M parameters)")
+    return (f"{model}, world size "
             f"{workload.world_size}, {workload.device}, fp32, AdamW lr {settings.lr}, {workload.steps} steps "
             f"x {settings.accum} micro-batches of {settings.micro_batch_size}, clip {settings.max_grad_norm}. "
             "Memory in MiB per rank (largest rank); model states at the larger of after-backward and "

@@ -1,4 +1,4 @@
-"""One adapter per implementation compared, behind the interface of :mod:`integrations.adapters.base`."""
+"""One adapter per implementation compared, behind the interface of :mod:`zeroimpl.integrations.adapters.base`."""
 
 from __future__ import annotations
 
