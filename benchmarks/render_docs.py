@@ -1,0 +1,89 @@
+"""Regenerate the tables that README.md and docs/ quote from the committed results in benchmarks/results/.
+
+    python benchmarks/render_docs.py          # rewrite the generated blocks in place
+    python benchmarks/render_docs.py --check  # exit 1, with a diff, if any block differs from the results
+
+A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end generated: NAME -->``; NAME picks
+the renderer below. ``tests/test_docs.py`` runs ``--check``, so a result file re-run without rendering, or
+a table edited by hand, fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PAGES = ("README.md", "docs/benchmarks.md")
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)", re.S)
+MIB = 2**20
+
+
+def comparison() -> str:
+    """The side-by-side run's table, with its caption and the command and machine it came from."""
+    text = open(os.path.join(RESULTS, "comparison", "comparison.md")).read()
+    caption, provenance, table = text.strip().split("\n\n", 2)
+    return f"{table}\n\n{caption}  \n{provenance}\n"
+
+
+def peers() -> str:
+    """One row per implementation from ``benchmarks/peers.py``'s results at world size 2 (step time at 1, 2, 4)."""
+    results = json.load(open(os.path.join(RESULTS, "peers", "results.json")))
+    by_size = {n: {r["implementation"]: r for r in rows} for n, rows in results["rows"].items()}
+    live = {r["implementation"]: r for r in results["live_memory_rows"]}
+    volume = {accum: entries for accum, entries in results["communication"].items()}
+    lines = ["| implementation | model states | peak RSS | live peak | step time vs DDP (N=1 / 2 / 4) "
+             "| volume per step, accum 1 / 2 |", "|---|---|---|---|---|---|"]
+    for name, row in by_size["2"].items():
+        if row["outcome"] != "ran":
+            continue
+        times = " / ".join(f"{by_size[n][name]['step_time_vs_ddp']:.2f}x" for n in ("1", "2", "4"))
+        moved = " / ".join(f"{volume[a][name]['volume_over_psi']:.3g}Ψ" for a in ("1", "2"))
+        lines.append(f"| {name} | {row['model_state_bytes']['total'] / MIB:.0f} | {row['peak_bytes'] / MIB:.0f} "
+                     f"| {live[name]['peak_bytes'] / MIB:.0f} | {times} | {moved} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"comparison": comparison, "peers": peers}
+
+
+def render(text: str) -> str:
+    def block(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in RENDERERS:
+            raise KeyError(f"unknown generated block {name!r}; known: {sorted(RENDERERS)}")
+        return match.group(1) + RENDERERS[name]() + match.group(4)
+    return BLOCK.sub(block, text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is out of date")
+    args = parser.parse_args()
+    stale = []
+    for page in PAGES:
+        path = os.path.join(ROOT, page)
+        current = open(path).read()
+        rendered = render(current)
+        if rendered == current:
+            continue
+        stale.append(page)
+        if args.check:
+            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), rendered.splitlines(True), page,
+                                                       f"{page} (rendered from benchmarks/results)"))
+        else:
+            open(path, "w").write(rendered)
+    if args.check and stale:
+        print(f"\nout of date: {', '.join(stale)}; run python benchmarks/render_docs.py", file=sys.stderr)
+        return 1
+    print("rewrote " + ", ".join(stale) if stale else "up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
