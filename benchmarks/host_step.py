@@ -172,7 +172,7 @@ def write(rows, args, skipped) -> None:
     by_size = {}
     for row in rows:
         by_size.setdefault(row["params"], {})[row["implementation"]] = row
-    lines = [f"# Host optimizer step (CPU offload), AdamW, parameters per second", "",
+    lines = ["# Host optimizer step (CPU offload), AdamW, parameters per second", "",
              f"Machine: {machine}.  ", f"Command: `{command.strip()}`; median of {args.steps} steps after "
              f"{args.warmup} warm-up steps, fp32, tensors of {args.chunk} elements.", ""]
     if skipped:

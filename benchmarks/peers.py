@@ -41,7 +41,7 @@ from typing import Optional
 
 from zeroimpl.integrations.adapters import TrainSettings, all_implementations
 from zeroimpl.integrations.comparison.compare import environment, predicted_model_state
-from zeroimpl.integrations.comparison.harness import RunResult, Workload, run_comparison
+from zeroimpl.integrations.comparison.harness import Workload, run_comparison
 from zeroimpl.integrations.comparison.report import MIB, Row, build_rows, markdown_table, write_chart
 from zeroimpl.integrations.comparison.verdict import judge
 from zeroimpl.integrations.models import build_model

@@ -17,7 +17,7 @@ import torch
 from distributed import run_distributed
 from workloads import VOCAB, build_model, param_groups
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
-from zeroimpl.checkpoint import (CheckpointError, consolidated_optimizer_state_dict, export_fp32_state_dict,
+from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict,
                                  load_checkpoint, load_torch_optimizer_state, save_checkpoint)
 
 PARAM_ATOL = 1e-4

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,8 +41,6 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path):
     resumed, _ = torchrun(tmp_path / "killed", timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "rank 0: resumed from step-2" in resumed.stdout and "rank 1: resumed from step-2" in resumed.stdout
-    for rank in (0, 1):  # gloo's threads ended before the interpreter finalized (see zeroimpl/__init__.py)
-        assert f"rank {rank}: gloo threads after destroy_process_group: 0" in resumed.stdout, resumed.stdout
     clean, _ = torchrun(tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-4000:]
     restarted = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
@@ -50,14 +49,21 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path):
     assert all(torch.equal(restarted[n], uninterrupted[n]) for n in uninterrupted)
 
 
-def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
-    """Rank 1 sleeps in step 3 after its backward; rank 0's next collective (the step's check all-reduce)
-    gives up after 3 s with a clear error, and torchrun then stops rank 1 too: the job fails quickly
+@pytest.mark.parametrize("fault, waiting_in", [("hang", "check all-reduce"),
+                                               ("hang-save", "checkpoint agreement (preparing the checkpoint")])
+def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path, fault, waiting_in):
+    """Rank 1 sleeps in step 3, after its backward (``hang``) or before the step's checkpoint (``hang-save``);
+    rank 0's next collective (the step's check all-reduce, or the checkpoint's first agreement) gives up
+    after 3 s with a clear error naming it, and torchrun then stops rank 1 too: the job fails quickly
     instead of hanging."""
-    failed, seconds = torchrun(tmp_path / "hung", "--fault", "hang", "--fault-step", "3",
+    failed, seconds = torchrun(tmp_path / "hung", "--fault", fault, "--fault-step", "3",
                                "--collective-timeout", str(COLLECTIVE_TIMEOUT))
     assert failed.returncode != 0
     assert "CollectiveError" in failed.stderr and f"collective_timeout={COLLECTIVE_TIMEOUT} s" in failed.stderr
+    assert waiting_in in failed.stderr, failed.stderr[-4000:]
     assert "Restart the job from the last checkpoint" in failed.stderr
     assert seconds < HANG_JOB_LIMIT, seconds
-    assert sorted(os.listdir(tmp_path / "hung")) == ["step-1", "step-2"]  # nothing half-written survives
+    # only whole checkpoints are published; a save cut short stays in its .partial folder, which loads
+    # ignore and the next save of that step empties
+    published = [name for name in os.listdir(tmp_path / "hung") if not name.endswith(".partial")]
+    assert sorted(published) == ["step-1", "step-2"]

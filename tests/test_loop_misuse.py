@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed import run_distributed
 from zeroimpl.integrations.collectives import CollectiveCounter, summarize
 from test_training_loops import Net, _batch
-from zeroimpl import DivergenceError, ShardedOptimizer, broadcast_buffers
+from zeroimpl import ShardedOptimizer, broadcast_buffers
 
 
 def _optimizer(model, stage, **kwargs):

@@ -137,6 +137,7 @@ def _fp32_scaled(rank, world_size, stage):
         forgotten = None
     except RuntimeError as error:
         forgotten = str(error)
+    optimizer.zero_grad()  # the optimizer, alive until here, is what refuses the unscaled backward
     return plain, scaled, forgotten
 
 

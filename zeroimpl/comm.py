@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import time
 from typing import Callable, Optional
 
@@ -150,6 +151,30 @@ def same_on_every_rank(values: torch.Tensor, group, timeout: Optional[float] = N
     all-reduce of twice their size. The answer is identical on every rank."""
     high, negated_low = all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, group, timeout, name).chunk(2)
     return high == -negated_low
+
+
+def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
+    """Every rank's ``value`` (anything picklable), in group-rank order, with the waits bounded by ``timeout``
+    as every other collective here (``dist.all_gather_object`` waits without a bound). Two collectives: the
+    pickled sizes, then the pickles padded to the largest. On NCCL the bytes travel on the current GPU."""
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+
+    def gather(output: torch.Tensor, input: torch.Tensor) -> None:
+        pending = all_gather(output, input, group, timeout)
+        pending.name = name
+        pending.wait()
+
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device))
+    longest = int(sizes.max())
+    gathered = torch.zeros(world * longest, dtype=torch.uint8, device=device)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine
+    gather(gathered, padded)
+    rows = gathered.view(world, longest).cpu()
+    return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]
 
 
 def _exchange(sends: list, receives: list, group, tag: int) -> list:

@@ -15,13 +15,14 @@ parameter in one rank's shard, which the inner optimizer sees as one tensor -- (
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Iterable, Literal, Optional, Union
 
 import torch
 
+from . import validation
 from .accounting import MemoryReport, StateBytes
-from .layout import ParamSpec, build_layout
-from .offload import CPUOffload, host_optimizer_kwargs, resolve_offload
+from .layout import ParamSpec, build_layout, trainable_specs
+from .offload import OffloadOption, host_optimizer_kwargs, resolve_offload
 
 PROBE_NUMEL = 3
 
@@ -53,12 +54,7 @@ def _param_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel:
     groups = list(params)
     if groups and not isinstance(groups[0], dict):
         groups = [{"params": groups}]
-    specs, seen = [], set()
-    for group_index, group in enumerate(groups):
-        for param in group["params"]:
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                specs.append(ParamSpec(group_index, str(param.dtype), param.numel()))
+    _, specs = trainable_specs(groups)
     if not specs:
         raise ValueError("no trainable parameters to estimate")
     return specs
@@ -72,8 +68,8 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def estimate_memory(params: Union[int, Iterable], world_size: int, stage: int = 2, *,
-                    dtype: torch.dtype = torch.float32, offload: Union[None, str, CPUOffload] = None,
+def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Literal[1, 2] = 2, *,
+                    dtype: torch.dtype = torch.float32, offload: OffloadOption = None,
                     optimizer_class: type = torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None,
                     reduce_dtype: Optional[torch.dtype] = None, bucket_numel: int = 2 ** 22,
                     alignment: int = 8, rank: Optional[int] = None) -> MemoryReport:
@@ -85,8 +81,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: int = 
     ShardedOptimizer's. Ranks differ only in optimizer state: padding has none, and the state of one
     parameter's piece has a scalar (Adam's ``step``) per piece.
     """
-    if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    validation.check_stage(stage)
     policy = resolve_offload(offload)
     kwargs = dict(optimizer_kwargs or {})
     if policy is not None:

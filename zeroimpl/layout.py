@@ -40,6 +40,19 @@ class ParamSpec:
     numel: int
 
 
+def trainable_specs(groups: Sequence[dict]) -> tuple[list, list[ParamSpec]]:
+    """The trainable parameters of param groups (``{"params": [...]}``), each once, in group order, and the
+    :class:`ParamSpec` of each: what ShardedOptimizer lays out and ``estimate_memory`` predicts alike."""
+    trainable, specs, seen = [], [], set()
+    for group_index, group in enumerate(groups):
+        for param in group["params"]:
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                trainable.append(param)
+                specs.append(ParamSpec(group_index, str(param.dtype), param.numel()))
+    return trainable, specs
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """Where parameter ``param_index`` lives: elements ``[offset, offset + numel)`` of bucket ``bucket_index``."""

@@ -22,7 +22,7 @@ synchronous; the code path is the same, which is what the test suite exercises.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -45,7 +45,11 @@ class CPUOffload:
     passed neither ``fused`` nor ``foreach``. Results differ from the for-loop kernel in the last bit."""
 
 
-def resolve_offload(offload) -> Optional[CPUOffload]:
+# what ``offload=`` accepts: no offload, "cpu" (the default policy), or a policy
+OffloadOption = Union[None, Literal["cpu"], CPUOffload]
+
+
+def resolve_offload(offload: "OffloadOption") -> Optional[CPUOffload]:
     """``None`` / ``"cpu"`` / a :class:`CPUOffload` -> the policy, or ``None`` for no offload."""
     if offload is None or isinstance(offload, CPUOffload):
         return offload
@@ -54,15 +58,16 @@ def resolve_offload(offload) -> Optional[CPUOffload]:
     raise ValueError(f"offload must be None, 'cpu' or zeroimpl.CPUOffload(...), got {offload!r}")
 
 
-# the user chose a kernel, or a mode the fused kernels refuse
-KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+# param-group keys that choose the inner optimizer's kernel or a mode the fused kernels refuse, not the math:
+# a user's choice of any of them keeps the host step off the fused kernel, and each optimizer keeps its own
+KERNEL_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 def host_optimizer_kwargs(optimizer_class: type, kwargs: dict, group_keys: set, policy: CPUOffload) -> dict:
     """The inner optimizer's keyword arguments for a host step: the fused kernel where it exists, unless the
     user chose a kernel or mode (in ``kwargs`` or, ``group_keys``, in any param group)."""
     if (policy.fused_step and issubclass(optimizer_class, FUSED_CPU_OPTIMIZERS)
-            and not KERNEL_CHOICES & (set(kwargs) | group_keys)):
+            and not KERNEL_KEYS & (set(kwargs) | group_keys)):
         return {**kwargs, "fused": True}
     return kwargs
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,13 +30,13 @@ from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer, check_not_owned, rebound_message
-from .layout import ParamSpec, ShardLayout, ShardPiece, build_layout
-from .offload import CPUOffload, HostGradientShards, host_optimizer_kwargs, resolve_offload
+from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
+from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
+                      resolve_offload)
 from .precision import DynamicLossScaler, LossScaleConfig
+from .step_state import StepState, StepVerdict
 
 STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
-# param-group keys that choose the inner optimizer's kernel, not the math: they stay the inner's own
-IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 # param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have
 OUTER_ONLY_KEYS = frozenset({"params", "param_names"})
 
@@ -92,11 +92,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Union[Iterable[torch.Tensor], Iterable[dict]], optimizer_class: type,
-                 stage: int = 2, *, offload: Union[None, str, CPUOffload] = None,
+                 stage: Literal[1, 2] = 2, *, offload: OffloadOption = None,
                  process_group: Optional[dist.ProcessGroup] = None,
                  bucket_numel: int = 2 ** 22, max_inflight_buckets: int = 2,
                  reduce_dtype: Optional[torch.dtype] = None,
-                 loss_scale: Union[str, None, LossScaleConfig] = "auto", nonfinite: str = "raise",
+                 loss_scale: Union[Literal["auto"], None, LossScaleConfig] = "auto",
+                 nonfinite: Literal["raise", "skip"] = "raise",
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
                  verify_every: Optional[int] = None, **optimizer_kwargs):
         validation.check_stage(stage)
@@ -120,12 +121,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
 
-        trainable, specs = [], []
-        for group_index, group in enumerate(self.param_groups):
-            for param in group["params"]:
-                if param.requires_grad and all(param is not seen for seen in trainable):
-                    trainable.append(param)
-                    specs.append(ParamSpec(group_index, str(param.dtype), param.numel()))
+        trainable, specs = trainable_specs(self.param_groups)
         validation.check_params(trainable, process_group, collective_timeout)
         check_not_owned(trainable)  # before the parameters are moved into this optimizer's buffers
 
@@ -156,10 +152,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self._skipped_without_scaler = 0
         self._wrapping_checked = False
-        self._loss_scaled = False  # a loss was scaled since the last step (checked when gradients arrive)
-        self._unscaled = False  # gradient shards already divided by the loss scale this step
-        self._nonfinite: Optional[bool] = None  # this step's agreed "gradients hold NaN/Inf"; None: not checked
-        self._stepped: Optional[list[bool]] = None  # by parameter index, has a gradient on some rank; None: all
+        self._step_state = StepState()  # this step's progress: loss scaled, shards unscaled, checks' verdict
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
@@ -201,7 +194,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         itself when no loss scaling is on."""
         if self.loss_scaler is None:
             return loss
-        self._loss_scaled = True
+        self._step_state.loss_scaled = True
         return loss.float() * self.loss_scaler.scale
 
     def backward(self, loss: torch.Tensor, **backward_kwargs) -> None:
@@ -225,15 +218,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.gradients.accumulating = previous
 
     def _check_gradient_arrival(self) -> None:
-        self._nonfinite = None  # a new gradient: this step's checks must run again
-        if self.loss_scaler is None:
-            return
-        if not self._loss_scaled:
-            raise RuntimeError("loss scaling is on (fp16 parameters, or loss_scale=LossScaleConfig(...)), so the "
-                               "loss must be scaled: call optimizer.backward(loss) instead of loss.backward()")
-        if self._unscaled:
-            raise RuntimeError("backward() between clip_grad_norm_() and step() is not supported with "
-                               "loss scaling; run every backward of the step before clipping")
+        self._step_state.gradient_arrived(loss_scaling=self.loss_scaler is not None)
 
     # -- gradients --------------------------------------------------------------------------------
     def _prepare_gradients(self) -> bool:
@@ -245,9 +230,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.reducer.finalize()
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
             return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
-        if self.loss_scaler is not None and not self._unscaled:
+        if self.loss_scaler is not None and not self._step_state.unscaled:
             torch._foreach_mul_(self._grad_shards(), 1.0 / self.loss_scaler.scale)
-            self._unscaled = True
+            self._step_state.unscaled = True
         return True
 
     def _check_model_unchanged(self) -> None:
@@ -272,10 +257,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _agree_on_gradients(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
         """One all-reduce of 4 elements: whether any rank's gradient shard holds NaN/Inf (stored in
-        ``self._nonfinite``), whether every rank ran the same number of backward passes, and, given
+        ``StepVerdict.nonfinite``), whether every rank ran the same number of backward passes, and, given
         ``norm_type``, the global gradient norm (returned, on the device), and whether some rank lacks a
         gradient for some parameter: only then does a second all-reduce (one flag per parameter) tell which
-        parameters have a gradient on no rank (``self._stepped``), so that they are not stepped.
+        parameters have a gradient on no rank (``StepVerdict.stepped``), so that they are not stepped.
 
         NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
         over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
@@ -311,11 +296,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"the ranks ran different numbers of backward passes before step() (this rank: {int(passes)}); "
                 "every rank must run the same micro-batches per optimizer step. The gradients were cleared; "
                 "nothing was updated")
-        self._nonfinite = bool(flags[0]) and self._any_nonfinite(shards)
-        self._stepped = self._params_with_gradients() if flags[4] > 0 else None
+        verdict = StepVerdict(nonfinite=bool(flags[0]) and self._any_nonfinite(shards),
+                          stepped=self._params_with_gradients() if flags[4] > 0 else None)
+        self._step_state.verdict = verdict
         if norm_type is None:
             return None
-        if self._nonfinite and norm_type == float("inf"):  # a MAX all-reduce need not carry a NaN through
+        if verdict.nonfinite and norm_type == float("inf"):  # a MAX all-reduce need not carry a NaN through
             return torch.full((), float("nan"), device=self._device)
         return agreed[1] if norm_type == float("inf") else agreed[1] ** (1.0 / norm_type)
 
@@ -344,9 +330,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if not self._prepare_gradients():
             return False
-        if self._nonfinite is None:
+        if self._step_state.verdict is None:
             self._agree_on_gradients()
-        return self._nonfinite
+        return self._step_state.verdict.nonfinite
 
     def _grad_shards(self) -> list[torch.Tensor]:
         """The gradient shards of the buckets that have one (on the host with offload)."""
@@ -368,7 +354,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return torch.zeros((), device=self._device)
         total = self._agree_on_gradients(norm_type)
         shards = self._grad_shards()
-        if not self._nonfinite and shards:
+        if not self._step_state.verdict.nonfinite and shards:
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             # offload on a GPU: this copy of one scalar to the host is the step's second sync (with clipping)
             torch._foreach_mul_(shards, coefficient.to(shards[0].device))
@@ -409,14 +395,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _update(self) -> None:
         """Step the inner optimizer on the master shards and all-gather the new parameters."""
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k not in OUTER_ONLY_KEYS | IMPLEMENTATION_KEYS})
+            inner.update({k: v for k, v in outer.items() if k not in OUTER_ONLY_KEYS | KERNEL_KEYS})
+        stepped = self._step_state.verdict.stepped
         grads = []  # per bucket: the gradient shard in the master's dtype, or None
         for storage, grad in zip(self.storages, self.gradients.ready()):
             storage.sync_master_with_params()
             grads.append(None if grad is None else grad.to(storage.master.dtype))
         for piece, master in zip(self._pieces, self._piece_masters):
             grad = grads[piece.bucket_index]
-            if self._stepped is not None and not self._stepped[piece.param_index]:
+            if stepped is not None and not stepped[piece.param_index]:
                 master.grad = None  # no gradient on any rank: torch would not touch it either
             elif grad is None:  # a zero gradient kept by zero_grad(set_to_none=False), nothing reduced since
                 master.grad = torch.zeros_like(master)
@@ -487,19 +474,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``model.zero_grad()`` (which sees no ``.grad`` to clear) trains as with torch."""
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
-        self.reducer.end_step(stepped=self._stepped)
+        verdict = self._step_state.verdict
+        self.reducer.end_step(stepped=None if verdict is None else verdict.stepped)
         self.gradients.clear(set_to_none=True)
-        self._reset_step_flags()
-
-    def _reset_step_flags(self) -> None:
-        self._loss_scaled = False
-        self._unscaled = False
-        self._nonfinite = None
-        self._stepped = None
+        self._step_state.reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad(set_to_none)
-        self._reset_step_flags()
+        self._step_state.reset()
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -560,7 +542,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``masters`` is ``None`` for a state saved without separate masters (an fp32 model without offload):
         then the masters keep following the parameters, which the user loads.
         """
-        kernels = [{k: v for k, v in g.items() if k in IMPLEMENTATION_KEYS} for g in self.inner.param_groups]
+        kernels = [{k: v for k, v in g.items() if k in KERNEL_KEYS} for g in self.inner.param_groups]
         self.gradients.wait_copies()  # no copy may still read the masters
         # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
         inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in
@@ -584,7 +566,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         the inner optimizer's state for it (``None``: never stepped)."""
         return [(piece, master, self.inner.state.get(master)) for piece, master in zip(self._pieces, self._piece_masters)]
 
-    def inner_state_dict(self, piece_states: list[Optional[dict]], hyperparameters: list[dict]) -> dict:
+    def restore_state(self, piece_states: list[Optional[dict]], hyperparameters: list[dict],
+                      masters: Optional[list[torch.Tensor]] = None, loss_scaler: Optional[dict] = None) -> None:
+        """Install optimizer state read from a checkpoint or converted from torch's format.
+
+        ``piece_states``: the inner optimizer's state per piece, in :meth:`piece_states` order (``None``: not
+        stepped yet); ``hyperparameters``: each param group's. With ``masters`` (per bucket, this rank's
+        master shard) the masters are set and every rank's parameters are all-gathered from them: collective,
+        call it on every rank. Without, the masters keep following the parameters, which the caller loads
+        (local). ``loss_scaler``: a state from ``LossScaler.state_dict()`` (``None``: keep the current one).
+        """
+        self._install_state(self._inner_state_dict(piece_states, hyperparameters), hyperparameters, masters,
+                            loss_scaler)
+        if masters is not None:
+            self.gradients.publish(self.storages)
+            self._all_gather_params()
+
+    def _inner_state_dict(self, piece_states: list[Optional[dict]], hyperparameters: list[dict]) -> dict:
         """A ``state_dict()`` of the inner optimizer (torch's format) from a state per piece (in
         :meth:`piece_states` order; ``None``: not stepped yet) and each param group's hyperparameters."""
         number = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}

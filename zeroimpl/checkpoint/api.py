@@ -23,17 +23,14 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from ..layout import ShardLayout
+from .. import comm
 from ..optimizer import ShardedOptimizer
 from . import files
 from .files import EXTRAS, INDEX, CheckpointError, rank_file
-from .reshard import plan, saved_pieces
-
-FORMAT = "zeroimpl.checkpoint/2"
-READABLE_FORMATS = ("zeroimpl.checkpoint/1", FORMAT)
-
+from .format import (FORMAT, READABLE_FORMATS, class_name, common_keys, copy_scalars, describe_groups,
+                     merge_scalars, param_scalars, read_rank, saved_layout, split_state)
+from .reshard import plan
 
 # -- save ---------------------------------------------------------------------------------------------
 def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
@@ -43,25 +40,24 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     Each rank writes only its own shard; nothing is gathered. ``directory`` is replaced only once the new
     checkpoint is complete.
     """
-    group = optimizer.process_group
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
     entry = keys = None
     try:
-        split = [(piece, master, *_split_state(state, piece.length)) for piece, master, state in optimizer.piece_states()]
-        keys = _common_keys([elementwise for _, _, elementwise, _ in split if elementwise is not None])
+        split = [(piece, master, *split_state(state, piece.length)) for piece, master, state in optimizer.piece_states()]
+        keys = common_keys([elementwise for _, _, elementwise, _ in split if elementwise is not None])
         if optimizer.rank == 0:
             files.prepare_partial(directory)
     except Exception as caught:  # e.g. no permission: every rank must hear of it, not hang
         error = caught
-    keys = _common_keys([{key: None for key in k} for k in _agree(error, group, "preparing the checkpoint directory", keys) if k])
+    keys = common_keys([{key: None for key in k} for k in _agree(error, optimizer, "preparing the checkpoint directory", keys) if k])
     try:
         entry = files.write(_rank_payload(optimizer, split, keys), os.path.join(files.partial_path(directory),
                                                                                 rank_file(optimizer.rank)))
         entry = (entry, {piece.param_index: scalars for piece, _, _, scalars in split})
     except Exception as caught:
         error = caught
-    entries = _agree(error, group, "writing the rank files", entry)
+    entries = _agree(error, optimizer, "writing the rank files", entry)
     try:
         if optimizer.rank == 0:
             partial = files.partial_path(directory)
@@ -73,7 +69,7 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
             files.publish(directory)
     except Exception as caught:
         error = caught
-    _agree(error, group, "publishing the checkpoint")
+    _agree(error, optimizer, "publishing the checkpoint")
 
 
 def _rank_payload(optimizer: ShardedOptimizer, split: list, keys: list[str]) -> dict:
@@ -90,32 +86,6 @@ def _rank_payload(optimizer: ShardedOptimizer, split: list, keys: list[str]) -> 
         "state": {key: gather([torch.zeros(p.length, dtype=m.dtype) if e is None else e[key] for p, m, e, _ in split])
                   for key in keys},
     }
-
-
-def _split_state(state: Optional[dict], numel: int):
-    """A piece's inner state -> (per-element tensors, scalars); ``(None, None)`` for no state yet."""
-    if not state:
-        return None, None
-    elementwise, scalars = {}, {}
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel:
-            elementwise[key] = value
-        elif torch.is_tensor(value) and value.dim() == 0:
-            scalars[key] = value.detach().cpu().clone()
-        elif value is None or isinstance(value, (bool, int, float)):
-            scalars[key] = value
-        else:
-            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-            raise CheckpointError(f"optimizer state {key!r} ({shape}) is neither one value per element nor a "
-                                  "scalar, so it cannot be resharded; this optimizer is not elementwise")
-    return elementwise, scalars
-
-
-def _common_keys(states: list[dict]) -> list[str]:
-    keys = sorted(states[0]) if states else []
-    if any(sorted(state) != keys for state in states):
-        raise CheckpointError("parameters hold different optimizer state keys; cannot checkpoint this optimizer")
-    return keys
 
 
 def _param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
@@ -137,12 +107,6 @@ def _model_extras(optimizer: ShardedOptimizer, model: torch.nn.Module) -> dict:
             if id(tensor) not in trainable}
 
 
-def _groups(optimizer: ShardedOptimizer) -> list[dict]:
-    index_of = {id(p): i for i, p in enumerate(optimizer.trainable_params)}
-    return [{"hyperparameters": {k: v for k, v in group.items() if k != "params"},
-             "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
-
-
 def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, keys: list[str],
            param_scalars: list[Optional[dict]]) -> dict:
     names = _param_names(optimizer, model)
@@ -152,19 +116,15 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, k
         "world_size": optimizer.world_size,
         "stage": optimizer.stage,
         "offload": optimizer.offload is not None,
-        "optimizer_class": _class_name(type(optimizer.inner)),
+        "optimizer_class": class_name(type(optimizer.inner)),
         "layout": optimizer.layout.fingerprint(),
         "params": [{"shape": tuple(p.shape), "dtype": str(p.dtype), "names": n}
                    for p, n in zip(optimizer.trainable_params, names)],
-        "groups": _groups(optimizer),
+        "groups": describe_groups(optimizer),
         "param_scalars": param_scalars,
         "loss_scaler": optimizer.loss_scaler.state_dict() if optimizer.loss_scaler else None,
         "files": listing,
     }
-
-
-def _class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # -- load ---------------------------------------------------------------------------------------------
@@ -185,14 +145,11 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         restored = _read_shards(directory, index, optimizer)
     except Exception as caught:
         error = caught
-    _agree(error, optimizer.process_group, "loading the checkpoint")
+    _agree(error, optimizer, "loading the checkpoint")
 
     masters, piece_states, hyperparameters = restored
-    inner_state = optimizer.inner_state_dict(piece_states, hyperparameters)
     optimizer.zero_grad(set_to_none=True)
-    optimizer._install_state(inner_state, hyperparameters, masters, index["loss_scaler"])
-    optimizer.gradients.publish(optimizer.storages)
-    optimizer._all_gather_params()
+    optimizer.restore_state(piece_states, hyperparameters, masters, index["loss_scaler"])
     with torch.no_grad():
         state = model.state_dict()
         for name, tensor in extras.items():
@@ -202,9 +159,9 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
 def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
     if not isinstance(index, dict) or index.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {FORMAT!r})")
-    if index["optimizer_class"] != _class_name(type(optimizer.inner)):
+    if index["optimizer_class"] != class_name(type(optimizer.inner)):
         raise CheckpointError(f"the checkpoint holds {index['optimizer_class']} state; this optimizer runs "
-                              f"{_class_name(type(optimizer.inner))}")
+                              f"{class_name(type(optimizer.inner))}")
     saved, names = index["params"], _param_names(optimizer, model)
     if len(saved) != len(optimizer.trainable_params):
         raise CheckpointError(f"the checkpoint has {len(saved)} trainable parameters, this model "
@@ -213,7 +170,7 @@ def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> 
         if tuple(entry["shape"]) != tuple(param.shape) or entry["names"] != name:
             raise CheckpointError(f"trainable parameter {i} is {entry['names']} {tuple(entry['shape'])} in the "
                                   f"checkpoint but {name} {tuple(param.shape)} here: a checkpoint of another model")
-    if [g["members"] for g in index["groups"]] != [g["members"] for g in _groups(optimizer)]:
+    if [g["members"] for g in index["groups"]] != [g["members"] for g in describe_groups(optimizer)]:
         raise CheckpointError("the checkpoint's param groups hold other parameters than this optimizer's; "
                               "build the optimizer with the same param groups")
     if sorted(index["files"]) != sorted([rank_file(r) for r in range(index["world_size"])] + [EXTRAS]):
@@ -230,16 +187,16 @@ def _check_extras(extras: dict, model: torch.nn.Module) -> None:
 
 def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
     """Read this rank's new shard: (masters per bucket, the inner state per piece, hyperparameters)."""
-    saved_layout = _saved_layout(index)
+    saved = saved_layout(index)
     layout, storages = optimizer.layout, optimizer.storages
-    scalars = param_scalars(index, saved_layout)
+    scalars = param_scalars(index, saved)
     keys = list(index["state_keys"])
     masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in storages]
     states = [{key: torch.zeros(s.master.numel(), dtype=s.master.dtype) for key in keys} for s in storages]
 
-    copies = plan(saved_layout, layout, optimizer.rank)
+    copies = plan(saved, layout, optimizer.rank)
     for source in sorted({c.source_rank for c in copies}):
-        payload = _read_rank(directory, index, saved_layout, source, keys)
+        payload = read_rank(directory, index, saved, source, keys)
         for c in (c for c in copies if c.source_rank == source):
             src, dst = slice(c.source_offset, c.source_offset + c.length), slice(c.target_offset, c.target_offset + c.length)
             masters[c.target_bucket][dst] = payload["master"][src]
@@ -251,69 +208,17 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
         found = scalars[piece.param_index]
         window = slice(piece.shard_offset, piece.shard_offset + piece.length)
         piece_states.append(None if found is None else
-                            {**_copy_scalars(found), **{key: states[piece.bucket_index][key][window].clone() for key in keys}})
+                            {**copy_scalars(found), **{key: states[piece.bucket_index][key][window].clone() for key in keys}})
     return masters, piece_states, [g["hyperparameters"] for g in index["groups"]]
 
 
-def _saved_layout(index: dict) -> ShardLayout:
-    try:
-        layout = ShardLayout.from_fingerprint(index["layout"])
-    except (KeyError, TypeError, ValueError, IndexError) as error:
-        raise CheckpointError(f"the checkpoint's layout description is damaged ({error})") from error
-    if layout.world_size != index["world_size"]:
-        raise CheckpointError("the checkpoint's layout does not match its world size")
-    return layout
-
-
-def param_scalars(index: dict, saved_layout: ShardLayout) -> list[Optional[dict]]:
-    """The scalar state of every trainable parameter (``None``: never stepped). Format 1 kept one per bucket."""
-    if "param_scalars" in index:
-        return index["param_scalars"]
-    return [index["bucket_scalars"][slot.bucket_index] for slot in saved_layout.slots]
-
-
-def merge_scalars(values: list[Optional[dict]]) -> Optional[dict]:
-    """One parameter's scalar state from the pieces that hold it, which must agree (``None``: never stepped)."""
-    if all(v is None for v in values):
-        return None
-    first = values[0]
-    if any(v is None or v.keys() != first.keys() or any(not _same(v[k], first[k]) for k in v) for v in values):
-        raise CheckpointError("the pieces of one parameter hold different scalar optimizer state (e.g. Adam's step "
-                              "count); the ranks have diverged")
-    return _copy_scalars(first)
-
-
-def _copy_scalars(scalars: dict) -> dict:
-    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
-
-
-def _same(a, b) -> bool:
-    if torch.is_tensor(a) and torch.is_tensor(b):
-        return torch.equal(a, b)
-    return a == b
-
-
-def _read_rank(directory: str, index: dict, saved_layout: ShardLayout, rank: int, keys) -> dict:
-    """One saved rank's file, checked against the index and the saved layout."""
-    payload = files.read(directory, rank_file(rank), index["files"][rank_file(rank)])
-    pieces = saved_layout.pieces(rank)
-    expected = torch.tensor([(p.param_index, p.param_start, p.param_end) for p in pieces],
-                            dtype=torch.int64).reshape(-1, 3)
-    length = sum(p.length for p in pieces)
-    if (not isinstance(payload, dict) or payload.get("rank") != rank or not torch.equal(payload["pieces"], expected)
-            or payload["master"].numel() != length
-            or sorted(payload["state"]) != sorted(keys)
-            or any(t.numel() != length for t in payload["state"].values())):
-        raise CheckpointError(f"{rank_file(rank)} in {directory!r} does not match the checkpoint's index")
-    return payload
-
-
 # -- collective error handling ---------------------------------------------------------------------
-def _agree(error: Optional[BaseException], group, what: str, value=None) -> list:
-    """All-gather (error, value) so that a failure on one rank raises on every rank instead of a hang."""
-    gathered = [None] * dist.get_world_size(group)
+def _agree(error: Optional[BaseException], optimizer: ShardedOptimizer, what: str, value=None) -> list:
+    """All-gather (error, value) so that a failure on one rank raises on every rank instead of a hang; the
+    waits are bounded by the optimizer's ``collective_timeout``."""
     mine = (None if error is None else f"{type(error).__name__}: {error}", value)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = comm.all_gather_objects(mine, optimizer.process_group, optimizer.collective_timeout,
+                                       f"checkpoint agreement ({what})")
     failures = [(rank, message) for rank, (message, _) in enumerate(gathered) if message is not None]
     if error is not None:
         raise error

@@ -15,7 +15,7 @@ import torch
 
 from ..optimizer import ShardedOptimizer
 from . import files
-from .api import READABLE_FORMATS, _groups, _read_rank, _saved_layout, _split_state, param_scalars
+from .format import READABLE_FORMATS, describe_groups, param_scalars, read_rank, saved_layout, split_state
 from .files import EXTRAS, INDEX, CheckpointError
 
 
@@ -25,13 +25,13 @@ def _read_full(directory: str):
     index = files.read(directory, INDEX, None)
     if not isinstance(index, dict) or index.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {READABLE_FORMATS[-1]!r})")
-    layout = _saved_layout(index)
+    layout = saved_layout(index)
     numels = [slot.numel for slot in layout.slots]
     keys = list(index["state_keys"])
     masters = [None] * len(numels)
     states = {key: [None] * len(numels) for key in keys}
     for rank in range(layout.world_size):
-        payload = _read_rank(directory, index, layout, rank, keys)
+        payload = read_rank(directory, index, layout, rank, keys)
         offset = 0
         for piece in layout.pieces(rank):
             i, source = piece.param_index, slice(offset, offset + piece.length)
@@ -87,7 +87,7 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
     """Load a plain torch optimizer's ``state_dict()`` (the same optimizer class over the same param groups)
     into ``optimizer``: each rank takes its shard of every per-element state tensor. The master weights are
     taken from the model's current parameters, so load the matching model weights first. No communication."""
-    groups = _groups(optimizer)
+    groups = describe_groups(optimizer)
     saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if saved_groups is None or [len(g["params"]) for g in saved_groups] != [len(g["members"]) for g in groups]:
         raise CheckpointError("the state dict's param groups do not match this optimizer's (same groups, same "
@@ -112,9 +112,9 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
         if saved is None:
             piece_states.append(None)
             continue
-        elementwise, scalars = _split_state(
+        elementwise, scalars = split_state(
             {k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == param.shape and (param.dim() > 0 or k in per_element)
                  else v) for k, v in saved.items()}, param.numel())
         window = slice(piece.param_start, piece.param_end)
         piece_states.append({**scalars, **{key: values[window].clone() for key, values in elementwise.items()}})
-    optimizer._install_state(optimizer.inner_state_dict(piece_states, saved_groups), saved_groups, None, None)
+    optimizer.restore_state(piece_states, saved_groups)

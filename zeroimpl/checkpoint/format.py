@@ -1,0 +1,116 @@
+"""The checkpoint's file format: its version tags and the helpers that read and describe what it holds.
+
+Shared by :mod:`.api` (save / load across ranks) and :mod:`.convert` (to and from torch's formats, in one
+process). See :mod:`.api` for what each file holds.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layout import ShardLayout
+from . import files
+from .files import CheckpointError, rank_file
+
+FORMAT = "zeroimpl.checkpoint/2"
+READABLE_FORMATS = ("zeroimpl.checkpoint/1", FORMAT)
+
+
+def split_state(state: Optional[dict], numel: int):
+    """A piece's inner state -> (per-element tensors, scalars); ``(None, None)`` for no state yet."""
+    if not state:
+        return None, None
+    elementwise, scalars = {}, {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel:
+            elementwise[key] = value
+        elif torch.is_tensor(value) and value.dim() == 0:
+            scalars[key] = value.detach().cpu().clone()
+        elif value is None or isinstance(value, (bool, int, float)):
+            scalars[key] = value
+        else:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise CheckpointError(f"optimizer state {key!r} ({shape}) is neither one value per element nor a "
+                                  "scalar, so it cannot be resharded; this optimizer is not elementwise")
+    return elementwise, scalars
+
+
+
+def common_keys(states: list[dict]) -> list[str]:
+    """The per-element state keys that every stepped piece shares (sorted); refuses pieces that differ."""
+    keys = sorted(states[0]) if states else []
+    if any(sorted(state) != keys for state in states):
+        raise CheckpointError("parameters hold different optimizer state keys; cannot checkpoint this optimizer")
+    return keys
+
+
+
+def describe_groups(optimizer) -> list[dict]:
+    """Each param group of a ShardedOptimizer: its hyperparameters and members (trainable index, -1: frozen)."""
+    index_of = {id(p): i for i, p in enumerate(optimizer.trainable_params)}
+    return [{"hyperparameters": {k: v for k, v in group.items() if k != "params"},
+             "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
+
+
+
+def class_name(cls: type) -> str:
+    """``module.QualName`` of an optimizer class, as the index records it."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+
+def saved_layout(index: dict) -> ShardLayout:
+    """The layout the checkpoint was saved with, checked against its world size."""
+    try:
+        layout = ShardLayout.from_fingerprint(index["layout"])
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise CheckpointError(f"the checkpoint's layout description is damaged ({error})") from error
+    if layout.world_size != index["world_size"]:
+        raise CheckpointError("the checkpoint's layout does not match its world size")
+    return layout
+
+
+def param_scalars(index: dict, layout: ShardLayout) -> list[Optional[dict]]:
+    """The scalar state of every trainable parameter (``None``: never stepped). Format 1 kept one per bucket."""
+    if "param_scalars" in index:
+        return index["param_scalars"]
+    return [index["bucket_scalars"][slot.bucket_index] for slot in layout.slots]
+
+
+def merge_scalars(values: list[Optional[dict]]) -> Optional[dict]:
+    """One parameter's scalar state from the pieces that hold it, which must agree (``None``: never stepped)."""
+    if all(v is None for v in values):
+        return None
+    first = values[0]
+    if any(v is None or v.keys() != first.keys() or any(not _same(v[k], first[k]) for k in v) for v in values):
+        raise CheckpointError("the pieces of one parameter hold different scalar optimizer state (e.g. Adam's step "
+                              "count); the ranks have diverged")
+    return copy_scalars(first)
+
+
+def copy_scalars(scalars: dict) -> dict:
+    """A copy that shares no tensor with ``scalars``."""
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return torch.equal(a, b)
+    return a == b
+
+
+def read_rank(directory: str, index: dict, layout: ShardLayout, rank: int, keys) -> dict:
+    """One saved rank's file, checked against the index and the saved layout."""
+    payload = files.read(directory, rank_file(rank), index["files"][rank_file(rank)])
+    pieces = layout.pieces(rank)
+    expected = torch.tensor([(p.param_index, p.param_start, p.param_end) for p in pieces],
+                            dtype=torch.int64).reshape(-1, 3)
+    length = sum(p.length for p in pieces)
+    if (not isinstance(payload, dict) or payload.get("rank") != rank or not torch.equal(payload["pieces"], expected)
+            or payload["master"].numel() != length
+            or sorted(payload["state"]) != sorted(keys)
+            or any(t.numel() != length for t in payload["state"].values())):
+        raise CheckpointError(f"{rank_file(rank)} in {directory!r} does not match the checkpoint's index")
+    return payload
