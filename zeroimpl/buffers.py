@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import Bucket, ShardLayout
+from .layout import Bucket, ShardLayout, overlap
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -81,10 +81,11 @@ class BucketStorage:
         shard_start = self.shard.storage_offset() - self.param_buffer.storage_offset()
         offset = 0
         for param, now, then in zip(self.params, versions, self._versions):
-            low, high = max(offset, shard_start), min(offset + param.numel(), shard_start + self.shard.numel())
+            common = overlap(offset, offset + param.numel(), shard_start, shard_start + self.shard.numel())
             offset += param.numel()
-            if now == then or low >= high:
+            if now == then or common is None:
                 continue
+            low, high = common
             master, shard = self.master[low - shard_start:high - shard_start], self.shard[low - shard_start:high - shard_start]
             if not torch.equal(master.to(shard.device, shard.dtype), shard):
                 master.copy_(shard)

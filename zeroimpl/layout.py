@@ -28,7 +28,7 @@ Invariants (checked by ``tests/test_layout.py``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,13 @@ class ParamSpec:
     group_index: int  # which param group it belongs to
     dtype: str  # str(torch.dtype), e.g. "torch.float32"
     numel: int
+
+
+def overlap(start: int, end: int, other_start: int, other_end: int) -> Optional[tuple[int, int]]:
+    """The common part ``[low, high)`` of the half-open ranges ``[start, end)`` and ``[other_start,
+    other_end)``; ``None`` when they share no element."""
+    low, high = max(start, other_start), min(end, other_end)
+    return (low, high) if low < high else None
 
 
 def trainable_specs(groups: Sequence[dict]) -> tuple[list, list[ParamSpec]]:
@@ -139,8 +146,9 @@ class ShardLayout:
             shard_start, shard_end = bucket.shard_range(rank)
             for param_index in bucket.param_indices:
                 slot = self.slots[param_index]
-                start, end = max(slot.offset, shard_start), min(slot.end, shard_end)
-                if start < end:
+                common = overlap(slot.offset, slot.end, shard_start, shard_end)
+                if common:
+                    start, end = common
                     pieces.append(ShardPiece(param_index, bucket.index, start - slot.offset,
                                              end - slot.offset, start - shard_start))
         return pieces

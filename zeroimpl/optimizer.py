@@ -595,21 +595,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     # -- introspection ----------------------------------------------------------------------------
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds for training right now, by kind: ``parameters`` (the bucket buffers
+        that the trainable parameters view), ``gradients`` (full ``.grad``), ``gradient_shard`` (on the
+        parameters' device) and ``host_gradient_shard`` (offload), ``master_weights`` (separate masters
+        only), ``optimizer_state`` and ``bucket_buffers`` (transient reduction buffers). What
+        :meth:`memory_report` counts, for tools that count storage themselves."""
+        return {
+            "parameters": [s.param_buffer for s in self.storages],
+            "gradients": [p.grad for s in self.storages for p in s.params if p.grad is not None],
+            "gradient_shard": self.gradients.device_tensors(),
+            "host_gradient_shard": self.gradients.host_tensors(),
+            "master_weights": [s.master for s in self.storages if s.has_separate_master],
+            "optimizer_state": [v for state in self.inner.state.values() for v in state.values() if torch.is_tensor(v)],
+            "bucket_buffers": self.reducer.live_buffers(),
+        }
+
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds right now, by kind and place (see :class:`zeroimpl.MemoryReport`)."""
-        masters = tensor_bytes(s.master for s in self.storages if s.has_separate_master)
-        state = tensor_bytes(v for state in self.inner.state.values() for v in state.values())
+        held = {kind: tensor_bytes(tensors) for kind, tensors in self.held_tensors().items()}
         on_host = self.offload is not None  # masters and state live beside each other
         device = StateBytes(
-            parameters=tensor_bytes(s.param_buffer for s in self.storages),
-            gradients=tensor_bytes(p.grad for s in self.storages for p in s.params),
-            gradient_shard=tensor_bytes(self.gradients.device_tensors()),
-            master_weights=0 if on_host else masters,
-            optimizer_state=0 if on_host else state,
-            bucket_buffers=tensor_bytes(self.reducer.live_buffers()),
+            parameters=held["parameters"],
+            gradients=held["gradients"],
+            gradient_shard=held["gradient_shard"],
+            master_weights=0 if on_host else held["master_weights"],
+            optimizer_state=0 if on_host else held["optimizer_state"],
+            bucket_buffers=held["bucket_buffers"],
         )
-        host = StateBytes(gradient_shard=tensor_bytes(self.gradients.host_tensors()),
-                          master_weights=masters if on_host else 0, optimizer_state=state if on_host else 0)
+        host = StateBytes(gradient_shard=held["host_gradient_shard"],
+                          master_weights=held["master_weights"] if on_host else 0,
+                          optimizer_state=held["optimizer_state"] if on_host else 0)
         return MemoryReport(device, host)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import ShardLayout
+from ..layout import ShardLayout, overlap
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,9 @@ def plan(saved: ShardLayout, new: ShardLayout, rank: int) -> list[Copy]:
     copies = []
     for piece in new.pieces(rank):
         for start, end, source_rank, file_offset in sources[piece.param_index]:
-            low, high = max(start, piece.param_start), min(end, piece.param_end)
-            if low < high:
+            common = overlap(start, end, piece.param_start, piece.param_end)
+            if common:
+                low, high = common
                 copies.append(Copy(source_rank, file_offset + low - start, piece.bucket_index,
                                    piece.shard_offset + low - piece.param_start, high - low))
     return copies

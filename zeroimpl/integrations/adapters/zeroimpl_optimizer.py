@@ -10,7 +10,7 @@ from zeroimpl import ShardedOptimizer
 
 from ..models import param_groups
 from .base import Implementation, TrainSettings
-from .loop import WrapperLoopRunner, optimizer_state_tensors
+from .loop import WrapperLoopRunner
 
 
 class ZeroimplRunner(WrapperLoopRunner):
@@ -25,13 +25,12 @@ class ZeroimplRunner(WrapperLoopRunner):
         self.optimizer.clip_grad_norm_(max_norm)
 
     def model_state(self) -> dict[str, list[torch.Tensor]]:
-        optimizer = self.optimizer
-        state = self.common_state()
-        state["parameters"] = [s.param_buffer for s in optimizer.storages] + state["parameters"]  # frozen too
-        state["gradients"] += optimizer.gradients.device_tensors() + optimizer.gradients.host_tensors()
-        state["optimizer_state"] = optimizer_state_tensors(optimizer.inner)
-        state["master_weights"] = [s.master for s in optimizer.storages if s.has_separate_master]
-        state["buffers"] += optimizer.reducer.live_buffers()
+        held, state = self.optimizer.held_tensors(), self.common_state()
+        state["parameters"] = held["parameters"] + state["parameters"]  # frozen too
+        state["gradients"] += held["gradient_shard"] + held["host_gradient_shard"]
+        state["optimizer_state"] = held["optimizer_state"]
+        state["master_weights"] = held["master_weights"]
+        state["buffers"] += held["bucket_buffers"]
         return state
 
 
