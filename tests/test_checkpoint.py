@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import VOCAB, build_model, param_groups
+from workloads import SEQUENCE_LENGTH, VOCAB, build_model, param_groups
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict,
                                  load_checkpoint, load_torch_optimizer_state, save_checkpoint)
@@ -33,7 +33,7 @@ SAVED = {"adamw": (torch.float32, "adamw", 2, None), "sgd": (torch.float32, "sgd
 
 def global_batch(step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(7_000 + step)
-    return torch.randint(1, VOCAB, (GLOBAL_BATCH, 16), generator=generator)
+    return torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQUENCE_LENGTH), generator=generator)
 
 
 def local_batch(step: int, rank: int, world_size: int) -> dict:

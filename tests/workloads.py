@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models, deterministic data and one training loop for DDP and for zeroimpl.
+"""Tiny Hugging Face models (the comparison's, zeroimpl.integrations.models), deterministic data and one
+training loop for DDP and for zeroimpl.
 
 Everything here runs inside the spawned ranks. The reference is DDP + the same torch optimizer, with
 ``no_sync()`` on non-final micro-batches (the way Hugging Face Trainer accumulates).
@@ -16,54 +17,40 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from zeroimpl import ShardedOptimizer
+from zeroimpl.integrations import models
 
-VOCAB = 128
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.99)}),
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
 }
+VOCAB, SEQUENCE_LENGTH = models.vocabulary_and_length("gpt2", "tiny")
+FROZEN = {  # one frozen parameter per model, as fine-tuning recipes have
+    "gpt2": "transformer.wpe.weight",  # (GPT-2's input and output embeddings are tied)
+    "llama": "model.layers.0.input_layernorm.weight",
+    "bert": "bert.embeddings.token_type_embeddings.weight",
+}
 
 
 def build_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A tiny model with the same initial weights on every rank and one frozen parameter."""
-    import transformers
-
-    torch.manual_seed(0)
-    ids = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-    if name == "gpt2":  # tied wte / lm_head
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids)
-        model = transformers.GPT2LMHeadModel(config)
-        model.transformer.wpe.weight.requires_grad_(False)
-    elif name == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=32, tie_word_embeddings=False, **ids)
-        model = transformers.LlamaForCausalLM(config)
-        model.model.layers[0].input_layernorm.weight.requires_grad_(False)
-    elif name == "bert":
-        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32,
-                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
-        model = transformers.BertForMaskedLM(config)
-        model.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
-    else:
-        raise ValueError(name)
-    return model.to(dtype)
+    """The comparison's "tiny" model of family ``name`` (same initial weights on every rank) with one frozen
+    parameter."""
+    model = models.build_model(name, "tiny", dtype)
+    model.get_parameter(FROZEN[name]).requires_grad_(False)
+    return model
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict]:
-    """Two groups, as every Hugging Face recipe has: decayed matrices, undecayed biases and norms."""
+    """Two groups, as every Hugging Face recipe has: decayed matrices, undecayed biases and norms. Frozen
+    parameters stay in them (the optimizer must leave them alone)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def batch(rank: int, step: int, micro: int, batch_size: int = 2, seq_len: int = 16) -> dict:
-    generator = torch.Generator().manual_seed(100_000 * step + 100 * micro + rank)
-    ids = torch.randint(1, VOCAB, (batch_size, seq_len), generator=generator)
-    return {"input_ids": ids, "labels": ids}
+def batch(rank: int, step: int, micro: int, batch_size: int = 2) -> dict:
+    """Deterministic token ids, different per rank, step and micro-batch (any family: same vocabulary)."""
+    return models.batch("gpt2", "tiny", rank, step, micro, batch_size)
 
 
 @dataclass
