@@ -76,6 +76,49 @@ class _Reduction:
         self.work = work
 
 
+class LaunchOrder:
+    """Which buckets one round of backward launches, and when. Every rank must issue the same collectives in
+    the same order whatever order its hooks fire in, so buckets launch strictly in index order: a bucket
+    once every one of its parameters has a gradient and every bucket before it has launched, and the rest at
+    the end of the round (a parameter without a gradient counts as zero). Pure bookkeeping, no tensors."""
+
+    def __init__(self, bucket_params: list[list[int]]):
+        self._sizes = [len(params) for params in bucket_params]  # parameters per bucket
+        self.reset()
+
+    def reset(self) -> None:
+        """A new round: nothing arrived, nothing launched."""
+        self._arrived: list[set[int]] = [set() for _ in self._sizes]
+        self._next = 0  # buckets below this index are launched
+
+    def seen(self, bucket_index: int, param_index: int) -> bool:
+        """Whether this parameter's gradient already arrived this round, or its bucket already launched."""
+        return param_index in self._arrived[bucket_index] or bucket_index < self._next
+
+    def arrived(self, bucket_index: int) -> set[int]:
+        """The parameters of the bucket whose gradient arrived this round."""
+        return self._arrived[bucket_index]
+
+    def arrive(self, bucket_index: int, param_index: int) -> list[int]:
+        """Record a gradient; return the buckets that may launch now, in order."""
+        self._arrived[bucket_index].add(param_index)
+        ready = []
+        while self._next < len(self._sizes) and len(self._arrived[self._next]) == self._sizes[self._next]:
+            ready.append(self._next)
+            self._next += 1
+        return ready
+
+    def through(self, bucket_index: int) -> list[int]:
+        """Launch every bucket up to ``bucket_index`` not launched yet, complete or not: return them, in order."""
+        ready = list(range(self._next, bucket_index + 1))
+        self._next = max(self._next, bucket_index + 1)
+        return ready
+
+    def remaining(self) -> list[int]:
+        """The end of the round: every bucket not launched yet, in order."""
+        return self.through(len(self._sizes) - 1)
+
+
 class GradientReducer:
     """Owns the hooks and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``."""
 
@@ -105,8 +148,7 @@ class GradientReducer:
         self.replaced: list[str] = []  # parameters that a module replaced by other Parameter objects
         self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
-        self._arrived: list[set[int]] = [set() for _ in layout.buckets]  # param indices with a gradient
-        self._next_launch = 0  # buckets below this index are launched
+        self._order = LaunchOrder([bucket.param_indices for bucket in layout.buckets])
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._handles = []
@@ -136,15 +178,15 @@ class GradientReducer:
             self._grad_versions[param_index] = param.grad._version
             return
         self.grad_exists[param_index] = True
-        if param_index in self._arrived[bucket_index] or bucket_index < self._next_launch:
+        if self._order.seen(bucket_index, param_index):
             # a second gradient in one round: reentrant checkpointing whose outer backward we could not see
             # end, or a parameter shared by two checkpointed segments. Close the round and start another.
             self._close_round()
             self._follow_backward()
         self._write_grad(bucket_index, param_index, param.grad)
         param.grad = None
-        self._arrived[bucket_index].add(param_index)
-        self._launch_ready_buckets()
+        for ready in self._order.arrive(bucket_index, param_index):
+            self._launch(ready)
 
     def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
         """Why this gradient cannot be taken, or None."""
@@ -184,8 +226,8 @@ class GradientReducer:
         """Count the backward pass; stage 2: launch what is left, in order, and wait for everything."""
         self.backward_passes += 1
         if self.stage == 2:
-            while self._next_launch < len(self.layout.buckets):
-                self._launch(self._next_launch)
+            for bucket_index in self._order.remaining():
+                self._launch(bucket_index)
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -193,10 +235,8 @@ class GradientReducer:
         self.wait_all()
         self._state = RoundState.IDLE
         self._end_callback = None
-        self._next_launch = 0
+        self._order.reset()
         self._buffers = [None] * len(self._buffers)
-        for arrived in self._arrived:
-            arrived.clear()
 
     # -- buckets --------------------------------------------------------------------------------
     def _buffer(self, bucket_index: int) -> torch.Tensor:
@@ -215,19 +255,14 @@ class GradientReducer:
             view.copy_(grad)
             view.mul_(self._scale)
 
-    def _launch_ready_buckets(self) -> None:
-        buckets = self.layout.buckets
-        while (self._next_launch < len(buckets) and
-               len(self._arrived[self._next_launch]) == len(buckets[self._next_launch].param_indices)):
-            self._launch(self._next_launch)
-
     def _launch(self, bucket_index: int) -> None:
         """Zero what no gradient wrote, then start the bucket's reduce-scatter."""
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
         self._buffers[bucket_index] = None
+        arrived = self._order.arrived(bucket_index)
         for param_index in bucket.param_indices:
-            if param_index not in self._arrived[bucket_index]:
+            if param_index not in arrived:
                 slot = self.layout.slots[param_index]
                 buffer[slot.offset:slot.end].zero_()
         buffer[bucket.numel:].zero_()
@@ -238,7 +273,6 @@ class GradientReducer:
         self._inflight.append(_Reduction(bucket_index, buffer, output,
                                          comm.reduce_scatter(output, buffer, self.group, self.timeout,
                                                              tag=bucket_index)))
-        self._next_launch = bucket_index + 1
         while len(self._inflight) > self.max_inflight:
             self._complete_oldest()
 
@@ -267,14 +301,15 @@ class GradientReducer:
         if self.stage == 1 and with_grad:
             self._check_grads_unedited()
             for storage in self.storages:
-                bucket_index = storage.bucket.index
+                bucket_index, ready = storage.bucket.index, []
                 for param_index, param in zip(storage.bucket.param_indices, storage.params):
                     if param.grad is not None:
                         self._write_grad(bucket_index, param_index, param.grad)
-                        self._arrived[bucket_index].add(param_index)
+                        ready += self._order.arrive(bucket_index, param_index)
                         self.grad_exists[param_index] = True
                         param.grad = None  # freed as copied: the bucket buffers replace the gradients
-                self._launch(bucket_index)
+                for launchable in ready + self._order.through(bucket_index):  # this bucket, complete or not
+                    self._launch(launchable)
             self._reset_round()
 
     def _check_grads_unedited(self) -> None:

@@ -34,7 +34,7 @@ from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
                       resolve_offload)
 from .precision import DynamicLossScaler, LossScaleConfig
-from .step_state import StepState, StepVerdict
+from .step_state import StepState, StepVerdict, decode_checks, encode_checks
 
 STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
 # param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have
@@ -256,7 +256,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(rebound_message(rebound))
 
     def _agree_on_gradients(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """One all-reduce of 4 elements: whether any rank's gradient shard holds NaN/Inf (stored in
+        """One all-reduce of 5 elements (:func:`encode_checks`): whether any rank's gradient shard holds NaN/Inf (stored in
         ``StepVerdict.nonfinite``), whether every rank ran the same number of backward passes, and, given
         ``norm_type``, the global gradient norm (returned, on the device), and whether some rank lacks a
         gradient for some parameter: only then does a second all-reduce (one flag per parameter) tell which
@@ -265,39 +265,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
         over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
         alike, :meth:`_any_nonfinite` tells NaN/Inf apart from finite gradients whose norm overflows fp32.
-        Counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM) or ``max(c) == -max(-c)`` (MAX), so every
-        rank reaches the same verdict. The one host sync of the step (two on a step whose norm is not
+        Every rank decodes the same verdict (:func:`decode_checks`). The one host sync of the step (two on a step whose norm is not
         finite). Norms are taken in fp32, or fp64 for fp64 shards. Call after ``_prepare_gradients``.
         """
         shards = self._grad_shards()
         device = shards[0].device if shards else self._device
         passes = float(self.reducer.backward_passes)
-        if norm_type == float("inf"):
-            op = dist.ReduceOp.MAX
+        maximum = norm_type == float("inf")
+        if maximum:
             norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=_norm_dtype(s))
                                      for s in shards] or [torch.zeros((), device=device)]).max()
-            counts = torch.tensor([passes, -passes], device=device)
         else:
-            op = dist.ReduceOp.SUM
             power = 2.0 if norm_type is None else norm_type
             norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=_norm_dtype(s)) ** power
                                      for s in shards] or [torch.zeros((), device=device)]).sum()
-            counts = torch.tensor([passes, passes * passes], device=device)
-        suspect = (~torch.isfinite(norm_term)).float()
-        lacking = torch.tensor([0.0 if all(self.reducer.grad_exists) else 1.0], device=device)
-        values = torch.cat([suspect.reshape(1), norm_term.reshape(1), counts, lacking]).to(self._device)
-        agreed = comm.all_reduce_(values, op, self.process_group, self.collective_timeout, "gradient check all-reduce")
-        flags = agreed.tolist()  # the one host sync: [suspect, norm term, count term, count term, lacking]
-        same_passes = (flags[2] == -flags[3] if op == dist.ReduceOp.MAX
-                       else self.world_size * flags[3] == flags[2] ** 2)
+        values = encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum).to(self._device)
+        agreed = comm.all_reduce_(values, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, self.process_group,
+                                  self.collective_timeout, "gradient check all-reduce")
+        suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum, self.world_size)  # the host sync
         if not same_passes:
             self.zero_grad()
             raise RuntimeError(
                 f"the ranks ran different numbers of backward passes before step() (this rank: {int(passes)}); "
                 "every rank must run the same micro-batches per optimizer step. The gradients were cleared; "
                 "nothing was updated")
-        verdict = StepVerdict(nonfinite=bool(flags[0]) and self._any_nonfinite(shards),
-                          stepped=self._params_with_gradients() if flags[4] > 0 else None)
+        verdict = StepVerdict(nonfinite=suspect and self._any_nonfinite(shards),
+                              stepped=self._params_with_gradients() if lacking else None)
         self._step_state.verdict = verdict
         if norm_type is None:
             return None

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 
 @dataclass(frozen=True)
 class StepVerdict:
@@ -49,3 +51,27 @@ class StepState:
         if self.unscaled:
             raise RuntimeError("backward() between clip_grad_norm_() and step() is not supported with "
                                "loss scaling; run every backward of the step before clipping")
+
+
+def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum: bool) -> torch.Tensor:
+    """This rank's five values for the step's one check all-reduce: ``[NaN/Inf suspected, norm term, pass
+    count term, pass count term, lacking]``, for a SUM all-reduce (2- or p-norm: the norm term is
+    ``sum |g|**p``) or a MAX one (``maximum``, inf-norm). ``passes``: this rank's backward passes since the
+    last step; ``lacking``: some parameter of this rank has no gradient. On ``norm_term``'s device, in its
+    dtype (fp32, or fp64 for fp64 gradients)."""
+    counts = [passes, -passes] if maximum else [passes, passes * passes]
+    suspect = (~torch.isfinite(norm_term)).float().reshape(1)
+    tail = torch.tensor(counts + [1.0 if lacking else 0.0], device=norm_term.device)
+    return torch.cat([suspect, norm_term.reshape(1), tail])
+
+
+def decode_checks(reduced: list[float], maximum: bool, world_size: int) -> tuple[bool, bool, bool]:
+    """The agreed ``(NaN/Inf suspected on some rank, every rank ran the same backward passes, some rank
+    lacks a gradient)`` from the reduced values of :func:`encode_checks`, identical on every rank.
+
+    Pass counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM; equality in Cauchy-Schwarz) or
+    ``max(c) == -max(-c)`` (MAX). A suspected NaN/Inf is only suspected: a finite gradient's norm term can
+    overflow fp32, which the caller tells apart."""
+    suspect, _, first, second, lacking = reduced
+    same_passes = first == -second if maximum else world_size * second == first ** 2
+    return suspect > 0, same_passes, lacking > 0
