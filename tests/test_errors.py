@@ -58,6 +58,16 @@ def _misuse(rank, world_size):
         ShardedOptimizer(torch.nn.Linear(4, 4).parameters(), torch.optim.AdamW)
     errors["differing"] = _catch(differing_params)
 
+    def differing_shapes():  # same values (zeros) and sizes: only the shapes tell the ranks apart
+        shape = (2, 3) if rank == 0 else (3, 2)
+        ShardedOptimizer([torch.nn.Parameter(torch.zeros(shape))], torch.optim.AdamW)
+    errors["shapes"] = _catch(differing_shapes)
+
+    def differing_counts():  # same elements in all, split into a different number of parameters
+        sizes = [4] if rank == 0 else [2, 2]
+        ShardedOptimizer([torch.nn.Parameter(torch.zeros(n)) for n in sizes], torch.optim.AdamW)
+    errors["counts"] = _catch(differing_counts)
+
     def sparse_gradient():
         torch.manual_seed(0)
         embedding = torch.nn.Embedding(10, 4, sparse=True)
@@ -106,16 +116,28 @@ def _misuse(rank, world_size):
     return errors
 
 
-def test_misuse_raises_on_every_rank(runs):
-    for errors in (by_rank["misuse"] for by_rank in runs):
-        assert "ranks differ in the values of the parameters" in errors["differing"]
-        assert "sparse gradient" in errors["sparse"] and "sparse=False" in errors["sparse"]
-        assert "cannot add param groups after construction" in errors["add_group"]
-        assert "call optimizer.backward(loss)" in errors["fp16"]
-        assert "several devices" in errors["devices"]
-        assert "no trainable parameters" in errors["frozen"]
-        assert "wrapped in DistributedDataParallel" in errors["ddp1"] and "do not wrap it in DDP" in errors["ddp2"]
-        assert "different numbers of backward passes" in errors["backward_counts"]
+MISUSE = {  # case -> what its error must say
+    "differing": ["ranks differ in the values of the parameters"],
+    "shapes": ["ranks differ in the number or the shapes of the trainable parameters"],
+    "counts": ["ranks differ in the number or the shapes of the trainable parameters"],
+    "sparse": ["sparse gradient", "sparse=False"],
+    "add_group": ["cannot add param groups after construction"],
+    "fp16": ["call optimizer.backward(loss)"],
+    "devices": ["several devices"],
+    "frozen": ["no trainable parameters"],
+    "ddp1": ["wrapped in DistributedDataParallel"],
+    "ddp2": ["do not wrap it in DDP"],
+    "backward_counts": ["different numbers of backward passes"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISUSE))
+def test_misuse_raises_on_every_rank(runs, case):
+    for rank, by_rank in enumerate(runs):
+        message = by_rank["misuse"][case]
+        assert message is not None, f"{case}: rank {rank} raised nothing"
+        for expected in MISUSE[case]:
+            assert expected in message, f"{case}, rank {rank}: {message}"
 
 
 def _lifecycle(rank, world_size):
@@ -168,10 +190,18 @@ def runs():
     return run_distributed(2, _both)
 
 
-def test_lifecycle_and_recovery(runs):
-    for out in (by_rank["lifecycle"] for by_rank in runs):
-        assert "already managed by another ShardedOptimizer" in out["second_owner1"]
-        assert "already managed by another ShardedOptimizer" in out["second_owner2"]
-        assert out["released1"] and out["released2"]
-        assert "injected failure" in out["failed"]  # and training went on after zero_grad()
-        assert "inplace operation" in out["stale_graph"]
+LIFECYCLE = {  # outcome -> check
+    "second_owner1": lambda out: "already managed by another ShardedOptimizer" in out,
+    "second_owner2": lambda out: "already managed by another ShardedOptimizer" in out,
+    "released1": lambda out: out is True,  # the model's hooks do not keep a deleted optimizer alive
+    "released2": lambda out: out is True,
+    "failed": lambda out: "injected failure" in out,  # and training went on after zero_grad()
+    "stale_graph": lambda out: "inplace operation" in out,
+}
+
+
+@pytest.mark.parametrize("outcome", sorted(LIFECYCLE))
+def test_lifecycle_and_recovery(runs, outcome):
+    for rank, by_rank in enumerate(runs):
+        found = by_rank["lifecycle"][outcome]
+        assert found is not None and LIFECYCLE[outcome](found), f"{outcome}, rank {rank}: {found!r}"
