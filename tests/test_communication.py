@@ -102,3 +102,39 @@ def test_collectives_per_step(counts_by_config, stage, accum, clip, dtype, algor
             count, total, _ = summary.pop("all_reduce")
             assert (count, total) == (1, 5)
             assert summary == {}, f"unexpected collectives {summary}"
+
+
+def _inputs(world_size: int, numel: int) -> list[torch.Tensor]:
+    """Every rank's reduce-scatter input, regenerated alike on every rank: normal values scaled by 1 to 100,
+    so that fp32 sums of three or more depend on their order."""
+    generator = torch.Generator().manual_seed(7)
+    scales = torch.pow(10.0, 2 * torch.rand(world_size, numel, generator=generator))
+    return list(torch.randn(world_size, numel, generator=generator) * scales)
+
+
+def _pairwise_reduce_scatter(rank, world_size):
+    from zeroimpl import comm
+
+    inputs = _inputs(world_size, 256 * world_size)
+    output = torch.empty(256)
+    comm.reduce_scatter(output, inputs[rank].clone(), None).wait()
+    return output
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_pairwise_reduce_scatter_sums_in_its_documented_order(world_size):
+    """comm.py: rank r's shard is its own piece, then the pieces of ranks r - 1, r - 2, ... (mod N), added
+    left to right: bitwise, on data where another order gives other bits."""
+    outputs = run_distributed(world_size, _pairwise_reduce_scatter, env={"ZEROIMPL_COLLECTIVES": "pairwise"})
+    pieces = [x.view(world_size, -1) for x in _inputs(world_size, 256 * world_size)]
+
+    def summed(rank, sources):
+        total = pieces[rank][rank].clone()
+        for source in sources:
+            total += pieces[source % world_size][rank]
+        return total
+    for rank, output in enumerate(outputs):
+        documented = summed(rank, [rank - k for k in range(1, world_size)])
+        other_way = summed(rank, [rank + k for k in range(1, world_size)])  # own, then r + 1, r + 2, ...
+        assert torch.equal(output, documented), f"rank {rank}"
+        assert not torch.equal(documented, other_way)  # the data tells the orders apart

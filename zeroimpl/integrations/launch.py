@@ -11,6 +11,7 @@ imports are paid once per session instead of once per rank.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import tempfile
@@ -39,7 +40,8 @@ def start_ranks_from_forkserver(preload: Sequence[str]) -> None:
     _forkserver = context
 
 
-def _child(rank: int, world_size: int, workdir: str, backend: str, env: dict, fn, args) -> None:
+def _child(rank: int, world_size: int, workdir: str, backend: str, env: dict, process_group_timeout: Optional[float],
+           fn, args) -> None:
     os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size)})
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -47,7 +49,9 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, env: dict, fn
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+        bound = {} if process_group_timeout is None else {"timeout": datetime.timedelta(seconds=process_group_timeout)}
+        dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank, world_size=world_size,
+                                **bound)
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -58,7 +62,7 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, env: dict, fn
 
 
 def run_distributed(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo",
-                    env: Optional[dict] = None) -> list:
+                    env: Optional[dict] = None, process_group_timeout: Optional[float] = None) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
 
     ``fn`` must be importable (a module-level function). ``env`` is added to each child's environment
@@ -66,11 +70,15 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 600.0, backend:
     uses ``OMP_NUM_THREADS`` threads (default 1, so that ranks do not fight over cores; set through
     ``torch.set_num_threads``, the parent's environment is left alone). Any failure or a
     hang past ``timeout`` seconds raises in the caller with every rank's traceback.
+    ``process_group_timeout``: the process group's own timeout (``init_process_group(timeout=...)``), which
+    bounds each collective (default: torch's); a rank waiting longer for its peers raises, naming the
+    collective, instead of waiting out ``timeout``.
     """
     context = _forkserver if _forkserver is not None and backend != "nccl" else multiprocessing.get_context("spawn")
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
     with tempfile.TemporaryDirectory() as workdir:
-        processes = [context.Process(target=_child, args=(rank, world_size, workdir, backend, env, fn, args))
+        processes = [context.Process(target=_child, args=(rank, world_size, workdir, backend, env,
+                                                                  process_group_timeout, fn, args))
                      for rank in range(world_size)]
         deadline_hit = False
         try:
