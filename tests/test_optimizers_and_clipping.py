@@ -18,6 +18,7 @@ ADAM_ATOL = 1e-4
 FP64_RTOL = 1e-12
 FP64_ATOL = 1e-10
 CLIPS = {"none": None, "l2": (0.5, 2.0), "inf": (0.05, float("inf"))}
+ABOVE = (1e3, 2.0)  # a max_norm above every step's norm: clipping must leave the gradients as they are
 
 
 def _runs(rank, world_size):
@@ -27,6 +28,8 @@ def _runs(rank, world_size):
             for stage in (None, 1, 2):
                 results[(optimizer, clip_name, stage)] = train(
                     RunConfig("gpt2", stage, optimizer=optimizer, clip=clip, accum=2))
+    for stage in (None, 1, 2):
+        results[("adamw", "above", stage)] = train(RunConfig("gpt2", stage, clip=ABOVE, accum=2))
     for clip_name, clip in CLIPS.items():
         for stage in (None, 1, 2):
             results[("adamw", clip_name, stage, "fp64")] = train(
@@ -67,6 +70,17 @@ def test_clipping_matches_torch(results, optimizer, clip_name, stage):
         assert any(n > CLIPS[clip_name][0] for n in reference["norms"]), "the test must actually clip"
         atol = SGD_ATOL if optimizer == "sgd" else ADAM_ATOL
         assert max_param_diff(run["params"], reference["params"]) <= atol
+
+
+@pytest.mark.parametrize("stage", [None, 1, 2])
+def test_a_norm_below_max_norm_leaves_the_gradients_unchanged(results, stage):
+    """The clip coefficient is clamped at 1 (as in torch): clipping at a max_norm above the norm changes no
+    bit of the run (here against the same run without clipping)."""
+    for rank_results in results:
+        clipped, unclipped = rank_results[("adamw", "above", stage)], rank_results[("adamw", "none", stage)]
+        assert clipped["norms"] and all(n < ABOVE[0] for n in clipped["norms"])  # the edge is exercised
+        assert clipped["losses"] == unclipped["losses"]
+        assert all(torch.equal(clipped["params"][n], p) for n, p in unclipped["params"].items())
 
 
 @pytest.mark.parametrize("clip_name", ["none", "l2", "inf"])

@@ -240,10 +240,15 @@ class GradientReducer:
 
     # -- buckets --------------------------------------------------------------------------------
     def _buffer(self, bucket_index: int) -> torch.Tensor:
+        """The bucket's reduction buffer of this round: ``padded_numel`` elements, born with zero padding (the
+        padding is reduce-scattered into some rank's gradient shard, whose norm must not see garbage); the
+        parameters' slots are written by their gradients, or zeroed at launch."""
         if self._buffers[bucket_index] is None:
             storage = self.storages[bucket_index]
-            self._buffers[bucket_index] = torch.empty(
-                storage.bucket.padded_numel, dtype=self.reduce_dtypes[bucket_index], device=storage.param_buffer.device)
+            buffer = torch.empty(storage.bucket.padded_numel, dtype=self.reduce_dtypes[bucket_index],
+                                 device=storage.param_buffer.device)
+            buffer[storage.bucket.numel:].zero_()
+            self._buffers[bucket_index] = buffer
         return self._buffers[bucket_index]
 
     def _write_grad(self, bucket_index: int, param_index: int, grad: torch.Tensor) -> None:
@@ -256,7 +261,8 @@ class GradientReducer:
             view.mul_(self._scale)
 
     def _launch(self, bucket_index: int) -> None:
-        """Zero what no gradient wrote, then start the bucket's reduce-scatter."""
+        """Zero the slots no gradient wrote (the padding was zeroed at allocation), then start the bucket's
+        reduce-scatter."""
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
         self._buffers[bucket_index] = None
@@ -265,7 +271,6 @@ class GradientReducer:
             if param_index not in arrived:
                 slot = self.layout.slots[param_index]
                 buffer[slot.offset:slot.end].zero_()
-        buffer[bucket.numel:].zero_()
         if self.layout.world_size == 1:  # nothing to sum: the bucket buffer is the shard, no copy
             output = buffer
         else:
