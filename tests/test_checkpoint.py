@@ -287,6 +287,7 @@ def test_resharding_restores_master_weights_and_state_bitwise(saved, at_world_si
         assert state_before["param_groups"] == state_after["param_groups"]
         assert state_before["state"].keys() == state_after["state"].keys()
         for index, state in state_before["state"].items():
+            assert state.keys() == state_after["state"][index].keys(), f"{name}: parameter {index} lost state"
             assert all(torch.equal(value, state_after["state"][index][key]) for key, value in state.items())
         scaler_before = torch.load(os.path.join(before, "index.pt"), weights_only=True)["loss_scaler"]
         scaler_after = torch.load(os.path.join(after, "index.pt"), weights_only=True)["loss_scaler"]
