@@ -39,6 +39,7 @@ def main():
     parser.add_argument("--fault", choices=["none", "kill", "hang", "hang-save"], default="none")
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--collective-timeout", type=float, default=None)
+    parser.add_argument("--checkpoint-timeout", type=float, default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -64,7 +65,7 @@ def main():
         optimizer.zero_grad()
         if rank == 1 and first_attempt and step == args.fault_step and args.fault == "hang-save":
             time.sleep(600)
-        save_checkpoint(os.path.join(args.out, f"step-{step}"), optimizer, model)
+        save_checkpoint(os.path.join(args.out, f"step-{step}"), optimizer, model, timeout=args.checkpoint_timeout)
     if rank == 0:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, os.path.join(args.out, "final.pt"))
     dist.barrier()  # no rank tears gloo down while another still uses its connections

@@ -18,6 +18,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "fault_training.py")
 COLLECTIVE_TIMEOUT = 3.0
+CHECKPOINT_TIMEOUT = 5.0  # save_checkpoint(timeout=...): the agreements around the checkpoint's I/O
 HANG_JOB_LIMIT = 90.0
 
 
@@ -54,12 +55,14 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path):
 def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path, fault, waiting_in):
     """Rank 1 sleeps in step 3, after its backward (``hang``) or before the step's checkpoint (``hang-save``);
     rank 0's next collective (the step's check all-reduce, or the checkpoint's first agreement) gives up
-    after 3 s with a clear error naming it, and torchrun then stops rank 1 too: the job fails quickly
+    after 3 s (5 s: ``save_checkpoint(timeout=...)``) with a clear error naming it, and torchrun then stops rank 1 too: the job fails quickly
     instead of hanging."""
     failed, seconds = torchrun(tmp_path / "hung", "--fault", fault, "--fault-step", "3",
-                               "--collective-timeout", str(COLLECTIVE_TIMEOUT))
+                               "--collective-timeout", str(COLLECTIVE_TIMEOUT),
+                               "--checkpoint-timeout", str(CHECKPOINT_TIMEOUT))
     assert failed.returncode != 0
-    assert "CollectiveError" in failed.stderr and f"collective_timeout={COLLECTIVE_TIMEOUT} s" in failed.stderr
+    bound = COLLECTIVE_TIMEOUT if fault == "hang" else CHECKPOINT_TIMEOUT
+    assert "CollectiveError" in failed.stderr and f"within its timeout of {bound} s" in failed.stderr
     assert waiting_in in failed.stderr, failed.stderr[-4000:]
     assert "Restart the job from the last checkpoint" in failed.stderr
     assert seconds < HANG_JOB_LIMIT, seconds

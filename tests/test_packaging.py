@@ -94,6 +94,16 @@ def test_model_directory_is_loaded_with_its_config_and_weights(tmp_path):
     assert loaded(**batch(directory, "base", 0, 0, 0)).loss.isfinite()
 
 
+def test_model_directory_with_a_config_alone_gets_seeded_weights(tmp_path):
+    """``config.json`` without weights (a config written by hand, or ``config.save_pretrained``): the class
+    the config names, seeded initial weights equal in every process, in eval mode (no dropout)."""
+    build_model("gpt2", "tiny").config.save_pretrained(tmp_path / "config-only")
+    first, second = build_model(str(tmp_path / "config-only")), build_model(str(tmp_path / "config-only"))
+    assert type(first).__name__ == "GPT2LMHeadModel" and not first.training
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert first(**batch(str(tmp_path / "config-only"), "base", 0, 0, 0)).loss.isfinite()
+
+
 def test_bad_model_name_is_refused_with_the_fix(capsys):
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["--model", "gpt3"])

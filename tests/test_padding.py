@@ -42,6 +42,7 @@ def _check_padding(rank, world_size, stage, offload):
     for step in range(2):
         _poison_allocator([bucket.padded_numel for bucket in optimizer.layout.buckets])
         optimizer.backward(model(**batch(rank, step, 0)).loss)
+        _poison_allocator([bucket.padded_numel for bucket in optimizer.layout.buckets])  # stage 1 reduces now
         nonfinite = optimizer.found_nonfinite()  # reduces: the gradient shards now hold this step's sums
         observed[f"gradient shards, step {step}"] = _padding_of(optimizer, rank, optimizer.gradients.ready())
         observed[f"nonfinite, step {step}"] = [torch.tensor(float(nonfinite))]

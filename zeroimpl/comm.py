@@ -71,7 +71,7 @@ class Pending:
                     left = max(deadline - time.monotonic(), 1e-3)
                     work.wait(timeout=datetime.timedelta(seconds=left))
         except RuntimeError as error:
-            bound = (f"within collective_timeout={self.timeout} s" if self.timeout
+            bound = (f"within its timeout of {self.timeout} s" if self.timeout
                      else "within the process group's timeout")
             raise CollectiveError(
                 f"ShardedOptimizer's {self.name} failed or did not finish {bound} ({error}). Another rank has "
@@ -155,7 +155,8 @@ def same_on_every_rank(values: torch.Tensor, group, timeout: Optional[float] = N
 
 def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
     """Every rank's ``value`` (anything picklable), in group-rank order, with the waits bounded by ``timeout``
-    as every other collective here (``dist.all_gather_object`` waits without a bound). Two collectives: the
+    as every other collective here (``dist.all_gather_object`` waits up to the process group's timeout,
+    30 minutes by default). Two collectives: the
     pickled sizes, then the pickles padded to the largest. On NCCL the bytes travel on the current GPU."""
     world = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")

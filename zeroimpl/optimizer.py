@@ -336,7 +336,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm.
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, computed from the
-        shards with one all-reduce of four elements (the norm, and the checks that ``step()`` then
+        shards with one all-reduce of five elements (the norm, and the checks that ``step()`` then
         reuses). The result is identical on every rank. Gradients with NaN or Inf are left unclipped: the
         returned norm is then NaN or Inf, and ``step()`` will skip or raise.
         """

@@ -33,9 +33,15 @@ from .format import (FORMAT, READABLE_FORMATS, class_name, common_keys, copy_sca
 from .reshard import plan
 
 # -- save ---------------------------------------------------------------------------------------------
-def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
+def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
+                    timeout: Optional[float] = None) -> None:
     """Save ``optimizer`` and ``model`` to ``directory``. Collective: call it on every rank of the optimizer's
     group, with a ``directory`` that every rank sees (a local disk for one machine, a shared one otherwise).
+
+    ``timeout``: seconds each agreement between the ranks may wait, file writes on other ranks included
+    (rank 0 alone writes the model's frozen parameters and buffers and the index), before raising
+    ``CollectiveError`` (gloo); ``None``: the process group's timeout. Not the optimizer's
+    ``collective_timeout``, which is sized for one collective, not for I/O.
 
     Each rank writes only its own shard; nothing is gathered. ``directory`` is replaced only once the new
     checkpoint is complete.
@@ -50,14 +56,14 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
             files.prepare_partial(directory)
     except Exception as caught:  # e.g. no permission: every rank must hear of it, not hang
         error = caught
-    keys = common_keys([{key: None for key in k} for k in _agree(error, optimizer, "preparing the checkpoint directory", keys) if k])
+    keys = common_keys([{key: None for key in k} for k in _agree(error, optimizer, timeout, "preparing the checkpoint directory", keys) if k])
     try:
         entry = files.write(_rank_payload(optimizer, split, keys), os.path.join(files.partial_path(directory),
                                                                                 rank_file(optimizer.rank)))
         entry = (entry, {piece.param_index: scalars for piece, _, _, scalars in split})
     except Exception as caught:
         error = caught
-    entries = _agree(error, optimizer, "writing the rank files", entry)
+    entries = _agree(error, optimizer, timeout, "writing the rank files", entry)
     try:
         if optimizer.rank == 0:
             partial = files.partial_path(directory)
@@ -69,7 +75,7 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
             files.publish(directory)
     except Exception as caught:
         error = caught
-    _agree(error, optimizer, "publishing the checkpoint")
+    _agree(error, optimizer, timeout, "publishing the checkpoint")
 
 
 def _rank_payload(optimizer: ShardedOptimizer, split: list, keys: list[str]) -> dict:
@@ -128,12 +134,14 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, k
 
 
 # -- load ---------------------------------------------------------------------------------------------
-def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
+def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
+                    timeout: Optional[float] = None) -> None:
     """Restore ``optimizer`` and ``model`` from a checkpoint saved at any world size, stage or offload setting.
 
     Collective: call it on every rank. Each rank reads only the files that hold part of its new shard. The
     master weights and optimizer state are restored exactly; the parameters are set from the master weights
     on every rank. Nothing is changed unless every rank has read and checked everything it needs.
+    ``timeout``: as for :func:`save_checkpoint`.
     """
     error: Optional[BaseException] = None
     try:
@@ -145,7 +153,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         restored = _read_shards(directory, index, optimizer)
     except Exception as caught:
         error = caught
-    _agree(error, optimizer, "loading the checkpoint")
+    _agree(error, optimizer, timeout, "loading the checkpoint")
 
     masters, piece_states, hyperparameters = restored
     optimizer.zero_grad(set_to_none=True)
@@ -213,12 +221,12 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
 
 
 # -- collective error handling ---------------------------------------------------------------------
-def _agree(error: Optional[BaseException], optimizer: ShardedOptimizer, what: str, value=None) -> list:
+def _agree(error: Optional[BaseException], optimizer: ShardedOptimizer, timeout: Optional[float], what: str,
+           value=None) -> list:
     """All-gather (error, value) so that a failure on one rank raises on every rank instead of a hang; the
-    waits are bounded by the optimizer's ``collective_timeout``."""
+    waits are bounded by ``timeout`` (``None``: the process group's)."""
     mine = (None if error is None else f"{type(error).__name__}: {error}", value)
-    gathered = comm.all_gather_objects(mine, optimizer.process_group, optimizer.collective_timeout,
-                                       f"checkpoint agreement ({what})")
+    gathered = comm.all_gather_objects(mine, optimizer.process_group, timeout, f"checkpoint agreement ({what})")
     failures = [(rank, message) for rank, (message, _) in enumerate(gathered) if message is not None]
     if error is not None:
         raise error

@@ -7,8 +7,8 @@ CPU cores), ``base`` ~27-34M (the default comparison), ``large`` ~110M for GPT-2
 
 ``family`` may instead be a local model directory (``config.json``, and weights if saved with
 ``save_pretrained``): the model is loaded from it (its own weights, or seeded initial ones from the config
-alone) with the head its config names (causal LM, masked LM or sequence-to-sequence LM); ``size`` is then
-ignored, and batches use the config's vocabulary and ``DIRECTORY_SEQUENCE_LENGTH`` tokens (fewer if the
+alone) with the head its config names (causal LM, masked LM or sequence-to-sequence LM), in eval mode (no
+dropout, as the built-in families); ``size`` is then ignored, and batches use the config's vocabulary and ``DIRECTORY_SEQUENCE_LENGTH`` tokens (fewer if the
 model's positions are fewer).
 """
 
@@ -38,16 +38,21 @@ def is_directory_model(family: str) -> bool:
 
 def _directory_model(path: str) -> torch.nn.Module:
     """The model saved in ``path``: the class its config names (``architectures``), else the first of causal,
-    sequence-to-sequence and masked language model that exists for its type; its weights if saved."""
+    sequence-to-sequence and masked language model that exists for its type; its weights if saved, else
+    seeded initial ones. In eval mode (dropout off), so that every implementation computes the same
+    function whatever random numbers it draws; gradients flow as in train mode."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
     has_weights = any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path))
     named = [getattr(transformers, name) for name in config.architectures or () if hasattr(transformers, name)]
-    autos = (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForMaskedLM)
-    for model_class in named or autos:
+    if named:
+        model_class = named[0]
+        return (model_class.from_pretrained(path) if has_weights else model_class(config)).eval()
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM,
+                 transformers.AutoModelForMaskedLM):
         try:
-            return model_class.from_pretrained(path) if has_weights else model_class.from_config(config)
+            return (auto.from_pretrained(path) if has_weights else auto.from_config(config)).eval()
         except ValueError:  # this head does not exist for the config's model type
             continue
     raise ValueError(f"{path}: model type {config.model_type!r} has no causal, sequence-to-sequence or masked "

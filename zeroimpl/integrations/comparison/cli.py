@@ -7,6 +7,7 @@ Each implementation trains the same model (same initial weights), on the same da
 settings, in its own set of processes (gloo on CPU; NCCL with --device cuda). At the end it prints a table
 (memory by kind, peak, step time, deviation from DDP and a verdict), and writes comparison.md, .csv, .json
 and a .png chart to --out. Peers that are not installed are skipped with the command that installs them.
+The exit status is 1 when a run failed or deviates from DDP beyond the tolerance (skipped peers are fine).
 The default (GPT-2 "base", 29.5M parameters, 2 ranks, 11 rows) takes about 5 minutes on 2 CPU cores.
 --model may name a local model directory (saved with save_pretrained, or a config.json alone).
 """
@@ -67,8 +68,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             bar.write(message)
             if re.match(r"\[\d+/\d+\] .+: ", message):
                 bar.update(1)
-        compare(workload, args.out, implementations, progress=progress, command=command)
+        rows, _ = compare(workload, args.out, implementations, progress=progress, command=command)
     print(f"\nwrote {args.out}/comparison.md, .csv, .json and .png")
+    bad = [f"{row.implementation}: {row.outcome if row.outcome.startswith('failed') else row.verdict}"
+           for row in rows if row.outcome.startswith("failed") or row.verdict == "DEVIATES"]
+    if bad:
+        sys.exit("not every implementation matched DDP:\n  " + "\n  ".join(bad))
 
 
 if __name__ == "__main__":
