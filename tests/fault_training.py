@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,14 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        # A rank whose collective failed cannot tear gloo down: the process group's destructor would wait for
+        # that collective. Print the error and leave without finalizing, as docs/usage.md ("Exiting") advises.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     # Skip interpreter finalization after a clean end. torch.distributed.nn.functional, imported lazily after
     # init_process_group (through torch._dynamo, by the first torch optimizer), holds the process group in
     # default arguments, so destroy_process_group() does not join gloo's threads; one still freeing the last
