@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
 
 import torch
 
@@ -12,22 +11,6 @@ from .base import Runner, TrainSettings
 
 def on_device(batch: dict, device: torch.device) -> dict:
     return {key: value.to(device) for key, value in batch.items()}
-
-
-def run_micro_batches(forward: Callable, backward: Callable[[torch.Tensor], None], micro_batches: list[dict],
-                      non_final: Callable[[], ContextManager]) -> list[float]:
-    """One optimizer step's forward and backward passes, as every training loop here runs them (the
-    comparison's runners and the tests' reference loop): each micro-batch's loss divided by their number,
-    the non-final micro-batches inside ``non_final()`` (DDP's ``no_sync``, ``ShardedOptimizer.accumulating``
-    or ``contextlib.nullcontext``). Returns each micro-batch's loss, undivided."""
-    losses = []
-    for index, batch in enumerate(micro_batches):
-        final = index == len(micro_batches) - 1
-        with contextlib.nullcontext() if final else non_final():
-            loss = forward(**batch).loss
-            backward(loss / len(micro_batches))
-        losses.append(loss.item())
-    return losses
 
 
 class WrapperLoopRunner(Runner):
@@ -70,8 +53,14 @@ class WrapperLoopRunner(Runner):
 
     def backward(self, micro_batches: list[dict]) -> list[float]:
         self.zero_grad()
-        return run_micro_batches(self.module, self.run_backward,
-                                 [on_device(batch, self.device) for batch in micro_batches], self.no_sync)
+        losses = []
+        for index, batch in enumerate(micro_batches):
+            final = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if final else self.no_sync():
+                loss = self.module(**on_device(batch, self.device)).loss
+                self.run_backward(loss / len(micro_batches))
+            losses.append(loss.item())
+        return losses
 
     def step(self) -> None:
         if self.settings.max_grad_norm is not None:
