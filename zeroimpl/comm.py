@@ -123,10 +123,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
-               tag: int = 0) -> Pending:
+               tag: int = 0, name: str = "parameter all-gather") -> Pending:
     """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    name, timeout = "parameter all-gather", _host_timeout(output, timeout)
+    timeout = _host_timeout(output, timeout)
     if world > 1 and algorithm(group, output) == "native":
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         return Pending([launch(output, input, group=group, async_op=True)], name, timeout)
@@ -155,25 +155,21 @@ def same_on_every_rank(values: torch.Tensor, group, timeout: Optional[float] = N
 
 def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
     """Every rank's ``value`` (anything picklable), in group-rank order, with the waits bounded by ``timeout``
-    as every other collective here (``dist.all_gather_object`` waits up to the process group's timeout,
-    30 minutes by default). Two collectives: the
-    pickled sizes, then the pickles padded to the largest. On NCCL the bytes travel on the current GPU."""
+    as every other collective here (``dist.all_gather_object`` waits up to the process group's timeout, 30
+    minutes by default). Two all-gathers: the pickled sizes, then the pickles padded to the largest. On NCCL
+    the bytes travel on the current GPU."""
     world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
-
-    def gather(output: torch.Tensor, input: torch.Tensor) -> None:
-        pending = all_gather(output, input, group, timeout)
-        pending.name = name
-        pending.wait()
-
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device))
+    all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,
+               name=name).wait()
     longest = int(sizes.max())
     gathered = torch.zeros(world * longest, dtype=torch.uint8, device=device)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:mine.numel()] = mine
-    gather(gathered, padded)
+    all_gather(gathered, padded, group, timeout, name=name).wait()
     rows = gathered.view(world, longest).cpu()
     return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]
 

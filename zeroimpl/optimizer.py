@@ -256,8 +256,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(rebound_message(rebound))
 
     def _agree_on_gradients(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """One all-reduce of 5 elements (:func:`encode_checks`): whether any rank's gradient shard holds NaN/Inf (stored in
-        ``StepVerdict.nonfinite``), whether every rank ran the same number of backward passes, and, given
+        """One all-reduce of 5 elements (:func:`encode_checks`): whether any rank's gradient shard holds NaN/Inf
+        (stored in ``StepVerdict.nonfinite``), whether every rank ran the same number of backward passes, and, given
         ``norm_type``, the global gradient norm (returned, on the device), and whether some rank lacks a
         gradient for some parameter: only then does a second all-reduce (one flag per parameter) tell which
         parameters have a gradient on no rank (``StepVerdict.stepped``), so that they are not stepped.
@@ -265,8 +265,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
         over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
         alike, :meth:`_any_nonfinite` tells NaN/Inf apart from finite gradients whose norm overflows fp32.
-        Every rank decodes the same verdict (:func:`decode_checks`). The one host sync of the step (two on a step whose norm is not
-        finite). Norms are taken in fp32, or fp64 for fp64 shards. Call after ``_prepare_gradients``.
+        Every rank decodes the same verdict (:func:`decode_checks`). The one host sync of the step (two on a
+        step whose norm is not finite). Norms are taken in fp32, or fp64 for fp64 shards. Call after
+        ``_prepare_gradients``.
         """
         shards = self._grad_shards()
         device = shards[0].device if shards else self._device
@@ -294,9 +295,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._step_state.verdict = verdict
         if norm_type is None:
             return None
-        if verdict.nonfinite and norm_type == float("inf"):  # a MAX all-reduce need not carry a NaN through
+        if verdict.nonfinite and maximum:  # a MAX all-reduce need not carry a NaN through
             return torch.full((), float("nan"), device=self._device)
-        return agreed[1] if norm_type == float("inf") else agreed[1] ** (1.0 / norm_type)
+        return agreed[1] if maximum else agreed[1] ** (1.0 / norm_type)
 
     def _params_with_gradients(self) -> list[bool]:
         """By parameter index, whether any rank has a gradient for it (one all-reduce of a flag per parameter,
