@@ -1,5 +1,5 @@
 """Tiny Hugging Face models (the comparison's, zeroimpl.integrations.models), deterministic data and one
-training loop for DDP and for zeroimpl.
+training loop for DDP and for zeroimpl (its micro-batch passes are the comparison's ``run_micro_batches``).
 
 Everything here runs inside the spawned ranks. The reference is DDP + the same torch optimizer, with
 ``no_sync()`` on non-final micro-batches (the way Hugging Face Trainer accumulates).
@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zeroimpl import ShardedOptimizer
 from zeroimpl.integrations import models
+from zeroimpl.integrations.micro_batches import run_micro_batches
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.99)}),
@@ -83,19 +84,14 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
         forward, backward = model, optimizer.backward
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
 
+    if config.stage is None:
+        non_final = ddp.no_sync
+    else:
+        non_final = optimizer.accumulating if config.hint_accumulation else contextlib.nullcontext
     losses, norms = [], []
     for step in range(config.steps):
-        for micro in range(config.accum):
-            last = micro == config.accum - 1
-            context = contextlib.nullcontext()
-            if config.stage is None and not last:
-                context = ddp.no_sync()
-            elif config.hint_accumulation and not last:
-                context = optimizer.accumulating()
-            with context:
-                loss = forward(**batch(rank, step, micro)).loss
-                backward(loss / config.accum)
-            losses.append(loss.item())
+        micro_batches = [batch(rank, step, micro) for micro in range(config.accum)]
+        losses += run_micro_batches(forward, backward, micro_batches, non_final)
         if config.clip is not None:
             max_norm, norm_type = config.clip
             if config.stage is None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from ..micro_batches import run_micro_batches
 from .base import Runner, TrainSettings
 
 
@@ -53,14 +52,8 @@ class WrapperLoopRunner(Runner):
 
     def backward(self, micro_batches: list[dict]) -> list[float]:
         self.zero_grad()
-        losses = []
-        for index, batch in enumerate(micro_batches):
-            final = index == len(micro_batches) - 1
-            with contextlib.nullcontext() if final else self.no_sync():
-                loss = self.module(**on_device(batch, self.device)).loss
-                self.run_backward(loss / len(micro_batches))
-            losses.append(loss.item())
-        return losses
+        return run_micro_batches(self.module, self.run_backward,
+                                 [on_device(batch, self.device) for batch in micro_batches], self.no_sync)
 
     def step(self) -> None:
         if self.settings.max_grad_norm is not None:
