@@ -24,16 +24,30 @@ def test_offload_must_be_cpu_or_a_policy(offload):
         ShardedOptimizer(_linear().parameters(), torch.optim.AdamW, offload=offload)
 
 
-def test_non_elementwise_optimizer_is_refused():
-    with pytest.raises(ValueError, match="LBFGS is not elementwise"):
-        ShardedOptimizer(_linear().parameters(), torch.optim.LBFGS)
+@pytest.mark.parametrize("refused, why", [(torch.optim.LBFGS, "closure over the whole model"),
+                                          (torch.optim.SparseAdam, "sparse gradients")])
+def test_optimizers_that_need_more_than_one_parameter_are_refused(refused, why):
+    with pytest.raises(ValueError, match=f"{refused.__name__} cannot be sharded: .*{why}"):
+        ShardedOptimizer(_linear().parameters(), refused)
 
 
-def test_unknown_optimizer_needs_assume_elementwise():
+def test_a_group_may_not_name_a_refused_optimizer():
+    linear = _linear()
+    with pytest.raises(ValueError, match="LBFGS cannot be sharded"):
+        ShardedOptimizer([{"params": [linear.weight], "optimizer": torch.optim.LBFGS}, {"params": [linear.bias]}],
+                         torch.optim.AdamW)
+
+
+def test_a_group_optimizer_must_be_an_optimizer_class():
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer subclass"):
+        ShardedOptimizer([{"params": _linear().parameters(), "optimizer": "muon"}], torch.optim.AdamW)
+
+
+def test_unknown_optimizer_needs_to_be_told_how_to_shard():
     class MyOptimizer(torch.optim.SGD):
         pass
 
-    with pytest.raises(ValueError, match="assume_elementwise=True"):
+    with pytest.raises(ValueError, match=r"assume_elementwise=True .*per_parameter=\[MyOptimizer\]"):
         ShardedOptimizer(_linear().parameters(), MyOptimizer, lr=0.1)
 
 

@@ -79,10 +79,8 @@ class BucketStorage:
         if versions == self._versions:
             return
         shard_start = self.shard.storage_offset() - self.param_buffer.storage_offset()
-        offset = 0
-        for param, now, then in zip(self.params, versions, self._versions):
+        for param, offset, now, then in zip(self.params, self.bucket.offsets, versions, self._versions):
             common = overlap(offset, offset + param.numel(), shard_start, shard_start + self.shard.numel())
-            offset += param.numel()
             if now == then or common is None:
                 continue
             low, high = common

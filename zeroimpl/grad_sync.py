@@ -148,6 +148,7 @@ class GradientReducer:
         self.replaced: list[str] = []  # parameters that a module replaced by other Parameter objects
         self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
+        self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
         self._order = LaunchOrder([bucket.param_indices for bucket in layout.buckets])
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
@@ -247,7 +248,8 @@ class GradientReducer:
             storage = self.storages[bucket_index]
             buffer = torch.empty(storage.bucket.padded_numel, dtype=self.reduce_dtypes[bucket_index],
                                  device=storage.param_buffer.device)
-            buffer[storage.bucket.numel:].zero_()
+            for start, end in self._padding[bucket_index]:
+                buffer[start:end].zero_()
             self._buffers[bucket_index] = buffer
         return self._buffers[bucket_index]
 

@@ -10,25 +10,36 @@ Vocabulary (used by every other module):
   flat 1-D buffer of ``padded_numel`` elements; parameter ``i`` of the bucket occupies
   ``[offset, offset + numel)`` and the tail ``[numel, padded_numel)`` is zero padding.
 * **shard** -- bucket buffers are cut into ``world_size`` equal, contiguous chunks; rank ``r`` owns chunk
-  ``r`` of every bucket: ``[r * shard_numel, (r + 1) * shard_numel)``. A parameter may straddle shards.
+  ``r`` of every bucket: ``[r * shard_numel, (r + 1) * shard_numel)``. In a *flat* bucket the parameters
+  are packed end to end and a parameter may straddle shards. In a *whole-parameter* bucket (param groups
+  whose optimizer needs whole tensors: Muon, Adafactor) each chunk holds whole parameters, bin-packed so
+  that the chunks are about equally full, each followed by its own padding.
 
 Invariants (checked by ``tests/test_layout.py``):
 
 * the layout is a function of the parameter list alone -- never of hook order or timing -- so it is
   identical on every rank;
 * buckets are filled in reverse parameter order (the order in which backward usually produces
-  gradients, as in DDP), never span two param groups or two dtypes, and never split a parameter;
+  gradients, as in DDP), never span two param groups or two dtypes, and never split a parameter between
+  buckets; a whole-parameter bucket never splits one between shards either;
   the buckets of different param groups are interleaved by their position within their group
   (see ``_completion_keys``), because backward and collectives both follow bucket order;
-* ``padded_numel`` is the smallest multiple of ``world_size * alignment`` that holds the bucket, so every
-  rank owns exactly the same number of elements and the imbalance is bounded by the padding;
+* ``padded_numel`` is a multiple of ``world_size * alignment`` (for a flat bucket the smallest that holds
+  it; for a whole-parameter bucket ``world_size`` times its fullest chunk, rounded up), so every rank owns
+  exactly the same number of elements and the imbalance is bounded by the padding;
 * every element of every parameter is owned by exactly one rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+# whole-parameter buckets: a bucket is closed once it holds bucket_numel elements and its chunks are padded by
+# at most this fraction of its elements, or, whatever its padding, once it holds WHOLE_BUCKET_GROWTH times
+# world_size * max(bucket_numel, its largest parameter) elements
+WHOLE_PADDING_TARGET = 0.01
+WHOLE_BUCKET_GROWTH = 2
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,8 @@ class ParamSpec:
     group_index: int  # which param group it belongs to
     dtype: str  # str(torch.dtype), e.g. "torch.float32"
     numel: int
+    whole: bool = False  # its optimizer needs it whole: one rank owns all of it
+    work: int = 0  # the owner's relative cost of stepping it (whole parameters; balanced across ranks)
 
 
 def overlap(start: int, end: int, other_start: int, other_end: int) -> Optional[tuple[int, int]]:
@@ -47,16 +60,22 @@ def overlap(start: int, end: int, other_start: int, other_end: int) -> Optional[
     return (low, high) if low < high else None
 
 
-def trainable_specs(groups: Sequence[dict]) -> tuple[list, list[ParamSpec]]:
+def trainable_specs(groups: Sequence[dict],
+                    step_work: Sequence[Optional[Callable[[tuple], int]]] = ()) -> tuple[list, list[ParamSpec]]:
     """The trainable parameters of param groups (``{"params": [...]}``), each once, in group order, and the
-    :class:`ParamSpec` of each: what ShardedOptimizer lays out and ``estimate_memory`` predicts alike."""
+    :class:`ParamSpec` of each: what ShardedOptimizer lays out and ``estimate_memory`` predicts alike.
+
+    ``step_work[g]``: for a group sharded by whole parameters, the cost of stepping a parameter of a given
+    shape; ``None`` (or absent) for a flat group."""
     trainable, specs, seen = [], [], set()
     for group_index, group in enumerate(groups):
+        work = step_work[group_index] if group_index < len(step_work) else None
         for param in group["params"]:
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
                 trainable.append(param)
-                specs.append(ParamSpec(group_index, str(param.dtype), param.numel()))
+                specs.append(ParamSpec(group_index, str(param.dtype), param.numel(), whole=work is not None,
+                                       work=0 if work is None else work(tuple(param.shape))))
     return trainable, specs
 
 
@@ -76,7 +95,8 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class Bucket:
-    """A flat buffer of ``padded_numel`` elements holding ``param_indices`` (in buffer order)."""
+    """A flat buffer of ``padded_numel`` elements holding ``param_indices`` (in buffer order), member ``k`` at
+    elements ``[offsets[k], offsets[k] + its numel)``; every other element is padding."""
 
     index: int
     group_index: int
@@ -85,6 +105,8 @@ class Bucket:
     numel: int  # elements used by parameters
     padded_numel: int  # multiple of world_size * alignment
     world_size: int
+    offsets: tuple[int, ...]  # flat: end to end from 0; whole: each shard's members end to end from its start
+    whole: bool = False  # every shard holds whole parameters
 
     @property
     def shard_numel(self) -> int:
@@ -139,6 +161,16 @@ class ShardLayout:
         """Elements each rank owns, padding included (identical on every rank)."""
         return sum(b.shard_numel for b in self.buckets)
 
+    def padding(self, bucket_index: int) -> list[tuple[int, int]]:
+        """The padding ranges ``[start, end)`` of a bucket's buffer: every element no parameter occupies."""
+        bucket = self.buckets[bucket_index]
+        gaps, position = [], 0
+        for slot in sorted((self.slots[i] for i in bucket.param_indices), key=lambda slot: slot.offset):
+            if slot.offset > position:
+                gaps.append((position, slot.offset))
+            position = slot.end
+        return gaps + ([(position, bucket.padded_numel)] if position < bucket.padded_numel else [])
+
     def pieces(self, rank: int) -> list[ShardPiece]:
         """Every parameter piece owned by ``rank``, in bucket then buffer order."""
         pieces = []
@@ -155,12 +187,13 @@ class ShardLayout:
 
     def fingerprint(self) -> dict:
         """A small, complete description of the layout: comparable, to refuse state from another layout, and
-        enough to rebuild it with :meth:`from_fingerprint` (checkpoints store it)."""
+        enough to rebuild it with :meth:`from_fingerprint` (checkpoints store it). A flat bucket is
+        ``(group, dtype, members, numel, padded_numel)``; a whole-parameter bucket adds its offsets."""
         return {
             "world_size": self.world_size,
             "alignment": self.alignment,
             "buckets": [(b.group_index, b.dtype, b.param_indices, b.numel, b.padded_numel)
-                        for b in self.buckets],
+                        + ((b.offsets,) if b.whole else ()) for b in self.buckets],
             "param_numels": [slot.numel for slot in self.slots],
         }
 
@@ -170,24 +203,85 @@ class ShardLayout:
         world_size, numels = int(fingerprint["world_size"]), [int(n) for n in fingerprint["param_numels"]]
         slots: list = [None] * len(numels)
         buckets = []
-        for bucket_index, (group_index, dtype, param_indices, numel, padded_numel) in enumerate(fingerprint["buckets"]):
-            offset = 0
-            for index in param_indices:
+        for bucket_index, entry in enumerate(fingerprint["buckets"]):
+            group_index, dtype, param_indices, numel, padded_numel = entry[:5]
+            whole = len(entry) > 5
+            sizes = [numels[i] for i in param_indices]
+            offsets = tuple(entry[5]) if whole else tuple(sum(sizes[:k]) for k in range(len(sizes)))
+            bucket = Bucket(bucket_index, group_index, dtype, tuple(param_indices), numel, padded_numel, world_size,
+                            offsets, whole)
+            for index, offset in zip(param_indices, offsets):
                 if slots[index] is not None:
                     raise ValueError(f"parameter {index} is in two buckets")
                 slots[index] = ParamSlot(index, bucket_index, offset, numels[index])
-                offset += numels[index]
-            if offset != numel or padded_numel < numel or padded_numel % world_size:
+            if (len(offsets) != len(sizes) or sum(sizes) != numel or padded_numel % world_size
+                    or not _fits(bucket, sizes)):
                 raise ValueError(f"bucket {bucket_index} has inconsistent sizes")
-            buckets.append(Bucket(bucket_index, group_index, dtype, tuple(param_indices), numel, padded_numel,
-                                  world_size))
+            buckets.append(bucket)
         if any(slot is None for slot in slots):
             raise ValueError("a parameter is in no bucket")
         return cls(world_size, int(fingerprint["alignment"]), tuple(buckets), tuple(slots))
 
 
+def _fits(bucket: Bucket, sizes: Sequence[int]) -> bool:
+    """Whether the members lie inside the buffer without overlapping (and, whole, each inside one shard)."""
+    ranges = sorted((offset, offset + size) for offset, size in zip(bucket.offsets, sizes))
+    inside = all(0 <= start and end <= bucket.padded_numel for start, end in ranges)
+    disjoint = all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
+    one_shard = not bucket.whole or all(start // bucket.shard_numel == (end - 1) // bucket.shard_numel
+                                        for start, end in ranges if end > start)
+    return inside and disjoint and one_shard
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def pack_whole(members: Sequence[int], params: Sequence[ParamSpec], world_size: int) -> list[list[int]]:
+    """Longest-processing-time bin packing of whole parameters into ``world_size`` chunks by numel (the
+    padding is ``world_size * fullest - total``): largest first, each into the least full chunk (ties: the
+    lower chunk). Members keep their order inside a chunk."""
+    chunks: list[list[int]] = [[] for _ in range(world_size)]
+    fill = [0] * world_size
+    for index in sorted(members, key=lambda i: (-params[i].numel, members.index(i))):
+        target = min(range(world_size), key=lambda r: (fill[r], r))
+        chunks[target].append(index)
+        fill[target] += params[index].numel
+    order = {index: position for position, index in enumerate(members)}
+    return [sorted(chunk, key=order.__getitem__) for chunk in chunks]
+
+
+def _chunk_padding(members: Sequence[int], params: Sequence[ParamSpec], world_size: int) -> int:
+    fill = [sum(params[i].numel for i in chunk) for chunk in pack_whole(members, params, world_size)]
+    return world_size * max(fill) - sum(fill)
+
+
+def _split_whole_run(run: Sequence[int], params: Sequence[ParamSpec], world_size: int,
+                     bucket_numel: int) -> list[list[int]]:
+    """Cut a run of whole parameters (reverse parameter order, one group and dtype) into buckets.
+
+    From each start, the bucket grows one parameter at a time; it is cut at the first length that holds
+    ``bucket_numel`` elements and packs with padding at most :data:`WHOLE_PADDING_TARGET` of them, else, once
+    it holds ``WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest member)`` elements, at the length
+    (holding ``bucket_numel``) of least relative padding seen. The run's tail may be smaller.
+    """
+    buckets, start = [], 0
+    while start < len(run):
+        best_end, best_fraction, total, largest = len(run), float("inf"), 0, 0
+        for end in range(start + 1, len(run) + 1):
+            total += params[run[end - 1]].numel
+            largest = max(largest, params[run[end - 1]].numel)
+            if total < bucket_numel and end < len(run):
+                continue
+            fraction = _chunk_padding(run[start:end], params, world_size) / max(total, 1)
+            if fraction < best_fraction:
+                best_end, best_fraction = end, fraction
+            if fraction <= WHOLE_PADDING_TARGET or total >= WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel,
+                                                                                                    largest):
+                break
+        buckets.append(list(run[start:best_end]))
+        start = best_end
+    return buckets
 
 
 def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
@@ -212,37 +306,77 @@ def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
 
 def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int,
                  alignment: int = 8) -> ShardLayout:
-    """Pack ``params`` into buckets of at most ``bucket_numel`` elements (a larger parameter gets a
-    bucket of its own) and pad each bucket to a multiple of ``world_size * alignment``."""
+    """Pack ``params`` into buckets and pad each bucket to a multiple of ``world_size * alignment``.
+
+    Flat buckets hold at most ``bucket_numel`` elements (a larger parameter gets a bucket of its own).
+    Whole-parameter buckets grow past ``bucket_numel`` (up to ``world_size`` times it) until their chunks
+    pack with little padding (:data:`WHOLE_PADDING_TARGET`); across buckets, the chunks go to the ranks so
+    as to balance the ranks' total ``work``.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1 or alignment < 1:
         raise ValueError(f"bucket_numel and alignment must be >= 1, got {bucket_numel}, {alignment}")
 
-    groups: list[list[int]] = []  # parameter indices per bucket, in buffer order
-    current_key = None
-    current_numel = 0
+    groups: list[list[int]] = []  # parameter indices per bucket, in reverse parameter order
+    runs: list[list[int]] = []  # maximal runs of one group, dtype and kind, in reverse parameter order
     for index in reversed(range(len(params))):
         spec = params[index]
-        key = (spec.group_index, spec.dtype)
-        full = current_numel > 0 and current_numel + spec.numel > bucket_numel
-        if not groups or key != current_key or full:
-            groups.append([])
-            current_key, current_numel = key, 0
-        groups[-1].append(index)
-        current_numel += spec.numel
+        if not runs or (spec.group_index, spec.dtype) != (params[runs[-1][0]].group_index, params[runs[-1][0]].dtype):
+            runs.append([])
+        runs[-1].append(index)
+    for run in runs:
+        if params[run[0]].whole:
+            groups += _split_whole_run(run, params, world_size, bucket_numel)
+            continue
+        groups.append([])
+        for index in run:
+            numel = sum(params[i].numel for i in groups[-1])
+            if numel > 0 and numel + params[index].numel > bucket_numel:
+                groups.append([])
+            groups[-1].append(index)
     completion = _completion_keys(params)
     groups.sort(key=lambda members: (completion[min(members)], params[min(members)].group_index, -min(members)))
 
     buckets, slots = [], [None] * len(params)
+    rank_work = [0] * world_size
     for bucket_index, members in enumerate(groups):
-        offset = 0
-        for index in members:
-            slots[index] = ParamSlot(index, bucket_index, offset, params[index].numel)
-            offset += params[index].numel
         first = params[members[0]]
+        if first.whole:
+            members, offsets, padded = _place_whole(members, params, world_size, alignment, rank_work)
+        else:
+            sizes = [params[i].numel for i in members]
+            offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+            padded = _round_up(max(sum(sizes), 1), world_size * alignment)
+        for index, offset in zip(members, offsets):
+            slots[index] = ParamSlot(index, bucket_index, offset, params[index].numel)
         buckets.append(Bucket(
-            index=bucket_index, group_index=first.group_index, dtype=first.dtype,
-            param_indices=tuple(members), numel=offset,
-            padded_numel=_round_up(max(offset, 1), world_size * alignment), world_size=world_size))
+            index=bucket_index, group_index=first.group_index, dtype=first.dtype, param_indices=tuple(members),
+            numel=sum(params[i].numel for i in members), padded_numel=padded, world_size=world_size,
+            offsets=tuple(offsets), whole=first.whole))
     return ShardLayout(world_size, alignment, tuple(buckets), tuple(slots))
+
+
+def _place_whole(members: list[int], params: Sequence[ParamSpec], world_size: int, alignment: int,
+                 rank_work: list[int]) -> tuple[list[int], list[int], int]:
+    """Members in buffer order, their offsets and the padded size of a whole-parameter bucket. The chunks are
+    handed to the ranks heaviest work first, each to the rank with the least work so far (``rank_work``,
+    updated)."""
+    chunks = pack_whole(members, params, world_size)
+    shard_numel = _round_up(max(1, max(sum(params[i].numel for i in chunk) for chunk in chunks)), alignment)
+    work = [sum(params[i].work for i in chunk) for chunk in chunks]
+    by_rank: list[list[int]] = [[] for _ in range(world_size)]
+    free = list(range(world_size))
+    for chunk_index in sorted(range(world_size), key=lambda c: (-work[c], c)):
+        rank = min(free, key=lambda r: (rank_work[r], r))
+        free.remove(rank)
+        by_rank[rank] = chunks[chunk_index]
+        rank_work[rank] += work[chunk_index]
+    ordered, offsets = [], []
+    for rank, chunk in enumerate(by_rank):
+        offset = rank * shard_numel
+        for index in chunk:
+            ordered.append(index)
+            offsets.append(offset)
+            offset += params[index].numel
+    return ordered, offsets, world_size * shard_numel

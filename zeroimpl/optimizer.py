@@ -1,4 +1,4 @@
-"""ShardedOptimizer: ZeRO stage 1 and 2 around any elementwise torch optimizer.
+"""ShardedOptimizer: ZeRO stage 1 and 2 around torch optimizers, elementwise (AdamW) or not (Muon, Adafactor).
 
 One optimizer step, as seen from one rank (Ψ trainable elements, N ranks)::
 
@@ -9,27 +9,30 @@ One optimizer step, as seen from one rank (Ψ trainable elements, N ranks)::
               -> master written into this rank's slice of the flat parameter buffers
               -> in-place all-gather of every parameter buffer (Ψ)                   [comm.py]
 
-The inner optimizer (e.g. torch.optim.AdamW) sees one 1-D tensor per *piece*: the part of one parameter
-that lies in this rank's master shard (a view of the shard; padding belongs to no piece). It therefore
-holds optimizer state for Ψ/N elements only -- on the host, with CPU offload -- and, as torch does per
-parameter, skips a piece whose parameter has no gradient on any rank (state, step count and weights
-untouched).
+The inner optimizer (e.g. torch.optim.AdamW) sees one tensor per *piece*: the part of one parameter that
+lies in this rank's master shard (a view of the shard; padding belongs to no piece) -- 1-D in flat groups,
+the whole parameter in its own shape in whole-parameter groups (Muon, Adafactor: see ``optimizer_kinds``).
+It therefore holds optimizer state for about Ψ/N elements only -- on the host, with CPU offload -- and, as
+torch does per parameter, skips a piece whose parameter has no gradient on any rank (state, step count and
+weights untouched). Param groups may name their own optimizer class (``{"params": ..., "optimizer":
+torch.optim.Muon}``): one inner optimizer per class (``inner.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Iterable, Iterator, Literal, Optional, Union
+from typing import Callable, Collection, Iterable, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import comm, validation
+from . import comm, optimizer_kinds, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer, check_not_owned, rebound_message
+from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
                       resolve_offload)
@@ -37,8 +40,9 @@ from .precision import DynamicLossScaler, LossScaleConfig
 from .step_state import StepState, StepVerdict, decode_checks, encode_checks
 
 STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
-# param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have
-OUTER_ONLY_KEYS = frozenset({"params", "param_names"})
+# param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have, and
+# the group's optimizer class (not a hyperparameter: never saved with them)
+OUTER_ONLY_KEYS = frozenset({"params", "param_names", "optimizer"})
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -47,8 +51,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or param-group dicts, as any torch optimizer takes. Frozen parameters
             (``requires_grad=False``) are left alone. The model must be the same on every rank and must not
-            be wrapped in DistributedDataParallel: this optimizer reduces the gradients itself.
-        optimizer_class: an elementwise ``torch.optim.Optimizer`` subclass (AdamW, Adam, SGD, ...).
+            be wrapped in DistributedDataParallel: this optimizer reduces the gradients itself. A group may
+            name its own optimizer class under the key ``"optimizer"`` (e.g. ``{"params": matrices,
+            "optimizer": torch.optim.Muon, "lr": 0.02}``); its other keys are that class's hyperparameters,
+            and ``optimizer_kwargs`` do not apply to it.
+        optimizer_class: the ``torch.optim.Optimizer`` subclass of the groups that name none. Elementwise
+            classes (AdamW, Adam, SGD, ...) get flat shards; Muon, Adafactor and the classes in
+            ``per_parameter`` get whole-parameter shards (each parameter stepped whole, by one rank); LBFGS
+            and SparseAdam are refused.
         stage: 1 -- shard optimizer state and master weights; gradients are reduce-scattered once per step.
             2 -- also shard gradients: they are reduce-scattered bucket by bucket during backward.
         offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`. With offload the fp32 master weights,
@@ -83,11 +93,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             enforces the process group's timeout (a bounded wait would block the host). A rank that dies
             outright is usually noticed at once (gloo sees the connection drop; torchrun stops the others).
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
-        assume_elementwise: accept an optimizer class zeroimpl does not know; only set it if the class
-            updates every element from its own parameter, gradient and state.
+        assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update
+            every element from its own parameter, gradient and state.
+        per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or
+            any class whose update of a parameter needs all of it), besides Muon and Adafactor.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, weight_decay, betas, ...).
 
-    Invariant: every rank holds the same parameters after ``step()``; rank r's inner optimizer holds state
+    Invariant: every rank holds the same parameters after ``step()``; rank r's inner optimizers hold state
     for chunk r of every bucket only.
     """
 
@@ -99,14 +111,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  loss_scale: Union[Literal["auto"], None, LossScaleConfig] = "auto",
                  nonfinite: Literal["raise", "skip"] = "raise",
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
-                 verify_every: Optional[int] = None, **optimizer_kwargs):
+                 per_parameter: Collection[type] = (), verify_every: Optional[int] = None, **optimizer_kwargs):
         validation.check_stage(stage)
         validation.check_loss_scale(loss_scale)
         validation.check_nonfinite(nonfinite)
         validation.check_timeout(collective_timeout)
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
-        validation.check_optimizer_class(optimizer_class, assume_elementwise)
+        optimizer_kinds.check_class(optimizer_class)
+        groups = _groups_with_classes(params, optimizer_class, optimizer_kwargs)
+        classes = [group["optimizer"] for group in groups]
+        sharding = {cls: optimizer_kinds.sharding_of(cls, per_parameter, assume_elementwise) for cls in classes}
         validation.check_process_group(process_group)
         if max_inflight_buckets < 0:
             raise ValueError(f"max_inflight_buckets must be >= 0, got {max_inflight_buckets}")
@@ -114,14 +129,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.verify_every = verify_every
         self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
-        super().__init__(params, dict(optimizer_kwargs))  # normalises groups, refuses duplicates
+        super().__init__(groups, {})  # refuses duplicates
 
         self.stage = stage
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
 
-        trainable, specs = trainable_specs(self.param_groups)
+        trainable, specs = trainable_specs(self.param_groups, [optimizer_kinds.step_work(cls)
+                                                               if sharding[cls] == "whole" else None
+                                                               for cls in classes])
         validation.check_params(trainable, process_group, collective_timeout)
         check_not_owned(trainable)  # before the parameters are moved into this optimizer's buffers
 
@@ -134,13 +151,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pin_memory = self.offload is not None and self.offload.pin_memory and self._device.type == "cuda"
         self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank,
                                                             self.offload is not None, pin_memory)
+        kwargs = {cls: {} for cls in classes}  # a class's groups carry its hyperparameters
+        if optimizer_class in kwargs:
+            kwargs[optimizer_class] = dict(optimizer_kwargs)  # checked by the class's constructor
         if self.offload is not None:
-            group_keys = {key for group in self.param_groups for key in group}
-            optimizer_kwargs = host_optimizer_kwargs(optimizer_class, optimizer_kwargs, group_keys, self.offload)
+            for cls in kwargs:
+                group_keys = {key for group in self.param_groups if group["optimizer"] is cls for key in group}
+                kwargs[cls] = host_optimizer_kwargs(cls, kwargs[cls], group_keys, self.offload)
             self.gradients = HostGradientShards(self.storages, self.offload)
         else:
             self.gradients = DeviceGradientShards(len(self.storages))
-        self.inner: torch.optim.Optimizer = optimizer_class(self._inner_groups(), **optimizer_kwargs)
+        self.inner = InnerOptimizers(self._inner_groups(), classes, kwargs)
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             for key, value in inner.items():
                 outer.setdefault(key, value)
@@ -163,13 +184,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._constructed = True
 
     def _inner_groups(self) -> list[dict]:
-        """The inner optimizer's param groups: one view of the master shard per piece, in piece order."""
-        self._piece_masters = [self.storages[p.bucket_index].master[p.shard_offset:p.shard_offset + p.length]
-                               for p in self._pieces]
+        """The inner optimizer's param groups: one view of the master shard per piece, in piece order (in the
+        parameter's shape in whole-parameter buckets, 1-D otherwise)."""
+        self._piece_masters = [self._piece_view(self.storages[p.bucket_index].master, p) for p in self._pieces]
         groups = [{**{k: v for k, v in g.items() if k not in OUTER_ONLY_KEYS}, "params": []} for g in self.param_groups]
         for piece, master in zip(self._pieces, self._piece_masters):
             groups[self.layout.buckets[piece.bucket_index].group_index]["params"].append(master)
         return groups
+
+    def _piece_view(self, shard: torch.Tensor, piece: ShardPiece) -> torch.Tensor:
+        """The elements of ``piece`` in a shard-sized tensor: 1-D, or shaped as the parameter when whole."""
+        flat = shard[piece.shard_offset:piece.shard_offset + piece.length]
+        if self.layout.buckets[piece.bucket_index].whole:
+            return flat.view(self.trainable_params[piece.param_index].shape)
+        return flat
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", True):
@@ -402,7 +430,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             elif grad is None:  # a zero gradient kept by zero_grad(set_to_none=False), nothing reduced since
                 master.grad = torch.zeros_like(master)
             else:
-                master.grad = grad[piece.shard_offset:piece.shard_offset + piece.length]
+                master.grad = self._piece_view(grad, piece)
         self.inner.step()
         for master in self._piece_masters:
             master.grad = None
@@ -489,7 +517,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "rank": self.rank,
             "layout": self.layout.fingerprint(),
             "inner": self.inner.state_dict(),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "param_groups": [{k: v for k, v in g.items() if k not in ("params", "optimizer")}
+                             for g in self.param_groups],
             "master_weights": [s.master for s in self.storages] if self._has_separate_master else None,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
         }
@@ -633,3 +662,18 @@ def _bit_checksum(flat: torch.Tensor) -> torch.Tensor:
 def _norm_dtype(shard: torch.Tensor) -> torch.dtype:
     """fp32 for 16-bit and fp32 gradient shards, fp64 for fp64 ones (torch refuses to narrow in a norm)."""
     return torch.promote_types(shard.dtype, torch.float32)
+
+
+def _groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:
+    """Param groups (copies) with their optimizer class under ``"optimizer"``: ``optimizer_class`` where a group
+    names none, and then ``optimizer_kwargs`` as defaults of that group's hyperparameters (groups of another
+    class take that class's defaults, filled in by its inner optimizer)."""
+    params = list(params)
+    groups = [dict(group) for group in params] if params and isinstance(params[0], dict) else [{"params": params}]
+    for group in groups:
+        group_class = group.setdefault("optimizer", optimizer_class)
+        optimizer_kinds.check_class(group_class)
+        if group_class is optimizer_class:
+            for key, value in optimizer_kwargs.items():
+                group.setdefault(key, value)
+    return groups

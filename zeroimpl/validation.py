@@ -10,19 +10,6 @@ import torch.distributed as dist
 from . import comm
 from .precision import LossScaleConfig
 
-# Optimizers whose update of an element depends only on that element's parameter, gradient and state,
-# so that running them on a flat shard is the same as running them on whole parameters.
-ELEMENTWISE_OPTIMIZERS = frozenset({
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop,
-    torch.optim.Adadelta,
-})
-# Optimizers known to need whole parameters (factored or matrix state, line search, sparse updates).
-NON_ELEMENTWISE_OPTIMIZERS = frozenset(
-    cls for cls in (torch.optim.LBFGS, torch.optim.SparseAdam, getattr(torch.optim, "Adafactor", None),
-                    getattr(torch.optim, "Muon", None)) if cls is not None)
-
-
 def check_stage(stage) -> None:
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 (shard optimizer state) or 2 (also shard gradients), got {stage!r}")
@@ -61,20 +48,6 @@ def check_verify_every(verify_every) -> None:
     if verify_every is not None and not (isinstance(verify_every, int) and not isinstance(verify_every, bool)
                                          and verify_every >= 1):
         raise ValueError(f"verify_every must be None (never) or a number of steps >= 1, got {verify_every!r}")
-
-
-def check_optimizer_class(optimizer_class, assume_elementwise: bool) -> None:
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
-                        f"got {optimizer_class!r}")
-    if optimizer_class in NON_ELEMENTWISE_OPTIMIZERS:
-        raise ValueError(f"{optimizer_class.__name__} is not elementwise (its update of one element depends "
-                         "on other elements of the parameter), so its state cannot be sharded; use an "
-                         "elementwise optimizer such as AdamW, Adam or SGD")
-    if optimizer_class not in ELEMENTWISE_OPTIMIZERS and not assume_elementwise:
-        raise ValueError(f"zeroimpl cannot tell whether {optimizer_class.__name__} is elementwise (each element "
-                         "updated from its own parameter, gradient and state only). If it is, pass "
-                         "assume_elementwise=True; otherwise it cannot be sharded")
 
 
 def check_not_wrapped_in_ddp(param: torch.Tensor) -> None:

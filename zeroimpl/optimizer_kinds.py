@@ -1,0 +1,64 @@
+"""Which torch optimizer classes ShardedOptimizer shards, and how.
+
+* **flat** -- elementwise optimizers (each element updated from its own parameter, gradient and state:
+  AdamW, SGD, ...): every bucket is cut into equal chunks wherever the element boundaries fall.
+* **whole** -- optimizers that need a whole parameter (Muon's Newton-Schulz orthogonalisation of a matrix,
+  Adafactor's factored second moments, and any class the user marks as per-parameter, e.g. Shampoo or SOAP):
+  each parameter belongs to exactly one rank, which steps it as the plain optimizer would.
+* refused -- optimizers that need more than one parameter at a time (LBFGS's closure over the whole model)
+  or sparse gradients (SparseAdam), which reduce-scatter cannot give.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Collection, Literal
+
+import torch
+
+Sharding = Literal["flat", "whole"]
+
+ELEMENTWISE_OPTIMIZERS = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop,
+    torch.optim.Adadelta,
+})
+WHOLE_PARAMETER_OPTIMIZERS = frozenset({torch.optim.Muon, torch.optim.Adafactor})
+REFUSED_OPTIMIZERS = {
+    torch.optim.LBFGS: "its step re-evaluates a closure over the whole model and keeps a history of flattened "
+                       "whole-model vectors, so no rank can step a shard of it",
+    torch.optim.SparseAdam: "it needs sparse gradients, which a reduce-scatter of dense buckets cannot give",
+}
+
+
+def check_class(optimizer_class) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"an optimizer class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
+                        f"got {optimizer_class!r}")
+
+
+def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_elementwise: bool) -> Sharding:
+    """How ``optimizer_class``'s param groups are sharded; raises a clear error for a class that cannot be.
+
+    ``per_parameter``: classes the user marks as needing whole parameters (any class, even an elementwise
+    one). ``assume_elementwise``: shard classes zeroimpl does not know flat."""
+    check_class(optimizer_class)
+    if optimizer_class in REFUSED_OPTIMIZERS:
+        raise ValueError(f"{optimizer_class.__name__} cannot be sharded: {REFUSED_OPTIMIZERS[optimizer_class]}; "
+                         "use an optimizer that steps each parameter on its own (AdamW, SGD, Muon, Adafactor, ...)")
+    if optimizer_class in per_parameter or optimizer_class in WHOLE_PARAMETER_OPTIMIZERS:
+        return "whole"
+    if optimizer_class in ELEMENTWISE_OPTIMIZERS or assume_elementwise:
+        return "flat"
+    raise ValueError(f"zeroimpl cannot tell how to shard {optimizer_class.__name__}. If it updates every element "
+                     "from that element's parameter, gradient and state only, pass assume_elementwise=True (flat "
+                     f"shards); if it needs whole parameters (matrix or factored state, as Shampoo or SOAP), pass "
+                     f"per_parameter=[{optimizer_class.__name__}] (each parameter stepped whole by one rank)")
+
+
+def step_work(optimizer_class: type) -> Callable[[tuple], int]:
+    """The relative cost of one step of a parameter of a given shape, which whole-parameter layouts balance
+    across ranks: Newton-Schulz for Muon (``m * n * min(m, n)``), the element count otherwise."""
+    if optimizer_class is torch.optim.Muon:
+        return lambda shape: math.prod(shape) * (min(shape[-2:]) if len(shape) >= 2 else 1)
+    return lambda shape: math.prod(shape)
