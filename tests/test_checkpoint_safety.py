@@ -183,7 +183,7 @@ def test_damaged_or_foreign_checkpoints_are_refused_on_every_rank(launches):
         assert "rank-00001.pt is missing" in messages["missing shard"]
         assert "not a complete checkpoint" in messages["no index"]
         assert "another model" in messages["other model"]
-        assert "torch.optim.adamw.AdamW state" in messages["other optimizer"]
+        assert "step with ['torch.optim.adamw.AdamW', 'torch.optim.adamw.AdamW']; this optimizer's with ['torch.optim.adam.Adam'" in messages["other optimizer"]
 
 
 class _RunsCode:

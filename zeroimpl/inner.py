@@ -25,11 +25,13 @@ class InnerOptimizers:
         for optimizer_class in dict.fromkeys(classes):
             members = [group for group, cls in zip(groups, classes) if cls is optimizer_class]
             self.optimizers[optimizer_class] = optimizer_class(members, **kwargs[optimizer_class])
-        position = {cls: 0 for cls in self.optimizers}
-        self.param_groups: list[dict] = []
-        for optimizer_class in classes:
-            self.param_groups.append(self.optimizers[optimizer_class].param_groups[position[optimizer_class]])
-            position[optimizer_class] += 1
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Outer group ``g``'s inner group, for every ``g`` (the optimizers' own dicts, which their
+        ``load_state_dict`` replaces: look them up each time)."""
+        return self._groups_by_class({cls: {"param_groups": optimizer.param_groups}
+                                      for cls, optimizer in self.optimizers.items()})
 
     @property
     def defaults(self) -> dict:
@@ -76,7 +78,7 @@ class InnerOptimizers:
             optimizer.load_state_dict(parts[optimizer_class])
 
     def _groups_by_class(self, own: dict) -> list[dict]:
-        """Each outer group's entry of its class's ``state_dict()["param_groups"]``, in outer order."""
+        """Each outer group's entry of its class's ``param_groups`` (in ``own[class]``), in outer order."""
         position = {cls: 0 for cls in own}
         groups = []
         for optimizer_class in self.classes:

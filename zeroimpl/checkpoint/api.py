@@ -5,16 +5,19 @@ What a checkpoint holds (see :mod:`.files` for the directory and its crash safet
 * ``rank-NNNNN.pt`` per saving rank: ``pieces`` (K, 3) int64 rows ``(parameter index, start, end)`` -- the
   rank's ranges of the flattened parameters, in ``ShardLayout.pieces`` order -- and, concatenated in that
   order, ``master`` (the fp32 master weights; for fp32 models without offload, the parameters themselves)
-  and ``state[key]`` for every per-element state tensor of the inner optimizer (``exp_avg``,
-  ``momentum_buffer``, ...). Padding is never saved.
+  and ``state[key]`` for every per-element state tensor of the inner optimizers (``exp_avg``,
+  ``momentum_buffer``, ...), over the pieces whose parameter has that key; ``whole_state`` maps a
+  parameter index to its whole-parameter state tensors (Adafactor's ``row_var``/``col_var``). Padding is
+  never saved.
 * ``index.pt``: the saved layout, every trainable parameter's shape, dtype and state-dict names, the param
-  groups (hyperparameters and members), the optimizer class, the scalar state of every parameter (Adam's
-  ``step``; ``None`` for a parameter not stepped yet), the fp16 loss-scaler state and the files' checksums.
-  (Format 1 kept one scalar state per bucket; it still loads.)
+  groups (hyperparameters, members and optimizer class), the scalar state and per-element state keys of
+  every parameter (``None`` for a parameter not stepped yet), the loss-scaler state and the files'
+  checksums. (Formats 1 and 2 had one optimizer class and wrote every piece under every key; they load.)
 * ``model-extras.pt``: the model's state that the optimizer does not hold (frozen parameters, buffers).
 
-Any elementwise optimizer works: a state value is either per element (1-D, one entry per element of the
-parameter's piece) or a scalar of the parameter; anything else is refused at save time.
+A state value is per element (one entry per element of the parameter's piece), a scalar of the parameter,
+or -- for a parameter of a whole-parameter bucket -- any tensor of that parameter, which moves whole with it
+to its new owner; anything else is refused at save time.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from .. import comm
 from ..optimizer import ShardedOptimizer
 from . import files
 from .files import EXTRAS, INDEX, CheckpointError, rank_file
-from .format import (FORMAT, READABLE_FORMATS, class_name, common_keys, copy_scalars, describe_groups,
-                     merge_scalars, param_scalars, read_rank, saved_layout, split_state)
+from .format import (FORMAT, READABLE_FORMATS, class_name, copy_scalars, describe_groups, file_keys, group_classes,
+                     key_offsets, merge_scalars, param_scalars, read_rank, saved_layout, split_state)
 from .reshard import plan
 
 # -- save ---------------------------------------------------------------------------------------------
@@ -48,19 +51,21 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     """
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
-    entry = keys = None
+    entry = None
     try:
-        split = [(piece, master, *split_state(state, piece.length)) for piece, master, state in optimizer.piece_states()]
-        keys = common_keys([elementwise for _, _, elementwise, _ in split if elementwise is not None])
+        whole = [bucket.whole for bucket in optimizer.layout.buckets]
+        split = [(piece, master, *split_state(state, piece.length, whole[piece.bucket_index]))
+                 for piece, master, state in optimizer.piece_states()]
         if optimizer.rank == 0:
             files.prepare_partial(directory)
     except Exception as caught:  # e.g. no permission: every rank must hear of it, not hang
         error = caught
-    keys = common_keys([{key: None for key in k} for k in _agree(error, optimizer, timeout, "preparing the checkpoint directory", keys) if k])
+    _agree(error, optimizer, timeout, "preparing the checkpoint directory")
     try:
-        entry = files.write(_rank_payload(optimizer, split, keys), os.path.join(files.partial_path(directory),
-                                                                                rank_file(optimizer.rank)))
-        entry = (entry, {piece.param_index: scalars for piece, _, _, scalars in split})
+        entry = files.write(_rank_payload(optimizer, split), os.path.join(files.partial_path(directory),
+                                                                          rank_file(optimizer.rank)))
+        entry = (entry, {piece.param_index: (scalars, None if elementwise is None else sorted(elementwise))
+                         for piece, _, elementwise, scalars, _ in split})
     except Exception as caught:
         error = caught
     entries = _agree(error, optimizer, timeout, "writing the rank files", entry)
@@ -69,8 +74,10 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
             partial = files.partial_path(directory)
             listing = {rank_file(rank): found for rank, (found, _) in enumerate(entries)}
             listing[EXTRAS] = files.write(_model_extras(optimizer, model), os.path.join(partial, EXTRAS))
-            scalars = [merge_scalars([by_param[i] for _, by_param in entries if i in by_param])
-                       for i in range(len(optimizer.trainable_params))]
+            held = [[by_param[i] for _, by_param in entries if i in by_param]
+                    for i in range(len(optimizer.trainable_params))]
+            scalars = [merge_scalars([found for found, _ in pieces]) for pieces in held]
+            keys = [_same_keys([found for _, found in pieces]) for pieces in held]
             files.write(_index(optimizer, model, listing, keys, scalars), os.path.join(partial, INDEX))
             files.publish(directory)
     except Exception as caught:
@@ -78,19 +85,29 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     _agree(error, optimizer, timeout, "publishing the checkpoint")
 
 
-def _rank_payload(optimizer: ShardedOptimizer, split: list, keys: list[str]) -> dict:
-    """This rank's file: its pieces, their masters and their per-element state (zeros where not stepped)."""
-    def gather(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.detach().cpu() for t in tensors]) if tensors else torch.zeros(0)
+def _same_keys(keys: list[Optional[list[str]]]) -> Optional[list[str]]:
+    """One parameter's per-element state keys from the pieces that hold it, which must agree."""
+    if any(k != keys[0] for k in keys):
+        raise CheckpointError("the pieces of one parameter hold different optimizer state (stepped on some ranks "
+                              "only, or other keys); the ranks have diverged")
+    return keys[0]
 
+
+def _rank_payload(optimizer: ShardedOptimizer, split: list) -> dict:
+    """This rank's file: its pieces, their masters, per key the per-element state of the pieces that have it,
+    and the whole-parameter state by parameter index."""
+    def gather(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+    keys = sorted({key for _, _, elementwise, _, _ in split for key in elementwise or ()})
     return {
         "format": FORMAT,
         "rank": optimizer.rank,
-        "pieces": torch.tensor([(p.param_index, p.param_start, p.param_end) for p, _, _, _ in split],
+        "pieces": torch.tensor([(p.param_index, p.param_start, p.param_end) for p, _, _, _, _ in split],
                                dtype=torch.int64).reshape(-1, 3),
-        "master": gather([master for _, master, _, _ in split]),
-        "state": {key: gather([torch.zeros(p.length, dtype=m.dtype) if e is None else e[key] for p, m, e, _ in split])
-                  for key in keys},
+        "master": gather([master for _, master, _, _, _ in split]),
+        "state": {key: gather([e[key] for _, _, e, _, _ in split if e and key in e]) for key in keys},
+        "whole_state": {p.param_index: w for p, _, _, _, w in split if w},
     }
 
 
@@ -113,16 +130,16 @@ def _model_extras(optimizer: ShardedOptimizer, model: torch.nn.Module) -> dict:
             if id(tensor) not in trainable}
 
 
-def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, keys: list[str],
+def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, keys: list[Optional[list[str]]],
            param_scalars: list[Optional[dict]]) -> dict:
     names = _param_names(optimizer, model)
     return {
         "format": FORMAT,
-        "state_keys": keys,
+        "param_state_keys": keys,
         "world_size": optimizer.world_size,
         "stage": optimizer.stage,
         "offload": optimizer.offload is not None,
-        "optimizer_class": class_name(type(optimizer.inner)),
+        "optimizer_classes": _classes(optimizer),
         "layout": optimizer.layout.fingerprint(),
         "params": [{"shape": tuple(p.shape), "dtype": str(p.dtype), "names": n}
                    for p, n in zip(optimizer.trainable_params, names)],
@@ -167,9 +184,9 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
 def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
     if not isinstance(index, dict) or index.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {FORMAT!r})")
-    if index["optimizer_class"] != class_name(type(optimizer.inner)):
-        raise CheckpointError(f"the checkpoint holds {index['optimizer_class']} state; this optimizer runs "
-                              f"{class_name(type(optimizer.inner))}")
+    if group_classes(index) != _classes(optimizer):
+        raise CheckpointError(f"the checkpoint's param groups step with {group_classes(index)}; this optimizer's "
+                              f"with {_classes(optimizer)}: build the optimizer with the same optimizer classes")
     saved, names = index["params"], _param_names(optimizer, model)
     if len(saved) != len(optimizer.trainable_params):
         raise CheckpointError(f"the checkpoint has {len(saved)} trainable parameters, this model "
@@ -185,6 +202,10 @@ def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> 
         raise CheckpointError("the checkpoint's index lists other files than its world size needs")
 
 
+def _classes(optimizer: ShardedOptimizer) -> list[str]:
+    return [class_name(group["optimizer"]) for group in optimizer.param_groups]
+
+
 def _check_extras(extras: dict, model: torch.nn.Module) -> None:
     state = model.state_dict()
     for name, tensor in extras.items():
@@ -196,27 +217,40 @@ def _check_extras(extras: dict, model: torch.nn.Module) -> None:
 def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
     """Read this rank's new shard: (masters per bucket, the inner state per piece, hyperparameters)."""
     saved = saved_layout(index)
-    layout, storages = optimizer.layout, optimizer.storages
-    scalars = param_scalars(index, saved)
-    keys = list(index["state_keys"])
-    masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in storages]
-    states = [{key: torch.zeros(s.master.numel(), dtype=s.master.dtype) for key in keys} for s in storages]
+    scalars, keys_of = param_scalars(index, saved), file_keys(index, saved)
+    masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in optimizer.storages]
+    targets = optimizer.piece_states()
+    arrays: list[dict[str, torch.Tensor]] = [{} for _ in targets]  # per new piece: per-element state by key
+    whole: list[dict] = [{} for _ in targets]  # per new piece: whole-parameter state
 
-    copies = plan(saved, layout, optimizer.rank)
+    copies = plan(saved, optimizer.layout, optimizer.rank)
     for source in sorted({c.source_rank for c in copies}):
-        payload = read_rank(directory, index, saved, source, keys)
+        payload = read_rank(directory, index, saved, source, keys_of)
+        source_pieces = saved.pieces(source)
+        offsets = key_offsets(source_pieces, keys_of)
         for c in (c for c in copies if c.source_rank == source):
             src, dst = slice(c.source_offset, c.source_offset + c.length), slice(c.target_offset, c.target_offset + c.length)
             masters[c.target_bucket][dst] = payload["master"][src]
-            for key in keys:
-                states[c.target_bucket][key][dst] = payload["state"][key][src]
+            piece, master, _ = targets[c.target_piece]
+            for key in keys_of[piece.param_index]:
+                start = offsets[key][c.source_piece] + c.piece_offset
+                values = payload["state"][key]
+                array = arrays[c.target_piece].setdefault(key, torch.zeros(piece.length, dtype=values.dtype))
+                array[c.target_piece_offset:c.target_piece_offset + c.length] = values[start:start + c.length]
+            found = payload["whole_state"].get(piece.param_index)
+            if found:
+                if not optimizer.layout.buckets[piece.bucket_index].whole:
+                    raise CheckpointError(f"trainable parameter {piece.param_index} has whole-parameter optimizer "
+                                          f"state ({', '.join(found)}), but this optimizer shards it flat; shard its "
+                                          "group by whole parameters, as when it was saved")
+                whole[c.target_piece] = found
 
     piece_states = []
-    for piece, _, _ in optimizer.piece_states():
+    for (piece, master, _), by_key, whole_state in zip(targets, arrays, whole):
         found = scalars[piece.param_index]
-        window = slice(piece.shard_offset, piece.shard_offset + piece.length)
         piece_states.append(None if found is None else
-                            {**copy_scalars(found), **{key: states[piece.bucket_index][key][window].clone() for key in keys}})
+                            {**copy_scalars(found), **{key: array.view(master.shape) for key, array in by_key.items()},
+                             **{key: value.clone() for key, value in whole_state.items()}})
     return masters, piece_states, [g["hyperparameters"] for g in index["groups"]]
 
 

@@ -15,34 +15,37 @@ import torch
 
 from ..optimizer import ShardedOptimizer
 from . import files
-from .format import READABLE_FORMATS, describe_groups, param_scalars, read_rank, saved_layout, split_state
+from .format import (READABLE_FORMATS, describe_groups, file_keys, key_offsets, param_scalars, read_rank, saved_layout,
+                     split_state)
 from .files import EXTRAS, INDEX, CheckpointError
 
 
 def _read_full(directory: str):
-    """(index, saved layout, full flat masters per parameter, full flat state per key per parameter)."""
+    """(directory, index, saved layout, full flat masters per parameter, per parameter its full per-element
+    state by key (flat) and its whole-parameter state by key)."""
     directory = files.resolve_directory(directory)
     index = files.read(directory, INDEX, None)
     if not isinstance(index, dict) or index.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {READABLE_FORMATS[-1]!r})")
     layout = saved_layout(index)
     numels = [slot.numel for slot in layout.slots]
-    keys = list(index["state_keys"])
+    keys_of = file_keys(index, layout)
     masters = [None] * len(numels)
-    states = {key: [None] * len(numels) for key in keys}
+    states: list[dict[str, torch.Tensor]] = [{} for _ in numels]
     for rank in range(layout.world_size):
-        payload = read_rank(directory, index, layout, rank, keys)
-        offset = 0
-        for piece in layout.pieces(rank):
-            i, source = piece.param_index, slice(offset, offset + piece.length)
-            target = slice(piece.param_start, piece.param_end)
+        payload = read_rank(directory, index, layout, rank, keys_of)
+        pieces = layout.pieces(rank)
+        offsets, offset = key_offsets(pieces, keys_of), 0
+        for number, piece in enumerate(pieces):
+            i, target = piece.param_index, slice(piece.param_start, piece.param_end)
             if masters[i] is None:
                 masters[i] = torch.empty(numels[i], dtype=payload["master"].dtype)
-            masters[i][target] = payload["master"][source]
-            for key in keys:
-                if states[key][i] is None:
-                    states[key][i] = torch.empty(numels[i], dtype=payload["state"][key].dtype)
-                states[key][i][target] = payload["state"][key][source]
+            masters[i][target] = payload["master"][offset:offset + piece.length]
+            for key in keys_of[i]:
+                values, start = payload["state"][key], offsets[key][number]
+                states[i].setdefault(key, torch.empty(numels[i], dtype=values.dtype))[target] = \
+                    values[start:start + piece.length]
+            states[i].update(payload["whole_state"].get(i, {}))
             offset += piece.length
     return directory, index, layout, masters, states
 
@@ -67,6 +70,7 @@ def consolidated_optimizer_state_dict(directory: str) -> dict:
     built over the same param groups (frozen members included, as torch numbers them)."""
     _, index, layout, _, states = _read_full(directory)
     scalars_of = param_scalars(index, layout)
+    numels = [slot.numel for slot in layout.slots]
     state, param_groups, number = {}, [], 0
     for group in index["groups"]:
         numbers = []
@@ -76,7 +80,8 @@ def consolidated_optimizer_state_dict(directory: str) -> dict:
                 if scalars is not None:
                     shape = index["params"][member]["shape"]
                     state[number] = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
-                                     **{key: values[member].reshape(shape) for key, values in states.items()}}
+                                     **{key: value.reshape(shape) if value.numel() == numels[member] else value
+                                        for key, value in states[member].items()}}
             numbers.append(number)
             number += 1
         param_groups.append({**group["hyperparameters"], "params": numbers})
@@ -106,15 +111,20 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
                    for k, v in (saved_state.get(number) or {}).items()
                    if torch.is_tensor(v) and v.shape == params[i].shape}
     piece_states = []
-    for piece, _, _ in optimizer.piece_states():
+    for piece, master, _ in optimizer.piece_states():
         param = params[piece.param_index]
         saved = saved_state.get(number_of[piece.param_index])
         if saved is None:
             piece_states.append(None)
             continue
-        elementwise, scalars = split_state(
+        elementwise, scalars, whole = split_state(
             {k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == param.shape and (param.dim() > 0 or k in per_element)
-                 else v) for k, v in saved.items()}, param.numel())
+                 else v) for k, v in saved.items()}, param.numel(), whole=True)
+        if whole and not optimizer.layout.buckets[piece.bucket_index].whole:
+            raise CheckpointError(f"the state of parameter {number_of[piece.param_index]} holds whole-parameter "
+                                  f"tensors ({', '.join(whole)}), but this optimizer shards it flat; shard its "
+                                  "group by whole parameters (per_parameter=[its class])")
         window = slice(piece.param_start, piece.param_end)
-        piece_states.append({**scalars, **{key: values[window].clone() for key, values in elementwise.items()}})
+        piece_states.append({**scalars, **whole,
+                             **{key: values[window].clone().view(master.shape) for key, values in elementwise.items()}})
     optimizer.restore_state(piece_states, saved_groups)

@@ -14,43 +14,62 @@ from ..layout import ShardLayout
 from . import files
 from .files import CheckpointError, rank_file
 
-FORMAT = "zeroimpl.checkpoint/2"
-READABLE_FORMATS = ("zeroimpl.checkpoint/1", FORMAT)
+FORMAT = "zeroimpl.checkpoint/3"
+READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", FORMAT)
 
 
-def split_state(state: Optional[dict], numel: int):
-    """A piece's inner state -> (per-element tensors, scalars); ``(None, None)`` for no state yet."""
+def split_state(state: Optional[dict], numel: int, whole: bool):
+    """A piece's inner state -> (per-element tensors, flattened; scalars; whole-parameter tensors), or
+    ``(None, None, None)`` for no state yet.
+
+    Per element: a tensor with one entry per element of the piece (1-D, or, for a ``whole`` piece -- a
+    parameter of a whole-parameter bucket -- any shape). Whole-parameter state (Adafactor's factored
+    ``row_var``/``col_var``) is any other tensor of a whole piece; it moves with its parameter, never split.
+    """
     if not state:
-        return None, None
-    elementwise, scalars = {}, {}
+        return None, None, None
+    elementwise, scalars, whole_state = {}, {}, {}
     for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel:
-            elementwise[key] = value
+        if torch.is_tensor(value) and value.dim() >= 1 and value.numel() == numel and (whole or value.dim() == 1):
+            elementwise[key] = value.reshape(-1)
         elif torch.is_tensor(value) and value.dim() == 0:
             scalars[key] = value.detach().cpu().clone()
         elif value is None or isinstance(value, (bool, int, float)):
             scalars[key] = value
+        elif torch.is_tensor(value) and whole:
+            whole_state[key] = value.detach().cpu().clone()
         else:
             shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
             raise CheckpointError(f"optimizer state {key!r} ({shape}) is neither one value per element nor a "
-                                  "scalar, so it cannot be resharded; this optimizer is not elementwise")
-    return elementwise, scalars
+                                  "scalar, so it cannot be resharded; this optimizer is not elementwise (shard it "
+                                  "by whole parameters: ShardedOptimizer(..., per_parameter=[its class]))")
+    return elementwise, scalars, whole_state
 
 
+def file_keys(index: dict, layout: ShardLayout) -> list[tuple[str, ...]]:
+    """By parameter index, the per-element state keys whose arrays in the rank files hold that parameter's
+    pieces. Format 3 writes a parameter's pieces only under the keys of its state (none if never stepped);
+    formats 1 and 2 wrote every piece under every key (zeros where not stepped)."""
+    if "param_state_keys" in index:
+        return [tuple(keys or ()) for keys in index["param_state_keys"]]
+    return [tuple(index["state_keys"])] * len(layout.slots)
 
-def common_keys(states: list[dict]) -> list[str]:
-    """The per-element state keys that every stepped piece shares (sorted); refuses pieces that differ."""
-    keys = sorted(states[0]) if states else []
-    if any(sorted(state) != keys for state in states):
-        raise CheckpointError("parameters hold different optimizer state keys; cannot checkpoint this optimizer")
-    return keys
 
+def key_offsets(pieces: list, keys_of_param: list[tuple[str, ...]]) -> dict[str, list[Optional[int]]]:
+    """For one rank file: per key, each piece's offset in that key's array (``None``: not in it)."""
+    offsets: dict[str, list[Optional[int]]] = {}
+    filled: dict[str, int] = {}
+    for position, piece in enumerate(pieces):
+        for key in keys_of_param[piece.param_index]:
+            offsets.setdefault(key, [None] * len(pieces))[position] = filled.get(key, 0)
+            filled[key] = filled.get(key, 0) + piece.length
+    return offsets
 
 
 def describe_groups(optimizer) -> list[dict]:
     """Each param group of a ShardedOptimizer: its hyperparameters and members (trainable index, -1: frozen)."""
     index_of = {id(p): i for i, p in enumerate(optimizer.trainable_params)}
-    return [{"hyperparameters": {k: v for k, v in group.items() if k != "params"},
+    return [{"hyperparameters": {k: v for k, v in group.items() if k not in ("params", "optimizer")},
              "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
 
 
@@ -101,16 +120,25 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def read_rank(directory: str, index: dict, layout: ShardLayout, rank: int, keys) -> dict:
+def group_classes(index: dict) -> list[str]:
+    """Each param group's optimizer class name (formats 1 and 2 had one class for all groups)."""
+    return index.get("optimizer_classes") or [index["optimizer_class"]] * len(index["groups"])
+
+
+def read_rank(directory: str, index: dict, layout: ShardLayout, rank: int,
+              keys_of_param: list[tuple[str, ...]]) -> dict:
     """One saved rank's file, checked against the index and the saved layout."""
     payload = files.read(directory, rank_file(rank), index["files"][rank_file(rank)])
     pieces = layout.pieces(rank)
     expected = torch.tensor([(p.param_index, p.param_start, p.param_end) for p in pieces],
                             dtype=torch.int64).reshape(-1, 3)
-    length = sum(p.length for p in pieces)
+    lengths = {key: 0 for piece in pieces for key in keys_of_param[piece.param_index]}
+    for piece in pieces:
+        for key in keys_of_param[piece.param_index]:
+            lengths[key] += piece.length
     if (not isinstance(payload, dict) or payload.get("rank") != rank or not torch.equal(payload["pieces"], expected)
-            or payload["master"].numel() != length
-            or sorted(payload["state"]) != sorted(keys)
-            or any(t.numel() != length for t in payload["state"].values())):
+            or payload["master"].numel() != sum(p.length for p in pieces)
+            or {key: t.numel() for key, t in payload["state"].items() if t.numel() or key in lengths} != lengths):
         raise CheckpointError(f"{rank_file(rank)} in {directory!r} does not match the checkpoint's index")
+    payload.setdefault("whole_state", {})
     return payload
