@@ -24,6 +24,12 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.99)}),
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
+}
+# whole-parameter optimizers for the hidden matrices, the rest stepping with "adamw"
+MATRIX_OPTIMIZERS = {
+    "muon": (torch.optim.Muon, {"lr": 0.02}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
 }
 VOCAB, SEQUENCE_LENGTH = models.vocabulary_and_length("gpt2", "tiny")
 FROZEN = {  # one frozen parameter per model, as fine-tuning recipes have
@@ -49,6 +55,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The 2-D weights of the model's linear layers (Muon's parameters), not embeddings or the output head."""
+    head = model.get_output_embeddings().weight
+    return [module.weight for module in model.modules()
+            if type(module).__name__ in ("Linear", "Conv1D") and module.weight.ndim == 2 and module.weight is not head]
+
+
+def matrix_param_groups(model: torch.nn.Module, matrix_optimizer: str) -> list[dict]:
+    """Hidden matrices with ``MATRIX_OPTIMIZERS[matrix_optimizer]``, the rest as :func:`param_groups` (decay /
+    no decay), as Muon recipes train."""
+    optimizer_class, kwargs = MATRIX_OPTIMIZERS[matrix_optimizer]
+    matrices = {id(p) for p in hidden_matrices(model)}
+    rest = [g | {"params": [p for p in g["params"] if id(p) not in matrices]} for g in param_groups(model)]
+    return [{"params": hidden_matrices(model), "optimizer": optimizer_class, **kwargs}] + rest
+
+
 def batch(rank: int, step: int, micro: int, batch_size: int = 2) -> dict:
     """Deterministic token ids, different per rank, step and micro-batch (any family: same vocabulary)."""
     return models.batch("gpt2", "tiny", rank, step, micro, batch_size)
@@ -66,6 +88,7 @@ class RunConfig:
     bucket_numel: int = 4096  # small, so that tiny models span several buckets
     zero_kwargs: dict = field(default_factory=dict)
     hint_accumulation: bool = False  # run non-final micro-batches under optimizer.accumulating()
+    matrix_optimizer: Optional[str] = None  # a MATRIX_OPTIMIZERS key: that class for the hidden matrices
 
 
 def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
@@ -73,16 +96,19 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
     rank = dist.get_rank()  # global rank: data differs between independent subgroups
     model = build_model(config.model, config.dtype)
     optimizer_class, kwargs = OPTIMIZERS[config.optimizer]
-    groups = param_groups(model)
+    groups = param_groups(model) if config.matrix_optimizer is None else matrix_param_groups(model, config.matrix_optimizer)
     if config.stage is None:
         ddp = DistributedDataParallel(model, process_group=group)
-        optimizer = optimizer_class(groups, **kwargs)
+        optimizers = [cls([{k: v for k, v in g.items() if k != "optimizer"} for g in groups if g.get("optimizer", optimizer_class) is cls],
+                          **(kwargs if cls is optimizer_class else {}))
+                      for cls in dict.fromkeys(g.get("optimizer", optimizer_class) for g in groups)]
         forward, backward = ddp, (lambda loss: loss.backward())
     else:
-        optimizer = ShardedOptimizer(groups, optimizer_class, stage=config.stage, process_group=group,
-                                     bucket_numel=config.bucket_numel, **config.zero_kwargs, **kwargs)
-        forward, backward = model, optimizer.backward
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        optimizers = [ShardedOptimizer(groups, optimizer_class, stage=config.stage, process_group=group,
+                                       bucket_numel=config.bucket_numel, **config.zero_kwargs, **kwargs)]
+        forward, backward = model, optimizers[0].backward
+    optimizer = optimizers[0]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / 3)) for o in optimizers]
 
     if config.stage is None:
         non_final = ddp.no_sync
@@ -99,9 +125,10 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
             else:
                 norm = optimizer.clip_grad_norm_(max_norm, norm_type)
             norms.append(norm.item())
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
+        for each, schedule in zip(optimizers, schedules):
+            each.step()
+            schedule.step()
+            each.zero_grad()
     params = {name: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True)
               for name, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}

@@ -130,6 +130,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
         super().__init__(groups, {})  # refuses duplicates
+        _check_whole_groups(self.param_groups, sharding)
 
         self.stage = stage
         self.process_group = process_group
@@ -677,3 +678,14 @@ def _groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) 
             for key, value in optimizer_kwargs.items():
                 group.setdefault(key, value)
     return groups
+
+
+def _check_whole_groups(groups: list[dict], sharding: dict) -> None:
+    """Let each whole-parameter class refuse its groups on every rank alike (torch.optim.Muon: parameters that
+    are not 2-D), not only on the rank that owns the offending parameter: build it once over shape-only
+    (meta) copies of each group's trainable parameters."""
+    for group in groups:
+        trainable = [p for p in group["params"] if p.requires_grad]
+        if sharding[group["optimizer"]] == "whole" and trainable:
+            hyperparameters = {k: v for k, v in group.items() if k not in OUTER_ONLY_KEYS}
+            group["optimizer"]([{**hyperparameters, "params": [torch.empty_like(p, device="meta") for p in trainable]}])

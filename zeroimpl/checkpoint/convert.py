@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
 from ..optimizer import ShardedOptimizer
@@ -65,14 +67,22 @@ def export_fp32_state_dict(directory: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def consolidated_optimizer_state_dict(directory: str) -> dict:
+def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[int]] = None) -> dict:
     """The checkpoint's optimizer state as ``torch.optim.Optimizer.state_dict()`` of the plain inner optimizer,
-    built over the same param groups (frozen members included, as torch numbers them)."""
+    built over the same param groups (frozen members included, as torch numbers them).
+
+    ``groups``: only these param groups (by position), as the state of a plain optimizer built over them
+    alone -- with several optimizer classes, one call per class, e.g. ``groups=[0]`` for torch.optim.Muon
+    over group 0 and ``groups=[1, 2]`` for torch.optim.AdamW over groups 1 and 2. Default: every group."""
     _, index, layout, _, states = _read_full(directory)
     scalars_of = param_scalars(index, layout)
     numels = [slot.numel for slot in layout.slots]
+    chosen = range(len(index["groups"])) if groups is None else list(groups)
+    if not all(isinstance(g, int) and 0 <= g < len(index["groups"]) for g in chosen):
+        raise ValueError(f"groups must be positions of the checkpoint's {len(index['groups'])} param groups, "
+                         f"got {groups!r}")
     state, param_groups, number = {}, [], 0
-    for group in index["groups"]:
+    for group in (index["groups"][g] for g in chosen):
         numbers = []
         for member in group["members"]:
             if member >= 0:
