@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import batch, build_model, param_groups
+from workloads import batch, build_model, matrix_param_groups, param_groups
 from zeroimpl import ShardedOptimizer, estimate_memory
 
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3}),
@@ -18,15 +18,17 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3}),
 CONFIGS = [("adamw", 1, torch.float32, None), ("adamw", 2, torch.float32, None),
            ("adamw", 1, torch.bfloat16, None), ("adamw", 2, torch.bfloat16, None),
            ("adamw", 1, torch.float32, "cpu"), ("adamw", 2, torch.bfloat16, "cpu"),
-           ("sgd-momentum", 2, torch.float32, None), ("adagrad", 1, torch.bfloat16, "cpu")]
+           ("sgd-momentum", 2, torch.float32, None), ("adagrad", 1, torch.bfloat16, "cpu"),
+           ("adamw+muon", 2, torch.float32, None), ("adamw+muon", 1, torch.bfloat16, "cpu"),
+           ("adamw+adafactor", 2, torch.float32, None), ("adamw+adafactor", 2, torch.float32, "cpu")]
 
 
 def _measured_and_estimated(rank, world_size):
     results = {}
     for name, stage, dtype, offload in CONFIGS:
-        optimizer_class, kwargs = OPTIMIZERS[name]
+        optimizer_class, kwargs = OPTIMIZERS[name.split("+")[0]]
         model = build_model("llama", dtype)
-        groups = param_groups(model)
+        groups = param_groups(model) if "+" not in name else matrix_param_groups(model, name.split("+")[1])
         settings = dict(dtype=dtype, offload=offload, optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
                         bucket_numel=4096)
         from_model = estimate_memory(groups, world_size, stage, rank=rank, **settings)
@@ -55,8 +57,9 @@ def test_estimate_from_the_model_is_exact(reports, config):
         assert from_model.as_dict() == measured.as_dict()
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("config", [c for c in CONFIGS if "+" not in c[0]], ids=lambda c: "-".join(map(str, c)))
 def test_estimate_from_a_count_is_within_padding(reports, config):
+    """(A count says nothing of which parameters another class steps: flat, single-class configurations.)"""
     for by_config in reports:
         measured, _, from_count = by_config[config]
         assert from_count.total > 0
@@ -70,3 +73,5 @@ def test_estimate_refuses_bad_input():
         estimate_memory(0, 2)
     with pytest.raises(ValueError, match="offload"):
         estimate_memory(1000, 2, offload="gpu")
+    with pytest.raises(ValueError, match="Muon is sharded by whole parameters.*not a count"):
+        estimate_memory(1000, 2, optimizer_class=torch.optim.Muon)

@@ -3,28 +3,30 @@
 ``estimate_memory`` answers "will it fit?" for a model (exact: it builds the same layout the optimizer
 would) or for a bare parameter count (close: padding is estimated from bucket sizes). It predicts what
 :meth:`ShardedOptimizer.memory_report` reports at the peak of model states in a training loop: right after
-the backward passes of a step, once the optimizer state exists (every parameter stepped). Stage 1 then holds the full ``.grad`` (freed bucket by bucket as ``step()`` reduces
-it into the shard); stage 2 holds the gradient shard instead. Transient bucket buffers (0 outside backward
+the backward passes of a step, once the optimizer state exists (every parameter stepped). Stage 1 then
+holds the full ``.grad`` (freed bucket by bucket as ``step()`` reduces it into the shard); stage 2 holds the gradient shard instead. Transient bucket buffers (0 outside backward
 and step) and activations are not model states and are not included.
 
-Optimizer state is measured, not tabulated: the optimizer class takes one step on a 3-element tensor, and
-each state tensor counts per element (same size as the parameter) or per piece -- the part of one
-parameter in one rank's shard, which the inner optimizer sees as one tensor -- (a scalar such as Adam's
-``step``). So any elementwise optimizer is predicted, with the kernel offload would choose.
+Optimizer state is measured, not tabulated: each group's optimizer class takes one step on a 3-element
+tensor, and each state tensor counts per element (same size as the parameter) or per piece -- the part of
+one parameter in one rank's shard, which the inner optimizer sees as one tensor -- (a scalar such as Adam's
+``step``); for a whole-parameter group (Muon, Adafactor) it takes one step on a tensor of each parameter's
+shape (Adafactor's factored state). So any optimizer is predicted, with the kernel offload would choose.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Literal, Optional, Union
+from typing import Collection, Iterable, Literal, Optional, Union
 
 import torch
 
-from . import validation
+from . import optimizer_kinds, validation
 from .accounting import MemoryReport, StateBytes
 from .layout import ParamSpec, build_layout, trainable_specs
 from .offload import OffloadOption, host_optimizer_kwargs, resolve_offload
 
 PROBE_NUMEL = 3
+NOT_HYPERPARAMETERS = ("params", "param_names", "optimizer")
 
 
 def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype) -> tuple[int, int]:
@@ -43,22 +45,46 @@ def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: 
     return per_element, per_tensor
 
 
-def _param_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int) -> list[ParamSpec]:
-    """Layout input for a model's parameters or param groups (each with its own dtype), or for ``params``
-    elements of ``dtype`` in one group."""
+def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, shape: tuple) -> int:
+    """Bytes of ``optimizer_class``'s state for one whole parameter of ``shape`` and ``dtype``: one step on a
+    shape-only (meta) tensor, or on a real zero tensor for classes that read values while stepping."""
+    for device in ("meta", "cpu"):
+        probe = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        optimizer = optimizer_class([probe], **optimizer_kwargs)
+        try:
+            optimizer.step()
+        except (NotImplementedError, RuntimeError):
+            if device == "cpu":
+                raise
+            continue
+        return sum(v.numel() * v.element_size() for v in optimizer.state[probe].values() if torch.is_tensor(v))
+    raise AssertionError("unreachable")
+
+
+def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int, optimizer_class: type,
+                      optimizer_kwargs: dict, per_parameter: Collection[type]) -> tuple[list[dict], list, list[ParamSpec]]:
+    """The param groups (with their classes), trainable parameters (``None`` for a bare count) and layout
+    input for a model's parameters or param groups (each with its own dtype), or for ``params`` elements of
+    ``dtype`` in one group."""
     if isinstance(params, int):
         if params <= 0:
             raise ValueError(f"the parameter count must be positive, got {params}")
+        if optimizer_kinds.sharding_of(optimizer_class, per_parameter, True) == "whole":
+            raise ValueError(f"{optimizer_class.__name__} is sharded by whole parameters, whose state and padding "
+                             "depend on their shapes: pass the model's parameters or param groups, not a count")
         sizes = [bucket_numel] * (params // bucket_numel) + ([params % bucket_numel] if params % bucket_numel else [])
-        return [ParamSpec(0, str(dtype), size) for size in sizes]
-    groups = list(params)
-    if groups and not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    _, specs = trainable_specs(groups)
+        group = {"optimizer": optimizer_class, **optimizer_kwargs}
+        return [group], [None] * len(sizes), [ParamSpec(0, str(dtype), size) for size in sizes]
+    groups = optimizer_kinds.groups_with_classes(params, optimizer_class, optimizer_kwargs)
+    for group in groups:
+        group["params"] = list(group["params"])
+    work = [optimizer_kinds.step_work(g["optimizer"])
+            if optimizer_kinds.sharding_of(g["optimizer"], per_parameter, True) == "whole" else None for g in groups]
+    trainable, specs = trainable_specs(groups, work)
     if not specs:
         raise ValueError("no trainable parameters to estimate")
-    return specs
-
+    return groups, trainable, specs
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
@@ -72,39 +98,51 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     dtype: torch.dtype = torch.float32, offload: OffloadOption = None,
                     optimizer_class: type = torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None,
                     reduce_dtype: Optional[torch.dtype] = None, bucket_numel: int = 2 ** 22,
-                    alignment: int = 8, rank: Optional[int] = None) -> MemoryReport:
+                    alignment: int = 8, rank: Optional[int] = None,
+                    per_parameter: Collection[type] = ()) -> MemoryReport:
     """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
 
     ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact; each
-    parameter's own dtype is used), or the number of trainable elements, all of ``dtype`` (padding
-    estimated). ``rank``: the rank to predict (default: the one holding the most). The other arguments are
-    ShardedOptimizer's. Ranks differ only in optimizer state: padding has none, and the state of one
-    parameter's piece has a scalar (Adam's ``step``) per piece.
+    parameter's own dtype is used, and each group's optimizer class and hyperparameters), or the number of
+    trainable elements, all of ``dtype``, for a flat optimizer class (padding estimated). ``rank``: the rank
+    to predict (default: the one holding the most). The other arguments are ShardedOptimizer's
+    (``optimizer_kwargs`` are its ``**optimizer_kwargs``). Ranks differ in optimizer state: padding has none,
+    each piece of a flat parameter has its own scalars (Adam's ``step``), and whole parameters differ in size.
     """
     validation.check_stage(stage)
     policy = resolve_offload(offload)
-    kwargs = dict(optimizer_kwargs or {})
-    if policy is not None:
-        kwargs = host_optimizer_kwargs(optimizer_class, kwargs, set(), policy)
-    layout = build_layout(_param_specs(params, dtype, bucket_numel), world_size, bucket_numel, alignment)
-    state_bytes = {}  # master dtype -> (per element, per tensor)
+    groups, trainable, specs = _groups_and_specs(params, dtype, bucket_numel, optimizer_class,
+                                                 dict(optimizer_kwargs or {}), per_parameter)
+    layout = build_layout(specs, world_size, bucket_numel, alignment)
+    probes: dict = {}
+
+    def piece_state(piece, master_dtype: torch.dtype) -> int:
+        group = groups[layout.buckets[piece.bucket_index].group_index]
+        kwargs = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
+        if policy is not None:
+            kwargs = host_optimizer_kwargs(group["optimizer"], kwargs, set(), policy)
+        whole = layout.buckets[piece.bucket_index].whole
+        shape = tuple(trainable[piece.param_index].shape) if whole else None
+        key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype, shape)
+        if key not in probes:
+            probes[key] = (whole_state_bytes(group["optimizer"], kwargs, master_dtype, shape) if whole
+                           else optimizer_state_bytes(group["optimizer"], kwargs, master_dtype))
+        if whole:
+            return probes[key]
+        per_element, per_tensor = probes[key]
+        return per_element * piece.length + per_tensor
+
     parameters = full_gradients = shards = masters = 0
     state_of_rank = [0] * world_size
-    pieces_of_rank = [{} for _ in range(world_size)]  # rank -> bucket index -> its pieces there
-    for r, by_bucket in enumerate(pieces_of_rank):
+    for r in range(world_size):
         for piece in layout.pieces(r):
-            by_bucket.setdefault(piece.bucket_index, []).append(piece)
+            param_dtype = _dtype(layout.buckets[piece.bucket_index].dtype)
+            state_of_rank[r] += piece_state(piece, torch.promote_types(param_dtype, torch.float32))
     for bucket in layout.buckets:
         param_dtype = _dtype(bucket.dtype)
         master_dtype = torch.promote_types(param_dtype, torch.float32)
-        if master_dtype not in state_bytes:
-            state_bytes[master_dtype] = optimizer_state_bytes(optimizer_class, kwargs, master_dtype)
-        per_element, per_tensor = state_bytes[master_dtype]
         parameters += _size(param_dtype) * bucket.padded_numel
         full_gradients += _size(param_dtype) * bucket.numel if stage == 1 else 0
-        for r, pieces in enumerate(pieces_of_rank):
-            mine = pieces.get(bucket.index, [])
-            state_of_rank[r] += per_element * sum(p.length for p in mine) + per_tensor * len(mine)
         if policy is not None or master_dtype != param_dtype:
             masters += _size(master_dtype) * bucket.shard_numel
         shard_dtype = master_dtype if policy is not None else (reduce_dtype or master_dtype)

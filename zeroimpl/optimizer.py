@@ -119,7 +119,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
         optimizer_kinds.check_class(optimizer_class)
-        groups = _groups_with_classes(params, optimizer_class, optimizer_kwargs)
+        groups = optimizer_kinds.groups_with_classes(params, optimizer_class, optimizer_kwargs)
         classes = [group["optimizer"] for group in groups]
         sharding = {cls: optimizer_kinds.sharding_of(cls, per_parameter, assume_elementwise) for cls in classes}
         validation.check_process_group(process_group)
@@ -663,21 +663,6 @@ def _bit_checksum(flat: torch.Tensor) -> torch.Tensor:
 def _norm_dtype(shard: torch.Tensor) -> torch.dtype:
     """fp32 for 16-bit and fp32 gradient shards, fp64 for fp64 ones (torch refuses to narrow in a norm)."""
     return torch.promote_types(shard.dtype, torch.float32)
-
-
-def _groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:
-    """Param groups (copies) with their optimizer class under ``"optimizer"``: ``optimizer_class`` where a group
-    names none, and then ``optimizer_kwargs`` as defaults of that group's hyperparameters (groups of another
-    class take that class's defaults, filled in by its inner optimizer)."""
-    params = list(params)
-    groups = [dict(group) for group in params] if params and isinstance(params[0], dict) else [{"params": params}]
-    for group in groups:
-        group_class = group.setdefault("optimizer", optimizer_class)
-        optimizer_kinds.check_class(group_class)
-        if group_class is optimizer_class:
-            for key, value in optimizer_kwargs.items():
-                group.setdefault(key, value)
-    return groups
 
 
 def _check_whole_groups(groups: list[dict], sharding: dict) -> None:

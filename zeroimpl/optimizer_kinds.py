@@ -62,3 +62,18 @@ def step_work(optimizer_class: type) -> Callable[[tuple], int]:
     if optimizer_class is torch.optim.Muon:
         return lambda shape: math.prod(shape) * (min(shape[-2:]) if len(shape) >= 2 else 1)
     return lambda shape: math.prod(shape)
+
+
+def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:
+    """Param groups (copies) with their optimizer class under ``"optimizer"``: ``optimizer_class`` where a group
+    names none, and then ``optimizer_kwargs`` as defaults of that group's hyperparameters (groups of another
+    class take that class's defaults, filled in by its inner optimizer)."""
+    params = list(params)
+    groups = [dict(group) for group in params] if params and isinstance(params[0], dict) else [{"params": params}]
+    for group in groups:
+        group_class = group.setdefault("optimizer", optimizer_class)
+        check_class(group_class)
+        if group_class is optimizer_class:
+            for key, value in optimizer_kwargs.items():
+                group.setdefault(key, value)
+    return groups
