@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from zeroimpl import estimate_memory  # noqa: E402
 from zeroimpl.integrations.launch import run_distributed  # noqa: E402
+from zeroimpl.integrations.models import hidden_matrices  # noqa: E402
 from zeroimpl.layout import build_layout, trainable_specs  # noqa: E402
 from zeroimpl.optimizer_kinds import step_work  # noqa: E402
 
@@ -50,13 +51,6 @@ def configs() -> dict:
             hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
             num_key_value_heads=32, vocab_size=32000)),
     }
-
-
-def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The 2-D weights of linear layers (``Linear``, GPT-2's ``Conv1D``), not embeddings or the output head."""
-    head = model.get_output_embeddings().weight
-    return [m.weight for m in model.modules()
-            if type(m).__name__ in ("Linear", "Conv1D") and m.weight.ndim == 2 and m.weight is not head]
 
 
 def muon_groups(model: torch.nn.Module) -> list[dict]:

@@ -66,6 +66,8 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--optim", default=transformers.TrainingArguments.optim,
                         help="Trainer's optimizer name (default: Trainer's, the fused AdamW)")
+    parser.add_argument("--muon-lr", type=float, default=None,
+                        help="train the hidden matrices with torch.optim.Muon at this learning rate (zeroimpl only)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (on CPU too)")
     parser.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16,
@@ -99,7 +101,8 @@ def main():
     evaluation = SyntheticCorpus(config.vocab_size, 32, size=32, seed=1)
     if args.plugin == "zero":
         trainer = ZeroTrainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation,
-                              zero_stage=args.stage, zero_offload="cpu" if args.offload else None)
+                              zero_stage=args.stage, zero_offload="cpu" if args.offload else None,
+                              zero_muon=None if args.muon_lr is None else {"lr": args.muon_lr})
     else:
         trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation)
     if args.fp16:
@@ -130,6 +133,8 @@ def main():
                     "eval_loss": eval_loss, "learning_rates": [e["learning_rate"] for e in trainer.state.log_history
                                                               if "learning_rate" in e],
                     "collectives": counted.per_step if counted else None,
+                    "muon_params": sum(len(g["params"]) for g in trainer.sharded_optimizer.param_groups
+                                       if g["optimizer"] is torch.optim.Muon) if args.plugin == "zero" else None,
                     "layout": {"buckets": len(trainer.sharded_optimizer.layout.buckets),
                                "padded": trainer.sharded_optimizer.layout.padded_numel}
                     if args.plugin == "zero" else None}, args.dump)

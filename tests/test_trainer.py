@@ -64,6 +64,9 @@ def runs(tmp_path_factory):
     results["resumed_fp16"] = torchrun(tmp_path, "resumed_fp16", "--stage", "2", *FP16, "--resume",
                                        str(tmp_path / "stage2_fp16" / "checkpoint-3"))
     results["checkpoint_files"] = sorted(os.listdir(os.path.join(checkpoint, "zeroimpl")))
+    for stage in (1, 2):
+        results[f"muon_stage{stage}"] = torchrun(tmp_path, f"muon_stage{stage}", "--stage", str(stage), "--muon-lr",
+                                                 "0.02", accum=1)
     return results
 
 
@@ -191,3 +194,14 @@ def test_fp16_resume_is_bitwise(runs):
     uninterrupted, _ = runs["stage2_fp16"]
     assert resumed["losses"] == uninterrupted["losses"] and resumed["loss_scales"] == uninterrupted["loss_scales"]
     assert max_param_diff(resumed, uninterrupted) == 0.0
+
+
+def test_muon_for_the_hidden_matrices(runs):
+    """zero_muon={"lr": ...}: the 8 hidden matrices of the 2-layer GPT-2 (4 per block) step with Muon, the
+    rest with AdamW. Stages 1 and 2 sum the same two terms per element at world size 2 without
+    accumulation, so they agree bitwise; Muon's parity with DDP + torch.optim.Muon is
+    tests/test_whole_parameter.py's."""
+    stage1, stage2 = runs["muon_stage1"][0], runs["muon_stage2"][0]
+    assert stage1["muon_params"] == stage2["muon_params"] == 8
+    assert stage1["losses"] == stage2["losses"] and len(stage1["losses"]) == STEPS
+    assert all(torch.equal(stage1["params"][n], stage2["params"][n]) for n in stage1["params"])

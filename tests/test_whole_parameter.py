@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import (RunConfig, batch, bitwise_equal, build_model, hidden_matrices, matrix_param_groups,
-                       param_groups, train)
+from workloads import RunConfig, batch, bitwise_equal, build_model, matrix_param_groups, param_groups, train
 from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict, load_checkpoint,
                                  save_checkpoint)
 from zeroimpl.checkpoint.files import CheckpointError
+from zeroimpl.integrations.models import hidden_matrices
 
 WHOLE_ATOL = 1e-4
 LOSS_ATOL = 1e-3

@@ -55,20 +55,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The 2-D weights of the model's linear layers (Muon's parameters), not embeddings or the output head."""
-    head = model.get_output_embeddings().weight
-    return [module.weight for module in model.modules()
-            if type(module).__name__ in ("Linear", "Conv1D") and module.weight.ndim == 2 and module.weight is not head]
-
-
 def matrix_param_groups(model: torch.nn.Module, matrix_optimizer: str) -> list[dict]:
     """Hidden matrices with ``MATRIX_OPTIMIZERS[matrix_optimizer]``, the rest as :func:`param_groups` (decay /
     no decay), as Muon recipes train."""
     optimizer_class, kwargs = MATRIX_OPTIMIZERS[matrix_optimizer]
-    matrices = {id(p) for p in hidden_matrices(model)}
-    rest = [g | {"params": [p for p in g["params"] if id(p) not in matrices]} for g in param_groups(model)]
-    return [{"params": hidden_matrices(model), "optimizer": optimizer_class, **kwargs}] + rest
+    matrices = models.hidden_matrices(model)
+    chosen = {id(p) for p in matrices}
+    rest = [g | {"params": [p for p in g["params"] if id(p) not in chosen]} for g in param_groups(model)]
+    return [{"params": matrices, "optimizer": optimizer_class, **kwargs}] + rest
 
 
 def batch(rank: int, step: int, micro: int, batch_size: int = 2) -> dict:

@@ -41,6 +41,7 @@ import transformers
 
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, sync_buffers
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+from zeroimpl.integrations.models import hidden_matrices
 
 CHECKPOINT_SUBDIR = "zeroimpl"
 
@@ -142,13 +143,18 @@ class ZeroTrainer(transformers.Trainer):
         zero_stage: 1 (shard optimizer state) or 2 (also shard gradients).
         zero_offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
         zero_options: other ``ShardedOptimizer`` keywords (``bucket_numel``, ``reduce_dtype``, ...).
+        zero_muon: train the hidden matrices (the 2-D weights of the linear layers, not embeddings or the
+            output head: :func:`zeroimpl.integrations.models.hidden_matrices`) with ``torch.optim.Muon`` and
+            these hyperparameters (e.g. ``{"lr": 0.02}``; ``{}``: Muon's defaults), each matrix stepped whole
+            by one rank. ``None`` (default): no Muon.
 
     The inner optimizer is the one ``TrainingArguments.optim`` selects (AdamW by default), with Trainer's
-    decay / no-decay param groups and hyperparameters.
+    decay / no-decay param groups and hyperparameters -- for every parameter, or, with ``zero_muon``, for
+    those Muon does not train.
     """
 
     def __init__(self, *args, zero_stage: int = 2, zero_offload: Union[None, str, CPUOffload] = None,
-                 zero_options: Optional[dict] = None, **kwargs):
+                 zero_options: Optional[dict] = None, zero_muon: Optional[dict] = None, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             check_training_arguments(training_args)
@@ -159,6 +165,7 @@ class ZeroTrainer(transformers.Trainer):
         self.zero_stage = zero_stage
         self.zero_offload = zero_offload
         self.zero_options = dict(zero_options or {})
+        self.zero_muon = None if zero_muon is None else dict(zero_muon)
         self.sharded_optimizer: Optional[ShardedOptimizer] = None
 
     # -- optimizer -----------------------------------------------------------------------------------
@@ -172,6 +179,11 @@ class ZeroTrainer(transformers.Trainer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        if self.zero_muon is not None:
+            matrices = [p for p in hidden_matrices(model) if p.requires_grad]
+            chosen = {id(p) for p in matrices}
+            groups = [{"params": matrices, "optimizer": torch.optim.Muon, **self.zero_muon}] + [
+                {**g, "params": [p for p in g["params"] if id(p) not in chosen]} for g in groups]
         groups = [g for g in groups if g["params"]]
         options = dict(self.zero_options)
         amp_scaler = self.accelerator.scaler  # set by accelerate for fp16 mixed precision only
