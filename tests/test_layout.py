@@ -26,6 +26,14 @@ def _check_invariants(specs, layout):
     assert all(count == 1 for counts in owned.values() for count in counts)
     for bucket in layout.buckets:
         assert bucket.padded_numel % (layout.world_size * layout.alignment) == 0
+        if bucket.whole:  # each parameter in one shard; each shard as full as its chunk, plus alignment
+            slots = [layout.slots[i] for i in bucket.param_indices]
+            assert all(s.offset // bucket.shard_numel == (s.end - 1) // bucket.shard_numel for s in slots if s.numel)
+            fill = [sum(s.numel for s in slots if s.numel and s.offset // bucket.shard_numel == r)
+                    for r in range(layout.world_size)]
+            assert bucket.shard_numel - max(fill) < layout.alignment or bucket.numel == 0
+            assert len({specs[i].group_index for i in bucket.param_indices}) == 1
+            continue
         # the padding is less than one alignment unit per rank (a bucket of empty parameters still gets one)
         assert bucket.padded_numel - bucket.numel <= layout.world_size * layout.alignment
         assert bucket.padded_numel - bucket.numel < layout.world_size * layout.alignment or bucket.numel == 0

@@ -5,7 +5,8 @@ Properties: every element of every parameter is owned by exactly one rank, at a 
 invariants of tests/test_layout.py); shards are balanced (every rank owns the same number of slots of each
 bucket, and its pieces cover exactly its slots up to the bucket's padding); the fingerprint round-trips;
 and real flat buffers give parameter views that hold the original values and shard views that hold
-exactly each rank's pieces.
+exactly each rank's pieces. Param group 2 is sharded by whole parameters (as Muon's), so every property
+also holds for whole-parameter buckets and for layouts that mix both kinds.
 """
 
 import math
@@ -26,7 +27,8 @@ settings_of_layout = st.tuples(st.integers(1, 8), st.integers(1, 300), st.sample
 
 
 def _specs(drawn):
-    return [ParamSpec(group, dtype, math.prod(shape)) for group, dtype, shape in drawn]
+    return [ParamSpec(group, dtype, math.prod(shape), whole=group == 2, work=math.prod(shape))
+            for group, dtype, shape in drawn]
 
 
 @settings(max_examples=300, deadline=None)
@@ -43,7 +45,9 @@ def test_every_element_is_owned_exactly_once_and_shards_are_balanced(drawn, layo
     for rank in range(world_size):  # a rank's pieces fill its shard of each bucket up to the padding
         owned = sum(piece.length for piece in layout.pieces(rank))
         assert owned <= layout.shard_numel
-        real = [min(max(b.numel - rank * b.shard_numel, 0), b.shard_numel) for b in layout.buckets]
+        start = [b.shard_range(rank)[0] for b in layout.buckets]
+        real = [max(0, min(slot.end, start[slot.bucket_index] + layout.buckets[slot.bucket_index].shard_numel)
+                    - max(slot.offset, start[slot.bucket_index])) for slot in layout.slots]
         assert owned == sum(real)
     assert ShardLayout.from_fingerprint(layout.fingerprint()) == layout
 
@@ -67,7 +71,7 @@ def test_flat_buffers_hold_the_parameters_and_each_rank_shard_holds_its_pieces(d
         for index, param in zip(bucket.param_indices, storage.params):
             slot = layout.slots[index]
             assert param.data_ptr() == storage.param_buffer[slot.offset:].data_ptr()
-        assert not storage.param_buffer[bucket.numel:].any()
+        assert not any(storage.param_buffer[start:end].any() for start, end in layout.padding(bucket.index))
     for piece in layout.pieces(rank):
         shard = storages[piece.bucket_index].shard
         held = shard[piece.shard_offset:piece.shard_offset + piece.length]

@@ -235,3 +235,40 @@ def _export(rank, world_size, root):
 def test_export_to_the_plain_torch_optimizers(tmp_path):
     for difference in run_distributed(2, _export, str(tmp_path)):
         assert difference == 0.0
+
+
+# -- layout at scale (meta-device models: shapes only) ---------------------------------------------------------
+def _muon_layout(model_name: str, world_size: int):
+    import transformers
+
+    from zeroimpl.layout import build_layout, trainable_specs
+    from zeroimpl.optimizer_kinds import step_work
+
+    configs = {"gpt2-124m": (transformers.GPT2LMHeadModel, transformers.GPT2Config()),
+               "tinyllama-1.1b": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+                   hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                   num_key_value_heads=4, vocab_size=32000))}
+    model_class, config = configs[model_name]
+    with torch.device("meta"):
+        model = model_class(config)
+    matrices = hidden_matrices(model)
+    chosen = {id(p) for p in matrices}
+    groups = [{"params": matrices}, {"params": [p for p in model.parameters() if id(p) not in chosen]}]
+    _, specs = trainable_specs(groups, [step_work(torch.optim.Muon), None])
+    return build_layout(specs, world_size, 2 ** 22), specs
+
+
+@pytest.mark.parametrize("model_name", ["gpt2-124m", "tinyllama-1.1b"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_default_buckets_pad_at_most_5_percent_and_balance_newton_schulz(model_name, world_size):
+    """The issue's bound: padding (carried by the reduce-scatter and the all-gather) <= 5% of Ψ with default
+    buckets; and each rank runs about 1/N of the Newton-Schulz flops (here within 2% of the mean)."""
+    layout, specs = _muon_layout(model_name, world_size)
+    assert layout.padded_numel - layout.numel <= 0.05 * layout.numel
+    work = [sum(specs[p.param_index].work for p in layout.pieces(r)) for r in range(world_size)]
+    assert max(work) <= 1.02 * sum(work) / world_size
+    for bucket in layout.buckets:
+        if bucket.whole:  # whole parameters: each in exactly one shard
+            for index in bucket.param_indices:
+                slot = layout.slots[index]
+                assert slot.offset // bucket.shard_numel == (slot.end - 1) // bucket.shard_numel
