@@ -4,8 +4,9 @@
 would) or for a bare parameter count (close: padding is estimated from bucket sizes). It predicts what
 :meth:`ShardedOptimizer.memory_report` reports at the peak of model states in a training loop: right after
 the backward passes of a step, once the optimizer state exists (every parameter stepped). Stage 1 then
-holds the full ``.grad`` (freed bucket by bucket as ``step()`` reduces it into the shard); stage 2 holds the gradient shard instead. Transient bucket buffers (0 outside backward
-and step) and activations are not model states and are not included.
+holds the full ``.grad`` (freed bucket by bucket as ``step()`` reduces it into the shard); stage 2 holds
+the gradient shard instead. Transient bucket buffers (0 outside backward and step) and activations are not
+model states and are not included.
 
 Optimizer state is measured, not tabulated: each group's optimizer class takes one step on a 3-element
 tensor, and each state tensor counts per element (same size as the parameter) or per piece -- the part of
@@ -63,7 +64,7 @@ def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torc
 
 
 def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int, optimizer_class: type,
-                      optimizer_kwargs: dict, per_parameter: Collection[type]) -> tuple[list[dict], list, list[ParamSpec]]:
+                      optimizer_kwargs: dict, per_parameter: Collection[type]) -> tuple[list[dict], list, list]:
     """The param groups (with their classes), trainable parameters (``None`` for a bare count) and layout
     input for a model's parameters or param groups (each with its own dtype), or for ``params`` elements of
     ``dtype`` in one group."""
@@ -85,6 +86,7 @@ def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_n
     if not specs:
         raise ValueError("no trainable parameters to estimate")
     return groups, trainable, specs
+
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))

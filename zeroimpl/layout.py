@@ -276,8 +276,8 @@ def _split_whole_run(run: Sequence[int], params: Sequence[ParamSpec], world_size
             fraction = _chunk_padding(run[start:end], params, world_size) / max(total, 1)
             if fraction < best_fraction:
                 best_end, best_fraction = end, fraction
-            if fraction <= WHOLE_PADDING_TARGET or total >= WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel,
-                                                                                                    largest):
+            limit = WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest)
+            if fraction <= WHOLE_PADDING_TARGET or total >= limit:
                 break
         buckets.append(list(run[start:best_end]))
         start = best_end
