@@ -22,6 +22,10 @@ GPT-2 with the same AdamW settings in its own fresh processes (gloo on CPU, NCCL
    all-gather), every other collective 1x.
 3. The issue's targets, each marked met or missed and by how much, plus the offload host step from
    benchmarks/host_step.py's committed results.
+4. Muon: torch.optim.Muon on the hidden matrices and AdamW on the rest (``--optimizer muon`` of the
+   comparison), world size 2: step time, memory and the verdict against DDP + torch Muon + torch AdamW, for
+   zeroimpl and DeepSpeed's own Muon (PyTorch ZeRO and FairScale take one optimizer class: skipped).
+   ``--muon`` runs this section alone and writes ``muon.md`` (about 4 minutes for GPT-2 base on 2 cores).
 
 The full run (GPT-2 base, 29.5M parameters; the size sweep adds GPT-2 small and large) takes about 35
 minutes on 2 CPU cores; --quick (GPT-2 small, sizes tiny and small, fewer rows) about 6 minutes. With 2
@@ -62,6 +66,7 @@ def parse_args():
     parser.add_argument("--quick", action="store_true", help="GPT-2 small, fewer rows and steps (~5 minutes)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--muon", action="store_true", help="only the Muon section: writes muon.md and muon.png")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "peers"))
     return parser.parse_args()
 
@@ -77,7 +82,7 @@ def speed_and_memory(workload: Workload, implementations, chart: str) -> list[Ro
         reference = next(r for r in results if r.stage == 0)
         if not reference.ranks:
             raise RuntimeError(f"DDP did not run at world size {workload.world_size}: {reference.failed}")
-        verdicts = {r.implementation: v for r in results if (v := judge(r, reference, workload.settings.lr))}
+        verdicts = {r.implementation: v for r in results if (v := judge(r, reference, workload.settings))}
     predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
     rows = build_rows(results, verdicts, predicted)
     write_chart(rows, f"{workload.family} {workload.size}, world size {workload.world_size}", chart)
@@ -250,6 +255,21 @@ def host_step_summary() -> dict:
         return json.load(handle)
 
 
+def muon_section(implementations, size: str, steps: int, device: str, out: str) -> list[str]:
+    """Section 4: the comparison with Muon on the hidden matrices, world size 2 (markdown paragraphs)."""
+    log(f"Muon: gpt2 {size}, world size 2")
+    settings = TrainSettings(optimizer="muon")
+    workload = Workload("gpt2", size, 2, steps=steps, warmup_steps=2, settings=settings, device=device)
+    rows = speed_and_memory(workload, implementations, os.path.join(out, "muon.png"))
+    return [f"## Muon: gpt2 {size}, world size 2, {steps} steps ({steps - 2} timed), micro-batch 4, fp32, clip 1.0",
+            f"torch.optim.Muon (lr {settings.muon_lr}, weight decay {settings.weight_decay}) on the hidden matrices, "
+            f"AdamW (lr {settings.lr}) on the rest; the reference is DDP + those two torch optimizers. Muon's "
+            "tolerance: 0.25 of its lr on parameters, 1e-3 on losses (torch's Muon orthogonalises in bf16: "
+            "tests/test_whole_parameter.py). DeepSpeed runs its own Muon (`\"type\": \"Muon\"`, standard "
+            "Newton-Schulz), which picks its matrices itself (2-D parameters whose names have neither \"embed\" "
+            "nor \"lm_head\": on GPT-2 also `wte` and `wpe`). Chart: `muon.png`.", markdown_table(rows)]
+
+
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -258,6 +278,17 @@ def main():
         implementations = [i for i in implementations if i.name in QUICK_ROWS]
     size, steps = ("small", 5) if args.quick else ("base", 8)
     started = time.monotonic()
+    if args.muon:
+        env = environment(Workload("gpt2", size, 2, device=args.device))
+        command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+        sections = ["# zeroimpl against its peers: Muon",
+                    f"Machine: {env['device']}; " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device")
+                    + f".  \nCommand: `{command}`.",
+                    *muon_section(implementations, size, steps, args.device, args.out)]
+        with open(os.path.join(args.out, "muon.md"), "w") as handle:
+            handle.write("\n\n".join(sections) + "\n")
+        log(f"wrote {args.out}/muon.md and muon.png")
+        return
     rows_by_world = {}
     for world in args.world_sizes:
         log(f"speed and memory: gpt2 {size}, world size {world}")
@@ -316,6 +347,8 @@ def main():
         sections += [f"## Live memory: world size 2, gpt2 {size}, MALLOC_MMAP_THRESHOLD_=65536",
                      "Freed blocks go back to the OS, so the peak follows the live bytes; step times here include "
                      "the page faults of every large allocation and are not used.", markdown_table(live_rows)]
+    if 2 in args.world_sizes:
+        sections += muon_section(implementations, size, steps, args.device, args.out)
     sections += ["## Communication per optimizer step (gpt2 small, world size 2, rank 0)",
                  f"Ψ = {comm[1]['psi']:,} trainable parameters. Elements of the full tensor each collective reduces "
                  "or gathers; DDP's bucket all-reduces counted through its default comm hook. Volume: an "

@@ -3,7 +3,8 @@
 An :class:`Implementation` is a row of the comparison (e.g. "DeepSpeed ZeRO-2 + offload"): it says what it
 needs installed and builds a :class:`Runner` around a freshly built model inside each rank. A runner trains
 with the same optimizer settings as every other: AdamW with two param groups (decayed matrices, undecayed
-biases and norms), gradient accumulation over the micro-batches it is given, global-norm clipping.
+biases and norms) -- or, with ``optimizer="muon"``, torch.optim.Muon on the hidden matrices and AdamW on the
+rest -- gradient accumulation over the micro-batches it is given, global-norm clipping.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
+
+from ..models import hidden_matrices, param_groups
 
 MODEL_STATE_KINDS = ("parameters", "gradients", "optimizer_state", "master_weights", "buffers")
 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """What every implementation trains with: AdamW's hyperparameters, accumulation and clipping."""
+    """What every implementation trains with: the optimizer and its hyperparameters, accumulation and clipping."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -29,9 +32,27 @@ class TrainSettings:
     accum: int = 1  # micro-batches per optimizer step
     max_grad_norm: Optional[float] = 1.0  # global 2-norm clipping; None: no clipping
     micro_batch_size: int = 4
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: torch.optim.Muon on the hidden matrices
+    muon_lr: float = 0.02
 
     def adamw_kwargs(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def muon_kwargs(self) -> dict:
+        """torch.optim.Muon's hyperparameters (its other settings at torch's defaults)."""
+        return {"lr": self.muon_lr, "weight_decay": self.weight_decay}
+
+
+def training_groups(model: torch.nn.Module, settings: TrainSettings) -> tuple[list, list[dict]]:
+    """(Muon's matrices, AdamW's param groups): with ``optimizer="adamw"`` no matrices and the usual two
+    groups; with ``"muon"`` the hidden matrices (:func:`zeroimpl.integrations.models.hidden_matrices`) and the
+    two groups of everything else."""
+    groups = param_groups(model, settings.weight_decay)
+    if settings.optimizer == "adamw":
+        return [], groups
+    matrices = [p for p in hidden_matrices(model) if p.requires_grad]
+    chosen = {id(p) for p in matrices}
+    return matrices, [{**g, "params": [p for p in g["params"] if id(p) not in chosen]} for g in groups]
 
 
 class Runner(ABC):
@@ -88,6 +109,10 @@ class Implementation(ABC):
         missing = [m for m in self.modules if importlib.util.find_spec(m) is None]
         if missing:
             return f"{', '.join(missing)} not installed: {self.install_hint}"
+        return None
+
+    def unsupported(self, settings: TrainSettings) -> Optional[str]:
+        """``None`` when it can train with ``settings``, else why not (an optimizer it cannot shard)."""
         return None
 
     def environment(self, device: str) -> dict[str, str]:

@@ -1,8 +1,10 @@
 """DeepSpeed ZeRO stage 1 or 2 (DeepSpeedZeroOptimizer), optionally with optimizer offload to the CPU.
 
 Configured as a DeepSpeed user would: the optimizer comes from the config (torch's AdamW without offload,
-DeepSpeedCPUAdam with offload, as DeepSpeed chooses), the engine scales the loss by the accumulation
-steps, clips and steps at the accumulation boundary.
+DeepSpeedCPUAdam with offload, as DeepSpeed chooses; with ``optimizer="muon"`` DeepSpeed's own Muon, which
+picks its matrices itself -- every parameter of 2 or more dimensions whose name has neither "embed" nor
+"lm_head" -- with the standard Newton-Schulz iteration that torch.optim.Muon runs), the engine scales the
+loss by the accumulation steps, clips and steps at the accumulation boundary.
 """
 
 from __future__ import annotations
@@ -83,11 +85,15 @@ class DeepSpeed(Implementation):
                  "weight_decay": settings.weight_decay}
         if not self.offload:
             adamw["torch_adam"] = True  # torch.optim.AdamW, as the other rows (FusedAdam needs CUDA)
+        optimizer = {"type": "AdamW", "params": adamw}
+        if settings.optimizer == "muon":
+            muon = {"muon_lr": settings.muon_lr, "momentum": 0.95, "ns_method": "standard"}
+            optimizer = {"type": "Muon", "params": {**adamw, **muon}}
         return {"train_micro_batch_size_per_gpu": settings.micro_batch_size,
                 "gradient_accumulation_steps": settings.accum,
                 "train_batch_size": settings.micro_batch_size * settings.accum * world_size,
                 "gradient_clipping": settings.max_grad_norm or 0.0,
-                "optimizer": {"type": "AdamW", "params": adamw},
+                "optimizer": optimizer,
                 "zero_optimization": zero, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
 
     def build(self, model, settings: TrainSettings, device) -> DeepSpeedRunner:

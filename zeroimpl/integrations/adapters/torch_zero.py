@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -21,6 +23,12 @@ class TorchZeroRunner(WrapperLoopRunner):
 class TorchZero(Implementation):
     name = "PyTorch ZeRO"
     stage = 1
+
+    def unsupported(self, settings: TrainSettings) -> Optional[str]:
+        if settings.optimizer != "adamw":
+            return f"it wraps one optimizer class over all parameters, so it cannot run {settings.optimizer} " \
+                   "on the hidden matrices beside AdamW"
+        return None
 
     def build(self, model, settings: TrainSettings, device) -> TorchZeroRunner:
         optimizer = ZeroRedundancyOptimizer(param_groups(model, settings.weight_decay), torch.optim.AdamW,

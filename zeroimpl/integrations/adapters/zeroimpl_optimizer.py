@@ -8,9 +8,16 @@ import torch
 
 from zeroimpl import ShardedOptimizer
 
-from ..models import param_groups
-from .base import Implementation, TrainSettings
+from .base import Implementation, TrainSettings, training_groups
 from .loop import WrapperLoopRunner
+
+
+def sharded_groups(model: torch.nn.Module, settings: TrainSettings) -> list[dict]:
+    """ShardedOptimizer's param groups: with "muon", the hidden matrices in a torch.optim.Muon group first."""
+    matrices, groups = training_groups(model, settings)
+    if matrices:
+        return [{"params": matrices, "optimizer": torch.optim.Muon, **settings.muon_kwargs()}] + groups
+    return groups
 
 
 class ZeroimplRunner(WrapperLoopRunner):
@@ -42,7 +49,7 @@ class Zeroimpl(Implementation):
         self.name = f"zeroimpl stage {stage}" + (" + offload" if offload else "")
 
     def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
-        optimizer = ShardedOptimizer(param_groups(model, settings.weight_decay), torch.optim.AdamW,
+        optimizer = ShardedOptimizer(sharded_groups(model, settings), torch.optim.AdamW,
                                      stage=self.stage, offload="cpu" if self.offload else None,
                                      **settings.adamw_kwargs())
         return ZeroimplRunner(model, model, optimizer, settings, device)

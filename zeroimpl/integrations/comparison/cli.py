@@ -1,10 +1,12 @@
 """``zeroimpl-compare``: zeroimpl beside DDP, PyTorch ZeRO, FairScale and DeepSpeed on one Hugging Face model.
 
     zeroimpl-compare [--model gpt2|llama|bert|t5|DIRECTORY] [--size tiny|small|base|large]
-                     [--world-size 2] [--steps 6] [--accum 1] [--only NAME ...] [--out runs/comparison]
+                     [--world-size 2] [--steps 6] [--accum 1] [--optimizer adamw|muon] [--only NAME ...]
+                     [--out runs/comparison]
 
 Each implementation trains the same model (same initial weights), on the same data, with the same AdamW
-settings, in its own set of processes (gloo on CPU; NCCL with --device cuda). At the end it prints a table
+settings (or, with --optimizer muon, torch.optim.Muon on the hidden matrices and AdamW on the rest), in its
+own set of processes (gloo on CPU; NCCL with --device cuda). At the end it prints a table
 (memory by kind, peak, step time, deviation from DDP and a verdict), and writes comparison.md, .csv, .json
 and a .png chart to --out. Peers that are not installed are skipped with the command that installs them.
 The exit status is 1 when a run failed or deviates from DDP beyond the tolerance (skipped peers are fine).
@@ -41,7 +43,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (the first is not timed)")
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                        help="muon: torch.optim.Muon on the hidden matrices, AdamW on the rest (default: adamw)")
+    parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
                         help="run only implementations whose name contains one of these (DDP always runs)")
@@ -59,7 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     implementations = [i for i in all_implementations()
                        if args.only is None or i.stage == 0 or any(n.lower() in i.name.lower() for n in args.only)]
-    settings = TrainSettings(lr=args.lr, accum=args.accum, micro_batch_size=args.micro_batch_size)
+    settings = TrainSettings(lr=args.lr, accum=args.accum, micro_batch_size=args.micro_batch_size,
+                             optimizer=args.optimizer, muon_lr=args.muon_lr)
     workload = Workload(args.model, args.size, args.world_size, args.steps, settings=settings, device=args.device)
     command = "zeroimpl-compare " + shlex.join(sys.argv[1:] if argv is None else argv)
     with tqdm(total=len(implementations), unit="run", desc="comparison") as bar:

@@ -12,7 +12,8 @@ import torch
 from zeroimpl import estimate_memory
 
 from ..adapters import Implementation, Zeroimpl, all_implementations
-from ..models import build_model, param_groups
+from ..adapters.zeroimpl_optimizer import sharded_groups
+from ..models import build_model
 from .harness import RunResult, Workload, run_comparison
 from .report import Row, build_rows, caption, markdown_table, terminal_table, write_chart, write_csv, write_json
 from .verdict import judge
@@ -23,7 +24,7 @@ def predicted_model_state(implementation: Implementation, workload: Workload) ->
     if not isinstance(implementation, Zeroimpl):
         return None
     model = build_model(workload.family, workload.size)
-    report = estimate_memory(param_groups(model, workload.settings.weight_decay), workload.world_size,
+    report = estimate_memory(sharded_groups(model, workload.settings), workload.world_size,
                              implementation.stage, offload="cpu" if implementation.offload else None,
                              optimizer_kwargs=workload.settings.adamw_kwargs())
     return report.total
@@ -56,7 +57,7 @@ def compare(workload: Workload, outdir: str, implementations: Optional[list[Impl
             raise RuntimeError("the reference (DDP) did not run, so nothing can be judged: "
                                + (reference.failed if reference else "include DDP in the implementations"))
         verdicts = {r.implementation: v for r in results
-                    if (v := judge(r, reference, workload.settings.lr)) is not None}
+                    if (v := judge(r, reference, workload.settings)) is not None}
     predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
     rows = build_rows(results, verdicts, predicted)
     parameters = sum(p.numel() for p in build_model(workload.family, workload.size).parameters())

@@ -145,7 +145,7 @@ def run_implementation(implementation: Implementation, workload: Workload, workd
                        timeout: float = 1800.0) -> RunResult:
     """Train ``implementation`` on ``workload`` in ``workload.world_size`` new processes."""
     result = RunResult(implementation.name, implementation.stage, implementation.offload)
-    result.skipped = implementation.unavailable()
+    result.skipped = implementation.unavailable() or implementation.unsupported(workload.settings)
     if result.skipped:
         return result
     if workload.steps <= workload.warmup_steps:

@@ -11,7 +11,7 @@ from typing import Optional
 from ..adapters import MODEL_STATE_KINDS
 from ..models import is_directory_model
 from .harness import RunResult, Workload
-from .verdict import LOSS_ATOL, PARAMETER_RTOL_OF_LR, Verdict
+from .verdict import LOSS_ATOL, MUON_LOSS_ATOL, MUON_PARAMETER_RTOL_OF_LR, PARAMETER_RTOL_OF_LR, Verdict
 
 MIB = 2 ** 20
 
@@ -108,12 +108,19 @@ def caption(workload: Workload, parameters: int) -> str:
     settings = workload.settings
     model = (f"{workload.family} ({parameters / 1e6:.2f}M parameters)" if is_directory_model(workload.family)
              else f"{workload.family} ({workload.size}, {parameters / 1e6:.2f}M parameters)")
+    if settings.optimizer == "muon":
+        optimizer = f"Muon lr {settings.muon_lr} on the hidden matrices, AdamW lr {settings.lr} on the rest"
+        tolerance = (f"loss {MUON_LOSS_ATOL:g}, parameters {MUON_PARAMETER_RTOL_OF_LR * settings.muon_lr:g} = "
+                     f"{MUON_PARAMETER_RTOL_OF_LR:g} of Muon's lr: torch's Muon orthogonalises in bf16")
+    else:
+        optimizer = f"AdamW lr {settings.lr}"
+        tolerance = f"loss {LOSS_ATOL:g}, parameters {PARAMETER_RTOL_OF_LR * settings.lr:g} = 1% of lr"
     return (f"{model}, world size "
-            f"{workload.world_size}, {workload.device}, fp32, AdamW lr {settings.lr}, {workload.steps} steps "
+            f"{workload.world_size}, {workload.device}, fp32, {optimizer}, {workload.steps} steps "
             f"x {settings.accum} micro-batches of {settings.micro_batch_size}, clip {settings.max_grad_norm}. "
             "Memory in MiB per rank (largest rank); model states at the larger of after-backward and "
             "after-step; peak past start-up; step time median after warm-up; deviations from DDP "
-            f"(tolerance: loss {LOSS_ATOL:g}, parameters {PARAMETER_RTOL_OF_LR * settings.lr:g} = 1% of lr).")
+            f"(tolerance: {tolerance}).")
 
 
 def write_csv(rows: list[Row], path: str) -> None:

@@ -1,11 +1,15 @@
-"""Correctness of each implementation against the reference (DDP + torch AdamW) run on the same workload.
+"""Correctness of each implementation against the reference (DDP + the same torch optimizers) run on the same
+workload.
 
 Tolerances follow zeroimpl's core parity tests (tests/test_parity.py), in fp32: losses within ``LOSS_ATOL``
 and parameters within ``PARAMETER_RTOL_OF_LR`` times the learning rate, i.e. 1% of one AdamW step (Adam
 divides by sqrt(v), so a last-bit difference in a near-zero gradient can move that element by up to lr;
-the core tests use 1e-4 at lr 1e-2). Every implementation is judged by the same rule; a NaN or Inf, a
-missing loss, a parameter of another shape or ranks that end with different parameters is a deviation,
-never a pass.
+the core tests use 1e-4 at lr 1e-2). With Muon (tests/test_whole_parameter.py): torch.optim.Muon
+orthogonalises in bfloat16, so a last-bit gradient difference (another summation order, the clipping
+norm) becomes a bf16 rounding of a whole update, and every parameter drifts through the forward pass:
+parameters within ``MUON_PARAMETER_RTOL_OF_LR`` times Muon's learning rate and losses within
+``MUON_LOSS_ATOL``. Every implementation is judged by the same rule; a NaN or Inf, a missing loss, a
+parameter of another shape or ranks that end with different parameters is a deviation, never a pass.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from .harness import RunResult
 
 LOSS_ATOL = 1e-5
 PARAMETER_RTOL_OF_LR = 1e-2
+MUON_LOSS_ATOL = 1e-3
+MUON_PARAMETER_RTOL_OF_LR = 0.25  # tiny LLaMA, 4 ranks, 5 steps: 0.19 lr measured
 
 
 @dataclass(frozen=True)
@@ -81,10 +87,15 @@ def _parameter_deviation(run: RunResult, reference: RunResult) -> float:
     return largest
 
 
-def judge(run: RunResult, reference: RunResult, lr: float) -> Optional[Verdict]:
-    """Compare ``run`` with ``reference`` (trained at learning rate ``lr``); ``None`` if either did not finish."""
+def judge(run: RunResult, reference: RunResult, settings) -> Optional[Verdict]:
+    """Compare ``run`` with ``reference`` (both trained with ``settings``, a ``TrainSettings``); ``None`` if
+    either did not finish."""
     if not (run.parameters_path and reference.parameters_path):
         return None
     ranks_agree = len({rank.parameter_checksum for rank in run.ranks}) == 1
+    if settings.optimizer == "muon":
+        tolerances = MUON_LOSS_ATOL, MUON_PARAMETER_RTOL_OF_LR * settings.muon_lr
+    else:
+        tolerances = LOSS_ATOL, PARAMETER_RTOL_OF_LR * settings.lr
     return Verdict(run.implementation, _loss_deviation(run, reference), _parameter_deviation(run, reference),
-                   LOSS_ATOL, PARAMETER_RTOL_OF_LR * lr, ranks_agree, is_reference=run is reference)
+                   *tolerances, ranks_agree, is_reference=run is reference)
