@@ -26,10 +26,26 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
 }
+class NormalizedSGD(torch.optim.Optimizer):
+    """Each parameter moves by ``lr`` times its gradient over the gradient's norm: not elementwise (the norm
+    needs the whole gradient), unknown to zeroimpl, so it must be marked ``per_parameter``."""
+
+    def __init__(self, params, lr: float = 0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / (p.grad.norm().item() + 1e-12))
+
+
 # whole-parameter optimizers for the hidden matrices, the rest stepping with "adamw"
 MATRIX_OPTIMIZERS = {
     "muon": (torch.optim.Muon, {"lr": 0.02}),
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
+    "normalized_sgd": (NormalizedSGD, {"lr": 0.01}),
 }
 VOCAB, SEQUENCE_LENGTH = models.vocabulary_and_length("gpt2", "tiny")
 FROZEN = {  # one frozen parameter per model, as fine-tuning recipes have
