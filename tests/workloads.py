@@ -26,6 +26,8 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
 }
+
+
 class NormalizedSGD(torch.optim.Optimizer):
     """Each parameter moves by ``lr`` times its gradient over the gradient's norm: not elementwise (the norm
     needs the whole gradient), unknown to zeroimpl, so it must be marked ``per_parameter``."""
@@ -106,12 +108,16 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
     rank = dist.get_rank()  # global rank: data differs between independent subgroups
     model = build_model(config.model, config.dtype)
     optimizer_class, kwargs = OPTIMIZERS[config.optimizer]
-    groups = param_groups(model) if config.matrix_optimizer is None else matrix_param_groups(model, config.matrix_optimizer)
-    if config.stage is None:
+    if config.matrix_optimizer is None:
+        groups = param_groups(model)
+    else:
+        groups = matrix_param_groups(model, config.matrix_optimizer)
+    if config.stage is None:  # one plain torch optimizer per class, over that class's groups
         ddp = DistributedDataParallel(model, process_group=group)
-        optimizers = [cls([{k: v for k, v in g.items() if k != "optimizer"} for g in groups if g.get("optimizer", optimizer_class) is cls],
-                          **(kwargs if cls is optimizer_class else {}))
-                      for cls in dict.fromkeys(g.get("optimizer", optimizer_class) for g in groups)]
+        classes = [g.get("optimizer", optimizer_class) for g in groups]
+        plain = [{k: v for k, v in g.items() if k != "optimizer"} for g in groups]
+        optimizers = [cls([g for g, c in zip(plain, classes) if c is cls], **(kwargs if cls is optimizer_class else {}))
+                      for cls in dict.fromkeys(classes)]
         forward, backward = ddp, (lambda loss: loss.backward())
     else:
         optimizers = [ShardedOptimizer(groups, optimizer_class, stage=config.stage, process_group=group,
