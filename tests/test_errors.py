@@ -51,6 +51,25 @@ def test_unknown_optimizer_needs_to_be_told_how_to_shard():
         ShardedOptimizer(_linear().parameters(), MyOptimizer, lr=0.1)
 
 
+def test_keyword_arguments_that_apply_to_no_group_are_refused():
+    linear = _linear()
+    groups = [{"params": [linear.weight], "optimizer": torch.optim.Adam}, {"params": [linear.bias],
+                                                                          "optimizer": torch.optim.Adam}]
+    with pytest.raises(ValueError, match=r"\['lr'\] are AdamW's, but every param group names another"):
+        ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4)
+
+
+@pytest.mark.parametrize("per_parameter", [torch.optim.Adam, ["Adam"]])
+def test_per_parameter_must_be_a_list_of_classes(per_parameter):
+    with pytest.raises(TypeError, match="per_parameter must be a list of optimizer classes"):
+        ShardedOptimizer(_linear().parameters(), torch.optim.AdamW, per_parameter=per_parameter)
+
+
+def test_a_single_tensor_is_not_params():
+    with pytest.raises(TypeError, match="got a single tensor"):
+        ShardedOptimizer(_linear().weight, torch.optim.AdamW)
+
+
 def test_process_group_must_be_initialised():
     with pytest.raises(RuntimeError, match="init_process_group"):
         ShardedOptimizer(_linear().parameters(), torch.optim.AdamW)
@@ -127,6 +146,20 @@ def _misuse(rank, world_size):
     def all_frozen():
         ShardedOptimizer([torch.nn.Parameter(torch.zeros(2), requires_grad=False)], torch.optim.AdamW)
     errors["frozen"] = _catch(all_frozen)
+
+    def differing_sharding():  # the same parameters, sharded whole on one rank and flat on the other
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4, bias=False) for _ in range(4)])
+        for layer in model:
+            torch.nn.init.constant_(layer.weight, 0.5)
+        ShardedOptimizer(model.parameters(), torch.optim.AdamW,
+                         per_parameter=[torch.optim.AdamW] if rank == 0 else [])
+    errors["sharding"] = _catch(differing_sharding)
+
+    def muon_on_a_vector_with_differing_models():  # the cross-rank check comes before Muon's own refusal
+        torch.manual_seed(rank)
+        linear = torch.nn.Linear(4, 4)
+        ShardedOptimizer([{"params": linear.parameters(), "optimizer": torch.optim.Muon}], torch.optim.AdamW)
+    errors["muon_differing"] = _catch(muon_on_a_vector_with_differing_models)
     return errors
 
 
@@ -142,6 +175,8 @@ MISUSE = {  # case -> what its error must say
     "ddp1": ["wrapped in DistributedDataParallel"],
     "ddp2": ["do not wrap it in DDP"],
     "backward_counts": ["different numbers of backward passes"],
+    "sharding": ["ranks differ in the number or the shapes of the trainable parameters, or the shard layout"],
+    "muon_differing": ["ranks differ in the values of the parameters"],
 }
 
 

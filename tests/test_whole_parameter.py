@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import (NormalizedSGD, RunConfig, batch, bitwise_equal, build_model, matrix_param_groups, param_groups,
+from workloads import (NormalizedSGD, RunConfig, TransposedMomentum, batch, bitwise_equal, build_model, matrix_param_groups, param_groups,
                        train)
 from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict, load_checkpoint,
@@ -201,6 +201,8 @@ def test_muon_refuses_non_matrices_on_every_rank():
 
 # -- checkpoints ---------------------------------------------------------------------------------------------
 def _make(kind, per_parameter=()):
+    if kind == "transposed_momentum":
+        per_parameter = (TransposedMomentum,)
     model = build_model("gpt2")
     groups = param_groups(model) if kind == "adamw" else matrix_param_groups(model, kind)
     return model, ShardedOptimizer(groups, torch.optim.AdamW, stage=2, bucket_numel=4096, lr=1e-2,
@@ -226,6 +228,7 @@ def _reshard(rank, world_size, root, kind, per_parameter):
     model, optimizer = _make(kind, per_parameter)
     load_checkpoint(os.path.join(root, f"{kind}-2"), optimizer, model)
     save_checkpoint(os.path.join(root, f"{kind}-{world_size}-resaved"), optimizer, model)
+    _train(model, optimizer, rank, range(3, 4))  # the loaded state has the shapes the optimizer expects
     return [bucket.whole for bucket in optimizer.layout.buckets]
 
 
@@ -254,6 +257,7 @@ ADAMW_WHOLE = (torch.optim.AdamW,)
 
 @pytest.mark.parametrize("kind,world_size,saved_per_parameter,per_parameter", [
     ("muon", 3, (), ()), ("muon", 1, (), ()), ("adafactor", 4, (), ()),
+    ("transposed_momentum", 3, (), ()),  # a state of the parameter's size but not its shape: moved whole
     ("adamw", 3, (), ADAMW_WHOLE),  # flat shards saved, whole-parameter shards loaded
     ("adamw", 4, ADAMW_WHOLE, ()),  # and back
 ])

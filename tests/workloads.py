@@ -43,11 +43,32 @@ class NormalizedSGD(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"] / (p.grad.norm().item() + 1e-12))
 
 
+class TransposedMomentum(torch.optim.Optimizer):
+    """SGD with momentum kept transposed (a (n, m) buffer for an (m, n) matrix): a state of as many elements
+    as the parameter but another shape, which checkpoints must move whole, not reshape."""
+
+    def __init__(self, params, lr: float = 0.01, momentum: float = 0.9):
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "transposed" not in state:
+                    state["transposed"] = torch.zeros_like(p.T)
+                state["transposed"].mul_(group["momentum"]).add_(p.grad.T)
+                p.add_(state["transposed"].T, alpha=-group["lr"])
+
+
 # whole-parameter optimizers for the hidden matrices, the rest stepping with "adamw"
 MATRIX_OPTIMIZERS = {
     "muon": (torch.optim.Muon, {"lr": 0.02}),
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
     "normalized_sgd": (NormalizedSGD, {"lr": 0.01}),
+    "transposed_momentum": (TransposedMomentum, {"lr": 0.01}),
 }
 VOCAB, SEQUENCE_LENGTH = models.vocabulary_and_length("gpt2", "tiny")
 FROZEN = {  # one frozen parameter per model, as fine-tuning recipes have

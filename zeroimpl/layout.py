@@ -32,6 +32,7 @@ Invariants (checked by ``tests/test_layout.py``):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -207,7 +208,7 @@ class ShardLayout:
             group_index, dtype, param_indices, numel, padded_numel = entry[:5]
             whole = len(entry) > 5
             sizes = [numels[i] for i in param_indices]
-            offsets = tuple(entry[5]) if whole else tuple(sum(sizes[:k]) for k in range(len(sizes)))
+            offsets = tuple(entry[5]) if whole else _end_to_end(sizes)
             bucket = Bucket(bucket_index, group_index, dtype, tuple(param_indices), numel, padded_numel, world_size,
                             offsets, whole)
             for index, offset in zip(param_indices, offsets):
@@ -231,6 +232,11 @@ def _fits(bucket: Bucket, sizes: Sequence[int]) -> bool:
     one_shard = not bucket.whole or all(start // bucket.shard_numel == (end - 1) // bucket.shard_numel
                                         for start, end in ranges if end > start)
     return inside and disjoint and one_shard
+
+
+def _end_to_end(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Offsets of members packed end to end from 0."""
+    return tuple(itertools.accumulate(sizes, initial=0))[:-1] if sizes else ()
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -309,9 +315,10 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
     """Pack ``params`` into buckets and pad each bucket to a multiple of ``world_size * alignment``.
 
     Flat buckets hold at most ``bucket_numel`` elements (a larger parameter gets a bucket of its own).
-    Whole-parameter buckets grow past ``bucket_numel`` (up to ``world_size`` times it) until their chunks
-    pack with little padding (:data:`WHOLE_PADDING_TARGET`); across buckets, the chunks go to the ranks so
-    as to balance the ranks' total ``work``.
+    Whole-parameter buckets grow past ``bucket_numel`` until their chunks pack with little padding
+    (:data:`WHOLE_PADDING_TARGET`), up to ``WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest
+    member)`` elements (their transient reduction buffers grow alike); across buckets, the chunks go to the
+    ranks so as to balance the ranks' total ``work``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -330,11 +337,13 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
             groups += _split_whole_run(run, params, world_size, bucket_numel)
             continue
         groups.append([])
+        numel = 0  # of the bucket being filled
         for index in run:
-            numel = sum(params[i].numel for i in groups[-1])
             if numel > 0 and numel + params[index].numel > bucket_numel:
                 groups.append([])
+                numel = 0
             groups[-1].append(index)
+            numel += params[index].numel
     completion = _completion_keys(params)
     groups.sort(key=lambda members: (completion[min(members)], params[min(members)].group_index, -min(members)))
 
@@ -346,7 +355,7 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
             members, offsets, padded = _place_whole(members, params, world_size, alignment, rank_work)
         else:
             sizes = [params[i].numel for i in members]
-            offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+            offsets = list(_end_to_end(sizes))
             padded = _round_up(max(sum(sizes), 1), world_size * alignment)
         for index, offset in zip(members, offsets):
             slots[index] = ParamSlot(index, bucket_index, offset, params[index].numel)

@@ -121,6 +121,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_kinds.check_class(optimizer_class)
         groups = optimizer_kinds.groups_with_classes(params, optimizer_class, optimizer_kwargs)
         classes = [group["optimizer"] for group in groups]
+        optimizer_kinds.check_per_parameter(per_parameter)
         sharding = {cls: optimizer_kinds.sharding_of(cls, per_parameter, assume_elementwise) for cls in classes}
         validation.check_process_group(process_group)
         if max_inflight_buckets < 0:
@@ -130,7 +131,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
         super().__init__(groups, {})  # refuses duplicates
-        _check_whole_groups(self.param_groups, sharding)
 
         self.stage = stage
         self.process_group = process_group
@@ -140,13 +140,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         trainable, specs = trainable_specs(self.param_groups, [optimizer_kinds.step_work(cls)
                                                                if sharding[cls] == "whole" else None
                                                                for cls in classes])
-        validation.check_params(trainable, process_group, collective_timeout)
+        layout = build_layout(specs, self.world_size, bucket_numel, alignment)
+        # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
+        validation.check_params(trainable, process_group, collective_timeout, layout.fingerprint())
+        _check_whole_groups(self.param_groups, sharding)
         check_not_owned(trainable)  # before the parameters are moved into this optimizer's buffers
 
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         # frozen when built: a later requires_grad=True cannot join the fixed layout (checked at every step)
         self._frozen_params = [p for group in self.param_groups for p in group["params"] if not p.requires_grad]
-        self.layout: ShardLayout = build_layout(specs, self.world_size, bucket_numel, alignment)
+        self.layout: ShardLayout = layout
         self._pieces: list[ShardPiece] = self.layout.pieces(self.rank)  # this rank's part of each parameter
         self._device = trainable[0].device
         pin_memory = self.offload is not None and self.offload.pin_memory and self._device.type == "cuda"
@@ -588,7 +591,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def piece_states(self) -> list[tuple[ShardPiece, torch.Tensor, Optional[dict]]]:
         """This rank's pieces, in ``layout.pieces(rank)`` order, each with its view of the master shard and
         the inner optimizer's state for it (``None``: never stepped)."""
-        return [(piece, master, self.inner.state.get(master)) for piece, master in zip(self._pieces, self._piece_masters)]
+        state = self.inner.state  # (a merged view, built once)
+        return [(piece, master, state.get(master)) for piece, master in zip(self._pieces, self._piece_masters)]
 
     def restore_state(self, piece_states: list[Optional[dict]], hyperparameters: list[dict],
                       masters: Optional[list[torch.Tensor]] = None, loss_scaler: Optional[dict] = None) -> None:
@@ -666,11 +670,12 @@ def _norm_dtype(shard: torch.Tensor) -> torch.dtype:
 
 
 def _check_whole_groups(groups: list[dict], sharding: dict) -> None:
-    """Let each whole-parameter class refuse its groups on every rank alike (torch.optim.Muon: parameters that
-    are not 2-D), not only on the rank that owns the offending parameter: build it once over shape-only
-    (meta) copies of each group's trainable parameters."""
+    """Let torch's whole-parameter classes refuse their groups on every rank alike (torch.optim.Muon: parameters
+    that are not 2-D), not only on the rank that owns the offending parameter: build each once over
+    shape-only (meta) copies of the group's trainable parameters. (A class of the user's, whose constructor
+    may read values, is built over this rank's pieces only.)"""
     for group in groups:
         trainable = [p for p in group["params"] if p.requires_grad]
-        if sharding[group["optimizer"]] == "whole" and trainable:
+        if group["optimizer"] in optimizer_kinds.WHOLE_PARAMETER_OPTIMIZERS and trainable:
             hyperparameters = {k: v for k, v in group.items() if k not in OUTER_ONLY_KEYS}
             group["optimizer"]([{**hyperparameters, "params": [torch.empty_like(p, device="meta") for p in trainable]}])

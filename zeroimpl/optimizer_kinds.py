@@ -23,7 +23,9 @@ ELEMENTWISE_OPTIMIZERS = frozenset({
     torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.ASGD, torch.optim.Rprop,
     torch.optim.Adadelta,
 })
-WHOLE_PARAMETER_OPTIMIZERS = frozenset({torch.optim.Muon, torch.optim.Adafactor})
+# (torch.optim.Adafactor since torch 2.5, torch.optim.Muon since 2.9)
+WHOLE_PARAMETER_OPTIMIZERS = frozenset(cls for cls in (getattr(torch.optim, "Muon", None),
+                                                       getattr(torch.optim, "Adafactor", None)) if cls is not None)
 REFUSED_OPTIMIZERS = {
     torch.optim.LBFGS: "its step re-evaluates a closure over the whole model and keeps a history of flattened "
                        "whole-model vectors, so no rank can step a shard of it",
@@ -35,6 +37,12 @@ def check_class(optimizer_class) -> None:
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"an optimizer class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
                         f"got {optimizer_class!r}")
+
+
+def check_per_parameter(per_parameter) -> None:
+    if isinstance(per_parameter, type) or not all(isinstance(cls, type) for cls in per_parameter):
+        raise TypeError(f"per_parameter must be a list of optimizer classes, e.g. per_parameter=[MyShampoo], "
+                        f"got {per_parameter!r}")
 
 
 def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_elementwise: bool) -> Sharding:
@@ -59,15 +67,19 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
 def step_work(optimizer_class: type) -> Callable[[tuple], int]:
     """The relative cost of one step of a parameter of a given shape, which whole-parameter layouts balance
     across ranks: Newton-Schulz for Muon (``m * n * min(m, n)``), the element count otherwise."""
-    if optimizer_class is torch.optim.Muon:
+    if optimizer_class is getattr(torch.optim, "Muon", None):
         return lambda shape: math.prod(shape) * (min(shape[-2:]) if len(shape) >= 2 else 1)
     return lambda shape: math.prod(shape)
 
 
 def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:
     """Param groups (copies) with their optimizer class under ``"optimizer"``: ``optimizer_class`` where a group
-    names none, and then ``optimizer_kwargs`` as defaults of that group's hyperparameters (groups of another
-    class take that class's defaults, filled in by its inner optimizer)."""
+    names none, and then ``optimizer_kwargs`` as defaults of the hyperparameters of every group of
+    ``optimizer_class`` (groups of another class take that class's defaults, filled in by its inner
+    optimizer). Raises when ``optimizer_kwargs`` would apply to no group."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of parameters or of param-group dicts (e.g. "
+                        f"model.parameters()), got a single tensor of shape {tuple(params.shape)}")
     params = list(params)
     groups = [dict(group) for group in params] if params and isinstance(params[0], dict) else [{"params": params}]
     for group in groups:
@@ -76,4 +88,8 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
         if group_class is optimizer_class:
             for key, value in optimizer_kwargs.items():
                 group.setdefault(key, value)
+    if optimizer_kwargs and all(group["optimizer"] is not optimizer_class for group in groups):
+        raise ValueError(f"the keyword arguments {sorted(optimizer_kwargs)} are {optimizer_class.__name__}'s, but "
+                         f"every param group names another optimizer class; put them in the groups they are for, "
+                         "or pass the class most groups use as optimizer_class")
     return groups

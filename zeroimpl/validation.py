@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 
 from . import comm
 from .precision import LossScaleConfig
+
 
 def check_stage(stage) -> None:
     if stage not in (1, 2):
@@ -70,8 +72,10 @@ def check_not_wrapped_in_ddp(param: torch.Tensor) -> None:
                                "and do not wrap it in DDP (call the model itself; ShardedOptimizer replaces DDP)")
 
 
-def check_params(params: list[torch.Tensor], group, timeout: Optional[float] = None) -> None:
-    """Local checks, then one cheap cross-rank check that every rank holds the same parameters."""
+def check_params(params: list[torch.Tensor], group, timeout: Optional[float] = None,
+                 layout: Optional[dict] = None) -> None:
+    """Local checks, then one cheap cross-rank check that every rank holds the same parameters (and, given its
+    ``fingerprint()``, builds the same shard layout from them)."""
     if not params:
         raise ValueError("ShardedOptimizer got no trainable parameters (all have requires_grad=False?)")
     devices = {p.device for p in params}
@@ -87,19 +91,23 @@ def check_params(params: list[torch.Tensor], group, timeout: Optional[float] = N
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"process group backend is nccl but parameters are on {device}; move the model to "
                          "its GPU (model.to(f'cuda:{local_rank}')) or use backend='gloo' for CPU training")
-    _check_same_across_ranks(params, group, device if backend == "nccl" else torch.device("cpu"), timeout)
+    _check_same_across_ranks(params, group, device if backend == "nccl" else torch.device("cpu"), timeout, layout)
 
 
 def _check_same_across_ranks(params: list[torch.Tensor], group, device: torch.device,
-                             timeout: Optional[float]) -> None:
-    """Compare shapes and a float64 checksum of every parameter with two small MAX all-reduces.
+                             timeout: Optional[float], layout: Optional[dict]) -> None:
+    """Compare shapes, the layout's fingerprint and a float64 checksum of every parameter with two small MAX
+    all-reduces.
 
     ``max(x) == -max(-x)`` holds on every rank exactly when all ranks hold the same ``x``.
     """
+    layout_digest = int(hashlib.sha256(repr(layout).encode()).hexdigest()[:12], 16)  # 48 bits: exact in fp64
     shapes = torch.tensor([len(params), sum(p.numel() for p in params),
-                           hash(tuple(tuple(p.shape) for p in params)) % (2 ** 50)],
+                           hash(tuple(tuple(p.shape) for p in params)) % (2 ** 50), layout_digest],
                           dtype=torch.float64, device=device)
-    _raise_if_ranks_differ(shapes, group, "the number or the shapes of the trainable parameters", timeout)
+    _raise_if_ranks_differ(shapes, group, "the number or the shapes of the trainable parameters, or the shard "
+                           "layout (param groups, their optimizer classes, per_parameter, bucket_numel, alignment)",
+                           timeout)
     with torch.no_grad():
         sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
                             for p in params]).flatten().to(device)

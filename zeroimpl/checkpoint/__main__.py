@@ -2,6 +2,8 @@
 
     python -m zeroimpl.checkpoint weights   CHECKPOINT_DIR OUT.pt   # full fp32 model state dict
     python -m zeroimpl.checkpoint optimizer CHECKPOINT_DIR OUT.pt   # consolidated torch optimizer state dict
+    python -m zeroimpl.checkpoint optimizer CHECKPOINT_DIR OUT.pt --groups 0   # of param group 0 alone (with
+                                                                     # several optimizer classes: one per class)
 
 Both outputs are plain ``torch.save`` files of tensors and containers (load with ``weights_only=True``).
 """
@@ -19,9 +21,15 @@ def main() -> None:
     parser.add_argument("what", choices=["weights", "optimizer"])
     parser.add_argument("checkpoint")
     parser.add_argument("output")
+    parser.add_argument("--groups", type=int, nargs="+", default=None, metavar="INDEX",
+                        help="optimizer: only these param groups (by position), as a plain optimizer over them")
     args = parser.parse_args()
-    convert = export_fp32_state_dict if args.what == "weights" else consolidated_optimizer_state_dict
-    state = convert(args.checkpoint)
+    if args.what == "weights":
+        if args.groups is not None:
+            parser.error("--groups applies to 'optimizer' only")
+        state = export_fp32_state_dict(args.checkpoint)
+    else:
+        state = consolidated_optimizer_state_dict(args.checkpoint, groups=args.groups)
     torch.save(state, args.output)
     print(f"wrote {args.output}")
 

@@ -54,7 +54,7 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     entry = None
     try:
         whole = [bucket.whole for bucket in optimizer.layout.buckets]
-        split = [(piece, master, *split_state(state, piece.length, whole[piece.bucket_index]))
+        split = [(piece, master, *split_state(state, tuple(master.shape), whole[piece.bucket_index]))
                  for piece, master, state in optimizer.piece_states()]
         if optimizer.rank == 0:
             files.prepare_partial(directory)

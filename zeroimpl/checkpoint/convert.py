@@ -99,9 +99,11 @@ def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[
 
 
 def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) -> None:
-    """Load a plain torch optimizer's ``state_dict()`` (the same optimizer class over the same param groups)
-    into ``optimizer``: each rank takes its shard of every per-element state tensor. The master weights are
-    taken from the model's current parameters, so load the matching model weights first. No communication."""
+    """Load a plain torch optimizer's ``state_dict()`` (the same optimizer classes over the same param groups)
+    into ``optimizer``: each rank takes its shard of every per-element state tensor, and the whole-parameter
+    state of the parameters it owns whole. The master weights are taken from the model's current
+    parameters, so load the matching model weights first. No communication: every rank checks the whole
+    state dict, so that each raises the same error."""
     groups = describe_groups(optimizer)
     saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if saved_groups is None or [len(g["params"]) for g in saved_groups] != [len(g["members"]) for g in groups]:
@@ -120,20 +122,27 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
     per_element = {k for i, number in number_of.items() if params[i].dim() > 0
                    for k, v in (saved_state.get(number) or {}).items()
                    if torch.is_tensor(v) and v.shape == params[i].shape}
+
+    def split(index: int):
+        """Parameter ``index``'s saved state split (per element, flattened; scalars; whole), or Nones."""
+        param, saved = params[index], saved_state.get(number_of[index])
+        flattened = {k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == param.shape
+                         and (param.dim() > 0 or k in per_element) else v) for k, v in (saved or {}).items()}
+        return split_state(flattened, (param.numel(),), whole=True)
+
+    whole_buckets = [bucket.whole for bucket in optimizer.layout.buckets]
+    for index, slot in enumerate(optimizer.layout.slots):  # every parameter, whichever rank owns it
+        whole = split(index)[2]
+        if whole and not whole_buckets[slot.bucket_index]:
+            raise CheckpointError(f"the state of parameter {number_of[index]} holds whole-parameter tensors "
+                                  f"({', '.join(whole)}), but this optimizer shards it flat; shard its group by "
+                                  "whole parameters (per_parameter=[its class])")
     piece_states = []
     for piece, master, _ in optimizer.piece_states():
-        param = params[piece.param_index]
-        saved = saved_state.get(number_of[piece.param_index])
-        if saved is None:
+        elementwise, scalars, whole = split(piece.param_index)
+        if elementwise is None:
             piece_states.append(None)
             continue
-        elementwise, scalars, whole = split_state(
-            {k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == param.shape and (param.dim() > 0 or k in per_element)
-                 else v) for k, v in saved.items()}, param.numel(), whole=True)
-        if whole and not optimizer.layout.buckets[piece.bucket_index].whole:
-            raise CheckpointError(f"the state of parameter {number_of[piece.param_index]} holds whole-parameter "
-                                  f"tensors ({', '.join(whole)}), but this optimizer shards it flat; shard its "
-                                  "group by whole parameters (per_parameter=[its class])")
         window = slice(piece.param_start, piece.param_end)
         piece_states.append({**scalars, **whole,
                              **{key: values[window].clone().view(master.shape) for key, values in elementwise.items()}})

@@ -18,19 +18,20 @@ FORMAT = "zeroimpl.checkpoint/3"
 READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", FORMAT)
 
 
-def split_state(state: Optional[dict], numel: int, whole: bool):
+def split_state(state: Optional[dict], shape: tuple, whole: bool):
     """A piece's inner state -> (per-element tensors, flattened; scalars; whole-parameter tensors), or
     ``(None, None, None)`` for no state yet.
 
-    Per element: a tensor with one entry per element of the piece (1-D, or, for a ``whole`` piece -- a
-    parameter of a whole-parameter bucket -- any shape). Whole-parameter state (Adafactor's factored
-    ``row_var``/``col_var``) is any other tensor of a whole piece; it moves with its parameter, never split.
+    Per element: a tensor of the piece's ``shape`` (1-D for a flat piece; the parameter's shape for a
+    ``whole`` piece -- a parameter of a whole-parameter bucket). Whole-parameter state (Adafactor's factored
+    ``row_var``/``col_var``, or a state of another shape) is any other tensor of a whole piece; it moves with
+    its parameter, never split.
     """
     if not state:
         return None, None, None
     elementwise, scalars, whole_state = {}, {}, {}
     for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() >= 1 and value.numel() == numel and (whole or value.dim() == 1):
+        if torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
             elementwise[key] = value.reshape(-1)
         elif torch.is_tensor(value) and value.dim() == 0:
             scalars[key] = value.detach().cpu().clone()
@@ -73,11 +74,9 @@ def describe_groups(optimizer) -> list[dict]:
              "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
 
 
-
 def class_name(cls: type) -> str:
     """``module.QualName`` of an optimizer class, as the index records it."""
     return f"{cls.__module__}.{cls.__qualname__}"
-
 
 
 def saved_layout(index: dict) -> ShardLayout:
