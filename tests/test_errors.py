@@ -53,8 +53,8 @@ def test_unknown_optimizer_needs_to_be_told_how_to_shard():
 
 def test_keyword_arguments_that_apply_to_no_group_are_refused():
     linear = _linear()
-    groups = [{"params": [linear.weight], "optimizer": torch.optim.Adam}, {"params": [linear.bias],
-                                                                          "optimizer": torch.optim.Adam}]
+    groups = [{"params": [linear.weight], "optimizer": torch.optim.Adam},
+              {"params": [linear.bias], "optimizer": torch.optim.Adam}]
     with pytest.raises(ValueError, match=r"\['lr'\] are AdamW's, but every param group names another"):
         ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4)
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import (NormalizedSGD, RunConfig, TransposedMomentum, batch, bitwise_equal, build_model, matrix_param_groups, param_groups,
-                       train)
+from workloads import (NormalizedSGD, RunConfig, TransposedMomentum, batch, bitwise_equal, build_model,
+                       matrix_param_groups, param_groups, train)
 from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict, load_checkpoint,
                                  save_checkpoint)
