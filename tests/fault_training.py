@@ -44,6 +44,7 @@ def main():
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    print(f"rank {rank} of {dist.get_world_size()} on node {os.environ.get('GROUP_RANK', '0')}", flush=True)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     model = build_model("gpt2")
