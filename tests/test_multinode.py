@@ -27,11 +27,12 @@ def free_port() -> int:
 def two_nodes(out, steps: int) -> list[str]:
     """Run the job as two nodes of 2 ranks each (one torchrun agent per node); return each node's output."""
     endpoint, run_id = f"localhost:{free_port()}", f"zeroimpl-test-{os.getpid()}-{steps}-{os.path.basename(out)}"
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-                                "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                                "--rdzv-id", run_id, SCRIPT, str(out), "--steps", str(steps)],
-                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for node in (0, 1)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, SCRIPT, str(out),
+               "--steps", str(steps)]
+    # the same command on both nodes: the c10d rendezvous numbers the nodes (torchrun ignores --node_rank there)
+    agents = [subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output[-4000:]
@@ -53,7 +54,8 @@ def final(out) -> dict:
 def test_two_nodes_train_checkpoint_and_resume_on_two_nodes_or_one(tmp_path):
     clean = two_nodes(tmp_path / "clean", steps=5)
     nodes = {line.split(" on node ")[1] for output in clean for line in output.splitlines() if " on node " in line}
-    ranks = sorted(line.split(" of ")[0] for output in clean for line in output.splitlines() if " of 4 on node " in line)
+    ranks = sorted(line.split(" of ")[0] for output in clean for line in output.splitlines()
+                   if " of 4 on node " in line)
     assert nodes == {"0", "1"} and ranks == [f"rank {r}" for r in range(4)]  # 4 ranks, 2 per node
 
     two_nodes(tmp_path / "job", steps=3)
