@@ -3,10 +3,12 @@
 Tensors named here (all 1-D):
 
 * ``bucket buffer`` -- ``bucket.padded_numel`` elements in the reduce dtype; holds ``grad / world_size``
+  (every rank of the topology: with hybrid sharding, shard size times replicas)
   of every bucket member (zero for members without a gradient and for the padding). Lives only from the
   first gradient of the bucket until its reduce-scatter has finished.
 * ``reduced`` -- ``bucket.shard_numel`` elements in the reduce dtype: this rank's part of one reduction
-  of the averaged gradient (at world size 1, the bucket buffer itself), handed to the gradient store
+  of the averaged gradient (at world size 1, the bucket buffer itself; with hybrid sharding, all-reduced
+  across the replicas once its reduce-scatter in the shard group has finished), handed to the gradient store
   (:mod:`zeroimpl.grad_shards`), which sums the reductions since the last ``zero_grad()`` on the device
   or, with offload, on the host.
 
@@ -46,6 +48,7 @@ import torch
 from . import comm
 from .buffers import BucketStorage
 from .layout import ShardLayout
+from .topology import Topology
 
 if TYPE_CHECKING:
     from .grad_shards import DeviceGradientShards
@@ -122,7 +125,7 @@ class LaunchOrder:
 class GradientReducer:
     """Owns the hooks and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``."""
 
-    def __init__(self, layout: ShardLayout, storages: list[BucketStorage], group,
+    def __init__(self, layout: ShardLayout, storages: list[BucketStorage], topology: Topology,
                  stage: int, reduce_dtypes: list[torch.dtype], max_inflight: int,
                  gradients: Union[DeviceGradientShards, HostGradientShards],
                  on_gradient: "weakref.WeakMethod[Callable[[], None]]",
@@ -130,12 +133,13 @@ class GradientReducer:
         self.layout = layout
         self.timeout = timeout  # seconds a reduce-scatter may take before CollectiveError (None: the group's)
         self.storages = storages
-        self.group = group
+        self.group = topology.shard  # reduce-scatters
+        self.replicate = topology.replicate  # all-reduces of the reduced shards (hybrid sharding), or None
         self.stage = stage
         self.reduce_dtypes = reduce_dtypes  # per bucket
         self.max_inflight = max_inflight
         self._on_gradient = on_gradient  # weak method called on every gradient arrival (misuse checks)
-        self._scale = 1.0 / layout.world_size
+        self._scale = 1.0 / topology.world_size
         self.gradients = gradients  # where finished reductions go
 
         self._inflight: deque[_Reduction] = deque()
@@ -286,6 +290,9 @@ class GradientReducer:
     def _complete_oldest(self) -> None:
         reduction = self._inflight.popleft()
         reduction.work.wait()
+        if self.replicate is not None:
+            comm.all_reduce_(reduction.output, torch.distributed.ReduceOp.SUM, self.replicate, self.timeout,
+                             "gradient shard all-reduce across replicas")
         self.gradients.add(reduction.bucket_index, reduction.output)
 
     def wait_all(self) -> None:

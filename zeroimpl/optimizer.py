@@ -38,6 +38,7 @@ from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption
                       resolve_offload)
 from .precision import DynamicLossScaler, LossScaleConfig
 from .step_state import StepState, StepVerdict, decode_checks, encode_checks
+from .topology import Topology, resolve_topology
 
 STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
 # param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have, and
@@ -68,6 +69,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             non-final micro-batches under ``optimizer.accumulating()`` so that they sum on the device and
             the shard crosses to the host once per step.
         process_group: the data-parallel group (default: the whole world).
+        device_mesh: instead of ``process_group``, a ``torch.distributed.DeviceMesh``. 1-D: as its group. 2-D
+            (replicate x shard, dims named ``("replicate", "shard")`` as FSDP2's HSDP, or unnamed): *hybrid
+            sharding* -- optimizer state (and, in stage 2, gradients) sharded within each shard group (a row:
+            typically one node), replicated across the replicate group (a column). Per step: reduce-scatter
+            in the shard group, all-reduce of the shard across replicas, all-gather in the shard group, so
+            that the traffic between replicas is Ψ/n per rank (n: shard-group size) instead of DDP's 2Ψ.
+            ``rank`` and ``world_size`` then describe the shard group; ``topology`` describes both.
         bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32). Larger
             buckets mean fewer, larger collectives; smaller ones more overlap and smaller transient buffers.
         max_inflight_buckets: reduce-scatters allowed in flight before backward waits for the oldest
@@ -105,7 +113,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Union[Iterable[torch.Tensor], Iterable[dict]], optimizer_class: type,
                  stage: Literal[1, 2] = 2, *, offload: OffloadOption = None,
-                 process_group: Optional[dist.ProcessGroup] = None,
+                 process_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
                  bucket_numel: int = 2 ** 22, max_inflight_buckets: int = 2,
                  reduce_dtype: Optional[torch.dtype] = None,
                  loss_scale: Union[Literal["auto"], None, LossScaleConfig] = "auto",
@@ -124,6 +132,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_kinds.check_per_parameter(per_parameter)
         sharding = {cls: optimizer_kinds.sharding_of(cls, per_parameter, assume_elementwise) for cls in classes}
         validation.check_process_group(process_group)
+        self.topology: Topology = resolve_topology(process_group, device_mesh)
         if max_inflight_buckets < 0:
             raise ValueError(f"max_inflight_buckets must be >= 0, got {max_inflight_buckets}")
         validation.check_verify_every(verify_every)
@@ -133,16 +142,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(groups, {})  # refuses duplicates
 
         self.stage = stage
-        self.process_group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self.process_group = self.topology.shard  # reduce-scatter and all-gather run here
+        self.rank = self.topology.shard_rank
+        self.world_size = self.topology.shard_size
 
         trainable, specs = trainable_specs(self.param_groups, [optimizer_kinds.step_work(cls)
                                                                if sharding[cls] == "whole" else None
                                                                for cls in classes])
         layout = build_layout(specs, self.world_size, bucket_numel, alignment)
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
-        validation.check_params(trainable, process_group, collective_timeout, layout.fingerprint())
+        validation.check_params(trainable, self.topology, collective_timeout, layout.fingerprint())
         _check_whole_groups(self.param_groups, sharding)
         check_not_owned(trainable)  # before the parameters are moved into this optimizer's buffers
 
@@ -181,7 +190,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
-        self.reducer = GradientReducer(self.layout, self.storages, process_group, stage, reduce_dtypes,
+        self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtypes,
                                        max_inflight_buckets, self.gradients,
                                        weakref.WeakMethod(self._check_gradient_arrival),
                                        collective_timeout)
@@ -312,10 +321,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             power = 2.0 if norm_type is None else norm_type
             norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=_norm_dtype(s)) ** power
                                      for s in shards] or [torch.zeros((), device=device)]).sum()
+            if self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
+                norm_term = torch.zeros_like(norm_term)
         values = encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum).to(self._device)
-        agreed = comm.all_reduce_(values, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, self.process_group,
-                                  self.collective_timeout, "gradient check all-reduce")
-        suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum, self.world_size)  # the host sync
+        agreed = self.topology.all_reduce_(values, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
+                                           self.collective_timeout, "gradient check all-reduce")
+        suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum,  # the host sync
+                                                      self.topology.world_size)
         if not same_passes:
             self.zero_grad()
             raise RuntimeError(
@@ -335,16 +347,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """By parameter index, whether any rank has a gradient for it (one all-reduce of a flag per parameter,
         run on every rank alike, only on steps where some rank lacks some gradient)."""
         local = torch.tensor(self.reducer.grad_exists, dtype=torch.float32, device=self._device)
-        agreed = comm.all_reduce_(local, dist.ReduceOp.MAX, self.process_group, self.collective_timeout,
-                                  "gradient presence all-reduce")
+        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.collective_timeout,
+                                           "gradient presence all-reduce")
         return [flag > 0 for flag in agreed.tolist()]
 
     def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
         """Whether any rank's gradient shard holds NaN/Inf, exactly (a mask per shard, one more all-reduce
         and host sync). Runs only on steps whose norm is not finite, on every rank together."""
         local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1).to(self._device)
-        agreed = comm.all_reduce_(local, dist.ReduceOp.MAX, self.process_group, self.collective_timeout,
-                                  "gradient NaN/Inf all-reduce")
+        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.collective_timeout,
+                                           "gradient NaN/Inf all-reduce")
         return bool(agreed.item())
 
     def found_nonfinite(self) -> bool:
@@ -482,8 +494,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "that parameter")
 
     def _same_on_every_rank(self, checksums: torch.Tensor) -> list[bool]:
-        return comm.same_on_every_rank(checksums.to(self._device), self.process_group, self.collective_timeout,
-                                       "parameter checksum all-reduce").tolist()
+        return self.topology.same_on_every_rank(checksums.to(self._device), self.collective_timeout,
+                                                "parameter checksum all-reduce").tolist()
 
     def _param_name(self, param: torch.Tensor) -> str:
         """A parameter's name (when built from ``model.named_parameters()``) or position, and shape."""

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import comm
 from .precision import LossScaleConfig
 
 
@@ -72,7 +71,7 @@ def check_not_wrapped_in_ddp(param: torch.Tensor) -> None:
                                "and do not wrap it in DDP (call the model itself; ShardedOptimizer replaces DDP)")
 
 
-def check_params(params: list[torch.Tensor], group, timeout: Optional[float] = None,
+def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
                  layout: Optional[dict] = None) -> None:
     """Local checks, then one cheap cross-rank check that every rank holds the same parameters (and, given its
     ``fingerprint()``, builds the same shard layout from them)."""
@@ -87,14 +86,14 @@ def check_params(params: list[torch.Tensor], group, timeout: Optional[float] = N
         if not p.dtype.is_floating_point:
             raise ValueError(f"a trainable parameter has dtype {p.dtype}; only floating-point parameters can "
                              "be optimized")
-    backend = dist.get_backend(group)
+    backend = dist.get_backend(topology.shard)
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"process group backend is nccl but parameters are on {device}; move the model to "
                          "its GPU (model.to(f'cuda:{local_rank}')) or use backend='gloo' for CPU training")
-    _check_same_across_ranks(params, group, device if backend == "nccl" else torch.device("cpu"), timeout, layout)
+    _check_same_across_ranks(params, topology, device if backend == "nccl" else torch.device("cpu"), timeout, layout)
 
 
-def _check_same_across_ranks(params: list[torch.Tensor], group, device: torch.device,
+def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch.device,
                              timeout: Optional[float], layout: Optional[dict]) -> None:
     """Compare shapes, the layout's fingerprint and a float64 checksum of every parameter with two small MAX
     all-reduces.
@@ -105,17 +104,17 @@ def _check_same_across_ranks(params: list[torch.Tensor], group, device: torch.de
     shapes = torch.tensor([len(params), sum(p.numel() for p in params),
                            hash(tuple(tuple(p.shape) for p in params)) % (2 ** 50), layout_digest],
                           dtype=torch.float64, device=device)
-    _raise_if_ranks_differ(shapes, group, "the number or the shapes of the trainable parameters, or the shard "
+    _raise_if_ranks_differ(shapes, topology, "the number or the shapes of the trainable parameters, or the shard "
                            "layout (param groups, their optimizer classes, per_parameter, bucket_numel, alignment)",
                            timeout)
     with torch.no_grad():
         sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
                             for p in params]).flatten().to(device)
-    _raise_if_ranks_differ(sums, group, "the values of the parameters", timeout)
+    _raise_if_ranks_differ(sums, topology, "the values of the parameters", timeout)
 
 
-def _raise_if_ranks_differ(values: torch.Tensor, group, what: str, timeout: Optional[float]) -> None:
-    if not comm.same_on_every_rank(values, group, timeout, "construction check all-reduce").all():
+def _raise_if_ranks_differ(values: torch.Tensor, topology, what: str, timeout: Optional[float]) -> None:
+    if not topology.same_on_every_rank(values, timeout, "construction check all-reduce").all():
         raise RuntimeError(f"ranks differ in {what} at ShardedOptimizer construction; build the model with "
                            "the same seed (or load the same checkpoint / broadcast rank 0's weights) on every "
                            "rank before creating the optimizer")

@@ -27,7 +27,6 @@ from typing import Optional
 
 import torch
 
-from .. import comm
 from ..optimizer import ShardedOptimizer
 from . import files
 from .files import EXTRAS, INDEX, CheckpointError, rank_file
@@ -46,9 +45,12 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     ``CollectiveError`` (gloo); ``None``: the process group's timeout. Not the optimizer's
     ``collective_timeout``, which is sized for one collective, not for I/O.
 
-    Each rank writes only its own shard; nothing is gathered. ``directory`` is replaced only once the new
-    checkpoint is complete.
+    Each rank writes only its own shard; nothing is gathered. With hybrid sharding (a 2-D device mesh) the
+    ranks of the first replica write, one copy of each shard, and the checkpoint is that of their shard
+    group (it loads onto any mesh or flat world). ``directory`` is replaced only once the new checkpoint is
+    complete.
     """
+    topology = optimizer.topology
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
     entry = None
@@ -56,21 +58,22 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         whole = [bucket.whole for bucket in optimizer.layout.buckets]
         split = [(piece, master, *split_state(state, tuple(master.shape), whole[piece.bucket_index]))
                  for piece, master, state in optimizer.piece_states()]
-        if optimizer.rank == 0:
+        if topology.is_first:
             files.prepare_partial(directory)
     except Exception as caught:  # e.g. no permission: every rank must hear of it, not hang
         error = caught
     _agree(error, optimizer, timeout, "preparing the checkpoint directory")
     try:
-        entry = files.write(_rank_payload(optimizer, split), os.path.join(files.partial_path(directory),
-                                                                          rank_file(optimizer.rank)))
-        entry = (entry, {piece.param_index: (scalars, None if elementwise is None else sorted(elementwise))
-                         for piece, _, elementwise, scalars, _ in split})
+        if topology.replicate_rank == 0:  # the other replicas hold the same shards
+            entry = files.write(_rank_payload(optimizer, split), os.path.join(files.partial_path(directory),
+                                                                              rank_file(optimizer.rank)))
+            entry = (entry, {piece.param_index: (scalars, None if elementwise is None else sorted(elementwise))
+                             for piece, _, elementwise, scalars, _ in split})
     except Exception as caught:
         error = caught
-    entries = _agree(error, optimizer, timeout, "writing the rank files", entry)
+    entries = _agree(error, optimizer, timeout, "writing the rank files", entry)[:topology.shard_size]
     try:
-        if optimizer.rank == 0:
+        if topology.is_first:
             partial = files.partial_path(directory)
             listing = {rank_file(rank): found for rank, (found, _) in enumerate(entries)}
             listing[EXTRAS] = files.write(_model_extras(optimizer, model), os.path.join(partial, EXTRAS))
@@ -260,7 +263,7 @@ def _agree(error: Optional[BaseException], optimizer: ShardedOptimizer, timeout:
     """All-gather (error, value) so that a failure on one rank raises on every rank instead of a hang; the
     waits are bounded by ``timeout`` (``None``: the process group's)."""
     mine = (None if error is None else f"{type(error).__name__}: {error}", value)
-    gathered = comm.all_gather_objects(mine, optimizer.process_group, timeout, f"checkpoint agreement ({what})")
+    gathered = optimizer.topology.all_gather_objects(mine, timeout, f"checkpoint agreement ({what})")
     failures = [(rank, message) for rank, (message, _) in enumerate(gathered) if message is not None]
     if error is not None:
         raise error

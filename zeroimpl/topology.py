@@ -1,0 +1,105 @@
+"""Which ranks a ShardedOptimizer spans, and the collectives that reach all of them.
+
+Flat (a process group, or a 1-D DeviceMesh): every rank of the group owns one shard; the *shard group* is
+the whole group. Hybrid (a 2-D DeviceMesh, replicate × shard, as FSDP2's HSDP names its dims): the shard
+group is one row of the mesh (typically one node), which owns the shards and runs the reduce-scatter and
+all-gather; the *replicate group* is one column, whose ranks hold the same shard and all-reduce it after
+each reduce-scatter. The step's checks and the checkpoint's agreements must reach every rank of the mesh:
+they run in the shard group, then in the replicate group (``all_reduce_``, ``all_gather_objects``).
+
+Invariant: every rank of one replicate group holds bit-identical shards, state and parameters, since each
+runs the same update on the same all-reduced gradient shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+SHARD_DIM_NAMES = ("shard", "dp_shard")
+REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``shard``: the group whose ranks own the shards (``None``: the default group); ``replicate``: the group
+    of ranks that hold this rank's shard too (``None``: no replication)."""
+
+    shard: Optional[dist.ProcessGroup] = None
+    replicate: Optional[dist.ProcessGroup] = None
+
+    @property
+    def shard_rank(self) -> int:
+        return dist.get_rank(self.shard)
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard)
+
+    @property
+    def replicate_rank(self) -> int:
+        return 0 if self.replicate is None else dist.get_rank(self.replicate)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate is None else dist.get_world_size(self.replicate)
+
+    @property
+    def world_size(self) -> int:
+        """Every rank the optimizer spans: shard size times replicate size."""
+        return self.shard_size * self.replicate_size
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0 of the shard group in replica 0: the one rank that writes what is written once."""
+        return self.shard_rank == 0 and self.replicate_rank == 0
+
+    def groups(self) -> list:
+        """The groups a collective over every rank runs in, in order."""
+        return [self.shard] + ([self.replicate] if self.replicate is not None else [])
+
+    def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp, timeout: Optional[float] = None,
+                    name: str = "all-reduce") -> torch.Tensor:
+        """Reduce ``tensor`` in place across every rank (the shard group, then the replicate group)."""
+        for group in self.groups():
+            comm.all_reduce_(tensor, op, group, timeout, name)
+        return tensor
+
+    def same_on_every_rank(self, values: torch.Tensor, timeout: Optional[float] = None,
+                           name: str = "agreement all-reduce") -> torch.Tensor:
+        """Elementwise, whether every rank holds the same ``values`` (1-D); identical on every rank."""
+        high, negated_low = self.all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, timeout,
+                                             name).chunk(2)
+        return high == -negated_low
+
+    def all_gather_objects(self, value, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
+        """Every rank's ``value``, replica by replica, each in shard-rank order: entry ``r * shard_size + s`` is
+        shard rank ``s`` of replica ``r``."""
+        row = comm.all_gather_objects(value, self.shard, timeout, name)
+        if self.replicate is None:
+            return row
+        return [item for rows in comm.all_gather_objects(row, self.replicate, timeout, name) for item in rows]
+
+
+def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh) -> Topology:
+    """The topology of ``ShardedOptimizer(process_group=..., device_mesh=...)`` (at most one of them)."""
+    if device_mesh is None:
+        return Topology(process_group)
+    if process_group is not None:
+        raise ValueError("pass either process_group or device_mesh to ShardedOptimizer, not both")
+    if not hasattr(device_mesh, "get_group") or device_mesh.ndim not in (1, 2):
+        raise ValueError(f"device_mesh must be a 1-D or 2-D torch.distributed.DeviceMesh (replicate x shard), got "
+                         f"{device_mesh!r}")
+    if device_mesh.ndim == 1:
+        return Topology(device_mesh.get_group())
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if names and not (names[0] in REPLICATE_DIM_NAMES and names[1] in SHARD_DIM_NAMES):
+        raise ValueError(f"a 2-D device_mesh must have its dims named (replicate, shard), as FSDP2's HSDP does: "
+                         f"init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard')); "
+                         f"got {names}")
+    return Topology(device_mesh.get_group(1), device_mesh.get_group(0))
