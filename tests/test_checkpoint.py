@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import SEQUENCE_LENGTH, VOCAB, build_model, param_groups
+from workloads import build_model, local_batch, param_groups
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict,
                                  load_checkpoint, load_torch_optimizer_state, save_checkpoint)
@@ -23,23 +23,11 @@ from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_
 PARAM_ATOL = 1e-4
 PARAM_RTOL_16BIT = 3e-2
 SAVE_AT, STEPS = 3, 5
-GLOBAL_BATCH = 12
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-2}), "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
               "adagrad": (torch.optim.Adagrad, {"lr": 1e-2, "initial_accumulator_value": 0.1})}
 # name -> (dtype, optimizer, save stage, save offload)
 SAVED = {"adamw": (torch.float32, "adamw", 2, None), "sgd": (torch.float32, "sgd", 1, None),
          "adagrad": (torch.float32, "adagrad", 2, None), "fp16": (torch.float16, "adamw", 2, "cpu")}
-
-
-def global_batch(step: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(7_000 + step)
-    return torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQUENCE_LENGTH), generator=generator)
-
-
-def local_batch(step: int, rank: int, world_size: int) -> dict:
-    per_rank = GLOBAL_BATCH // world_size
-    ids = global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
-    return {"input_ids": ids, "labels": ids}
 
 
 def make(dtype, optimizer_name, stage, offload):

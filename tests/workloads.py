@@ -109,6 +109,23 @@ def batch(rank: int, step: int, micro: int, batch_size: int = 2) -> dict:
     return models.batch("gpt2", "tiny", rank, step, micro, batch_size)
 
 
+GLOBAL_BATCH = 12  # sequences per step, split evenly over 1, 2, 3, 4 or 6 ranks
+
+
+def global_batch(step: int) -> torch.Tensor:
+    """The step's fixed global batch (token ids): runs at different world sizes see the same data."""
+    generator = torch.Generator().manual_seed(7_000 + step)
+    return torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQUENCE_LENGTH), generator=generator)
+
+
+def local_batch(step: int, rank: int, world_size: int) -> dict:
+    """This rank's even slice of the step's global batch: the averaged gradient is the same at any world
+    size."""
+    per_rank = GLOBAL_BATCH // world_size
+    ids = global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
+    return {"input_ids": ids, "labels": ids}
+
+
 @dataclass
 class RunConfig:
     model: str = "gpt2"

@@ -24,6 +24,7 @@ class Call(NamedTuple):
     numel: int  # elements of the full tensor the collective reduces or gathers (0 for calls without one);
     #             isend / irecv: the elements sent / received
     dtype: Optional[torch.dtype]
+    ranks: Optional[tuple[int, ...]] = None  # the global ranks of the call's group (None: not recorded)
 
 
 def _full_size(args, kwargs) -> tuple[int, Optional[torch.dtype]]:
@@ -40,6 +41,14 @@ def _full_size(args, kwargs) -> tuple[int, Optional[torch.dtype]]:
             sizes.append(sum(t.numel() for t in tensors))
             dtype = dtype or tensors[0].dtype
     return max(sizes), dtype
+
+
+def _group_ranks(group) -> Optional[tuple[int, ...]]:
+    """The global ranks of a call's ``group=`` (the default group when ``None``)."""
+    try:
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    except (RuntimeError, ValueError):  # not initialised, or not a process group
+        return None
 
 
 class CollectiveCounter:
@@ -69,7 +78,7 @@ class CollectiveCounter:
 
     def _counted(self, name: str, original):
         def counted(*args, **kwargs):
-            self.calls.append(Call(name, *_full_size(args, kwargs)))
+            self.calls.append(Call(name, *_full_size(args, kwargs), _group_ranks(kwargs.get("group"))))
             return original(*args, **kwargs)
 
         return counted
@@ -78,7 +87,7 @@ class CollectiveCounter:
 def summarize(calls: list[Call]) -> dict[str, tuple[int, int, set]]:
     """name -> (number of calls, total elements, dtypes)."""
     summary: dict[str, tuple[int, int, set]] = {}
-    for name, numel, dtype in calls:
+    for name, numel, dtype, _ in calls:
         count, total, dtypes = summary.get(name, (0, 0, set()))
         summary[name] = (count + 1, total + numel, dtypes | {dtype})
     return summary
