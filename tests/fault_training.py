@@ -2,6 +2,11 @@
 every step, resume from the newest complete checkpoint on start.
 
     torchrun --nproc_per_node 2 tests/fault_training.py OUT --steps 5 [--fault kill|hang --fault-step 3]
+                                                        [--mesh REPLICAS] [--global-batch]
+
+``--mesh R``: hybrid sharding on an R x (world / R) DeviceMesh (replicate x shard). ``--global-batch``: every
+rank trains on its slice of one fixed global batch per step (``workloads.local_batch``), so that runs at
+different world sizes compute the same averaged gradient.
 
 ``--fault kill``: in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT == 0), rank 1 kills itself
 with SIGKILL after the backward of ``--fault-step``, before that step's optimizer step. ``--fault hang``:
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import batch, build_model, param_groups  # noqa: E402
+from workloads import batch, build_model, local_batch, param_groups  # noqa: E402
 from zeroimpl import ShardedOptimizer  # noqa: E402
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
@@ -41,22 +46,31 @@ def main():
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--collective-timeout", type=float, default=None)
     parser.add_argument("--checkpoint-timeout", type=float, default=None)
+    parser.add_argument("--mesh", type=int, default=None, metavar="REPLICAS")
+    parser.add_argument("--global-batch", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     print(f"rank {rank} of {dist.get_world_size()} on node {os.environ.get('GROUP_RANK', '0')}", flush=True)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
+    world_size = dist.get_world_size()
+    mesh = None
+    if args.mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (args.mesh, world_size // args.mesh), mesh_dim_names=("replicate", "shard"))
     model = build_model("gpt2")
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-2, bucket_numel=4096,
-                                 collective_timeout=args.collective_timeout)
+                                 collective_timeout=args.collective_timeout, device_mesh=mesh)
     os.makedirs(args.out, exist_ok=True)
     done, checkpoint = newest_checkpoint(args.out)
     if checkpoint:
         load_checkpoint(checkpoint, optimizer, model)
         print(f"rank {rank}: resumed from {os.path.basename(checkpoint)}", flush=True)
     for step in range(done + 1, args.steps + 1):
-        optimizer.backward(model(**batch(rank, step, 0)).loss)
+        data = local_batch(step, rank, world_size) if args.global_batch else batch(rank, step, 0)
+        optimizer.backward(model(**data).loss)
         if rank == 1 and first_attempt and step == args.fault_step:
             if args.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
