@@ -68,6 +68,8 @@ def parse_args():
                         help="Trainer's optimizer name (default: Trainer's, the fused AdamW)")
     parser.add_argument("--muon-lr", type=float, default=None,
                         help="train the hidden matrices with torch.optim.Muon at this learning rate (zeroimpl only)")
+    parser.add_argument("--mesh", type=int, default=None, metavar="REPLICAS",
+                        help="hybrid sharding on a REPLICAS x (world / REPLICAS) device mesh (zeroimpl only)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling (on CPU too)")
     parser.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16,
@@ -81,6 +83,17 @@ def parse_args():
     parser.add_argument("--count-collectives", action="store_true",
                         help="record every torch.distributed collective per optimizer step (into --dump)")
     return parser.parse_args()
+
+
+def hybrid_mesh(replicas: int):
+    """A replicas x (world / replicas) DeviceMesh (replicate x shard) over this job's ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():  # Trainer initialises the process group when it builds its arguments
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world = dist.get_world_size()
+    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (replicas, world // replicas),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def main():
@@ -102,7 +115,8 @@ def main():
     if args.plugin == "zero":
         trainer = ZeroTrainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation,
                               zero_stage=args.stage, zero_offload="cpu" if args.offload else None,
-                              zero_muon=None if args.muon_lr is None else {"lr": args.muon_lr})
+                              zero_muon=None if args.muon_lr is None else {"lr": args.muon_lr},
+                              zero_options={"device_mesh": hybrid_mesh(args.mesh)} if args.mesh else None)
     else:
         trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation)
     if args.fp16:

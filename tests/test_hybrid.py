@@ -38,6 +38,8 @@ def _parity(rank, world_size):
         if offload:
             zero_kwargs["offload"] = CPUOffload(fused_step=False)
         results[name] = train(RunConfig("gpt2", stage, steps=4, accum=2, clip=(1.0, 2.0), zero_kwargs=zero_kwargs))
+    results["fp16"] = train(RunConfig("gpt2", 2, steps=4, accum=2, clip=(1.0, 2.0), dtype=torch.float16,
+                                      zero_kwargs={"device_mesh": mesh}))
     return reference, results
 
 
@@ -55,6 +57,18 @@ def test_matches_ddp_on_four_ranks(parity, case):
         assert max(abs(a - b) / b for a, b in zip(ours["norms"], reference["norms"])) <= 1e-6
     first = parity[0][1][case]["params"]
     assert all(all(torch.equal(first[n], by_rank[1][case]["params"][n]) for n in first) for by_rank in parity)
+
+
+def test_fp16_with_loss_scaling_tracks_the_fp32_run(parity):
+    """fp16 parameters, fp32 master shards and dynamic loss scaling on the mesh (the overflow check reaches
+    every rank) track the fp32 mesh run within FP16_RTOL = 3e-2 in relative L2 (tests/test_mixed_precision.py's
+    bound), and every rank ends with the same parameters."""
+    for _, results in parity:
+        fp16, fp32 = results["fp16"]["params"], results["stage 2"]["params"]
+        difference = sum(((fp16[n] - fp32[n]) ** 2).sum() for n in fp32) ** 0.5
+        assert difference / sum((fp32[n] ** 2).sum() for n in fp32) ** 0.5 <= 3e-2
+    first = parity[0][1]["fp16"]["params"]
+    assert all(all(torch.equal(first[n], by_rank[1]["fp16"]["params"][n]) for n in first) for by_rank in parity)
 
 
 def _traffic_and_memory(rank, world_size):

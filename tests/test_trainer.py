@@ -64,6 +64,8 @@ def runs(tmp_path_factory):
     results["resumed_fp16"] = torchrun(tmp_path, "resumed_fp16", "--stage", "2", *FP16, "--resume",
                                        str(tmp_path / "stage2_fp16" / "checkpoint-3"))
     results["checkpoint_files"] = sorted(os.listdir(os.path.join(checkpoint, "zeroimpl")))
+    results["ddp_4"] = torchrun(tmp_path, "ddp_4", "--plugin", "none", nproc=4)
+    results["mesh_2x2"] = torchrun(tmp_path, "mesh_2x2", "--stage", "2", "--mesh", "2", nproc=4)
     for stage in (1, 2):
         results[f"muon_stage{stage}"] = torchrun(tmp_path, f"muon_stage{stage}", "--stage", str(stage), "--muon-lr",
                                                  "0.02", accum=1)
@@ -205,3 +207,11 @@ def test_muon_for_the_hidden_matrices(runs):
     assert stage1["muon_params"] == stage2["muon_params"] == 8
     assert stage1["losses"] == stage2["losses"] and len(stage1["losses"]) == STEPS
     assert all(torch.equal(stage1["params"][n], stage2["params"][n]) for n in stage1["params"])
+
+
+def test_hybrid_sharding_on_a_2x2_mesh_matches_trainer_with_ddp_on_4_ranks(runs):
+    """zero_options={"device_mesh": 2 x 2 mesh}: 4 ranks, state sharded over 2 and replicated twice."""
+    mesh, ddp = runs["mesh_2x2"][0], runs["ddp_4"][0]
+    assert len(mesh["losses"]) == len(ddp["losses"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(mesh["losses"], ddp["losses"])) <= 1e-4
+    assert max_param_diff(mesh, ddp) <= PARAM_ATOL
