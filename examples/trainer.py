@@ -92,6 +92,8 @@ def hybrid_mesh(replicas: int):
     if not dist.is_initialized():  # Trainer initialises the process group when it builds its arguments
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world = dist.get_world_size()
+    if world % replicas:
+        raise SystemExit(f"--mesh {replicas} needs a world size divisible by it, got {world}")
     return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
 

@@ -182,11 +182,14 @@ def test_checkpoint_of_the_mesh_resumes_on_the_mesh_and_on_a_flat_world(tmp_path
 
 
 def _bad_meshes(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     errors = []
     for build in (lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate")),
-                  lambda: "not a mesh"):
+                  lambda: "not a mesh",
+                  # rows {0, 3} and {2, 1}: a group numbers its ranks in global order, so rank 2 is shard 1 of
+                  # its row, yet sits in column 0 beside rank 0 (shard 0): that column would mix two shards
+                  lambda: DeviceMesh("cpu", torch.tensor([[0, 3], [2, 1]]), mesh_dim_names=("replicate", "shard"))):
         try:
             ShardedOptimizer(build_model("gpt2").parameters(), torch.optim.AdamW, device_mesh=build())
         except ValueError as error:
@@ -201,7 +204,8 @@ def _bad_meshes(rank, world_size):
 
 def test_bad_meshes_are_refused():
     for errors in run_distributed(4, _bad_meshes):
-        assert len(errors) == 3
+        assert len(errors) == 4
         assert "dims named (replicate, shard)" in errors[0]
         assert "1-D or 2-D torch.distributed.DeviceMesh" in errors[1]
-        assert "not both" in errors[2]
+        assert "must increase along both dims" in errors[2]
+        assert "not both" in errors[3]

@@ -104,7 +104,8 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     per_parameter: Collection[type] = ()) -> MemoryReport:
     """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
 
-    ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact; each
+    ``world_size``: the ranks that share the shards -- with hybrid sharding (a 2-D ``device_mesh``), the
+    shard group's size. ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact; each
     parameter's own dtype is used, and each group's optimizer class and hyperparameters), or the number of
     trainable elements, all of ``dtype``, for a flat optimizer class (padding estimated). ``rank``: the rank
     to predict (default: the one holding the most). The other arguments are ShardedOptimizer's

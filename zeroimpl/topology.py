@@ -102,4 +102,10 @@ def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh) ->
         raise ValueError(f"a 2-D device_mesh must have its dims named (replicate, shard), as FSDP2's HSDP does: "
                          f"init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard')); "
                          f"got {names}")
+    ranks = device_mesh.mesh
+    # a group numbers its ranks in ascending global order: only then does mesh column c hold shard c in every
+    # row, and row r replica r in every column (checked from the mesh itself, so on every rank alike)
+    if not (bool((ranks.diff(dim=0) > 0).all()) and bool((ranks.diff(dim=1) > 0).all())):
+        raise ValueError(f"the device_mesh's ranks must increase along both dims (as init_device_mesh lays them out), "
+                         f"so that each column's ranks hold the same shard; got {ranks.tolist()}")
     return Topology(device_mesh.get_group(1), device_mesh.get_group(0))

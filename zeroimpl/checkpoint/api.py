@@ -26,6 +26,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..optimizer import ShardedOptimizer
 from . import files
@@ -33,6 +34,7 @@ from .files import EXTRAS, INDEX, CheckpointError, rank_file
 from .format import (FORMAT, READABLE_FORMATS, class_name, copy_scalars, describe_groups, file_keys, group_classes,
                      key_offsets, merge_scalars, param_scalars, read_rank, saved_layout, split_state)
 from .reshard import plan
+
 
 # -- save ---------------------------------------------------------------------------------------------
 def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
@@ -262,12 +264,12 @@ def _agree(error: Optional[BaseException], optimizer: ShardedOptimizer, timeout:
            value=None) -> list:
     """All-gather (error, value) so that a failure on one rank raises on every rank instead of a hang; the
     waits are bounded by ``timeout`` (``None``: the process group's)."""
-    mine = (None if error is None else f"{type(error).__name__}: {error}", value)
+    mine = (None if error is None else f"{type(error).__name__}: {error}", value, dist.get_rank())
     gathered = optimizer.topology.all_gather_objects(mine, timeout, f"checkpoint agreement ({what})")
-    failures = [(rank, message) for rank, (message, _) in enumerate(gathered) if message is not None]
+    failures = [(rank, message) for message, _, rank in gathered if message is not None]
     if error is not None:
         raise error
     if failures:
         rank, message = failures[0]
         raise CheckpointError(f"rank {rank} failed while {what}: {message}")
-    return [v for _, v in gathered]
+    return [v for _, v, _ in gathered]
