@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import build_model, local_batch, param_groups
+from workloads import build_model, local_batch, param_groups, train_on_global_batch
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict,
                                  load_checkpoint, load_torch_optimizer_state, save_checkpoint)
@@ -42,14 +42,6 @@ def make(dtype, optimizer_name, stage, offload):
     return model, optimizer
 
 
-def train(model, optimizer, rank, world_size, steps):
-    for step in steps:
-        optimizer.backward(model(**local_batch(step, rank, world_size)).loss)
-        optimizer.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def params_of(model):
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
@@ -59,11 +51,11 @@ def _save_runs(rank, world_size, root):
     results = {}
     for name, (dtype, optimizer_name, stage, offload) in SAVED.items():
         model, optimizer = make(dtype, optimizer_name, stage, offload)
-        train(model, optimizer, rank, world_size, range(SAVE_AT))
+        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT))
         optimizer.param_groups[1]["lr"] *= 0.5  # a hyperparameter change the checkpoint must carry
         save_checkpoint(os.path.join(root, name), optimizer, model)
         at_save = params_of(model), optimizer.loss_scale
-        train(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
         results[name] = {"at_save": at_save, "final": params_of(model)}
     return results
 
@@ -78,15 +70,15 @@ def _resume_runs(rank, world_size, root, variants, reference=True):
         model, optimizer = make(dtype, optimizer_name, stage, offload)
         load_checkpoint(os.path.join(root, name), optimizer, model)
         loaded = params_of(model), optimizer.loss_scale, optimizer.param_groups[1]["lr"]
-        train(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
         resumed = params_of(model)
         if not reference:
             results[(name, stage, offload)] = {"loaded": loaded, "resumed": resumed}
             continue
         model, optimizer = make(dtype, optimizer_name, stage, offload)
-        train(model, optimizer, rank, world_size, range(SAVE_AT))
+        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT))
         optimizer.param_groups[1]["lr"] *= 0.5
-        train(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
         results[(name, stage, offload)] = {"loaded": loaded, "resumed": resumed, "reference": params_of(model)}
         if world_size == 4 and (name, stage, offload) == ("adamw", 2, None):
             save_checkpoint(os.path.join(root, "saved-on-4"), optimizer, model)
@@ -199,7 +191,7 @@ def test_export_and_consolidated_state_reproduce_the_next_step_in_one_process(sa
 def _one_more_step_rank(rank, world_size, root):
     model, optimizer = make(torch.float32, "adamw", 2, None)
     load_checkpoint(os.path.join(root, "adamw"), optimizer, model)
-    train(model, optimizer, rank, world_size, [SAVE_AT])
+    train_on_global_batch(model, optimizer, rank, world_size, [SAVE_AT])
     return params_of(model)
 
 
@@ -213,7 +205,7 @@ def _from_torch_state(rank, world_size, root):
         else:
             model.load_state_dict(export_fp32_state_dict(os.path.join(root, "adamw")))
             load_torch_optimizer_state(optimizer, consolidated_optimizer_state_dict(os.path.join(root, "adamw")))
-        train(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
         states.append((params_of(model), optimizer.inner.state_dict()))
     return states
 

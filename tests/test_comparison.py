@@ -30,13 +30,14 @@ MARGIN_RTOL = 0.01
 
 
 class WrongWeightDecay(Zeroimpl):
-    """zeroimpl stage 2 with weight decay on every parameter, biases and norms included: wrong on purpose."""
+    """zeroimpl stage 2 with AdamW and its weight decay on every parameter, as one group: wrong on purpose (it
+    decays biases and norms; with --optimizer muon, it also steps the hidden matrices with AdamW)."""
 
     NAME = "wrong: decays biases and norms"
 
-    def __init__(self):
+    def __init__(self, name: str = NAME):
         super().__init__(stage=2)
-        self.name = self.NAME
+        self.name = name
 
     def build(self, model, settings, device):
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, **settings.adamw_kwargs())
@@ -150,21 +151,6 @@ def test_other_model_families_run_through_the_harness(tmp_path, family):
     assert stage2.model_state_bytes["total"] < reference.model_state_bytes["total"]
 
 
-class MuonOnEverything(Zeroimpl):
-    """zeroimpl stage 2 stepping every parameter with AdamW where the workload asks for Muon on the hidden
-    matrices: wrong on purpose."""
-
-    NAME = "wrong: AdamW where Muon belongs"
-
-    def __init__(self):
-        super().__init__(stage=2)
-        self.name = self.NAME
-
-    def build(self, model, settings, device):
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, **settings.adamw_kwargs())
-        return ZeroimplRunner(model, model, optimizer, settings, device)
-
-
 def test_muon_comparison_judges_against_ddp_with_torch_muon(tmp_path):
     """--optimizer muon: DDP + torch Muon + AdamW is the reference; zeroimpl's rows match it (bitwise or within
     Muon's tolerance), a run that steps the matrices with AdamW instead deviates, and the peers that wrap
@@ -172,10 +158,11 @@ def test_muon_comparison_judges_against_ddp_with_torch_muon(tmp_path):
     workload = Workload("gpt2", "tiny", world_size=2, steps=3, settings=TrainSettings(optimizer="muon"))
     chosen = ("DDP", "PyTorch ZeRO", "zeroimpl stage 1", "zeroimpl stage 2 + offload")
     implementations = [i for i in all_implementations() if i.name in chosen]
-    rows, _ = compare(workload, str(tmp_path), implementations + [MuonOnEverything()], progress=lambda message: None)
+    wrong = WrongWeightDecay("wrong: AdamW where Muon belongs")
+    rows, _ = compare(workload, str(tmp_path), implementations + [wrong], progress=lambda message: None)
     by_name = {row.implementation: row for row in rows}
     for name in ("zeroimpl stage 1", "zeroimpl stage 2 + offload"):
         assert by_name[name].verdict in ("bitwise", "within tolerance"), (name, by_name[name])
-    assert by_name[MuonOnEverything.NAME].verdict == "DEVIATES"
+    assert by_name[wrong.name].verdict == "DEVIATES"
     assert "one optimizer class" in by_name["PyTorch ZeRO"].outcome
     assert "Muon lr 0.02 on the hidden matrices" in open(os.path.join(tmp_path, "comparison.md")).read()

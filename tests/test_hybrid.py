@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import RunConfig, build_model, local_batch, max_param_diff, param_groups, train
+from workloads import RunConfig, build_model, local_batch, max_param_diff, param_groups, train, train_on_global_batch
 from zeroimpl import CPUOffload, ShardedOptimizer, estimate_memory
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
@@ -136,14 +136,6 @@ def _make(device_mesh=None):
                                    device_mesh=device_mesh)
 
 
-def _train(model, optimizer, rank, world_size, steps):
-    for step in steps:
-        optimizer.backward(model(**local_batch(step, rank, world_size)).loss)
-        optimizer.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def _params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -151,23 +143,23 @@ def _params(model):
 def _on_the_mesh(rank, world_size, root):
     """Uninterrupted 5 steps; 3 steps and a checkpoint; that checkpoint resumed on the mesh."""
     model, optimizer = _make(_mesh())
-    _train(model, optimizer, rank, world_size, range(5))
+    train_on_global_batch(model, optimizer, rank, world_size, range(5))
     uninterrupted = _params(model)
     del optimizer
     model, optimizer = _make(_mesh())
-    _train(model, optimizer, rank, world_size, range(3))
+    train_on_global_batch(model, optimizer, rank, world_size, range(3))
     save_checkpoint(os.path.join(root, "mesh"), optimizer, model)
     del optimizer
     model, optimizer = _make(_mesh())
     load_checkpoint(os.path.join(root, "mesh"), optimizer, model)
-    _train(model, optimizer, rank, world_size, range(3, 5))
+    train_on_global_batch(model, optimizer, rank, world_size, range(3, 5))
     return uninterrupted, _params(model)
 
 
 def _on_a_flat_world(rank, world_size, root):
     model, optimizer = _make()
     load_checkpoint(os.path.join(root, "mesh"), optimizer, model)
-    _train(model, optimizer, rank, world_size, range(3, 5))
+    train_on_global_batch(model, optimizer, rank, world_size, range(3, 5))
     return _params(model)
 
 

@@ -126,6 +126,15 @@ def local_batch(step: int, rank: int, world_size: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
+def train_on_global_batch(model, optimizer, rank: int, world_size: int, steps) -> None:
+    """ShardedOptimizer steps on this rank's slices of the global batches of ``steps``, clipping at 1.0."""
+    for step in steps:
+        optimizer.backward(model(**local_batch(step, rank, world_size)).loss)
+        optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 @dataclass
 class RunConfig:
     model: str = "gpt2"
