@@ -123,3 +123,14 @@ class Implementation(ABC):
     @abstractmethod
     def build(self, model: torch.nn.Module, settings: TrainSettings, device: torch.device) -> Runner:
         """Wrap ``model`` (already on ``device``, the same initial weights on every rank) for training."""
+
+
+class OneOptimizerClass(Implementation):
+    """An implementation that wraps one optimizer class over all parameters: it cannot run Muon on the hidden
+    matrices beside AdamW."""
+
+    def unsupported(self, settings: TrainSettings) -> Optional[str]:
+        if settings.optimizer != "adamw":
+            return (f"it wraps one optimizer class over all parameters, so it cannot run {settings.optimizer} on "
+                    "the hidden matrices beside AdamW")
+        return None

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..models import param_groups
-from .base import Implementation, TrainSettings
+from .base import OneOptimizerClass, TrainSettings
 from .loop import WrapperLoopRunner, optimizer_state_tensors
 
 
@@ -27,17 +25,11 @@ class FairScaleRunner(WrapperLoopRunner):
         return state
 
 
-class FairScale(Implementation):
+class FairScale(OneOptimizerClass):
     name = "FairScale OSS+SDP"
     stage = 2
     modules = ("fairscale",)
     install_hint = "pip install --no-build-isolation fairscale==0.4.13"
-
-    def unsupported(self, settings: TrainSettings) -> Optional[str]:
-        if settings.optimizer != "adamw":
-            return f"it wraps one optimizer class over all parameters, so it cannot run {settings.optimizer} " \
-                   "on the hidden matrices beside AdamW"
-        return None
 
     def build(self, model, settings: TrainSettings, device) -> FairScaleRunner:
         from fairscale.nn.data_parallel import ShardedDataParallel

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..models import param_groups
-from .base import Implementation, TrainSettings
+from .base import OneOptimizerClass, TrainSettings
 from .ddp import wrap_ddp
 from .loop import WrapperLoopRunner, optimizer_state_tensors
 
@@ -20,15 +18,9 @@ class TorchZeroRunner(WrapperLoopRunner):
         return state
 
 
-class TorchZero(Implementation):
+class TorchZero(OneOptimizerClass):
     name = "PyTorch ZeRO"
     stage = 1
-
-    def unsupported(self, settings: TrainSettings) -> Optional[str]:
-        if settings.optimizer != "adamw":
-            return f"it wraps one optimizer class over all parameters, so it cannot run {settings.optimizer} " \
-                   "on the hidden matrices beside AdamW"
-        return None
 
     def build(self, model, settings: TrainSettings, device) -> TorchZeroRunner:
         optimizer = ZeroRedundancyOptimizer(param_groups(model, settings.weight_decay), torch.optim.AdamW,
