@@ -192,6 +192,8 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
             each.step()
             schedule.step()
             each.zero_grad()
+    if config.stage is not None:
+        optimizer.finish_param_gathers()  # (overlap_param_gather: the last step's gathers may be in flight)
     params = {name: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True)
               for name, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}

@@ -101,6 +101,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             enforces the process group's timeout (a bounded wait would block the host). A rank that dies
             outright is usually noticed at once (gloo sees the connection drop; torchrun stops the others).
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
+        overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()`` and
+            wait for it just before the forward of the first module that holds one of its parameters (a
+            global forward pre-hook), as Megatron's overlap_param_gather, instead of waiting for every bucket
+            in ``step()`` (default ``False``). Results are bitwise the same. ``state_dict()``, checkpoints,
+            ``verify_ranks_agree()``, loading and the next ``step()`` finish the gathers first; anything else
+            that reads or writes parameters between ``step()`` and the next forward (``model.state_dict()``,
+            ``p.data``) must call :meth:`finish_param_gathers` first.
         assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update
             every element from its own parameter, gradient and state.
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or
@@ -119,7 +126,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  loss_scale: Union[Literal["auto"], None, LossScaleConfig] = "auto",
                  nonfinite: Literal["raise", "skip"] = "raise",
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
-                 per_parameter: Collection[type] = (), verify_every: Optional[int] = None, **optimizer_kwargs):
+                 per_parameter: Collection[type] = (), verify_every: Optional[int] = None,
+                 overlap_param_gather: bool = False, **optimizer_kwargs):
         validation.check_stage(stage)
         validation.check_loss_scale(loss_scale)
         validation.check_nonfinite(nonfinite)
@@ -137,6 +145,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"max_inflight_buckets must be >= 0, got {max_inflight_buckets}")
         validation.check_verify_every(verify_every)
         self.verify_every = verify_every
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self._pending_gathers: dict[int, comm.Pending] = {}  # bucket index -> its all-gather in flight
         self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
         super().__init__(groups, {})  # refuses duplicates
@@ -190,6 +200,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
+        if self.overlap_param_gather:
+            self._bucket_of = {id(p): slot.bucket_index for p, slot in zip(trainable, self.layout.slots)}
+            handle = torch.nn.modules.module.register_module_forward_pre_hook(_wait_for_gathers(weakref.ref(self)))
+            weakref.finalize(self, handle.remove)
         self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtypes,
                                        max_inflight_buckets, self.gradients,
                                        weakref.WeakMethod(self._check_gradient_arrival),
@@ -264,6 +278,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- gradients --------------------------------------------------------------------------------
     def _prepare_gradients(self) -> bool:
         """Finish the reduction (and unscaling); return whether there are gradients to step on."""
+        self.finish_param_gathers()
         if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
             validation.check_not_wrapped_in_ddp(self.trainable_params[0])
             self._wrapping_checked = True
@@ -451,21 +466,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for master in self._piece_masters:
             master.grad = None
         self.gradients.publish(self.storages)
-        self._all_gather_params()
+        self._all_gather_params(defer=self.overlap_param_gather)
         self._steps_taken += 1
         self._finish_step(overflow=False)
         if self.verify_every and self._steps_taken % self.verify_every == 0:
             self.verify_ranks_agree()
 
-    def _all_gather_params(self) -> None:
-        works = [comm.all_gather(s.param_buffer, s.shard, self.process_group, self.collective_timeout,
-                                 tag=s.bucket.index) for s in self.storages]
-        for work in works:
-            work.wait()
-        # the all-gather wrote the parameters in place: let autograd refuse graphs built before it
+    def _all_gather_params(self, defer: bool = False) -> None:
+        """All-gather every bucket's parameters from the shards; ``defer``: leave them in flight
+        (``overlap_param_gather``) for :meth:`finish_param_gathers` or the forward pre-hook to wait for."""
+        self.finish_param_gathers()
+        pending = {s.bucket.index: comm.all_gather(s.param_buffer, s.shard, self.process_group,
+                                                   self.collective_timeout, tag=s.bucket.index)
+                   for s in self.storages}
+        # the all-gather writes the parameters in place: let autograd refuse graphs built before it
         torch.autograd.graph.increment_version([p for s in self.storages for p in s.params])
         for storage in self.storages:
             storage.mark_master_in_sync()
+        self._pending_gathers = pending
+        if not defer:
+            self.finish_param_gathers()
+
+    def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
+        """Wait for the parameter all-gathers still in flight (``overlap_param_gather``): of ``buckets``, or of
+        every bucket. After it, the model's parameters hold this step's values. Local: it waits only for
+        collectives every rank issued in ``step()``."""
+        chosen = sorted(self._pending_gathers if buckets is None else set(buckets) & set(self._pending_gathers))
+        for index in chosen:
+            self._pending_gathers.pop(index).wait()
+
+    def _wait_before_forward(self, module: torch.nn.Module) -> None:
+        """The forward pre-hook's work: finish the gathers of the buckets holding ``module``'s own parameters."""
+        if self._pending_gathers:
+            self.finish_param_gathers({self._bucket_of[id(p)] for p in module.parameters(recurse=False)
+                                       if id(p) in self._bucket_of})
 
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
@@ -474,6 +508,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all-reduce of two int64 checksums (wrapping sums of the bits) per bucket and per frozen parameter,
         and one per parameter of a differing bucket to name the first that differs. ``verify_every`` calls
         it after every that-many steps."""
+        self.finish_param_gathers()
         frozen = [p.detach().reshape(-1) for p in self._frozen_params]
         sums = torch.stack([_bit_checksum(t) for t in [s.param_buffer for s in self.storages] + frozen])
         same = self._same_on_every_rank(sums)
@@ -541,7 +576,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def sync_masters(self) -> None:
         """Bring the master weights up to date with parameters edited outside the optimizer since the last
-        step (``step()`` and saving do this themselves). Local, no communication."""
+        step (``step()`` and saving do this themselves). Local: no new collective (it finishes the parameter
+        all-gathers still in flight, see ``overlap_param_gather``)."""
+        self.finish_param_gathers()
         self.gradients.wait_copies()
         for storage in self.storages:
             storage.sync_master_with_params()
@@ -582,6 +619,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         then the masters keep following the parameters, which the user loads.
         """
         kernels = [{k: v for k, v in g.items() if k in KERNEL_KEYS} for g in self.inner.param_groups]
+        self.finish_param_gathers()  # no all-gather may still write the parameters
         self.gradients.wait_copies()  # no copy may still read the masters
         # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
         inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in
@@ -691,3 +729,12 @@ def _check_whole_groups(groups: list[dict], sharding: dict) -> None:
         if group["optimizer"] in optimizer_kinds.WHOLE_PARAMETER_OPTIMIZERS and trainable:
             hyperparameters = {k: v for k, v in group.items() if k not in OUTER_ONLY_KEYS}
             group["optimizer"]([{**hyperparameters, "params": [torch.empty_like(p, device="meta") for p in trainable]}])
+
+
+def _wait_for_gathers(optimizer_ref: "weakref.ref[ShardedOptimizer]") -> Callable:
+    """A global module forward pre-hook that holds its optimizer weakly (``overlap_param_gather``)."""
+    def hook(module: torch.nn.Module, args) -> None:
+        optimizer = optimizer_ref()
+        if optimizer is not None:
+            optimizer._wait_before_forward(module)
+    return hook

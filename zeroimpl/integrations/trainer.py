@@ -228,6 +228,11 @@ class ZeroTrainer(transformers.Trainer):
         super().log(logs, *args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------------
+    def save_model(self, *args, **kwargs):
+        if self.sharded_optimizer is not None:  # the model's weights, not parameter all-gathers in flight
+            self.sharded_optimizer.finish_param_gathers()
+        return super().save_model(*args, **kwargs)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), self.sharded_optimizer, self.model)
         if self.args.should_save:

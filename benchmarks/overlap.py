@@ -1,0 +1,92 @@
+"""Step time of ``overlap_param_gather=True`` against the default (all-gathers waited for in ``step()``) and DDP.
+
+In the same processes and run, on gloo: DDP + AdamW, zeroimpl stage 2, and zeroimpl stage 2 with the
+parameter all-gathers overlapped with the next forward, each for ``--steps`` steps (the first two not
+timed) of forward + backward + step on GPT-2 (``zeroimpl.integrations.models`` sizes), at world sizes 2 and
+4. Reported: the median step time and the ratios (overlapped / default, and each / DDP). The modes take
+turns step by step, so that drifts of the machine hit them alike.
+
+    python benchmarks/overlap.py                   # GPT-2 base, world sizes 2 and 4 (about 4 minutes)
+    python benchmarks/overlap.py --size small      # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from zeroimpl.integrations.launch import run_distributed  # noqa: E402
+from zeroimpl.integrations.models import batch, build_model, param_groups  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "overlap.md")
+MODES = ("DDP", "zeroimpl stage 2", "zeroimpl stage 2, overlapped all-gather")
+
+
+def _measure(rank: int, world_size: int, size: str, steps: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zeroimpl import ShardedOptimizer
+
+    runs = {}
+    for mode in MODES:
+        model = build_model("gpt2", size)
+        if mode == "DDP":
+            forward = DistributedDataParallel(model)
+            optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-4)
+            backward = torch.Tensor.backward
+        else:
+            optimizer = ShardedOptimizer(param_groups(model, 0.01), torch.optim.AdamW, stage=2, lr=1e-4,
+                                         overlap_param_gather="overlapped" in mode)
+            forward, backward = model, optimizer.backward
+        runs[mode] = (forward, optimizer, backward, [])
+    for step in range(steps):
+        for mode, (forward, optimizer, backward, times) in runs.items():
+            torch.distributed.barrier()
+            started = time.perf_counter()
+            backward(forward(**batch("gpt2", size, rank, step, 0, 4)).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step >= 2:
+                times.append(time.perf_counter() - started)
+    for mode, (_, optimizer, _, _) in runs.items():
+        if mode != "DDP":
+            optimizer.finish_param_gathers()
+    return {mode: statistics.median(times) for mode, (_, _, _, times) in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="base", choices=["tiny", "small", "base", "large"])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    rows = []
+    for world_size in args.world_sizes:
+        by_rank = run_distributed(world_size, _measure, args.size, args.steps, timeout=3600)
+        median = {mode: max(r[mode] for r in by_rank) for mode in MODES}  # the slowest rank sets the pace
+        ddp, default, overlapped = (median[mode] for mode in MODES)
+        rows.append(f"| {world_size} | {ddp * 1e3:.1f} | {default * 1e3:.1f} | {overlapped * 1e3:.1f} | "
+                    f"{overlapped / default:.3f} | {default / ddp:.3f} | {overlapped / ddp:.3f} |")
+    text = "\n".join([
+        "# Parameter all-gather overlapped with the next forward (`overlap_param_gather=True`)", "",
+        f"Measured on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, OMP_NUM_THREADS=1 "
+        f"per rank, by `python benchmarks/overlap.py --size {args.size} --steps {args.steps}`: GPT-2 {args.size}, "
+        f"micro-batch 4, AdamW, stage 2; median step time (forward + backward + step) of the slowest rank over "
+        f"{args.steps - 2} timed steps, the modes taking turns step by step in the same processes.", "",
+        "| world size | DDP ms | zeroimpl ms | overlapped ms | overlapped / default | default / DDP | "
+        "overlapped / DDP |", "| --- | --- | --- | --- | --- | --- | --- |", *rows, ""])
+    with open(RESULTS, "w") as handle:
+        handle.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
