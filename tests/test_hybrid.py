@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import RunConfig, build_model, local_batch, max_param_diff, param_groups, train, train_on_global_batch
+from workloads import (RunConfig, bitwise_equal, build_model, local_batch, max_param_diff, param_groups, train,
+                       train_on_global_batch)
 from zeroimpl import CPUOffload, ShardedOptimizer, estimate_memory
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
@@ -201,3 +202,16 @@ def test_bad_meshes_are_refused():
         assert "1-D or 2-D torch.distributed.DeviceMesh" in errors[1]
         assert "must increase along both dims" in errors[2]
         assert "not both" in errors[3]
+
+
+def _one_dimensional(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+    return (train(RunConfig("gpt2", 2, steps=3, zero_kwargs={"device_mesh": mesh})),
+            train(RunConfig("gpt2", 2, steps=3)))
+
+
+def test_a_one_dimensional_mesh_is_its_group():
+    for on_the_mesh, on_the_group in run_distributed(2, _one_dimensional):
+        assert bitwise_equal(on_the_mesh, on_the_group)
