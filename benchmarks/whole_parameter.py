@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from zeroimpl import estimate_memory  # noqa: E402
 from zeroimpl.integrations.launch import run_distributed  # noqa: E402
-from zeroimpl.integrations.models import hidden_matrices  # noqa: E402
+from zeroimpl.integrations.models import split_hidden_matrices  # noqa: E402
 from zeroimpl.layout import build_layout, trainable_specs  # noqa: E402
 from zeroimpl.optimizer_kinds import step_work  # noqa: E402
 
@@ -54,10 +54,8 @@ def configs() -> dict:
 
 
 def muon_groups(model: torch.nn.Module) -> list[dict]:
-    matrices = hidden_matrices(model)
-    chosen = {id(p) for p in matrices}
-    return [{"params": matrices, "optimizer": torch.optim.Muon, "lr": 0.02},
-            {"params": [p for p in model.parameters() if id(p) not in chosen], "weight_decay": 0.0}]
+    matrices, rest = split_hidden_matrices(model, [{"params": list(model.parameters()), "weight_decay": 0.0}])
+    return [{"params": matrices, "optimizer": torch.optim.Muon, "lr": 0.02}] + rest
 
 
 def newton_schulz_imbalance(layout, specs, world_size: int) -> float:

@@ -28,7 +28,7 @@ from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict, load_checkpoint,
                                  save_checkpoint)
 from zeroimpl.checkpoint.files import CheckpointError
-from zeroimpl.integrations.models import hidden_matrices
+from zeroimpl.integrations.models import hidden_matrices, split_hidden_matrices
 
 WHOLE_ATOL = 1e-4
 LOSS_ATOL = 1e-3
@@ -321,9 +321,8 @@ def _muon_layout(model_name: str, world_size: int):
     model_class, config = configs[model_name]
     with torch.device("meta"):
         model = model_class(config)
-    matrices = hidden_matrices(model)
-    chosen = {id(p) for p in matrices}
-    groups = [{"params": matrices}, {"params": [p for p in model.parameters() if id(p) not in chosen]}]
+    matrices, rest = split_hidden_matrices(model, [{"params": list(model.parameters())}])
+    groups = [{"params": matrices}] + rest
     _, specs = trainable_specs(groups, [step_work(torch.optim.Muon), None])
     return build_layout(specs, world_size, 2 ** 22), specs
 

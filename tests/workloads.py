@@ -98,9 +98,7 @@ def matrix_param_groups(model: torch.nn.Module, matrix_optimizer: str) -> list[d
     """Hidden matrices with ``MATRIX_OPTIMIZERS[matrix_optimizer]``, the rest as :func:`param_groups` (decay /
     no decay), as Muon recipes train."""
     optimizer_class, kwargs = MATRIX_OPTIMIZERS[matrix_optimizer]
-    matrices = models.hidden_matrices(model)
-    chosen = {id(p) for p in matrices}
-    rest = [g | {"params": [p for p in g["params"] if id(p) not in chosen]} for g in param_groups(model)]
+    matrices, rest = models.split_hidden_matrices(model, param_groups(model))
     return [{"params": matrices, "optimizer": optimizer_class, **kwargs}] + rest
 
 

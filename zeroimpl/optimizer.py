@@ -54,8 +54,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (``requires_grad=False``) are left alone. The model must be the same on every rank and must not
             be wrapped in DistributedDataParallel: this optimizer reduces the gradients itself. A group may
             name its own optimizer class under the key ``"optimizer"`` (e.g. ``{"params": matrices,
-            "optimizer": torch.optim.Muon, "lr": 0.02}``); its other keys are that class's hyperparameters,
-            and ``optimizer_kwargs`` do not apply to it.
+            "optimizer": torch.optim.Muon, "lr": 0.02}``); its other keys are that class's hyperparameters.
+            ``optimizer_kwargs`` apply to the groups of ``optimizer_class`` only.
         optimizer_class: the ``torch.optim.Optimizer`` subclass of the groups that name none. Elementwise
             classes (AdamW, Adam, SGD, ...) get flat shards; Muon, Adafactor and the classes in
             ``per_parameter`` get whole-parameter shards (each parameter stepped whole, by one rank); LBFGS
@@ -201,7 +201,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
         if self.overlap_param_gather:
-            self._bucket_of = {id(p): slot.bucket_index for p, slot in zip(trainable, self.layout.slots)}
             handle = torch.nn.modules.module.register_module_forward_pre_hook(_wait_for_gathers(weakref.ref(self)))
             weakref.finalize(self, handle.remove)
         self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtypes,
@@ -498,8 +497,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _wait_before_forward(self, module: torch.nn.Module) -> None:
         """The forward pre-hook's work: finish the gathers of the buckets holding ``module``'s own parameters."""
         if self._pending_gathers:
-            self.finish_param_gathers({self._bucket_of[id(p)] for p in module.parameters(recurse=False)
-                                       if id(p) in self._bucket_of})
+            buckets = {self.reducer.bucket_of(p) for p in module.parameters(recurse=False)}
+            self.finish_param_gathers(buckets - {None})
 
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:

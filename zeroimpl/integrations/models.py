@@ -142,3 +142,11 @@ def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             seen.add(id(weight))
             found.append(weight)
     return found
+
+
+def split_hidden_matrices(model: torch.nn.Module, groups: list[dict]) -> tuple[list, list[dict]]:
+    """(the trainable hidden matrices, ``groups`` without them): how Muon recipes split a model's param
+    groups between Muon and the optimizer of everything else."""
+    matrices = [p for p in hidden_matrices(model) if p.requires_grad]
+    chosen = {id(p) for p in matrices}
+    return matrices, [{**g, "params": [p for p in g["params"] if id(p) not in chosen]} for g in groups]

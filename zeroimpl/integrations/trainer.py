@@ -41,7 +41,7 @@ import transformers
 
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, sync_buffers
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
-from zeroimpl.integrations.models import hidden_matrices
+from zeroimpl.integrations.models import split_hidden_matrices
 
 CHECKPOINT_SUBDIR = "zeroimpl"
 
@@ -180,10 +180,8 @@ class ZeroTrainer(transformers.Trainer):
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
         if self.zero_muon is not None:
-            matrices = [p for p in hidden_matrices(model) if p.requires_grad]
-            chosen = {id(p) for p in matrices}
-            groups = [{"params": matrices, "optimizer": torch.optim.Muon, **self.zero_muon}] + [
-                {**g, "params": [p for p in g["params"] if id(p) not in chosen]} for g in groups]
+            matrices, groups = split_hidden_matrices(model, groups)
+            groups = [{"params": matrices, "optimizer": torch.optim.Muon, **self.zero_muon}] + groups
         groups = [g for g in groups if g["params"]]
         options = dict(self.zero_options)
         amp_scaler = self.accelerator.scaler  # set by accelerate for fp16 mixed precision only

@@ -16,7 +16,7 @@ from typing import Literal, Optional
 
 import torch
 
-from ..models import hidden_matrices, param_groups
+from ..models import param_groups, split_hidden_matrices
 
 MODEL_STATE_KINDS = ("parameters", "gradients", "optimizer_state", "master_weights", "buffers")
 
@@ -50,9 +50,7 @@ def training_groups(model: torch.nn.Module, settings: TrainSettings) -> tuple[li
     groups = param_groups(model, settings.weight_decay)
     if settings.optimizer == "adamw":
         return [], groups
-    matrices = [p for p in hidden_matrices(model) if p.requires_grad]
-    chosen = {id(p) for p in matrices}
-    return matrices, [{**g, "params": [p for p in g["params"] if id(p) not in chosen]} for g in groups]
+    return split_hidden_matrices(model, groups)
 
 
 class Runner(ABC):
