@@ -5,7 +5,9 @@ parameters in between must see the new values: a forward (also under ``no_grad``
 ``verify_ranks_agree``, and a user's read after ``finish_param_gathers()``.
 """
 
+import io
 import os
+import time
 
 import pytest
 import torch
@@ -56,7 +58,7 @@ def _reads(rank, world_size, root):
             optimizer.backward(model(**batch(rank, step, 0)).loss)
             optimizer.step()
             optimizer.zero_grad()
-        assert optimizers[1]._pending_gathers or step == 1  # in flight (step 1 verifies: it finishes them)
+        assert optimizers[1].param_gathers_in_flight or step == 1  # in flight (step 1 verifies: it finishes them)
         with torch.no_grad():  # an evaluation forward right after step()
             outputs = [model.eval()(**batch(rank, 99, 0)).logits for model in models]
         checks.append(torch.equal(*outputs))
@@ -80,3 +82,77 @@ def _reads(rank, world_size, root):
 def test_every_read_after_step_sees_the_new_parameters(tmp_path):
     for checks in run_distributed(2, _reads, str(tmp_path)):
         assert checks == [True] * len(checks) and len(checks) == 5
+
+
+def _clone(params):
+    return [p.detach().clone() for p in params]
+
+
+def _ema(params):
+    averages = [torch.zeros_like(p, requires_grad=False) for p in params]
+    with torch.no_grad():
+        for average, p in zip(averages, params):
+            average.mul_(0.9).add_(p, alpha=0.1)
+    return averages
+
+
+def _clamp(params):  # a write: a projection after step() (weight clipping), read back later
+    with torch.no_grad():
+        for p in params:
+            p.data.clamp_(-0.05, 0.05)
+    return None
+
+
+def _saved(params):
+    buffer = io.BytesIO()
+    torch.save(list(params), buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+USER_READS = {
+    "clone": _clone,
+    ".data": lambda params: [p.data.clone() for p in params],
+    "tolist": lambda params: [torch.tensor(p.tolist()) for p in params],
+    "parameters_to_vector": lambda params: [torch.nn.utils.parameters_to_vector(params)],
+    "EMA update": _ema,
+    "torch.save": _saved,
+    "clamp_ after step": _clamp,
+}
+
+
+def _user_reads(rank, world_size):
+    """After each step, a read or write of the parameters in user code, with no call to finish_param_gathers.
+    Rank 1 enters step() late, so rank 0's all-gathers are surely still in flight when it reads."""
+    models, optimizers = [], []
+    for overlap in (False, True):
+        model = build_model("gpt2")
+        models.append(model)
+        optimizers.append(ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096,
+                                           lr=1e-2, overlap_param_gather=overlap))
+    results = {}
+    for step, (name, read) in enumerate(USER_READS.items()):
+        for model, optimizer in zip(models, optimizers):
+            optimizer.backward(model(**batch(rank, step, 0)).loss)
+            if rank == 1 and optimizer.overlap_param_gather:
+                time.sleep(0.3)
+            optimizer.step()
+            optimizer.zero_grad()
+        if rank == 0:
+            assert optimizers[1].param_gathers_in_flight, "rank 0's all-gathers should still be in flight"
+        plain, overlapped = (read(list(model.parameters())) for model in models)
+        if plain is None:  # a write: compare the parameters once the gathers are done
+            optimizers[1].finish_param_gathers()
+            plain, overlapped = (list(model.parameters()) for model in models)
+        results[name] = all(torch.equal(a, b) for a, b in zip(plain, overlapped))
+    for model, optimizer in zip(models, optimizers):  # leave the last gathers in flight: teardown must not hang
+        optimizer.backward(model(**batch(rank, 99, 0)).loss)
+        if rank == 1 and optimizer.overlap_param_gather:
+            time.sleep(0.3)
+        optimizer.step()
+    return results
+
+
+def test_a_users_own_read_or_write_after_step_sees_the_new_parameters():
+    for results in run_distributed(2, _user_reads):
+        assert results == {name: True for name in USER_READS}

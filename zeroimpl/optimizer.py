@@ -32,6 +32,7 @@ from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer, check_not_owned, rebound_message
+from .inflight import InFlightGathers
 from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
@@ -127,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  nonfinite: Literal["raise", "skip"] = "raise",
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
                  per_parameter: Collection[type] = (), verify_every: Optional[int] = None,
-                 overlap_param_gather: bool = False, **optimizer_kwargs):
+                 overlap_param_gather: bool = True, **optimizer_kwargs):
         validation.check_stage(stage)
         validation.check_loss_scale(loss_scale)
         validation.check_nonfinite(nonfinite)
@@ -146,7 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         validation.check_verify_every(verify_every)
         self.verify_every = verify_every
         self.overlap_param_gather = bool(overlap_param_gather)
-        self._pending_gathers: dict[int, comm.Pending] = {}  # bucket index -> its all-gather in flight
+        self._gathers = InFlightGathers()  # parameter all-gathers left in flight by step()
         self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
         super().__init__(groups, {})  # refuses duplicates
@@ -200,9 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
-        if self.overlap_param_gather:
-            handle = torch.nn.modules.module.register_module_forward_pre_hook(_wait_for_gathers(weakref.ref(self)))
-            weakref.finalize(self, handle.remove)
+        weakref.finalize(self, self._gathers.finish)  # no gather outlives its optimizer unfinished, no guard stays
         self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtypes,
                                        max_inflight_buckets, self.gradients,
                                        weakref.WeakMethod(self._check_gradient_arrival),
@@ -482,23 +481,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         torch.autograd.graph.increment_version([p for s in self.storages for p in s.params])
         for storage in self.storages:
             storage.mark_master_in_sync()
-        self._pending_gathers = pending
-        if not defer:
-            self.finish_param_gathers()
+        self._gathers.start(pending, {s.bucket.index: s.param_buffer for s in self.storages}, guard=defer)
 
     def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the parameter all-gathers still in flight (``overlap_param_gather``): of ``buckets``, or of
         every bucket. After it, the model's parameters hold this step's values. Local: it waits only for
         collectives every rank issued in ``step()``."""
-        chosen = sorted(self._pending_gathers if buckets is None else set(buckets) & set(self._pending_gathers))
-        for index in chosen:
-            self._pending_gathers.pop(index).wait()
+        self._gathers.finish(buckets)
 
-    def _wait_before_forward(self, module: torch.nn.Module) -> None:
-        """The forward pre-hook's work: finish the gathers of the buckets holding ``module``'s own parameters."""
-        if self._pending_gathers:
-            buckets = {self.reducer.bucket_of(p) for p in module.parameters(recurse=False)}
-            self.finish_param_gathers(buckets - {None})
+    @property
+    def param_gathers_in_flight(self) -> int:
+        """How many buckets' parameter all-gathers are still in flight (``overlap_param_gather``)."""
+        return len(self._gathers)
 
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
@@ -728,12 +722,3 @@ def _check_whole_groups(groups: list[dict], sharding: dict) -> None:
         if group["optimizer"] in optimizer_kinds.WHOLE_PARAMETER_OPTIMIZERS and trainable:
             hyperparameters = {k: v for k, v in group.items() if k not in OUTER_ONLY_KEYS}
             group["optimizer"]([{**hyperparameters, "params": [torch.empty_like(p, device="meta") for p in trainable]}])
-
-
-def _wait_for_gathers(optimizer_ref: "weakref.ref[ShardedOptimizer]") -> Callable:
-    """A global module forward pre-hook that holds its optimizer weakly (``overlap_param_gather``)."""
-    def hook(module: torch.nn.Module, args) -> None:
-        optimizer = optimizer_ref()
-        if optimizer is not None:
-            optimizer._wait_before_forward(module)
-    return hook
