@@ -146,12 +146,13 @@ class RunConfig:
     zero_kwargs: dict = field(default_factory=dict)
     hint_accumulation: bool = False  # run non-final micro-batches under optimizer.accumulating()
     matrix_optimizer: Optional[str] = None  # a MATRIX_OPTIMIZERS key: that class for the hidden matrices
+    device: str = "cpu"  # "cuda": this rank's GPU (tests/test_cuda.py)
 
 
 def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
     """Train and return this rank's losses, gradient norms and final parameters (by name, fp32; fp64 models: fp64)."""
     rank = dist.get_rank()  # global rank: data differs between independent subgroups
-    model = build_model(config.model, config.dtype)
+    model = build_model(config.model, config.dtype).to(config.device)
     optimizer_class, kwargs = OPTIMIZERS[config.optimizer]
     if config.matrix_optimizer is None:
         groups = param_groups(model)
@@ -177,7 +178,8 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
         non_final = optimizer.accumulating if config.hint_accumulation else contextlib.nullcontext
     losses, norms = [], []
     for step in range(config.steps):
-        micro_batches = [batch(rank, step, micro) for micro in range(config.accum)]
+        micro_batches = [{k: v.to(config.device) for k, v in batch(rank, step, micro).items()}
+                         for micro in range(config.accum)]
         losses += run_micro_batches(forward, backward, micro_batches, non_final)
         if config.clip is not None:
             max_norm, norm_type = config.clip
@@ -190,9 +192,8 @@ def train(config: RunConfig, group: Optional[dist.ProcessGroup] = None) -> dict:
             each.step()
             schedule.step()
             each.zero_grad()
-    if config.stage is not None:
-        optimizer.finish_param_gathers()  # (overlap_param_gather: the last step's gathers may be in flight)
-    params = {name: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True)
+    # (the last step's all-gathers may still be in flight: p.detach() waits for them, no call needed)
+    params = {name: p.detach().to("cpu", torch.promote_types(p.dtype, torch.float32), copy=True)
               for name, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params}
 
