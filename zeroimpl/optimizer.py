@@ -32,6 +32,7 @@ from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer, check_not_owned, rebound_message
+from .host_memory import device_tensor, to_device
 from .inflight import InFlightGathers
 from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
@@ -336,7 +337,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                      for s in shards] or [torch.zeros((), device=device)]).sum()
             if self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
                 norm_term = torch.zeros_like(norm_term)
-        values = encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum).to(self._device)
+        values = to_device(encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum), self._device)
         agreed = self.topology.all_reduce_(values, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
                                            self.collective_timeout, "gradient check all-reduce")
         suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum,  # the host sync
@@ -359,7 +360,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _params_with_gradients(self) -> list[bool]:
         """By parameter index, whether any rank has a gradient for it (one all-reduce of a flag per parameter,
         run on every rank alike, only on steps where some rank lacks some gradient)."""
-        local = torch.tensor(self.reducer.grad_exists, dtype=torch.float32, device=self._device)
+        local = device_tensor(self.reducer.grad_exists, self._device, torch.float32)
         agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.collective_timeout,
                                            "gradient presence all-reduce")
         return [flag > 0 for flag in agreed.tolist()]
@@ -367,7 +368,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
         """Whether any rank's gradient shard holds NaN/Inf, exactly (a mask per shard, one more all-reduce
         and host sync). Runs only on steps whose norm is not finite, on every rank together."""
-        local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1).to(self._device)
+        local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1)
+        local = to_device(local, self._device)
         agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.collective_timeout,
                                            "gradient NaN/Inf all-reduce")
         return bool(agreed.item())

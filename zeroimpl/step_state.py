@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from .host_memory import device_tensor
+
 
 @dataclass(frozen=True)
 class StepVerdict:
@@ -61,7 +63,7 @@ def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum
     dtype (fp32, or fp64 for fp64 gradients)."""
     counts = [passes, -passes] if maximum else [passes, passes * passes]
     suspect = (~torch.isfinite(norm_term)).float().reshape(1)
-    tail = torch.tensor(counts + [1.0 if lacking else 0.0], device=norm_term.device)
+    tail = device_tensor(counts + [1.0 if lacking else 0.0], norm_term.device, torch.float32)
     return torch.cat([suspect, norm_term.reshape(1), tail])
 
 
