@@ -147,3 +147,20 @@ def test_cuda_memory_is_what_estimate_memory_says():
         assert report.as_dict() == expected.as_dict()
         # the caching allocator rounds each block up to 512 bytes: allow that per tensor, nothing more
         assert expected.device.total <= held <= expected.device.total * 1.01 + 512 * 200
+
+
+def _pinned(rank, world_size):
+    model = build_model("gpt2", torch.bfloat16).cuda()
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, offload="cpu", lr=1e-3)
+    optimizer.backward(model(**_batch(rank, 0)).loss)
+    optimizer.step()
+    report = optimizer.memory_report().host
+    host = [s.master for s in optimizer.storages] + optimizer.held_tensors()["host_gradient_shard"]
+    return (all(a.pinned for a in optimizer.host_arenas), all(t.is_pinned() for t in host),
+            sum(a.nbytes for a in optimizer.host_arenas), report.master_weights + report.gradient_shard)
+
+
+def test_offload_pins_exactly_what_the_report_counts():
+    for arenas_pinned, tensors_pinned, pinned_bytes, reported in run_distributed(WORLD_SIZE, _pinned, backend="nccl",
+                                                                                 timeout=600):
+        assert arenas_pinned and tensors_pinned and pinned_bytes == reported

@@ -86,6 +86,26 @@ def _hint_memory(rank, world_size):
     return seen, optimizer.layout.padded_numel // world_size
 
 
+def _host_arena(rank, world_size):
+    """Where the host masters and gradient shards live: the arena bytes against the report's host bytes, and
+    whether every one of them is a slice of an arena."""
+    model = build_model("gpt2", torch.bfloat16)
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, offload="cpu",
+                                 bucket_numel=4096, lr=1e-3)
+    optimizer.backward(model(**batch(rank, 0, 0)).loss)
+    report = optimizer.memory_report().host
+    spans = [(a.slices[0].data_ptr(), a.slices[-1].data_ptr() + a.slices[-1].numel() * 4) for a in optimizer.host_arenas]
+    host_tensors = [s.master for s in optimizer.storages] + optimizer.held_tensors()["host_gradient_shard"]
+    inside = all(any(low <= t.data_ptr() < high for low, high in spans) for t in host_tensors)
+    return sum(a.nbytes for a in optimizer.host_arenas), report.master_weights + report.gradient_shard, inside
+
+
+def test_host_masters_and_gradient_shards_share_one_exact_arena(world_size_2):
+    """One allocation (page-locked on CUDA) holds them all, and it is exactly what memory_report counts."""
+    for arena_bytes, reported, inside in (by_rank["host_arena"] for by_rank in world_size_2):
+        assert arena_bytes == reported > 0 and inside
+
+
 def test_accumulating_sums_on_the_device_and_crosses_once(world_size_2):
     for seen, shard_numel in (by_rank["hint_memory"] for by_rank in world_size_2):
         assert seen == [4 * shard_numel, 4 * shard_numel, 0]
@@ -254,6 +274,7 @@ def _world_size_2(rank, world_size):
                            for dtype in HOST_SYNC_DTYPES},
             "parity": _parity_runs(rank, world_size, (torch.float32, torch.bfloat16)),
             "hint_memory": _hint_memory(rank, world_size),
+            "host_arena": _host_arena(rank, world_size),
             "edited": {case: _edited_params(rank, world_size, *case) for case in EDITED_CASES},
             "other_optimizers": {name: _any_optimizer(rank, world_size, name) for name in OTHER_OPTIMIZERS},
             "outside_edits": _edits_before_save_and_per_parameter(rank, world_size),

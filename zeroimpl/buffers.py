@@ -15,6 +15,7 @@ Tensors named here (all 1-D unless said otherwise):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -91,11 +92,12 @@ class BucketStorage:
 
 
 def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int,
-                   master_on_host: bool = False, pin_memory: bool = False) -> list[BucketStorage]:
+                   host_masters: Optional[list[torch.Tensor]] = None) -> list[BucketStorage]:
     """Move ``params`` (indexed as in ``layout``) into flat bucket buffers and rebind ``param.data`` to views.
 
-    Values are preserved exactly; padding is zero. ``master_on_host``: keep an fp32 master of the shard in
-    host memory (page-locked if ``pin_memory``), whatever the model's dtype (fp64 for fp64 models).
+    Values are preserved exactly; padding is zero. ``host_masters``: per bucket, a host tensor of the
+    shard's size (fp32, fp64 for fp64 models: :func:`host_master_dtype`) that becomes the master, whatever
+    the model's dtype (CPU offload).
     """
     storages = []
     for bucket in layout.buckets:
@@ -109,9 +111,8 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
             param.data = view
         start, end = bucket.shard_range(rank)
         shard = param_buffer[start:end]
-        if master_on_host:
-            master = torch.empty(shard.numel(), dtype=torch.promote_types(first.dtype, torch.float32),
-                                 pin_memory=pin_memory).copy_(shard)
+        if host_masters is not None:
+            master = host_masters[bucket.index].copy_(shard)
         elif first.dtype in HALF_DTYPES:
             master = shard.to(torch.float32, copy=True)
         else:
@@ -120,3 +121,8 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         storage.mark_master_in_sync()
         storages.append(storage)
     return storages
+
+
+def host_master_dtype(bucket_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a host master (and host gradient shard) for parameters of ``bucket_dtype``."""
+    return torch.promote_types(bucket_dtype, torch.float32)

@@ -1,4 +1,5 @@
-"""Host memory next to a GPU: copies to the device that do not block the host.
+"""Host memory next to a GPU: copies to the device that do not block the host, and page-locked buffers
+that cost exactly their bytes.
 
 On CUDA, a copy from pageable host memory (``torch.tensor(values, device="cuda")``, ``cpu_tensor.to("cuda")``)
 makes the host wait for the device; staged through page-locked memory and issued with ``non_blocking=True``
@@ -7,6 +8,8 @@ allocator, which does not reuse it before the copy has run. Off CUDA these are p
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -21,3 +24,48 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def device_tensor(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync (see :func:`to_device`)."""
     return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+class HostArena:
+    """Host tensors of one dtype carved out of one allocation, page-locked as one exact range when ``pin``.
+
+    ``pin_memory=True`` takes page-locked memory from torch's caching host allocator, which rounds every
+    block up to a power of two: per-bucket buffers could cost up to twice their bytes. Here an ordinary
+    allocation is registered with ``cudaHostRegister`` instead, so the page-locked bytes are exactly
+    :attr:`nbytes`, the sum of the slices (no gaps: slices follow each other in ``numels`` order).
+    Unregistered (after the device has finished every queued copy) when the arena is garbage collected.
+    """
+
+    def __init__(self, numels: list[int], dtype: torch.dtype, pin: bool):
+        self._block = torch.zeros(sum(numels), dtype=dtype)
+        self.slices: list[torch.Tensor] = list(self._block.split(numels))
+        self.pinned = pin and self._block.numel() > 0
+        if self.pinned:
+            _register(self._block)
+            weakref.finalize(self, _unregister, self._block)
+
+    @property
+    def nbytes(self) -> int:
+        return self._block.numel() * self._block.element_size()
+
+
+def host_buffers(numels: list[int], dtypes: list[torch.dtype], pin: bool) -> tuple[list[torch.Tensor], list[HostArena]]:
+    """Zeroed 1-D host tensors of these sizes and dtypes, in order, from one :class:`HostArena` per dtype."""
+    arenas, slices = [], [None] * len(numels)
+    for dtype in dict.fromkeys(dtypes):
+        chosen = [i for i, d in enumerate(dtypes) if d == dtype]
+        arena = HostArena([numels[i] for i in chosen], dtype, pin)
+        arenas.append(arena)
+        for i, tensor in zip(chosen, arena.slices):
+            slices[i] = tensor
+    return slices, arenas
+
+
+def _register(block: torch.Tensor) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
+        block.data_ptr(), block.numel() * block.element_size(), 0))
+
+
+def _unregister(block: torch.Tensor) -> None:
+    torch.cuda.synchronize()  # no copy may still read or write the range
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(block.data_ptr()))

@@ -37,8 +37,10 @@ class CPUOffload:
     """Offload policy: fp32 master weights, optimizer state and gradient shard on the host; step there."""
 
     pin_memory: bool = True
-    """Page-locked host buffers, so that copies to and from a CUDA device are asynchronous. Ignored when
-    the parameters are on the CPU."""
+    """Page-locked host buffers, so that copies to and from a CUDA device are asynchronous: the host masters
+    and gradient shards of each dtype are one allocation, registered with ``cudaHostRegister`` as one exact
+    range (torch's ``pin_memory=True`` would round each buffer up to a power of two). Ignored when the
+    parameters are on the CPU."""
 
     fused_step: bool = True
     """Step with the optimizer's fused CPU kernel when it has one (Adam, AdamW, SGD, Adagrad) and the user
@@ -80,11 +82,10 @@ class HostGradientShards:
     Host syncs: :meth:`ready` waits once per step, whatever the number of buckets.
     """
 
-    def __init__(self, storages: list[BucketStorage], policy: CPUOffload):
+    def __init__(self, storages: list[BucketStorage], shards: list[torch.Tensor]):
         device = storages[0].param_buffer.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream
-        pin = policy.pin_memory and self._stream is not None
-        self.shards = [torch.zeros(s.bucket.shard_numel, dtype=s.master.dtype, pin_memory=pin) for s in storages]
+        self.shards = shards  # per bucket: zeroed, shard-sized, in the master's dtype (page-locked on CUDA)
         self._filled = [False] * len(storages)  # host shard holds a gradient since clear()
         self._zeroed = [False] * len(storages)  # ... which is zero (zero_grad(set_to_none=False)): overwrite it
         self._device_sums: list[Optional[torch.Tensor]] = [None] * len(storages)  # device accumulators

@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from . import comm, optimizer_kinds, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
-from .buffers import BucketStorage, flatten_params
+from .buffers import BucketStorage, flatten_params, host_master_dtype
 from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer, check_not_owned, rebound_message
-from .host_memory import device_tensor, to_device
+from .host_memory import HostArena, device_tensor, host_buffers, to_device
 from .inflight import InFlightGathers
 from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
@@ -173,9 +173,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.layout: ShardLayout = layout
         self._pieces: list[ShardPiece] = self.layout.pieces(self.rank)  # this rank's part of each parameter
         self._device = trainable[0].device
-        pin_memory = self.offload is not None and self.offload.pin_memory and self._device.type == "cuda"
-        self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank,
-                                                            self.offload is not None, pin_memory)
+        host_masters = host_gradients = None
+        self.host_arenas: list[HostArena] = []  # one page-locked allocation per dtype (offload on CUDA)
+        if self.offload is not None:  # masters and gradient shards on the host: one arena per dtype
+            numels = [b.shard_numel for b in layout.buckets]
+            dtypes = [host_master_dtype(trainable[b.param_indices[0]].dtype) for b in layout.buckets]
+            pin = self.offload.pin_memory and self._device.type == "cuda"
+            host, self.host_arenas = host_buffers(numels * 2, dtypes * 2, pin)
+            host_masters, host_gradients = host[:len(numels)], host[len(numels):]
+        self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank, host_masters)
         kwargs = {cls: {} for cls in classes}  # a class's groups carry its hyperparameters
         if optimizer_class in kwargs:
             kwargs[optimizer_class] = dict(optimizer_kwargs)  # checked by the class's constructor
@@ -183,7 +189,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for cls in kwargs:
                 group_keys = {key for group in self.param_groups if group["optimizer"] is cls for key in group}
                 kwargs[cls] = host_optimizer_kwargs(cls, kwargs[cls], group_keys, self.offload)
-            self.gradients = HostGradientShards(self.storages, self.offload)
+            self.gradients = HostGradientShards(self.storages, host_gradients)
         else:
             self.gradients = DeviceGradientShards(len(self.storages))
         self.inner = InnerOptimizers(self._inner_groups(), classes, kwargs)
