@@ -3,7 +3,8 @@
 Tensors named here (all 1-D unless said otherwise):
 
 * ``param_buffer`` -- ``bucket.padded_numel`` elements in the model's dtype on the model's device. After
-  :func:`flatten_params`, ``param.data`` of every bucket member is a view of it (shape of the parameter),
+  :func:`flatten_params`, ``param.data`` of every bucket member is a view of it (shape and memory format of
+  the parameter: :mod:`zeroimpl.memory_format`),
   so an in-place all-gather into ``param_buffer`` updates the model without any copy.
 * ``shard`` -- this rank's ``bucket.shard_numel`` elements of ``param_buffer`` (a view).
 * ``master`` -- the tensor the inner optimizer updates (fp32, or fp64 for fp64 models). Without offload,
@@ -20,6 +21,7 @@ from typing import Optional
 import torch
 
 from .layout import Bucket, ShardLayout, overlap
+from .memory_format import dense_strides, shaped
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -106,7 +108,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         param_buffer = torch.zeros(bucket.padded_numel, dtype=first.dtype, device=first.device)
         for index, param in zip(bucket.param_indices, members):
             slot = layout.slots[index]
-            view = param_buffer[slot.offset:slot.end].view(param.shape)
+            view = shaped(param_buffer[slot.offset:slot.end], param.shape, dense_strides(param))
             view.copy_(param.data)
             param.data = view
         start, end = bucket.shard_range(rank)

@@ -48,6 +48,7 @@ import torch
 from . import comm
 from .buffers import BucketStorage
 from .layout import ShardLayout
+from .memory_format import shaped
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -156,11 +157,13 @@ class GradientReducer:
         self._order = LaunchOrder([bucket.param_indices for bucket in layout.buckets])
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
+        self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
         self._handles = []
         for storage in storages:  # (ShardedOptimizer checked ownership before moving the parameters)
             for index, param in zip(storage.bucket.param_indices, storage.params):
                 _OWNERS[id(param)] = self
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
+                self._strides[index] = param.stride()  # its memory format: the gradient slot's too
         hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
         for storage in storages:
             for param in storage.params:
@@ -264,7 +267,7 @@ class GradientReducer:
 
     def _write_grad(self, bucket_index: int, param_index: int, grad: torch.Tensor) -> None:
         slot = self.layout.slots[param_index]
-        view = self._buffer(bucket_index)[slot.offset:slot.end].view(grad.shape)
+        view = shaped(self._buffer(bucket_index)[slot.offset:slot.end], grad.shape, self._strides[param_index])
         if grad.dtype == view.dtype:
             torch.mul(grad, self._scale, out=view)  # pre-divide by world size, as DDP does
         else:  # widen first: dividing a 16-bit gradient would round it in 16 bits

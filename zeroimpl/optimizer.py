@@ -36,6 +36,7 @@ from .host_memory import HostArena, device_tensor, host_buffers, to_device
 from .inflight import InFlightGathers
 from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
+from .memory_format import shaped
 from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
                       resolve_offload)
 from .precision import DynamicLossScaler, LossScaleConfig
@@ -228,7 +229,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The elements of ``piece`` in a shard-sized tensor: 1-D, or shaped as the parameter when whole."""
         flat = shard[piece.shard_offset:piece.shard_offset + piece.length]
         if self.layout.buckets[piece.bucket_index].whole:
-            return flat.view(self.trainable_params[piece.param_index].shape)
+            param = self.trainable_params[piece.param_index]
+            return shaped(flat, param.shape, param.stride())
         return flat
 
     def add_param_group(self, param_group: dict) -> None:

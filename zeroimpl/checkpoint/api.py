@@ -28,11 +28,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..memory_format import flattened, same_order, shaped
 from ..optimizer import ShardedOptimizer
 from . import files
 from .files import EXTRAS, INDEX, CheckpointError, rank_file
 from .format import (FORMAT, READABLE_FORMATS, class_name, copy_scalars, describe_groups, file_keys, group_classes,
-                     key_offsets, merge_scalars, param_scalars, read_rank, saved_layout, split_state)
+                     key_offsets, merge_scalars, param_scalars, read_rank, saved_layout, saved_memory_order,
+                     split_state)
 from .reshard import plan
 
 
@@ -58,7 +60,7 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     entry = None
     try:
         whole = [bucket.whole for bucket in optimizer.layout.buckets]
-        split = [(piece, master, *split_state(state, tuple(master.shape), whole[piece.bucket_index]))
+        split = [(piece, master, *split_state(state, tuple(master.shape), whole[piece.bucket_index], master.stride()))
                  for piece, master, state in optimizer.piece_states()]
         if topology.is_first:
             files.prepare_partial(directory)
@@ -102,7 +104,7 @@ def _rank_payload(optimizer: ShardedOptimizer, split: list) -> dict:
     """This rank's file: its pieces, their masters, per key the per-element state of the pieces that have it,
     and the whole-parameter state by parameter index."""
     def gather(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        return torch.cat([flattened(t.detach(), t.stride()).cpu() for t in tensors]) if tensors else torch.zeros(0)
 
     keys = sorted({key for _, _, elementwise, _, _ in split for key in elementwise or ()})
     return {
@@ -146,7 +148,7 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, k
         "offload": optimizer.offload is not None,
         "optimizer_classes": _classes(optimizer),
         "layout": optimizer.layout.fingerprint(),
-        "params": [{"shape": tuple(p.shape), "dtype": str(p.dtype), "names": n}
+        "params": [{"shape": tuple(p.shape), "strides": tuple(p.stride()), "dtype": str(p.dtype), "names": n}
                    for p, n in zip(optimizer.trainable_params, names)],
         "groups": describe_groups(optimizer),
         "param_scalars": param_scalars,
@@ -200,6 +202,12 @@ def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> 
         if tuple(entry["shape"]) != tuple(param.shape) or entry["names"] != name:
             raise CheckpointError(f"trainable parameter {i} is {entry['names']} {tuple(entry['shape'])} in the "
                                   f"checkpoint but {name} {tuple(param.shape)} here: a checkpoint of another model")
+        saved_strides = saved_memory_order(entry)
+        if not same_order(param.shape, saved_strides, param.stride()):
+            raise CheckpointError(f"trainable parameter {i} ({name}) was saved in the memory format of strides "
+                                  f"{saved_strides}, but has strides {tuple(param.stride())} here: convert the model "
+                                  "as it was when saved (e.g. model.to(memory_format=torch.channels_last)) before "
+                                  "building the optimizer, or export the checkpoint and load the weights instead")
     if [g["members"] for g in index["groups"]] != [g["members"] for g in describe_groups(optimizer)]:
         raise CheckpointError("the checkpoint's param groups hold other parameters than this optimizer's; "
                               "build the optimizer with the same param groups")
@@ -254,7 +262,8 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
     for (piece, master, _), by_key, whole_state in zip(targets, arrays, whole):
         found = scalars[piece.param_index]
         piece_states.append(None if found is None else
-                            {**copy_scalars(found), **{key: array.view(master.shape) for key, array in by_key.items()},
+                            {**copy_scalars(found),
+                             **{key: shaped(array, master.shape, master.stride()) for key, array in by_key.items()},
                              **{key: value.clone() for key, value in whole_state.items()}})
     return masters, piece_states, [g["hyperparameters"] for g in index["groups"]]
 

@@ -15,10 +15,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..memory_format import flattened, shaped
 from ..optimizer import ShardedOptimizer
 from . import files
 from .format import (READABLE_FORMATS, describe_groups, file_keys, key_offsets, param_scalars, read_rank, saved_layout,
-                     split_state)
+                     saved_memory_order, split_state)
 from .files import EXTRAS, INDEX, CheckpointError
 
 
@@ -58,7 +59,7 @@ def export_fp32_state_dict(directory: str) -> dict[str, torch.Tensor]:
     directory, index, _, masters, _ = _read_full(directory)
     state = {}
     for entry, flat in zip(index["params"], masters):
-        tensor = flat.to(torch.float32).reshape(entry["shape"])
+        tensor = shaped(flat.to(torch.float32), entry["shape"], saved_memory_order(entry))
         for name in entry["names"]:
             state[name] = tensor
     extras = files.read(directory, EXTRAS, index["files"][EXTRAS])
@@ -88,9 +89,11 @@ def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[
             if member >= 0:
                 scalars = scalars_of[member]
                 if scalars is not None:
-                    shape = index["params"][member]["shape"]
+                    entry = index["params"][member]
+                    strides = saved_memory_order(entry)
                     state[number] = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
-                                     **{key: value.reshape(shape) if value.numel() == numels[member] else value
+                                     **{key: shaped(value, entry["shape"], strides) if value.numel() == numels[member]
+                                        else value
                                         for key, value in states[member].items()}}
             numbers.append(number)
             number += 1
@@ -126,9 +129,9 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
     def split(index: int):
         """Parameter ``index``'s saved state split (per element, flattened; scalars; whole), or Nones."""
         param, saved = params[index], saved_state.get(number_of[index])
-        flattened = {k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == param.shape
-                         and (param.dim() > 0 or k in per_element) else v) for k, v in (saved or {}).items()}
-        return split_state(flattened, (param.numel(),), whole=True)
+        flat = {k: (flattened(v, param.stride()) if torch.is_tensor(v) and v.shape == param.shape
+                    and (param.dim() > 0 or k in per_element) else v) for k, v in (saved or {}).items()}
+        return split_state(flat, (param.numel(),), whole=True)
 
     whole_buckets = [bucket.whole for bucket in optimizer.layout.buckets]
     for index, slot in enumerate(optimizer.layout.slots):  # every parameter, whichever rank owns it
@@ -145,5 +148,6 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
             continue
         window = slice(piece.param_start, piece.param_end)
         piece_states.append({**scalars, **whole,
-                             **{key: values[window].clone().view(master.shape) for key, values in elementwise.items()}})
+                             **{key: shaped(values[window].clone(), master.shape, master.stride())
+                                for key, values in elementwise.items()}})
     optimizer.restore_state(piece_states, saved_groups)

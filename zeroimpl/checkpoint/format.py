@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ..layout import ShardLayout
+from ..memory_format import contiguous_strides, flattened
 from . import files
 from .files import CheckpointError, rank_file
 
@@ -18,21 +19,22 @@ FORMAT = "zeroimpl.checkpoint/3"
 READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", FORMAT)
 
 
-def split_state(state: Optional[dict], shape: tuple, whole: bool):
+def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optional[tuple] = None):
     """A piece's inner state -> (per-element tensors, flattened; scalars; whole-parameter tensors), or
     ``(None, None, None)`` for no state yet.
 
     Per element: a tensor of the piece's ``shape`` (1-D for a flat piece; the parameter's shape for a
     ``whole`` piece -- a parameter of a whole-parameter bucket). Whole-parameter state (Adafactor's factored
     ``row_var``/``col_var``, or a state of another shape) is any other tensor of a whole piece; it moves with
-    its parameter, never split.
+    its parameter, never split. ``strides``: the piece's memory format (per-element tensors are flattened in
+    that order, the order of the flat buffers); ``None`` for 1-D pieces.
     """
     if not state:
         return None, None, None
     elementwise, scalars, whole_state = {}, {}, {}
     for key, value in state.items():
         if torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
-            elementwise[key] = value.reshape(-1)
+            elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
         elif torch.is_tensor(value) and value.dim() == 0:
             scalars[key] = value.detach().cpu().clone()
         elif value is None or isinstance(value, (bool, int, float)):
@@ -141,3 +143,8 @@ def read_rank(directory: str, index: dict, layout: ShardLayout, rank: int,
         raise CheckpointError(f"{rank_file(rank)} in {directory!r} does not match the checkpoint's index")
     payload.setdefault("whole_state", {})
     return payload
+
+
+def saved_memory_order(entry: dict) -> tuple:
+    """The strides a checkpoint's parameter entry was saved with (contiguous before they were recorded)."""
+    return tuple(entry["strides"]) if "strides" in entry else contiguous_strides(entry["shape"])

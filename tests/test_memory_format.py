@@ -1,0 +1,153 @@
+"""Parameters keep their memory format through flattening: channels_last conv weights (the strides cuDNN's
+NHWC kernels need) and a transposed matrix. Training is bitwise that of DDP + the same torch optimizer on
+the same channels_last model at world size 2 (stages 1 and 2, offload, AdamW and whole-parameter
+Adafactor), and checkpoints export the parameters and the torch optimizer state in the model's shapes,
+strides and values.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from distributed import run_distributed
+from zeroimpl import CPUOffload, ShardedOptimizer
+from zeroimpl.checkpoint import (CheckpointError, consolidated_optimizer_state_dict, export_fp32_state_dict,
+                                 load_checkpoint, load_torch_optimizer_state, save_checkpoint)
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.head = torch.nn.Parameter(torch.randn(4, 8).t() * 0.3)  # (8, 4), strides (1, 8)
+
+    def forward(self, x):
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return x.mean(dim=(2, 3)) @ self.head
+
+
+def _model(channels_last=True):
+    torch.manual_seed(0)
+    model = ConvNet()
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def _data(rank, step):
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    images = torch.randn(4, 3, 8, 8, generator=generator).to(memory_format=torch.channels_last)
+    return images, torch.randint(0, 4, (4,), generator=generator)
+
+
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+              "adafactor": (torch.optim.Adafactor, {"lr": 1e-2})}
+CASES = {"stage 1": ("adamw", {"stage": 1}), "stage 2": ("adamw", {"stage": 2}),
+         "stage 2 + offload": ("adamw", {"stage": 2, "offload": CPUOffload(fused_step=False)}),
+         "adafactor, stage 2": ("adafactor", {"stage": 2})}
+
+
+def _train(rank, optimizer_name, zero_kwargs, root=None):
+    model = _model()
+    strides = {name: p.stride() for name, p in model.named_parameters()}
+    optimizer_class, kwargs = OPTIMIZERS[optimizer_name]
+    if zero_kwargs is None:
+        forward, optimizer = DistributedDataParallel(model), optimizer_class(model.parameters(), **kwargs)
+    else:
+        forward = model
+        optimizer = ShardedOptimizer(model.parameters(), optimizer_class, bucket_numel=256, **zero_kwargs, **kwargs)
+    kept = {name: p.stride() for name, p in model.named_parameters()} == strides
+    for step in range(4):
+        _step(forward, optimizer, rank, step)
+    result = {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "kept": kept}
+    if zero_kwargs is None:
+        result["state"] = optimizer.state_dict()["state"]
+    elif root is not None:
+        save_checkpoint(root, optimizer, model)
+    return result
+
+
+def _step(forward, optimizer, rank, step):
+    images, labels = _data(rank, step)
+    F.cross_entropy(forward(images), labels).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _resumed_from_torch(rank, optimizer_name, zero_kwargs):
+    """DDP trains 3 steps; its weights and torch optimizer state move into a ShardedOptimizer
+    (load_torch_optimizer_state); then both take 2 more steps: the models must be equal bitwise."""
+    optimizer_class, kwargs = OPTIMIZERS[optimizer_name]
+    model = _model()
+    ddp, optimizer = DistributedDataParallel(model), optimizer_class(model.parameters(), **kwargs)
+    for step in range(3):
+        _step(ddp, optimizer, rank, step)
+    ours = _model()
+    ours.load_state_dict(model.state_dict())
+    sharded = ShardedOptimizer(ours.parameters(), optimizer_class, bucket_numel=256, **zero_kwargs, **kwargs)
+    load_torch_optimizer_state(sharded, optimizer.state_dict())
+    for step in range(3, 5):
+        _step(ddp, optimizer, rank, step)
+        _step(ours, sharded, rank, step)
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), ours.parameters()))
+
+
+def _runs(rank, world_size, root):
+    results = {}
+    for name, (optimizer_name, zero_kwargs) in CASES.items():
+        results[name] = _train(rank, optimizer_name, zero_kwargs, os.path.join(root, name))
+        results[name, "DDP"] = _train(rank, optimizer_name, None)
+        results[name, "resumed"] = _resumed_from_torch(rank, optimizer_name, zero_kwargs)
+    # a checkpoint of the channels_last model loaded into a contiguous one: refused on every rank
+    model = _model(channels_last=False)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, bucket_numel=256, lr=1e-2)
+    try:
+        load_checkpoint(os.path.join(root, "stage 2"), optimizer, model)
+        results["refused"] = None
+    except CheckpointError as error:
+        results["refused"] = str(error)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("memory_format"))
+    return root, run_distributed(2, _runs, root)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_memory_format_is_kept_and_training_is_bitwise_ddp(runs, case):
+    _, by_rank = runs
+    for results in by_rank:
+        ours, reference = results[case], results[case, "DDP"]
+        assert ours["kept"] and reference["kept"]
+        for name, p in ours["params"].items():
+            assert torch.equal(p, reference["params"][name]), name
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_checkpoint_exports_the_models_layout_and_torchs_state(runs, case):
+    root, by_rank = runs
+    reference = by_rank[0][case, "DDP"]
+    exported = export_fp32_state_dict(os.path.join(root, case))
+    for name, p in by_rank[0][case]["params"].items():
+        assert torch.equal(exported[name], p) and exported[name].stride() == p.stride(), name
+    state = consolidated_optimizer_state_dict(os.path.join(root, case))["state"]
+    assert state.keys() == reference["state"].keys()
+    for number, saved in state.items():
+        for key, value in saved.items():
+            assert torch.equal(value, reference["state"][number][key]), (number, key)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_optimizer_state_loads_in_the_models_layout(runs, case):
+    for results in runs[1]:
+        assert results[case, "resumed"]
+
+
+def test_a_checkpoint_in_another_memory_format_is_refused(runs):
+    _, by_rank = runs
+    for results in by_rank:
+        assert results["refused"] is not None and "memory format" in results["refused"]

@@ -1,0 +1,55 @@
+"""A parameter's memory format (its strides), kept through flattening.
+
+Every trainable parameter lives as a run of ``numel`` elements of a flat buffer, in the parameter's own
+memory order: a channels_last conv weight of shape (8, 8, 3, 3) keeps its strides (72, 1, 24, 8), so that
+cuDNN still picks its NHWC kernels. Its gradient slot, its optimizer state (per element, in the same flat
+order) and the checkpoint files use that order too; the checkpoint index records the strides, and
+exports give tensors of the parameter's shape and strides. A parameter that is not dense (overlapping
+elements, or gaps: a slice of a larger tensor) is stored contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """``tensor``'s strides when its elements fill ``numel`` consecutive slots in some order of its dims
+    (contiguous, channels_last, a transposed matrix), else the contiguous strides of its shape."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s != 1):
+        if stride != expected:
+            return contiguous_strides(tensor.shape)
+        expected *= size
+    return tuple(tensor.stride())
+
+
+def same_order(shape: Sequence[int], strides: Sequence[int], other: Sequence[int]) -> bool:
+    """Whether two stride tuples of ``shape`` lay the elements out alike (dims of size 1 do not matter)."""
+    return all(a == b for size, a, b in zip(shape, strides, other) if size != 1)
+
+
+def shaped(flat: torch.Tensor, shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+    """A view of ``flat`` (1-D, ``numel`` elements in memory order) with ``shape`` and ``strides``."""
+    return flat.as_strided(tuple(shape), tuple(strides))
+
+
+def flattened(tensor: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
+    """``tensor``'s elements as a 1-D tensor in the memory order that ``strides`` describe (a view when both
+    are contiguous, else a copy)."""
+    if tensor.dim() <= 1 or (tensor.is_contiguous()
+                             and same_order(tensor.shape, strides, contiguous_strides(tensor.shape))):
+        return tensor.reshape(-1)
+    out = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    shaped(out, tensor.shape, strides).copy_(tensor)
+    return out
