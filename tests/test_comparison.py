@@ -166,3 +166,20 @@ def test_muon_comparison_judges_against_ddp_with_torch_muon(tmp_path):
     assert by_name[wrong.name].verdict == "DEVIATES"
     assert "one optimizer class" in by_name["PyTorch ZeRO"].outcome
     assert "Muon lr 0.02 on the hidden matrices" in open(os.path.join(tmp_path, "comparison.md")).read()
+
+
+def test_bf16_runs_each_implementations_recipe(tmp_path):
+    """--precision bf16: zeroimpl trains bf16 parameters with fp32 master shards (half the parameter bytes of
+    DDP, which runs its fp32 model under autocast), within the bf16 rule of DDP; the caption says so."""
+    workload = Workload("gpt2", "tiny", world_size=2, steps=3, settings=TrainSettings(precision="bf16"))
+    chosen = ("DDP", "zeroimpl stage 2", "zeroimpl stage 1 + offload")
+    rows, _ = compare(workload, str(tmp_path), [i for i in all_implementations() if i.name in chosen],
+                      progress=lambda message: None)
+    reference, *ours = rows
+    for row in ours:
+        assert row.verdict == "within tolerance", row
+        assert row.model_state_bytes["parameters"] * 2 == reference.model_state_bytes["parameters"], row
+        measured = row.model_state_bytes
+        assert row.predicted_bytes == measured["total"] - measured["buffers"], row
+    assert "bf16 (zeroimpl, DeepSpeed: bf16 parameters, fp32 masters" in open(os.path.join(tmp_path,
+                                                                                       "comparison.md")).read()

@@ -3,7 +3,7 @@
 ``build_model(family, size)`` gives the same initial weights in every process (seeded), so that runs of
 different implementations start from identical parameters. Sizes (approximate trainable parameters with
 the vocabulary below): ``tiny`` ~30K (tests), ``small`` ~1.1M (a quick comparison: about a minute on two
-CPU cores), ``base`` ~27-34M (the default comparison), ``large`` ~110M for GPT-2.
+CPU cores), ``base`` ~27-34M (the default comparison), ``large`` ~110M for GPT-2, ``1b`` ~1B (for GPUs).
 
 ``family`` may instead be a local model directory (``config.json``, and weights if saved with
 ``save_pretrained``): the model is loaded from it (its own weights, or seeded initial ones from the config
@@ -25,6 +25,7 @@ SIZES = {  # (hidden, layers, heads, vocabulary, sequence length)
     "small": (128, 4, 4, 2048, 64),
     "base": (512, 8, 8, 8192, 128),
     "large": (768, 12, 12, 32000, 256),
+    "1b": (2048, 20, 16, 32000, 512),  # GPT-2 1.07B, LLaMA 0.89B: the GPU benchmark's (benchmarks/gpu.py)
 }
 
 

@@ -34,6 +34,10 @@ class TrainSettings:
     micro_batch_size: int = 4
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: torch.optim.Muon on the hidden matrices
     muon_lr: float = 0.02
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: each implementation's own bf16 recipe. zeroimpl and DeepSpeed keep the parameters in bf16 and fp32
+    master weights for their shard; DDP, PyTorch ZeRO and FairScale run the fp32 model under
+    ``torch.autocast(dtype=torch.bfloat16)`` (automatic mixed precision)."""
 
     def adamw_kwargs(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}

@@ -89,7 +89,8 @@ class DeepSpeed(Implementation):
         if settings.optimizer == "muon":
             muon = {"muon_lr": settings.muon_lr, "momentum": 0.95, "ns_method": "standard"}
             optimizer = {"type": "Muon", "params": {**adamw, **muon}}
-        return {"train_micro_batch_size_per_gpu": settings.micro_batch_size,
+        precision = {"bf16": {"enabled": True}} if settings.precision == "bf16" else {}
+        return {**precision, "train_micro_batch_size_per_gpu": settings.micro_batch_size,
                 "gradient_accumulation_steps": settings.accum,
                 "train_batch_size": settings.micro_batch_size * settings.accum * world_size,
                 "gradient_clipping": settings.max_grad_norm or 0.0,

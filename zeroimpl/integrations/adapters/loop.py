@@ -20,6 +20,8 @@ class WrapperLoopRunner(Runner):
     holds.
     """
 
+    autocasts = True  # with precision "bf16", forward under torch.autocast (False: the model itself is bf16)
+
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, optimizer, settings: TrainSettings,
                  device: torch.device):
         self.module = module  # what forward runs through
@@ -52,7 +54,10 @@ class WrapperLoopRunner(Runner):
 
     def backward(self, micro_batches: list[dict]) -> list[float]:
         self.zero_grad()
-        return run_micro_batches(self.module, self.run_backward,
+        forward = self.module
+        if self.autocasts and self.settings.precision == "bf16":
+            forward = _under_autocast(self.module, self.device)
+        return run_micro_batches(forward, self.run_backward,
                                  [on_device(batch, self.device) for batch in micro_batches], self.no_sync)
 
     def step(self) -> None:
@@ -77,3 +82,11 @@ def replicated_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _under_autocast(module: torch.nn.Module, device: torch.device):
+    """``module``'s forward under ``torch.autocast`` to bfloat16 on ``device``."""
+    def forward(**batch):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return module(**batch)
+    return forward

@@ -21,6 +21,8 @@ def sharded_groups(model: torch.nn.Module, settings: TrainSettings) -> list[dict
 
 
 class ZeroimplRunner(WrapperLoopRunner):
+    autocasts = False  # bf16: the model's parameters are bf16, the fp32 masters are the shard's
+
     def no_sync(self):
         # stage 1 reduces once per step anyway; with offload in stage 2 the sum stays on the device
         return self.optimizer.accumulating() if self.optimizer.offload else contextlib.nullcontext()
@@ -49,6 +51,8 @@ class Zeroimpl(Implementation):
         self.name = f"zeroimpl stage {stage}" + (" + offload" if offload else "")
 
     def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
+        if settings.precision == "bf16":
+            model.to(torch.bfloat16)
         optimizer = ShardedOptimizer(sharded_groups(model, settings), torch.optim.AdamW,
                                      stage=self.stage, offload="cpu" if self.offload else None,
                                      **settings.adamw_kwargs())

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
                         help="muon: torch.optim.Muon on the hidden matrices, AdamW on the rest (default: adamw)")
     parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="bf16: zeroimpl and DeepSpeed train bf16 parameters with fp32 master shards, the "
+                        "others the fp32 model under torch.autocast (default: fp32)")
     parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
                         help="run only implementations whose name contains one of these (DDP always runs)")
     parser.add_argument("--out", default="runs/comparison", help="folder for the table, CSV, JSON and chart")
@@ -65,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     implementations = [i for i in all_implementations()
                        if args.only is None or i.stage == 0 or any(n.lower() in i.name.lower() for n in args.only)]
     settings = TrainSettings(lr=args.lr, accum=args.accum, micro_batch_size=args.micro_batch_size,
-                             optimizer=args.optimizer, muon_lr=args.muon_lr)
+                             optimizer=args.optimizer, muon_lr=args.muon_lr, precision=args.precision)
     workload = Workload(args.model, args.size, args.world_size, args.steps, settings=settings, device=args.device)
     command = "zeroimpl-compare " + shlex.join(sys.argv[1:] if argv is None else argv)
     with tqdm(total=len(implementations), unit="run", desc="comparison") as bar:

@@ -23,7 +23,9 @@ def predicted_model_state(implementation: Implementation, workload: Workload) ->
     """zeroimpl's estimate for its own rows (parameters, gradients, optimizer state, master weights)."""
     if not isinstance(implementation, Zeroimpl):
         return None
-    model = build_model(workload.family, workload.size)
+    dtype = torch.bfloat16 if workload.settings.precision == "bf16" else torch.float32
+    with torch.device("meta"):  # shapes and dtypes are all it needs
+        model = build_model(workload.family, workload.size, dtype)
     report = estimate_memory(sharded_groups(model, workload.settings), workload.world_size,
                              implementation.stage, offload="cpu" if implementation.offload else None,
                              optimizer_kwargs=workload.settings.adamw_kwargs())

@@ -11,7 +11,7 @@ from typing import Optional
 from ..adapters import MODEL_STATE_KINDS
 from ..models import is_directory_model
 from .harness import RunResult, Workload
-from .verdict import LOSS_ATOL, MUON_LOSS_ATOL, MUON_PARAMETER_RTOL_OF_LR, PARAMETER_RTOL_OF_LR, Verdict
+from .verdict import Verdict, tolerances
 
 MIB = 2 ** 20
 
@@ -110,13 +110,13 @@ def caption(workload: Workload, parameters: int) -> str:
              else f"{workload.family} ({workload.size}, {parameters / 1e6:.2f}M parameters)")
     if settings.optimizer == "muon":
         optimizer = f"Muon lr {settings.muon_lr} on the hidden matrices, AdamW lr {settings.lr} on the rest"
-        tolerance = (f"loss {MUON_LOSS_ATOL:g}, parameters {MUON_PARAMETER_RTOL_OF_LR * settings.muon_lr:g} = "
-                     f"{MUON_PARAMETER_RTOL_OF_LR:g} of Muon's lr: torch's Muon orthogonalises in bf16")
     else:
         optimizer = f"AdamW lr {settings.lr}"
-        tolerance = f"loss {LOSS_ATOL:g}, parameters {PARAMETER_RTOL_OF_LR * settings.lr:g} = 1% of lr"
+    tolerance = tolerances(settings)[2]
+    precision = ("bf16 (zeroimpl, DeepSpeed: bf16 parameters, fp32 masters; the others: autocast)"
+                 if settings.precision == "bf16" else "fp32")
     return (f"{model}, world size "
-            f"{workload.world_size}, {workload.device}, fp32, {optimizer}, {workload.steps} steps "
+            f"{workload.world_size}, {workload.device}, {precision}, {optimizer}, {workload.steps} steps "
             f"x {settings.accum} micro-batches of {settings.micro_batch_size}, clip {settings.max_grad_norm}. "
             "Memory in MiB per rank (largest rank); model states at the larger of after-backward and "
             "after-step; peak past start-up; step time median after warm-up; deviations from DDP "
