@@ -9,6 +9,7 @@ allocator, which does not reuse it before the copy has run. Off CUDA these are p
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -38,11 +39,17 @@ class HostArena:
 
     def __init__(self, numels: list[int], dtype: torch.dtype, pin: bool):
         self._block = torch.zeros(sum(numels), dtype=dtype)
-        self.slices: list[torch.Tensor] = list(self._block.split(numels))
         self.pinned = pin and self._block.numel() > 0
         if self.pinned:
-            _register(self._block)
-            weakref.finalize(self, _unregister, self._block)
+            try:
+                _register(self._block)
+                weakref.finalize(self, _unregister, self._block)
+            except (RuntimeError, AttributeError) as error:  # no cudaHostRegister here (a sandbox, another build)
+                warnings.warn(f"zeroimpl: cudaHostRegister failed ({error}); the offloaded host buffers are "
+                              "page-locked by torch's caching host allocator instead, which may round them up to "
+                              "a power of two", RuntimeWarning, stacklevel=3)
+                self._block = self._block.pin_memory()
+        self.slices: list[torch.Tensor] = list(self._block.split(numels))
 
     @property
     def nbytes(self) -> int:

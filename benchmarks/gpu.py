@@ -1,0 +1,296 @@
+"""The GPU benchmark: zeroimpl against its peers on CUDA, in one command per section (NCCL, one rank per GPU).
+
+    python benchmarks/gpu.py                           # every section (about 12 minutes on one H100)
+    python benchmarks/gpu.py --sections comparison knobs
+    python benchmarks/gpu.py --sections largest
+    python benchmarks/gpu.py --dry-run                 # the same code on CPU (gloo, tiny models), a minute
+
+Writes ``benchmarks/results/gpu/`` (``--out``):
+
+1. ``comparison``: the comparison harness (``zeroimpl-compare --device cuda --precision bf16``) on GPT-2 1b
+   (1.07B parameters) in bf16, world size = the GPUs present: zeroimpl stage 1, stage 2 and stage 1/2 +
+   offload against DDP, PyTorch ZeRO, FairScale and DeepSpeed ZeRO-1/2 (+ offload), whichever are installed;
+   step time (median after warm-up) and CUDA peak per rank, as ratios to DDP in the same run, and each
+   row's verdict against DDP. -> ``comparison.md`` (and .csv, .json, .png)
+2. ``knobs``: zeroimpl stage 2 on the same model, the parameter all-gather overlapped with the next forward
+   (the default) or waited for in ``step()``, and the reduce-scatter window ``max_inflight_buckets`` 2 (the
+   default: the wait on reduce-scatter i-2 holds the compute stream), 8 and 64, against DDP under autocast;
+   median step time and CUDA peak. -> ``knobs.md``
+3. ``largest``: LLaMA configurations of growing size in bf16, micro-batch 1 of 512 tokens, two steps each,
+   with stage 2 + CPU offload on one GPU, and DeepSpeed ZeRO-2 + offload the same way; a configuration
+   passes when both steps end with a finite loss; each implementation stops at its first failure (CUDA or
+   host out of memory, or any error). Host memory bounds both: about 16 bytes per parameter, so a
+   configuration that needs more than 90% of the host's memory is not tried.
+   -> ``largest.md``
+
+DeepSpeed and FairScale are optional: rows for a missing one say how to install it. On a machine without
+internet, build their wheels where pip works (``pip wheel --no-deps deepspeed==0.19.8 fairscale==0.4.13``)
+and install them there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from zeroimpl.integrations.launch import run_distributed  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "gpu")
+SECTIONS = ("comparison", "knobs", "largest")
+# (hidden, layers): LLaMA-style, intermediate 2.6875 x hidden, vocabulary 32000; about 1.3B, 3.4B, 6.7B, 13B
+LADDER = [(2048, 24), (3072, 28), (4096, 32), (5120, 40)]
+DRY_LADDER = [(64, 2), (128, 2)]
+# offload's host bytes per parameter: fp32 master, gradient shard and two AdamW moments (both implementations)
+HOST_BYTES_PER_PARAMETER = 16
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"{platform.machine()} CPU ({os.cpu_count()} cores), torch {torch.__version__}, gloo"
+
+
+# -- 1. the comparison ---------------------------------------------------------------------------------
+def comparison(out: str, device: str, world_size: int, size: str, steps: int) -> str:
+    from zeroimpl.integrations.adapters import TrainSettings, all_implementations
+    from zeroimpl.integrations.comparison.compare import compare
+    from zeroimpl.integrations.comparison.harness import Workload
+
+    workload = Workload("gpt2", size, world_size, steps, settings=TrainSettings(precision="bf16"), device=device)
+    command = f"python benchmarks/gpu.py --sections comparison (gpt2 {size}, {world_size} rank(s))"
+    compare(workload, out, all_implementations(), progress=print, command=command)
+    return os.path.join(out, "comparison.md")
+
+
+# -- 2. zeroimpl's knobs -------------------------------------------------------------------------------
+KNOBS = {
+    "DDP, autocast bf16": None,
+    "zeroimpl stage 2 (defaults: overlapped all-gather, window 2)": {},
+    "zeroimpl stage 2, all-gather waited for in step()": {"overlap_param_gather": False},
+    "zeroimpl stage 2, window 8": {"max_inflight_buckets": 8},
+    "zeroimpl stage 2, window 64": {"max_inflight_buckets": 64},
+}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _knob_rank(rank: int, world_size: int, size: str, steps: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zeroimpl import ShardedOptimizer
+    from zeroimpl.integrations.models import batch, build_model, param_groups
+
+    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+    results = {}
+    for name, knobs in KNOBS.items():
+        model = build_model("gpt2", size).to(device)
+        if knobs is None:
+            forward_module = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+            optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-4)
+
+            def forward(micro, forward_module=forward_module):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    return forward_module(**micro).loss
+            backward = torch.Tensor.backward
+        else:
+            model.to(torch.bfloat16)
+            optimizer = ShardedOptimizer(param_groups(model, 0.01), torch.optim.AdamW, stage=2, lr=1e-4, **knobs)
+
+            def forward(micro, model=model):
+                return model(**micro).loss
+            backward = optimizer.backward
+        times = []
+        for step in range(steps):
+            micro = {k: v.to(device) for k, v in batch("gpt2", size, rank, step, 0, 4).items()}
+            if step == 1:
+                _peak_reset(device)
+            _synchronize(device)
+            started = time.perf_counter()
+            backward(forward(micro))
+            optimizer.step()
+            optimizer.zero_grad()
+            _synchronize(device)
+            if step >= 1:
+                times.append(time.perf_counter() - started)
+        results[name] = (statistics.median(times), _peak(device))
+        del model, optimizer, forward
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def knobs(out: str, device: str, world_size: int, size: str, steps: int) -> str:
+    backend = "nccl" if device == "cuda" else "gloo"
+    by_rank = run_distributed(world_size, _knob_rank, size, steps, backend=backend, timeout=1800)
+    seconds = {name: max(r[name][0] for r in by_rank) for name in KNOBS}  # the slowest rank sets the pace
+    peaks = {name: max(r[name][1] for r in by_rank) for name in KNOBS}
+    ddp = seconds["DDP, autocast bf16"]
+    rows = [f"| {name} | {seconds[name] * 1e3:.1f} | {seconds[name] / ddp:.3f} | {peaks[name] / 2 ** 20:.0f} |"
+            for name in KNOBS]
+    text = "\n".join([
+        "# zeroimpl's overlap knobs on the GPU", "",
+        f"{_machine(device)}; {world_size} rank(s); `python benchmarks/gpu.py --sections knobs`: GPT-2 {size} "
+        f"(zeroimpl: bf16 parameters, fp32 master shards; DDP: fp32 model under autocast), micro-batch 4, AdamW, "
+        f"median step time (forward + backward + step) of the slowest rank over {steps - 1} steps after one "
+        "warm-up, and the CUDA peak (max_memory_allocated) past the warm-up.", "",
+        "| run | step ms | / DDP | CUDA peak MiB |", "| --- | --- | --- | --- |", *rows, ""])
+    path = os.path.join(out, "knobs.md")
+    with open(path, "w") as handle:
+        handle.write(text)
+    return path
+
+
+# -- 3. the largest model that trains ------------------------------------------------------------------
+def _llama(hidden: int, layers: int, device: torch.device) -> torch.nn.Module:
+    """A LLaMA of ``hidden`` x ``layers`` built in bf16 directly on ``device`` (seeded)."""
+    import transformers
+
+    heads = max(1, hidden // 128)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers,
+                                      intermediate_size=int(hidden * 2.6875) // 64 * 64, num_attention_heads=heads,
+                                      num_key_value_heads=heads, max_position_embeddings=512,
+                                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _largest_rank(rank: int, world_size: int, implementation: str, hidden: int, layers: int, tokens: int) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = _llama(hidden, layers, device)
+    parameters = sum(p.numel() for p in model.parameters())
+    from zeroimpl.integrations.models import param_groups
+
+    ids = torch.randint(2, 32000, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    if implementation == "zeroimpl":
+        from zeroimpl import ShardedOptimizer
+
+        optimizer = ShardedOptimizer(param_groups(model, 0.01), torch.optim.AdamW, stage=2, offload="cpu", lr=1e-5)
+        forward, backward, step = model, optimizer.backward, optimizer.step
+    else:
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                          "pin_memory": device.type == "cuda"}},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
+                  "steps_per_print": 10 ** 9}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01), config=config)
+        forward, backward, step = engine, engine.backward, engine.step
+    losses, started = [], time.perf_counter()
+    for _ in range(2):
+        loss = forward(input_ids=ids, labels=ids).loss
+        backward(loss)
+        step()
+        losses.append(loss.item())
+    return {"parameters": parameters, "losses": losses, "seconds": (time.perf_counter() - started) / 2,
+            "peak": _peak(device)}
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _attempt(implementation: str, hidden: int, layers: int, device: str, tokens: int) -> tuple[bool, str, dict]:
+    env = {"DS_ACCELERATOR": "cuda" if device == "cuda" else "cpu"}
+    try:
+        result = run_distributed(1, _largest_rank, implementation, hidden, layers, tokens, timeout=900,
+                                 backend="nccl" if device == "cuda" else "gloo", env=env)[0]
+    except AssertionError as error:  # a rank raised, died (the host's out-of-memory killer) or hung
+        text = str(error)
+        kind = ("CUDA out of memory" if "CUDA out of memory" in text or "OutOfMemoryError" in text else
+                "host out of memory" if "MemoryError" in text or "exit code -9" in text or "killed" in text else
+                "timed out" if "timed out" in text else "failed: " + text.strip().splitlines()[-1][:200])
+        return False, kind, {}
+    finite = all(torch.isfinite(torch.tensor(result["losses"])))
+    return finite, "trains" if finite else "non-finite loss", result
+
+
+def largest(out: str, device: str, ladder: list[tuple[int, int]], tokens: int) -> str:
+    import importlib.util
+
+    rows = []
+    for implementation in ("zeroimpl", "deepspeed"):
+        name = {"zeroimpl": "zeroimpl stage 2 + offload", "deepspeed": "DeepSpeed ZeRO-2 + offload"}[implementation]
+        if implementation == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            rows.append(f"| {name} | - | - | skipped: pip install --no-build-isolation deepspeed==0.19.8 | - | - |")
+            continue
+        for hidden, layers in ladder:
+            started = time.monotonic()
+            needed = HOST_BYTES_PER_PARAMETER * sum(p.numel() for p in _llama(hidden, layers, torch.device("meta"))
+                                                    .parameters())
+            if needed > 0.9 * _host_memory():  # the host's out-of-memory killer would end it, slowly
+                rows.append(f"| {name} | {hidden} x {layers} | {needed / HOST_BYTES_PER_PARAMETER / 1e9:.2f}B | not "
+                            f"tried: needs about {needed / 2 ** 30:.0f} GiB of host memory | - | - |")
+                break
+            ok, outcome, result = _attempt(implementation, hidden, layers, device, tokens)
+            size = f"{result['parameters'] / 1e9:.2f}B" if result else "-"
+            step = f"{result['seconds']:.1f}" if result else "-"
+            peak = f"{result['peak'] / 2 ** 30:.1f}" if result else "-"
+            rows.append(f"| {name} | {hidden} x {layers} | {size} | {outcome} ({time.monotonic() - started:.0f} s) "
+                        f"| {step} | {peak} |")
+            print(rows[-1], flush=True)
+            if not ok:
+                break
+    text = "\n".join([
+        "# The largest model that trains with stage 2 + CPU offload on one GPU", "",
+        f"{_machine(device)}; host memory {_host_memory() / 2 ** 30:.0f} "
+        f"GiB; `python benchmarks/gpu.py --sections largest`: LLaMA-style configurations (hidden x layers, "
+        f"vocabulary 32000) in bf16, one sequence of {tokens} tokens, AdamW; two steps each, in a fresh process; "
+        "each implementation stops at its first failure.", "",
+        "| implementation | hidden x layers | parameters | outcome | s / step | CUDA peak GiB |",
+        "| --- | --- | --- | --- | --- | --- |", *rows, ""])
+    path = os.path.join(out, "largest.md")
+    with open(path, "w") as handle:
+        handle.write(text)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--steps", type=int, default=6, help="steps per run of sections 1 and 2 (the first untimed)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, gloo, 2 ranks, tiny models: check the script, measure nothing")
+    args = parser.parse_args()
+    if args.dry_run:
+        device, world_size, size, ladder, tokens = "cpu", 2, "tiny", DRY_LADDER, 16
+    elif torch.cuda.is_available():
+        device, world_size, size, ladder, tokens = "cuda", torch.cuda.device_count(), "1b", LADDER, 512
+    else:
+        sys.exit("benchmarks/gpu.py needs a CUDA GPU (or --dry-run)")
+    os.makedirs(args.out, exist_ok=True)
+    for section in args.sections:
+        started = time.monotonic()
+        if section == "comparison":
+            path = comparison(args.out, device, world_size, size, args.steps)
+        elif section == "knobs":
+            path = knobs(args.out, device, world_size, size, args.steps)
+        else:
+            path = largest(args.out, device, ladder, tokens)
+        print(f"{section}: wrote {path} in {time.monotonic() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
