@@ -1,8 +1,10 @@
-"""``overlap_param_gather=True``: each bucket's parameter all-gather stays in flight after ``step()`` and is
-waited for just before the forward of the first module holding one of its parameters. Results must be
-bitwise those of the default mode (the same collectives, waited for later), and every path that reads the
-parameters in between must see the new values: a forward (also under ``no_grad`` / ``eval``), checkpoints,
-``verify_ranks_agree``, and a user's read after ``finish_param_gathers()``.
+"""``overlap_param_gather`` (the default): each bucket's parameter all-gather stays in flight after ``step()``
+and is waited for by the first torch operation or module forward that touches one of its parameters
+(zeroimpl/inflight.py). Results must be bitwise those of ``overlap_param_gather=False`` (the same
+collectives, waited for in ``step()``), and every path that reads the parameters in between must see the
+new values with no call from the user: a forward (also under ``no_grad`` / ``eval``), checkpoints,
+``verify_ranks_agree``, a user's own reads and writes, an extension kernel, TorchScript, torch.func; and the
+guard must leave torch's mode stack as it found it.
 """
 
 import io
@@ -14,7 +16,7 @@ import torch
 
 from distributed import run_distributed
 from workloads import RunConfig, batch, bitwise_equal, build_model, param_groups, train
-from zeroimpl import CPUOffload, ShardedOptimizer
+from zeroimpl import CPUOffload, ShardedOptimizer, comm
 from zeroimpl.checkpoint import export_fp32_state_dict, save_checkpoint
 
 CASES = {"stage 1": {"stage": 1}, "stage 2": {"stage": 2}, "stage 2 + offload": {"stage": 2, "offload": True},
@@ -121,9 +123,23 @@ USER_READS = {
 }
 
 
+def _issue_gathers_late_on_rank_1(rank: int, seconds: float = 0.1):
+    """Test instrument: on rank 1, each parameter all-gather is issued ``seconds`` after the one before (a
+    slow peer), so that rank 0's gathers of bucket k are surely in flight for (k + 1) * ``seconds`` after its
+    step() returns. The real collectives still run."""
+    original = comm.all_gather
+
+    def late(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+    if rank == 1:
+        comm.all_gather = late
+
+
 def _user_reads(rank, world_size):
     """After each step, a read or write of the parameters in user code, with no call to finish_param_gathers.
-    Rank 1 enters step() late, so rank 0's all-gathers are surely still in flight when it reads."""
+    Rank 1 issues its all-gathers late, so rank 0's are surely still in flight when it reads."""
+    _issue_gathers_late_on_rank_1(rank)
     models, optimizers = [], []
     for overlap in (False, True):
         model = build_model("gpt2")
@@ -134,8 +150,6 @@ def _user_reads(rank, world_size):
     for step, (name, read) in enumerate(USER_READS.items()):
         for model, optimizer in zip(models, optimizers):
             optimizer.backward(model(**batch(rank, step, 0)).loss)
-            if rank == 1 and optimizer.overlap_param_gather:
-                time.sleep(0.3)
             optimizer.step()
             optimizer.zero_grad()
         if rank == 0:
@@ -147,8 +161,6 @@ def _user_reads(rank, world_size):
         results[name] = all(torch.equal(a, b) for a, b in zip(plain, overlapped))
     for model, optimizer in zip(models, optimizers):  # leave the last gathers in flight: teardown must not hang
         optimizer.backward(model(**batch(rank, 99, 0)).loss)
-        if rank == 1 and optimizer.overlap_param_gather:
-            time.sleep(0.3)
         optimizer.step()
     return results
 
@@ -156,3 +168,123 @@ def _user_reads(rank, world_size):
 def test_a_users_own_read_or_write_after_step_sees_the_new_parameters():
     for results in run_distributed(2, _user_reads):
         assert results == {name: True for name in USER_READS}
+
+
+class _KernelLinear(torch.autograd.Function):
+    """A linear layer whose kernel runs below torch's Python dispatch, as a C++ extension's or Triton's does
+    (torch function modes cannot see it)."""
+
+    @staticmethod
+    def forward(x, weight):
+        with torch._C.DisableTorchFunction():
+            return x @ weight.t()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+class _KernelNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(64, 32) * 0.1)  # bucket 0, read by the kernel alone
+        self.middle = torch.nn.Linear(64, 64)
+        self.last = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.middle(torch.tanh(_KernelLinear.apply(x, self.weight)))))
+
+
+def _data(rank, step):
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 32, generator=generator), torch.randn(8, 4, generator=generator)
+
+
+def _loss(model, rank, step):
+    x, y = _data(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def _functional_grads(model, rank):
+    x, y = _data(rank, 50)
+    loss = lambda p: ((torch.func.functional_call(model, p, (x,)) - y) ** 2).mean()  # noqa: E731
+    return list(torch.func.grad(loss)(dict(model.named_parameters())).values())
+
+
+READS_BELOW_THE_MODE = {
+    "TorchScript": lambda model, rank: [torch.jit.trace(model, _data(rank, 60)[0], check_trace=False)(
+        _data(rank, 61)[0])],
+    "torch.func.grad": _functional_grads,
+    "forward under a user's mode": lambda model, rank: [_under_device_mode(model, rank)],
+}
+
+
+def _under_device_mode(model, rank):
+    with torch.device("cpu"):  # a user's TorchFunctionMode entered after step() and left
+        return model(_data(rank, 70)[0])
+
+
+def _module_paths(rank, world_size):
+    """Reads that the torch function mode cannot see, each right after a step whose gathers are in flight:
+    training through an extension kernel, a TorchScript module, torch.func on the parameters, a forward
+    under a user's mode; then two overlapping optimizers at once under torch.set_default_device, and the
+    mode stack left as it was."""
+    _issue_gathers_late_on_rank_1(rank)
+    depth = torch._C._len_torch_function_stack()
+
+    def pair():
+        models = [_KernelNet() for _ in range(2)]
+        return models, [ShardedOptimizer(m.parameters(), torch.optim.AdamW, stage=2, bucket_numel=1024, lr=1e-2,
+                                         overlap_param_gather=overlap) for m, overlap in zip(models, (False, True))]
+
+    def train(model, optimizer, steps):
+        for step in steps:
+            optimizer.backward(_loss(model, rank, step))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    same = {}
+    models, optimizers = pair()
+    for model, optimizer in zip(models, optimizers):  # each alone: every forward right after its step()
+        train(model, optimizer, range(4))
+        optimizer.finish_param_gathers()
+    same["training through an extension kernel"] = all(
+        torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    for name, read in READS_BELOW_THE_MODE.items():
+        models, optimizers = pair()
+        outputs = []
+        for model, optimizer in zip(models, optimizers):
+            train(model, optimizer, range(2))
+            outputs.append(read(model, rank))
+        same[name] = all(torch.equal(a, b) for a, b in zip(*outputs))
+
+    models, optimizers = pair()
+    second = _KernelNet()
+    optimizers.append(ShardedOptimizer(second.parameters(), torch.optim.AdamW, stage=2, bucket_numel=1024, lr=1e-2))
+    models.append(second)
+    in_flight = []
+    torch.set_default_device("cpu")  # a DeviceContext at the bottom of the stack for the rest of the run
+    try:
+        for step in range(3):
+            for model, optimizer in zip(models, optimizers):
+                train(model, optimizer, [step])
+            in_flight.append([o.param_gathers_in_flight for o in optimizers[1:]])
+        for model in models:  # an evaluation: every bucket waited for, the guards leave
+            model(_data(rank, 80)[0])
+        depth_left = torch._C._len_torch_function_stack() - depth - 1  # (the DeviceContext)
+    finally:
+        torch.set_default_device(None)
+    return same, in_flight, depth_left
+
+
+def test_reads_below_torch_functions_and_the_mode_stack():
+    for same, in_flight, depth_left in run_distributed(2, _module_paths):
+        assert same == {name: True for name in same}, same
+        assert all(counts[0] > 0 and counts[1] > 0 for counts in in_flight), in_flight  # both overlapped
+        assert depth_left == 0

@@ -1,34 +1,41 @@
-"""Parameter all-gathers left in flight after ``step()`` (``overlap_param_gather``), and the guard that keeps
-them out of sight: no torch operation reads or writes a parameter while its bucket is still being gathered.
+"""Parameter all-gathers left in flight after ``step()`` (``overlap_param_gather``), and the two guards that
+keep them out of sight: nothing reads or writes a parameter through torch while its bucket is still being
+gathered.
 
-While any gather is in flight, a :class:`torch.overrides.TorchFunctionMode` sits on the mode stack of the
-thread that called ``step()``. A torch function or tensor method whose tensor arguments (top level, inside a
-list or tuple, or keyword values) alias the parameter buffer of a bucket in flight first waits for that
-bucket. So the forward waits for bucket i at the first operation that uses one of its parameters (the
-overlap), and every other access sees this step's values with no call from the user: an evaluation,
-``model.state_dict()``, ``torch.save``, ``p.clone()``, ``p.tolist()``, an EMA update, a write such as
-``p.data.clamp_()``. Attribute access (``p.shape``, ``p.grad = None``, ``p.data``) and metadata methods
-(``p.numel()``, ``p.data_ptr()``) do not wait: they read no values, and any later operation on what they
-return (``p.data`` is an alias) waits then.
+* A :class:`torch.overrides.TorchFunctionMode`, at the bottom of the mode stack of the thread that called
+  ``step()``: a torch function or tensor method whose tensor arguments (top level, in a list or tuple, or
+  keyword values) alias the parameter buffer of a bucket in flight first waits for that bucket; an argument
+  whose storage cannot be read (a ``torch.func`` wrapper, a fake tensor) waits for every bucket. So the
+  forward waits for bucket i at its first operation on one of its parameters (the overlap), and every other
+  access through torch sees this step's values: an evaluation, ``model.state_dict()``, ``torch.save``,
+  ``p.clone()``, ``p.tolist()``, an EMA update, a write such as ``p.data.clamp_()``. Attribute reads
+  (``p.shape``, ``p.data``), setting or deleting ``p.grad``, and metadata methods (``p.numel()``,
+  ``p.data_ptr()``) do not wait: they read no values, and an operation on what they return waits then.
+* A global module forward pre-hook (any thread): before a module's forward, the buckets of its own
+  parameters; before a TorchScript or ``torch.compile`` module's, every bucket (their code runs below the
+  mode, as do kernels of C++ extensions and custom ``autograd.Function`` s, which the hook covers for the
+  parameters of the module that calls them).
 
-Not covered: other threads, and memory reached around torch (a NumPy array or a raw pointer taken before
-``step()``). :meth:`InFlightGathers.finish` is the explicit wait for those.
+Not covered: tensor reads on another thread outside a module's forward, kernels reached around torch on
+parameters of a module that has not run its forward (a NumPy array or raw pointer taken before ``step()``,
+apex's multi-tensor kernels on the whole model): :meth:`InFlightGathers.finish` is the explicit wait, or
+``overlap_param_gather=False``.
 
-The mode is popped once nothing is in flight if it is on top of the stack. When the last wait happens inside
-its own handler (torch holds the mode off the stack while the handler runs) or under a mode the user entered
-since, it stays, inert, and is popped at the next :meth:`InFlightGathers.finish` or :meth:`start`.
+The mode and the hook are removed once nothing is in flight. A wait from inside the mode's own handler
+cannot take the mode off the stack (torch holds it off while the handler runs and puts it back): it stays
+inert and the hook, :meth:`InFlightGathers.finish` or :meth:`InFlightGathers.start` removes it.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable, Optional
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode
+from torch.overrides import TorchFunctionMode
 
 from .comm import Pending
 
-_ACCESSORS = frozenset({"__get__", "__set__", "__delete__"})  # of attributes (p.grad = None): no wait
 # tensor methods that read only metadata: no wait for them
 _METADATA_METHODS = frozenset({
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride,
@@ -36,36 +43,42 @@ _METADATA_METHODS = frozenset({
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device, torch.Tensor.__hash__,
     torch.Tensor.data_ptr,
 })
+_WHOLE_MODULES = ("RecursiveScriptModule", "TopLevelTracedModule", "OptimizedModule")  # code below the mode
 
 
 class InFlightGathers:
-    """The all-gathers of one optimizer still in flight, by bucket index, and the guard that waits for them.
+    """The all-gathers of one optimizer still in flight, by bucket index, and the guards that wait for them.
 
-    Invariant: ``len(self)`` buckets are in flight; while any is; then the guard is on the mode stack of
-    the thread that called :meth:`start` (unless that thread has since popped it itself)."""
+    Invariant: ``len(self)`` buckets are in flight; while any is, the mode is on the thread's mode stack and
+    the forward pre-hook is registered."""
 
     def __init__(self) -> None:
         self._pending: dict[int, Pending] = {}
         self._bucket_of_storage: dict[int, int] = {}  # data_ptr of a parameter buffer's storage -> bucket index
+        self._bucket_of_param: dict[int, int] = {}  # id(parameter) -> bucket index
         self._guard: Optional[_Guard] = None
+        self._hook = None
+        self._thread: Optional[int] = None  # the thread whose mode stack holds the guard
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def start(self, pending: dict[int, Pending], param_buffers: dict[int, torch.Tensor], guard: bool) -> None:
-        """Take over ``pending`` (bucket index -> its gather into ``param_buffers[bucket index]``); with
-        ``guard``, push the guard so that they may stay in flight; without, wait for them now."""
+    def start(self, pending: dict[int, Pending], param_buffers: dict[int, torch.Tensor],
+              params: dict[int, list[torch.nn.Parameter]], guard: bool) -> None:
+        """Take over ``pending`` (bucket index -> its gather into ``param_buffers[bucket index]``, whose
+        members are ``params[bucket index]``); with ``guard``, install the guards so that they may stay in
+        flight; without, wait for them now."""
         self.finish()
         self._pending = dict(pending)
-        if _get_current_function_mode() is not None:  # a mode of the user's (or torch.compile's) is active:
-            guard = False  # ours would sit above it and could not be popped in order
         if not guard:
             self.finish()
             return
         self._bucket_of_storage = {buffer.untyped_storage().data_ptr(): index
                                    for index, buffer in param_buffers.items()}
-        self._guard = _Guard(self)
-        self._guard.__enter__()
+        self._bucket_of_param = {id(p): index for index, members in params.items() for p in members}
+        self._guard, self._thread = _Guard(self), threading.get_ident()
+        _push_at_bottom(self._guard)
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
     def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the gathers of ``buckets`` (default: all), in bucket order."""
@@ -73,31 +86,43 @@ class InFlightGathers:
         for index in chosen:
             self._pending.pop(index).wait()
         if not self._pending:
-            self._bucket_of_storage = {}
-            self._drop_guard()
+            self._remove_guards()
 
     def buckets_touched(self, args: tuple, kwargs: dict) -> set[int]:
-        """The buckets in flight whose parameter buffer one of these call arguments aliases."""
+        """The buckets in flight whose parameter buffer one of these call arguments aliases (all of them for
+        an argument whose storage cannot be read)."""
         touched = set()
         for value in (*args, *kwargs.values()):
             for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
                 if isinstance(tensor, torch.Tensor):
                     try:
                         index = self._bucket_of_storage.get(tensor.untyped_storage().data_ptr())
-                    except (RuntimeError, NotImplementedError):  # no storage: fake, sparse, a subclass's wrapper
-                        continue
+                    except (RuntimeError, NotImplementedError):  # a functorch wrapper, a fake tensor, ...
+                        return set(self._pending)
                     if index is not None:
                         touched.add(index)
         return touched
 
-    def _drop_guard(self) -> None:
+    def _before_forward(self, module: torch.nn.Module, args) -> None:
+        if type(module).__name__ in _WHOLE_MODULES:
+            self.finish()
+        elif self._pending:
+            self.finish({self._bucket_of_param.get(id(p)) for p in module.parameters(recurse=False)} - {None})
+        else:
+            self._remove_guards()  # only an inert mode was left: it can go now
+
+    def _remove_guards(self) -> None:
+        self._bucket_of_storage, self._bucket_of_param = {}, {}
         guard = self._guard
         if guard is None:
             return
         guard.active = False
-        if not guard.handling and _get_current_function_mode() is guard:
-            guard.__exit__(None, None, None)
-            self._guard = None
+        if guard.handling or threading.get_ident() != self._thread:
+            return  # the hook (still registered), finish() or start() on its thread takes it off the stack later
+        _remove_from_stack(guard)
+        self._guard = None
+        self._hook.remove()
+        self._hook = None
 
 
 class _Guard(TorchFunctionMode):
@@ -109,7 +134,7 @@ class _Guard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.active and func not in _METADATA_METHODS and getattr(func, "__name__", "") not in _ACCESSORS:
+        if self.active and func not in _METADATA_METHODS and not _reads_no_values(func):
             touched = self.gathers.buckets_touched(args, kwargs)
             if touched:
                 self.handling = True
@@ -118,3 +143,35 @@ class _Guard(TorchFunctionMode):
                 finally:
                     self.handling = False
         return func(*args, **kwargs)
+
+
+def _reads_no_values(func) -> bool:
+    """An attribute read, or setting / deleting ``.grad``."""
+    name = getattr(func, "__name__", "")
+    return name == "__get__" or (name in ("__set__", "__delete__")
+                                 and getattr(getattr(func, "__self__", None), "__name__", None) == "grad")
+
+
+# torch keeps a thread's TorchFunctionModes on a stack whose public API pushes and pops the top only; a user's
+# `with mode:` pops the top on exit, so the guard, which outlives such blocks, goes to the bottom (above a
+# DeviceContext, which torch keeps at the very bottom) and leaves by identity.
+def _push_at_bottom(mode: TorchFunctionMode) -> None:
+    """Push ``mode`` under every other mode but a ``torch.set_default_device`` / ``with torch.device`` one,
+    which torch requires at the very bottom."""
+    from torch.utils._device import DeviceContext
+
+    stack = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())][::-1]
+    keep_below = 1 if stack and isinstance(stack[0], DeviceContext) else 0
+    for other in stack[:keep_below] + [mode] + stack[keep_below:]:
+        torch._C._push_on_torch_function_stack(other)
+
+
+def _remove_from_stack(mode: TorchFunctionMode) -> None:
+    above = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)

@@ -104,13 +104,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             enforces the process group's timeout (a bounded wait would block the host). A rank that dies
             outright is usually noticed at once (gloo sees the connection drop; torchrun stops the others).
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
-        overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()`` and
-            wait for it just before the forward of the first module that holds one of its parameters (a
-            global forward pre-hook), as Megatron's overlap_param_gather, instead of waiting for every bucket
-            in ``step()`` (default ``False``). Results are bitwise the same. ``state_dict()``, checkpoints,
-            ``verify_ranks_agree()``, loading and the next ``step()`` finish the gathers first; anything else
-            that reads or writes parameters between ``step()`` and the next forward (``model.state_dict()``,
-            ``p.data``) must call :meth:`finish_param_gathers` first.
+        overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()``
+            (default ``True``): the first torch operation or module forward that touches one of its
+            parameters waits for it (Megatron's overlap_param_gather, with every other read covered too: see
+            :mod:`zeroimpl.inflight` for how, and for the reads it cannot see, which need
+            :meth:`finish_param_gathers` or ``False``). Results are bitwise those of ``False``, which waits
+            for every bucket in ``step()``.
         assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update
             every element from its own parameter, gradient and state.
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or
@@ -482,7 +481,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _all_gather_params(self, defer: bool = False) -> None:
         """All-gather every bucket's parameters from the shards; ``defer``: leave them in flight
-        (``overlap_param_gather``) for :meth:`finish_param_gathers` or the forward pre-hook to wait for."""
+        (``overlap_param_gather``) for the guards of :mod:`zeroimpl.inflight` to wait for."""
         self.finish_param_gathers()
         pending = {s.bucket.index: comm.all_gather(s.param_buffer, s.shard, self.process_group,
                                                    self.collective_timeout, tag=s.bucket.index)
@@ -491,7 +490,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         torch.autograd.graph.increment_version([p for s in self.storages for p in s.params])
         for storage in self.storages:
             storage.mark_master_in_sync()
-        self._gathers.start(pending, {s.bucket.index: s.param_buffer for s in self.storages}, guard=defer)
+        self._gathers.start(pending, {s.bucket.index: s.param_buffer for s in self.storages},
+                            {s.bucket.index: s.params for s in self.storages}, guard=defer)
 
     def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the parameter all-gathers still in flight (``overlap_param_gather``): of ``buckets``, or of
