@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import tempfile
@@ -13,7 +14,7 @@ from zeroimpl import estimate_memory
 
 from ..adapters import Implementation, Zeroimpl, all_implementations
 from ..adapters.zeroimpl_optimizer import sharded_groups
-from ..models import build_model
+from ..models import build_model, is_directory_model
 from .harness import RunResult, Workload, run_comparison
 from .report import Row, build_rows, caption, markdown_table, terminal_table, write_chart, write_csv, write_json
 from .verdict import judge
@@ -24,7 +25,8 @@ def predicted_model_state(implementation: Implementation, workload: Workload) ->
     if not isinstance(implementation, Zeroimpl):
         return None
     dtype = torch.bfloat16 if workload.settings.precision == "bf16" else torch.float32
-    with torch.device("meta"):  # shapes and dtypes are all it needs
+    # shapes and dtypes are all it needs (a saved model loads its weights: transformers refuses meta there)
+    with contextlib.nullcontext() if is_directory_model(workload.family) else torch.device("meta"):
         model = build_model(workload.family, workload.size, dtype)
     report = estimate_memory(sharded_groups(model, workload.settings), workload.world_size,
                              implementation.stage, offload="cpu" if implementation.offload else None,
