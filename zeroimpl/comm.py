@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 ALGORITHMS = ("native", "pairwise")
+HOST_POLL_SECONDS = 5e-5  # Pending.wait_on_host's polling interval
 
 
 class CollectiveError(RuntimeError):
@@ -60,6 +61,15 @@ class Pending:
                  buffers: tuple = ()):
         self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
         self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
+
+    def wait_on_host(self) -> None:
+        """Block this thread, not a device stream, until every work is done; then :meth:`wait`. On CUDA,
+        ``wait()`` alone makes the current stream wait for the collective, so every kernel queued after it
+        (the rest of backward) would stall behind the communication; waiting on the host instead lets the
+        GPU run what is already queued. Off CUDA the same as :meth:`wait`."""
+        while self.works and not all(work.is_completed() for work in self.works):
+            time.sleep(HOST_POLL_SECONDS)
+        self.wait()
 
     def wait(self) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout

@@ -292,7 +292,9 @@ class GradientReducer:
         self._inflight.append(_Reduction(bucket_index, buffer, output,
                                          comm.reduce_scatter(output, buffer, self.group, self.timeout,
                                                              tag=bucket_index)))
-        while len(self._inflight) > self.max_inflight:
+        while len(self._inflight) > self.max_inflight:  # bound the buffers: wait for the oldest on the host
+            if buffer.is_cuda:
+                self._inflight[0].work.wait_on_host()
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
