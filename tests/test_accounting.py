@@ -16,7 +16,9 @@ the device:
 
 With offload the device keeps parameters and (stage 1, between backward and step) the full ``.grad``; the
 host holds gradient_shard 4·Ψp/N (allocated once, at construction), master_weights 4·Ψp/N whatever the
-model's dtype, and optimizer_state 8·O + 4·K: about 16 bytes per shard element.
+model's dtype, and optimizer_state 8·O + 4·K: about 16 bytes per shard element; for a 16-bit model also
+bucket_buffers 2·p·S, two staging buffers of the largest bucket shard S that the masters are converted
+into on their way to the device.
 """
 
 import pytest
@@ -49,11 +51,12 @@ def _reports(rank, world_size, stage, dtype, offload):
               "params": {s.param_buffer.device.type for s in optimizer.storages},
               "separate_masters": all(s.has_separate_master for s in optimizer.storages)}
     pieces = layout.pieces(rank)
-    sizes = {"padded": layout.padded_numel, "owned": sum(p.length for p in pieces), "pieces": len(pieces), "psi": psi}
+    sizes = {"padded": layout.padded_numel, "owned": sum(p.length for p in pieces), "pieces": len(pieces), "psi": psi,
+             "largest_shard": max(b.shard_numel for b in layout.buckets)}
     return reports, sizes, places
 
 
-def _expected(stage, dtype, offload, padded, owned, pieces, psi, world_size):
+def _expected(stage, dtype, offload, padded, owned, pieces, psi, largest_shard, world_size):
     """The closed form of the table above: {moment: {"device": {...}, "host": {...}}}."""
     p = torch.finfo(dtype).bits // 8
     shard = padded // world_size
@@ -62,7 +65,8 @@ def _expected(stage, dtype, offload, padded, owned, pieces, psi, world_size):
     full_grad = p * psi if stage == 1 else 0
     device_shard_after_backward = 4 * shard if stage == 2 and not offload else 0
     device_shard_after_step = 0
-    host = (lambda optimizer_state: dict(gradient_shard=4 * shard, master_weights=4 * shard,
+    staging = 2 * p * largest_shard if p == 2 else 0
+    host = (lambda optimizer_state: dict(gradient_shard=4 * shard, master_weights=4 * shard, bucket_buffers=staging,
                                          optimizer_state=optimizer_state)) if offload else (lambda _: {})
 
     def place(gradients, gradient_shard, optimizer_state):
@@ -105,7 +109,7 @@ def test_bytes_match_the_formula(reports_by_config, stage, dtype, offload):
     for by_config in reports_by_config:
         reports, sizes, _ = by_config[(stage, dtype, offload)]
         expected = _expected(stage, dtype, offload, sizes["padded"], sizes["owned"], sizes["pieces"], sizes["psi"],
-                             world_size)
+                             sizes["largest_shard"], world_size)
         for moment, places in expected.items():
             report = reports[moment]
             for name, place in (("device", report.device), ("host", report.host)):
@@ -118,12 +122,14 @@ def test_offload_places_state_and_masters_on_the_host(reports_by_config):
     """Where each kind lives, from the tensors themselves: with offload the optimizer state and the master
     weights are CPU tensors apart from the parameters (here the device is the CPU too, so the byte
     accounting above is what tells device from host), and host memory is 16 bytes per owned shard element
-    (gradient shard and master: 8 per shard element, padding included; state: 8 per owned element)."""
+    (gradient shard and master: 8 per shard element, padding included; state: 8 per owned element), plus
+    the two staging buffers."""
     for by_config in reports_by_config:
         reports, sizes, places = by_config[(2, torch.bfloat16, "cpu")]
         assert places == {"state": {"cpu"}, "masters": {"cpu"}, "params": {"cpu"}, "separate_masters": True}
         host = reports["step1"].host
-        assert host.total == 8 * (sizes["padded"] // 2) + 8 * sizes["owned"] + 4 * sizes["pieces"]
+        staging = 2 * 2 * sizes["largest_shard"]  # two bf16 buffers of the largest shard
+        assert host.total == 8 * (sizes["padded"] // 2) + 8 * sizes["owned"] + 4 * sizes["pieces"] + staging
         assert reports["step1"].device.total == 2 * sizes["padded"]  # bf16 parameters, nothing else
 
 

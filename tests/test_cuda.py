@@ -72,13 +72,14 @@ def _batch(rank, step):
     return {k: v.cuda() for k, v in batch(rank, step, 0).items()}
 
 
-def _offload_under_delayed_copies(rank, world_size):
+def _offload_under_delayed_copies(rank, world_size, dtype):
     """Offload against no offload, with the GPU's stream held up before every step and after every backward:
-    the gradient copies to the host and the parameter copies back start late. A missing wait shows as a
-    host step on partial gradients or a forward on stale parameters."""
+    the gradient copies to the host and the parameter copies back start late (bf16: through the two staging
+    buffers, taken in turn over many buckets). A missing wait shows as a host step on partial gradients, a
+    staging buffer overwritten before its copy ran, or a forward on stale parameters."""
     results = []
     for offload in (None, CPUOffload(fused_step=False)):
-        model = build_model("gpt2").cuda()
+        model = build_model("gpt2", dtype).cuda()
         optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096,
                                      offload=offload, lr=1e-2)
         for step in range(4):
@@ -91,8 +92,10 @@ def _offload_under_delayed_copies(rank, world_size):
     return max_param_diff(*results)
 
 
-def test_offload_side_stream_waits_for_delayed_copies():
-    assert run_distributed(WORLD_SIZE, _offload_under_delayed_copies, backend="nccl", timeout=600) == [0.0] * WORLD_SIZE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offload_side_stream_waits_for_delayed_copies(dtype):
+    assert run_distributed(WORLD_SIZE, _offload_under_delayed_copies, dtype, backend="nccl",
+                           timeout=600) == [0.0] * WORLD_SIZE
 
 
 def _host_syncs_per_step(rank, world_size, offload):
@@ -154,10 +157,11 @@ def _pinned(rank, world_size):
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, offload="cpu", lr=1e-3)
     optimizer.backward(model(**_batch(rank, 0)).loss)
     optimizer.step()
-    report = optimizer.memory_report().host
-    host = [s.master for s in optimizer.storages] + optimizer.held_tensors()["host_gradient_shard"]
+    report, held = optimizer.memory_report().host, optimizer.held_tensors()
+    host = [s.master for s in optimizer.storages] + held["host_gradient_shard"] + held["host_staging"]
     return (all(a.pinned for a in optimizer.host_arenas), all(t.is_pinned() for t in host),
-            sum(a.nbytes for a in optimizer.host_arenas), report.master_weights + report.gradient_shard)
+            sum(a.nbytes for a in optimizer.host_arenas),
+            report.master_weights + report.gradient_shard + report.bucket_buffers)
 
 
 def test_offload_pins_exactly_what_the_report_counts():

@@ -87,23 +87,25 @@ def _hint_memory(rank, world_size):
 
 
 def _host_arena(rank, world_size):
-    """Where the host masters and gradient shards live: the arena bytes against the report's host bytes, and
-    whether every one of them is a slice of an arena."""
+    """Where the host masters, gradient shards and (bf16 model) staging buffers live: the arena bytes against
+    the report's host bytes, and whether every one of them is a slice of an arena."""
     model = build_model("gpt2", torch.bfloat16)
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, offload="cpu",
                                  bucket_numel=4096, lr=1e-3)
     optimizer.backward(model(**batch(rank, 0, 0)).loss)
     report = optimizer.memory_report().host
-    spans = [(a.slices[0].data_ptr(), a.slices[-1].data_ptr() + a.slices[-1].numel() * 4) for a in optimizer.host_arenas]
-    host_tensors = [s.master for s in optimizer.storages] + optimizer.held_tensors()["host_gradient_shard"]
+    spans = [(a.slices[0].data_ptr(), a.slices[0].data_ptr() + a.nbytes) for a in optimizer.host_arenas]
+    held = optimizer.held_tensors()
+    host_tensors = [s.master for s in optimizer.storages] + held["host_gradient_shard"] + held["host_staging"]
     inside = all(any(low <= t.data_ptr() < high for low, high in spans) for t in host_tensors)
-    return sum(a.nbytes for a in optimizer.host_arenas), report.master_weights + report.gradient_shard, inside
+    return (sum(a.nbytes for a in optimizer.host_arenas),
+            report.master_weights + report.gradient_shard + report.bucket_buffers, inside, len(held["host_staging"]))
 
 
-def test_host_masters_and_gradient_shards_share_one_exact_arena(world_size_2):
+def test_host_buffers_share_one_exact_arena(world_size_2):
     """One allocation (page-locked on CUDA) holds them all, and it is exactly what memory_report counts."""
-    for arena_bytes, reported, inside in (by_rank["host_arena"] for by_rank in world_size_2):
-        assert arena_bytes == reported > 0 and inside
+    for arena_bytes, reported, inside, staging in (by_rank["host_arena"] for by_rank in world_size_2):
+        assert arena_bytes == reported > 0 and inside and staging == 2
 
 
 def test_accumulating_sums_on_the_device_and_crosses_once(world_size_2):

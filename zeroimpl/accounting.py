@@ -19,7 +19,9 @@ class StateBytes:
     * ``master_weights`` -- fp32 copies of this rank's shard; 0 for fp32 models without offload, whose
       shard is the master.
     * ``optimizer_state`` -- every tensor in the inner optimizer's state (moments, step counters, ...).
-    * ``bucket_buffers`` -- gradient bucket buffers alive right now (0 outside backward and step).
+    * ``bucket_buffers`` -- gradient bucket buffers alive right now (0 outside backward and step); on the
+      host (offload of a 16-bit model), the two staging buffers per dtype that the masters are converted
+      into on their way to the device (always there).
     """
 
     parameters: int = 0

@@ -54,14 +54,19 @@ class BucketStorage:
     def has_separate_master(self) -> bool:
         return self.master is not self.shard
 
-    def publish_master(self) -> None:
-        """Write the updated master weights into this rank's shard of the model parameters.
+    def publish_master(self, staging: Optional[torch.Tensor] = None) -> None:
+        """Write the updated master weights into this rank's shard of the model parameters; ``staging`` (host,
+        the shard's dtype and size): convert there on the host first, so that the copy to the device moves
+        the parameters' bytes, not the master's.
 
-        Asynchronous when the master is in pinned host memory and the parameters on CUDA.
+        Asynchronous when the master (or ``staging``) is in pinned host memory and the parameters on CUDA.
         """
         if not self.has_separate_master:
             return
-        if self.master.device == self.shard.device or self.master.dtype == self.shard.dtype:
+        if staging is not None:
+            staging.copy_(self.master)
+            self.shard.copy_(staging, non_blocking=True)
+        elif self.master.device == self.shard.device or self.master.dtype == self.shard.dtype:
             self.shard.copy_(self.master, non_blocking=True)
         else:  # convert on the device, not on the host
             self.shard.copy_(self.master.to(self.shard.device, non_blocking=True))

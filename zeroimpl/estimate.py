@@ -24,7 +24,7 @@ import torch
 from . import optimizer_kinds, validation
 from .accounting import MemoryReport, StateBytes
 from .layout import ParamSpec, build_layout, trainable_specs
-from .offload import OffloadOption, host_optimizer_kwargs, resolve_offload
+from .offload import OffloadOption, host_optimizer_kwargs, resolve_offload, staging_sizes
 
 PROBE_NUMEL = 3
 NOT_HYPERPARAMETERS = ("params", "param_names", "optimizer")
@@ -152,8 +152,10 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
         shards += _size(shard_dtype) * bucket.shard_numel
     state = max(state_of_rank) if rank is None else state_of_rank[rank]
     if policy is not None:
+        staging = staging_sizes(layout, [_dtype(layout.buckets[s.bucket_index].dtype) for s in layout.slots])
         device = StateBytes(parameters=parameters, gradients=full_gradients)
-        host = StateBytes(gradient_shard=shards, master_weights=masters, optimizer_state=state)
+        host = StateBytes(gradient_shard=shards, master_weights=masters, optimizer_state=state,
+                          bucket_buffers=sum(2 * _size(dtype) * numel for dtype, numel in staging.items()))
         return MemoryReport(device, host)
     device = StateBytes(parameters=parameters, gradients=full_gradients,
                         gradient_shard=shards if stage == 2 else 0,  # stage 1 reduces at step()

@@ -11,7 +11,7 @@ one tensor per bucket in ``ready()``, and write the updated master weights back 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -37,9 +37,11 @@ class DeviceGradientShards:
     def ready(self) -> list[Optional[torch.Tensor]]:
         return self.shards
 
-    def publish(self, storages: list[BucketStorage]) -> None:
+    def publish(self, storages: list[BucketStorage], then: Callable[[BucketStorage], None]) -> None:
+        """Each bucket's master into its parameters' shard, then ``then(storage)``, bucket by bucket."""
         for storage in storages:
             storage.publish_master()
+            then(storage)
 
     def clear(self, set_to_none: bool) -> None:
         if set_to_none:

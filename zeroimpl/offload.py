@@ -22,11 +22,11 @@ synchronous; the code path is the same, which is what the test suite exercises.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Callable, Literal, Optional, Union
 
 import torch
 
-from .buffers import BucketStorage
+from .buffers import HALF_DTYPES, BucketStorage
 
 # torch optimizers with a fused CPU kernel (torch >= 2.4), about 10x faster than their for-loop kernel
 FUSED_CPU_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -82,10 +82,12 @@ class HostGradientShards:
     Host syncs: :meth:`ready` waits once per step, whatever the number of buckets.
     """
 
-    def __init__(self, storages: list[BucketStorage], shards: list[torch.Tensor]):
+    def __init__(self, storages: list[BucketStorage], shards: list[torch.Tensor], staging: dict):
         device = storages[0].param_buffer.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream
         self.shards = shards  # per bucket: zeroed, shard-sized, in the master's dtype (page-locked on CUDA)
+        self.staging = staging  # 16-bit dtype -> two host buffers of its largest shard (see publish)
+        self._staged: dict = {}  # (dtype, 0 or 1) -> the CUDA event after the last copy out of that buffer
         self._filled = [False] * len(storages)  # host shard holds a gradient since clear()
         self._zeroed = [False] * len(storages)  # ... which is zero (zero_grad(set_to_none=False)): overwrite it
         self._device_sums: list[Optional[torch.Tensor]] = [None] * len(storages)  # device accumulators
@@ -135,10 +137,26 @@ class HostGradientShards:
         self.wait_copies()
         return [shard if filled else None for shard, filled in zip(self.shards, self._filled)]
 
-    def publish(self, storages: list[BucketStorage]) -> None:
-        """Start copying the updated host masters into the device parameters (asynchronous on CUDA)."""
+    def publish(self, storages: list[BucketStorage], then: Callable[[BucketStorage], None]) -> None:
+        """Start copying the updated host masters into the device parameters (asynchronous on CUDA), bucket by
+        bucket, each followed by ``then(storage)`` (its all-gather). A 16-bit model's masters are converted on
+        the host into one of two page-locked staging buffers of its dtype, taken in turn, so that half the
+        bytes cross to the device and the conversion of one bucket overlaps the copy of the one before; a
+        buffer is refilled once its previous copy has run."""
+        turn = 0
         for storage in storages:
-            storage.publish_master()
+            buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None
+            if buffers is None:
+                storage.publish_master()
+            else:
+                key, turn = (storage.shard.dtype, turn), 1 - turn
+                if key in self._staged:
+                    self._staged.pop(key).synchronize()
+                storage.publish_master(buffers[key[1]][:storage.shard.numel()])
+                if self._stream is not None:
+                    self._staged[key] = torch.cuda.Event()
+                    self._staged[key].record(torch.cuda.current_stream(self._stream.device))
+            then(storage)
         if self._stream is not None:
             self._published = torch.cuda.Event()
             self._published.record(torch.cuda.current_stream(self._stream.device))
@@ -163,3 +181,17 @@ class HostGradientShards:
 
     def host_tensors(self) -> list[torch.Tensor]:
         return list(self.shards)
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        return [t for buffers in self.staging.values() for t in buffers]
+
+
+def staging_sizes(layout, param_dtypes: list[torch.dtype]) -> dict[torch.dtype, int]:
+    """For each 16-bit parameter dtype of the layout's buckets, the largest shard of that dtype: the size of
+    each of :class:`HostGradientShards`' two staging buffers for it (``param_dtypes``: by parameter index)."""
+    sizes: dict[torch.dtype, int] = {}
+    for bucket in layout.buckets:
+        dtype = param_dtypes[bucket.param_indices[0]]
+        if dtype in HALF_DTYPES:
+            sizes[dtype] = max(sizes.get(dtype, 0), bucket.shard_numel)
+    return sizes

@@ -38,6 +38,7 @@ from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .memory_format import shaped
 from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
+                      staging_sizes,
                       resolve_offload)
 from .precision import DynamicLossScaler, LossScaleConfig
 from .step_state import StepState, StepVerdict, decode_checks, encode_checks
@@ -175,12 +176,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._device = trainable[0].device
         host_masters = host_gradients = None
         self.host_arenas: list[HostArena] = []  # one page-locked allocation per dtype (offload on CUDA)
-        if self.offload is not None:  # masters and gradient shards on the host: one arena per dtype
+        if self.offload is not None:  # masters, gradient shards and staging on the host: one arena per dtype
             numels = [b.shard_numel for b in layout.buckets]
             dtypes = [host_master_dtype(trainable[b.param_indices[0]].dtype) for b in layout.buckets]
+            staging = staging_sizes(layout, [p.dtype for p in trainable])
             pin = self.offload.pin_memory and self._device.type == "cuda"
-            host, self.host_arenas = host_buffers(numels * 2, dtypes * 2, pin)
-            host_masters, host_gradients = host[:len(numels)], host[len(numels):]
+            host, self.host_arenas = host_buffers(numels * 2 + [n for n in staging.values() for _ in range(2)],
+                                                  dtypes * 2 + [d for d in staging for _ in range(2)], pin)
+            host_masters, host_gradients = host[:len(numels)], host[len(numels):2 * len(numels)]
+            host_staging = {d: host[2 * len(numels) + 2 * k:2 * len(numels) + 2 * k + 2]
+                            for k, d in enumerate(staging)}
         self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank, host_masters)
         kwargs = {cls: {} for cls in classes}  # a class's groups carry its hyperparameters
         if optimizer_class in kwargs:
@@ -189,7 +194,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for cls in kwargs:
                 group_keys = {key for group in self.param_groups if group["optimizer"] is cls for key in group}
                 kwargs[cls] = host_optimizer_kwargs(cls, kwargs[cls], group_keys, self.offload)
-            self.gradients = HostGradientShards(self.storages, host_gradients)
+            self.gradients = HostGradientShards(self.storages, host_gradients, host_staging)
         else:
             self.gradients = DeviceGradientShards(len(self.storages))
         self.inner = InnerOptimizers(self._inner_groups(), classes, kwargs)
@@ -472,20 +477,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for master in self._piece_masters:
             master.grad = None
-        self.gradients.publish(self.storages)
-        self._all_gather_params(defer=self.overlap_param_gather)
+        self._publish_and_gather(defer=self.overlap_param_gather)
         self._steps_taken += 1
         self._finish_step(overflow=False)
         if self.verify_every and self._steps_taken % self.verify_every == 0:
             self.verify_ranks_agree()
 
-    def _all_gather_params(self, defer: bool = False) -> None:
-        """All-gather every bucket's parameters from the shards; ``defer``: leave them in flight
-        (``overlap_param_gather``) for the guards of :mod:`zeroimpl.inflight` to wait for."""
+    def _publish_and_gather(self, defer: bool = False) -> None:
+        """Write each bucket's updated master weights into its shard of the parameters and all-gather the
+        bucket, bucket by bucket: a bucket's all-gather is queued right after its copy, so that it overlaps
+        the next bucket's copy (with offload, the host-to-device copies). ``defer``: leave the gathers in
+        flight (``overlap_param_gather``) for the guards of :mod:`zeroimpl.inflight` to wait for."""
         self.finish_param_gathers()
-        pending = {s.bucket.index: comm.all_gather(s.param_buffer, s.shard, self.process_group,
-                                                   self.collective_timeout, tag=s.bucket.index)
-                   for s in self.storages}
+        pending = {}
+
+        def gather(storage: BucketStorage) -> None:
+            pending[storage.bucket.index] = comm.all_gather(storage.param_buffer, storage.shard, self.process_group,
+                                                            self.collective_timeout, tag=storage.bucket.index)
+        self.gradients.publish(self.storages, gather)
         # the all-gather writes the parameters in place: let autograd refuse graphs built before it
         torch.autograd.graph.increment_version([p for s in self.storages for p in s.params])
         for storage in self.storages:
@@ -660,8 +669,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._install_state(self._inner_state_dict(piece_states, hyperparameters), hyperparameters, masters,
                             loss_scaler)
         if masters is not None:
-            self.gradients.publish(self.storages)
-            self._all_gather_params()
+            self._publish_and_gather()
 
     def _inner_state_dict(self, piece_states: list[Optional[dict]], hyperparameters: list[dict]) -> dict:
         """A ``state_dict()`` of the inner optimizer (torch's format) from a state per piece (in
@@ -679,14 +687,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds for training right now, by kind: ``parameters`` (the bucket buffers
         that the trainable parameters view), ``gradients`` (full ``.grad``), ``gradient_shard`` (on the
-        parameters' device) and ``host_gradient_shard`` (offload), ``master_weights`` (separate masters
-        only), ``optimizer_state`` and ``bucket_buffers`` (transient reduction buffers). What
+        parameters' device) and ``host_gradient_shard`` (offload), ``host_staging`` (offload of a 16-bit
+        model: the buffers its masters are converted into on the way to the device), ``master_weights``
+        (separate masters only), ``optimizer_state`` and ``bucket_buffers`` (transient reduction buffers). What
         :meth:`memory_report` counts, for tools that count storage themselves."""
         return {
             "parameters": [s.param_buffer for s in self.storages],
             "gradients": [p.grad for s in self.storages for p in s.params if p.grad is not None],
             "gradient_shard": self.gradients.device_tensors(),
             "host_gradient_shard": self.gradients.host_tensors(),
+            "host_staging": self.gradients.staging_tensors() if self.offload is not None else [],
             "master_weights": [s.master for s in self.storages if s.has_separate_master],
             "optimizer_state": [v for state in self.inner.state.values() for v in state.values() if torch.is_tensor(v)],
             "bucket_buffers": self.reducer.live_buffers(),
@@ -704,7 +714,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             optimizer_state=0 if on_host else held["optimizer_state"],
             bucket_buffers=held["bucket_buffers"],
         )
-        host = StateBytes(gradient_shard=held["host_gradient_shard"],
+        host = StateBytes(gradient_shard=held["host_gradient_shard"], bucket_buffers=held["host_staging"],
                           master_weights=held["master_weights"] if on_host else 0,
                           optimizer_state=held["optimizer_state"] if on_host else 0)
         return MemoryReport(device, host)
