@@ -183,3 +183,15 @@ def test_bf16_runs_each_implementations_recipe(tmp_path):
         assert row.predicted_bytes == measured["total"] - measured["buffers"], row
     assert "bf16 (zeroimpl, DeepSpeed: bf16 parameters, fp32 masters" in open(os.path.join(tmp_path,
                                                                                        "comparison.md")).read()
+
+
+def test_model_state_bytes_count_each_byte_once_by_the_kind_that_holds_it():
+    """A flat buffer counts whole (its padding with its views' kind); one allocation shared by several kinds
+    (zeroimpl's host arena) is split between them; a tensor listed twice counts once."""
+    from zeroimpl.integrations.comparison.measure import model_state_bytes
+
+    flat, arena = torch.zeros(10), torch.zeros(12)
+    counts = model_state_bytes({"parameters": [flat[:4].view(2, 2), flat[4:8]], "gradients": [arena[4:8]],
+                                "master_weights": [arena[:4], flat[:4]], "buffers": [arena[8:]]})
+    assert counts["parameters"] == 40 and counts["gradients"] == 16 and counts["master_weights"] == 16
+    assert counts["buffers"] == 16 and counts["total"] == 88

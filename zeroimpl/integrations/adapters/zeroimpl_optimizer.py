@@ -39,7 +39,7 @@ class ZeroimplRunner(WrapperLoopRunner):
         state["gradients"] += held["gradient_shard"] + held["host_gradient_shard"]
         state["optimizer_state"] = held["optimizer_state"]
         state["master_weights"] = held["master_weights"]
-        state["buffers"] += held["bucket_buffers"]
+        state["buffers"] += held["bucket_buffers"] + held["host_staging"]
         return state
 
 

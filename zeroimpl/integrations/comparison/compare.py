@@ -31,7 +31,7 @@ def predicted_model_state(implementation: Implementation, workload: Workload) ->
     report = estimate_memory(sharded_groups(model, workload.settings), workload.world_size,
                              implementation.stage, offload="cpu" if implementation.offload else None,
                              optimizer_kwargs=workload.settings.adamw_kwargs())
-    return report.total
+    return report.total - report.device.bucket_buffers - report.host.bucket_buffers
 
 
 def environment(workload: Workload) -> dict:

@@ -15,20 +15,27 @@ from ..adapters.base import MODEL_STATE_KINDS
 
 
 def model_state_bytes(tensors_by_kind: dict[str, list[torch.Tensor]]) -> dict[str, int]:
-    """Bytes by kind, counting each storage once (for the first kind, in MODEL_STATE_KINDS order, that
-    holds it) and whole: a parameter that is a view of a flat buffer counts as the buffer."""
-    seen: set = set()
-    counts = {}
-    for kind in MODEL_STATE_KINDS:
-        total = 0
+    """Bytes by kind, each byte of each storage counted once: for the first kind (in MODEL_STATE_KINDS order)
+    of a tensor that spans it, and the bytes that no tensor spans (a flat buffer's padding) for the first kind
+    that holds a tensor in that storage. So a parameter that is a view of a flat buffer counts as the
+    buffer, and one allocation shared by several kinds (zeroimpl's host arena) is split between them."""
+    spans: dict = {}  # (device, storage address) -> (storage bytes, [(kind order, start, end)])
+    for order, kind in enumerate(MODEL_STATE_KINDS):
         for tensor in tensors_by_kind.get(kind, []):
             storage = tensor.untyped_storage()
-            key = (tensor.device, storage.data_ptr())
-            if key in seen or storage.nbytes() == 0:
+            if storage.nbytes() == 0:
                 continue
-            seen.add(key)
-            total += storage.nbytes()
-        counts[kind] = total
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size)
+            start = tensor.storage_offset() * tensor.element_size()
+            entry = spans.setdefault((tensor.device, storage.data_ptr()), (storage.nbytes(), []))
+            entry[1].append((order, start, min(start + extent * tensor.element_size(), storage.nbytes())))
+    counts = dict.fromkeys(MODEL_STATE_KINDS, 0)
+    for nbytes, covering in spans.values():
+        first = min(order for order, _, _ in covering)
+        cuts = sorted({0, nbytes, *(start for _, start, _ in covering), *(end for _, _, end in covering)})
+        for low, high in zip(cuts, cuts[1:]):
+            owners = [order for order, start, end in covering if start <= low and high <= end]
+            counts[MODEL_STATE_KINDS[min(owners, default=first)]] += high - low
     counts["total"] = sum(counts.values())
     return counts
 
