@@ -165,8 +165,8 @@ def _misuse(rank, world_size):
 
 MISUSE = {  # case -> what its error must say
     "differing": ["ranks differ in the values of the parameters"],
-    "shapes": ["ranks differ in the number or the shapes of the trainable parameters"],
-    "counts": ["ranks differ in the number or the shapes of the trainable parameters"],
+    "shapes": ["ranks differ in the number, shapes or memory formats"],
+    "counts": ["ranks differ in the number, shapes or memory formats"],
     "sparse": ["sparse gradient", "sparse=False"],
     "add_group": ["cannot add param groups after construction"],
     "fp16": ["call optimizer.backward(loss)"],
@@ -175,7 +175,7 @@ MISUSE = {  # case -> what its error must say
     "ddp1": ["wrapped in DistributedDataParallel"],
     "ddp2": ["do not wrap it in DDP"],
     "backward_counts": ["different numbers of backward passes"],
-    "sharding": ["ranks differ in the number or the shapes of the trainable parameters, or the shard layout"],
+    "sharding": ["ranks differ in the number, shapes or memory formats", "or the shard layout (param groups"],
     "muon_differing": ["ranks differ in the values of the parameters"],
 }
 

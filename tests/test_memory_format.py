@@ -94,12 +94,43 @@ def _resumed_from_torch(rank, optimizer_name, zero_kwargs):
     return all(torch.equal(a, b) for a, b in zip(model.parameters(), ours.parameters()))
 
 
+def _ranks_disagree(rank):
+    """Rank 0 channels_last, rank 1 contiguous: the same values, other flat orders; refused at construction."""
+    model = _model(channels_last=rank == 0)
+    try:
+        ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, bucket_numel=256, lr=1e-2)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _state_dict_across_formats(rank):
+    """optimizer.state_dict() of the channels_last model loaded into a contiguous one, and one without
+    recorded strides (an older zeroimpl's: contiguous order) into the channels_last model: both refused."""
+    model = _model()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, bucket_numel=256, lr=1e-2)
+    _step(model, optimizer, rank, 0)
+    state = optimizer.state_dict()
+    refused = []
+    for channels_last, saved in ((False, state), (True, {k: v for k, v in state.items() if k != "strides"})):
+        other = _model(channels_last)
+        target = ShardedOptimizer(other.parameters(), torch.optim.AdamW, stage=2, bucket_numel=256, lr=1e-2)
+        try:
+            target.load_state_dict(saved)
+            refused.append(None)
+        except ValueError as error:
+            refused.append(str(error))
+    return refused
+
+
 def _runs(rank, world_size, root):
     results = {}
     for name, (optimizer_name, zero_kwargs) in CASES.items():
         results[name] = _train(rank, optimizer_name, zero_kwargs, os.path.join(root, name))
         results[name, "DDP"] = _train(rank, optimizer_name, None)
         results[name, "resumed"] = _resumed_from_torch(rank, optimizer_name, zero_kwargs)
+    results["ranks disagree"] = _ranks_disagree(rank)
+    results["state_dict"] = _state_dict_across_formats(rank)
     # a checkpoint of the channels_last model loaded into a contiguous one: refused on every rank
     model = _model(channels_last=False)
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, bucket_numel=256, lr=1e-2)
@@ -151,3 +182,13 @@ def test_a_checkpoint_in_another_memory_format_is_refused(runs):
     _, by_rank = runs
     for results in by_rank:
         assert results["refused"] is not None and "memory format" in results["refused"]
+
+
+def test_ranks_that_disagree_on_memory_format_are_refused(runs):
+    for results in runs[1]:
+        assert results["ranks disagree"] is not None and "memory formats" in results["ranks disagree"]
+
+
+def test_state_dict_in_another_memory_format_is_refused(runs):
+    for results in runs[1]:
+        assert all(message is not None and "memory format" in message for message in results["state_dict"])

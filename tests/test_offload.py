@@ -94,12 +94,50 @@ def _host_arena(rank, world_size):
                                  bucket_numel=4096, lr=1e-3)
     optimizer.backward(model(**batch(rank, 0, 0)).loss)
     report = optimizer.memory_report().host
-    spans = [(a.slices[0].data_ptr(), a.slices[0].data_ptr() + a.nbytes) for a in optimizer.host_arenas]
+    spans = [(a.start, a.start + a.nbytes) for a in optimizer.host_arenas]
     held = optimizer.held_tensors()
     host_tensors = [s.master for s in optimizer.storages] + held["host_gradient_shard"] + held["host_staging"]
     inside = all(any(low <= t.data_ptr() < high for low, high in spans) for t in host_tensors)
     return (sum(a.nbytes for a in optimizer.host_arenas),
             report.master_weights + report.gradient_shard + report.bucket_buffers, inside, len(held["host_staging"]))
+
+
+class _MixedDtypes(torch.nn.Module):
+    """Layers in bf16 and fp16 by turns: with one layer a bucket, the buckets' dtypes alternate."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False).to(dtype)
+                                          for dtype in (torch.bfloat16, torch.float16) * 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
+        return x.float().square().mean()
+
+
+def _mixed_dtypes(rank, world_size):
+    """Offload against no offload on a model whose buckets alternate bf16 and fp16 (bitwise), and whether
+    every staging buffer carried a bucket (each dtype takes its two buffers in turn)."""
+    results = []
+    for offload in (None, CPUOffload(fused_step=False)):
+        model = _MixedDtypes()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, offload=offload,
+                                     bucket_numel=1024, loss_scale=None, lr=1e-2)
+        for step in range(3):
+            optimizer.backward(model(torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))))
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    staging = optimizer.held_tensors()["host_staging"]
+    return (all(torch.equal(a, b) for a, b in zip(*results)), len(staging),
+            all(bool(t.float().abs().sum() > 0) for t in staging))
+
+
+def test_staging_buffers_of_each_dtype_take_turns(world_size_2):
+    for same, buffers, all_used in (by_rank["mixed_dtypes"] for by_rank in world_size_2):
+        assert same and buffers == 4 and all_used
 
 
 def test_host_buffers_share_one_exact_arena(world_size_2):
@@ -277,6 +315,7 @@ def _world_size_2(rank, world_size):
             "parity": _parity_runs(rank, world_size, (torch.float32, torch.bfloat16)),
             "hint_memory": _hint_memory(rank, world_size),
             "host_arena": _host_arena(rank, world_size),
+            "mixed_dtypes": _mixed_dtypes(rank, world_size),
             "edited": {case: _edited_params(rank, world_size, *case) for case in EDITED_CASES},
             "other_optimizers": {name: _any_optimizer(rank, world_size, name) for name in OTHER_OPTIMIZERS},
             "outside_edits": _edits_before_save_and_per_parameter(rank, world_size),

@@ -63,11 +63,15 @@ class Pending:
         self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
 
     def wait_on_host(self) -> None:
-        """Block this thread, not a device stream, until every work is done; then :meth:`wait`. On CUDA,
-        ``wait()`` alone makes the current stream wait for the collective, so every kernel queued after it
-        (the rest of backward) would stall behind the communication; waiting on the host instead lets the
-        GPU run what is already queued. Off CUDA the same as :meth:`wait`."""
+        """For CUDA collectives: block this thread, not a device stream, until every work is done; then
+        :meth:`wait`. ``wait()`` alone makes the current stream wait for the collective, so every kernel
+        queued after it (the rest of backward) would stall behind the communication; waiting on the host
+        instead lets the GPU run what is already queued. Bounded by ``timeout`` when there is one (else
+        NCCL's watchdog ends a collective that hangs)."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while self.works and not all(work.is_completed() for work in self.works):
+            if deadline is not None and time.monotonic() > deadline:
+                break  # wait() raises the CollectiveError
             time.sleep(HOST_POLL_SECONDS)
         self.wait()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from typing import Optional
 
 import torch
 
@@ -28,51 +29,55 @@ def device_tensor(values: list, device: torch.device, dtype: torch.dtype) -> tor
 
 
 class HostArena:
-    """Host tensors of one dtype carved out of one allocation, page-locked as one exact range when ``pin``.
+    """Host tensors of several dtypes carved out of one allocation, page-locked as one exact range on a GPU.
 
     ``pin_memory=True`` takes page-locked memory from torch's caching host allocator, which rounds every
-    block up to a power of two: per-bucket buffers could cost up to twice their bytes. Here an ordinary
-    allocation is registered with ``cudaHostRegister`` instead, so the page-locked bytes are exactly
-    :attr:`nbytes`, the sum of the slices (no gaps: slices follow each other in ``numels`` order).
+    block up to a power of two: per-bucket buffers could cost up to twice their bytes. Here one ordinary
+    allocation is registered with ``cudaHostRegister`` (portable: every device's copies see it as
+    page-locked), so the page-locked bytes are exactly :attr:`nbytes`, the sum of the slices. Slices are laid
+    out widest dtype first, so that each starts aligned to its element size with no gap between them.
     Unregistered (after the device has finished every queued copy) when the arena is garbage collected.
     """
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, pin: bool):
-        self._block = torch.zeros(sum(numels), dtype=dtype)
-        self.pinned = pin and self._block.numel() > 0
+    def __init__(self, sizes: list[tuple[int, torch.dtype]], pin_device: Optional[torch.device]):
+        offsets, total = {}, 0
+        for index in sorted(range(len(sizes)), key=lambda i: -sizes[i][1].itemsize):
+            offsets[index] = total
+            total += sizes[index][0] * sizes[index][1].itemsize
+        self._block = torch.zeros(total, dtype=torch.uint8)
+        self.pinned = pin_device is not None and total > 0
         if self.pinned:
             try:
-                _register(self._block)
-                weakref.finalize(self, _unregister, self._block)
+                _register(self._block, pin_device)
+                weakref.finalize(self, _unregister, self._block, pin_device)
             except (RuntimeError, AttributeError) as error:  # no cudaHostRegister here (a sandbox, another build)
                 warnings.warn(f"zeroimpl: cudaHostRegister failed ({error}); the offloaded host buffers are "
                               "page-locked by torch's caching host allocator instead, which may round them up to "
                               "a power of two", RuntimeWarning, stacklevel=3)
                 self._block = self._block.pin_memory()
-        self.slices: list[torch.Tensor] = list(self._block.split(numels))
+        self.slices: list[torch.Tensor] = [
+            self._block[offsets[i]:offsets[i] + numel * dtype.itemsize].view(dtype)
+            for i, (numel, dtype) in enumerate(sizes)]
 
     @property
     def nbytes(self) -> int:
-        return self._block.numel() * self._block.element_size()
+        return self._block.numel()
+
+    @property
+    def start(self) -> int:
+        """The address of the first byte."""
+        return self._block.data_ptr()
 
 
-def host_buffers(numels: list[int], dtypes: list[torch.dtype], pin: bool) -> tuple[list[torch.Tensor], list[HostArena]]:
-    """Zeroed 1-D host tensors of these sizes and dtypes, in order, from one :class:`HostArena` per dtype."""
-    arenas, slices = [], [None] * len(numels)
-    for dtype in dict.fromkeys(dtypes):
-        chosen = [i for i, d in enumerate(dtypes) if d == dtype]
-        arena = HostArena([numels[i] for i in chosen], dtype, pin)
-        arenas.append(arena)
-        for i, tensor in zip(chosen, arena.slices):
-            slices[i] = tensor
-    return slices, arenas
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
-def _register(block: torch.Tensor) -> None:
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
-        block.data_ptr(), block.numel() * block.element_size(), 0))
+def _register(block: torch.Tensor, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(),
+                                                                    _HOST_REGISTER_PORTABLE))
 
 
-def _unregister(block: torch.Tensor) -> None:
-    torch.cuda.synchronize()  # no copy may still read or write the range
+def _unregister(block: torch.Tensor, device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # no copy may still read or write the range
     torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(block.data_ptr()))

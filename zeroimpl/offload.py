@@ -37,9 +37,9 @@ class CPUOffload:
     """Offload policy: fp32 master weights, optimizer state and gradient shard on the host; step there."""
 
     pin_memory: bool = True
-    """Page-locked host buffers, so that copies to and from a CUDA device are asynchronous: the host masters
-    and gradient shards of each dtype are one allocation, registered with ``cudaHostRegister`` as one exact
-    range (torch's ``pin_memory=True`` would round each buffer up to a power of two). Ignored when the
+    """Page-locked host buffers, so that copies to and from a CUDA device are asynchronous: the host masters,
+    gradient shards and staging buffers are one allocation, registered with ``cudaHostRegister`` as one
+    exact range (torch's ``pin_memory=True`` would round each buffer up to a power of two). Ignored when the
     parameters are on the CPU."""
 
     fused_step: bool = True
@@ -143,13 +143,14 @@ class HostGradientShards:
         the host into one of two page-locked staging buffers of its dtype, taken in turn, so that half the
         bytes cross to the device and the conversion of one bucket overlaps the copy of the one before; a
         buffer is refilled once its previous copy has run."""
-        turn = 0
+        turns = dict.fromkeys(self.staging, 0)  # per dtype: the buffer to fill next
         for storage in storages:
             buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None
             if buffers is None:
                 storage.publish_master()
             else:
-                key, turn = (storage.shard.dtype, turn), 1 - turn
+                key = (storage.shard.dtype, turns[storage.shard.dtype])
+                turns[storage.shard.dtype] = 1 - key[1]
                 if key in self._staged:
                     self._staged.pop(key).synchronize()
                 storage.publish_master(buffers[key[1]][:storage.shard.numel()])

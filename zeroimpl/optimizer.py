@@ -32,11 +32,11 @@ from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params, host_master_dtype
 from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer, check_not_owned, rebound_message
-from .host_memory import HostArena, device_tensor, host_buffers, to_device
+from .host_memory import HostArena, device_tensor, to_device
 from .inflight import InFlightGathers
 from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
-from .memory_format import shaped
+from .memory_format import contiguous_strides, same_order, shaped
 from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
                       staging_sizes,
                       resolve_offload)
@@ -175,14 +175,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pieces: list[ShardPiece] = self.layout.pieces(self.rank)  # this rank's part of each parameter
         self._device = trainable[0].device
         host_masters = host_gradients = None
-        self.host_arenas: list[HostArena] = []  # one page-locked allocation per dtype (offload on CUDA)
-        if self.offload is not None:  # masters, gradient shards and staging on the host: one arena per dtype
+        self.host_arenas: list[HostArena] = []  # offload: one allocation, page-locked on CUDA
+        if self.offload is not None:  # masters, gradient shards and staging on the host, in one arena
             numels = [b.shard_numel for b in layout.buckets]
             dtypes = [host_master_dtype(trainable[b.param_indices[0]].dtype) for b in layout.buckets]
             staging = staging_sizes(layout, [p.dtype for p in trainable])
-            pin = self.offload.pin_memory and self._device.type == "cuda"
-            host, self.host_arenas = host_buffers(numels * 2 + [n for n in staging.values() for _ in range(2)],
-                                                  dtypes * 2 + [d for d in staging for _ in range(2)], pin)
+            pin = self._device if self.offload.pin_memory and self._device.type == "cuda" else None
+            sizes = list(zip(numels * 2 + [n for n in staging.values() for _ in range(2)],
+                             dtypes * 2 + [d for d in staging for _ in range(2)]))
+            self.host_arenas = [HostArena(sizes, pin)]
+            host = self.host_arenas[0].slices
             host_masters, host_gradients = host[:len(numels)], host[len(numels):2 * len(numels)]
             host_staging = {d: host[2 * len(numels) + 2 * k:2 * len(numels) + 2 * k + 2]
                             for k, d in enumerate(staging)}
@@ -579,6 +581,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "format": STATE_FORMAT,
             "rank": self.rank,
             "layout": self.layout.fingerprint(),
+            "strides": [tuple(p.stride()) for p in self.trainable_params],  # the flat order of every shard
             "inner": self.inner.state_dict(),
             "param_groups": [{k: v for k, v in g.items() if k not in ("params", "optimizer")}
                              for g in self.param_groups],
@@ -614,6 +617,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{state_dict['layout']['world_size']} and another parameter layout; this optimizer is rank "
                 f"{self.rank} of {self.world_size}. Load each rank's own state with the same model, param "
                 "groups, world size and bucket settings (resharding is the checkpoint API's job)")
+        saved = state_dict.get("strides") or [contiguous_strides(p.shape) for p in self.trainable_params]
+        for index, (strides, param) in enumerate(zip(saved, self.trainable_params)):
+            if not same_order(param.shape, strides, param.stride()):
+                raise ValueError(
+                    f"trainable parameter {index} {tuple(param.shape)} was saved in the memory format of strides "
+                    f"{tuple(strides)} but has strides {tuple(param.stride())} here, so its shard would be read in "
+                    "the wrong order: give the parameters the memory format they had when saved before building "
+                    "the optimizer (model.to(memory_format=...); a state saved before zeroimpl kept memory "
+                    "formats holds every parameter contiguous: p.data = p.data.contiguous())")
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError("the state has a different number of param groups")
         if (state_dict["loss_scaler"] is None) != (self.loss_scaler is None):

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .memory_format import dense_strides
 from .precision import LossScaleConfig
 
 
@@ -102,9 +103,10 @@ def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch
     """
     layout_digest = int(hashlib.sha256(repr(layout).encode()).hexdigest()[:12], 16)  # 48 bits: exact in fp64
     shapes = torch.tensor([len(params), sum(p.numel() for p in params),
-                           hash(tuple(tuple(p.shape) for p in params)) % (2 ** 50), layout_digest],
+                           hash(tuple((tuple(p.shape), dense_strides(p)) for p in params)) % (2 ** 50), layout_digest],
                           dtype=torch.float64, device=device)
-    _raise_if_ranks_differ(shapes, topology, "the number or the shapes of the trainable parameters, or the shard "
+    _raise_if_ranks_differ(shapes, topology, "the number, shapes or memory formats (strides: channels_last, a "
+                           "transposed weight) of the trainable parameters, or the shard "
                            "layout (param groups, their optimizer classes, per_parameter, bucket_numel, alignment)",
                            timeout)
     with torch.no_grad():

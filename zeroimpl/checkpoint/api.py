@@ -207,7 +207,9 @@ def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> 
             raise CheckpointError(f"trainable parameter {i} ({name}) was saved in the memory format of strides "
                                   f"{saved_strides}, but has strides {tuple(param.stride())} here: convert the model "
                                   "as it was when saved (e.g. model.to(memory_format=torch.channels_last)) before "
-                                  "building the optimizer, or export the checkpoint and load the weights instead")
+                                  "building the optimizer; a checkpoint that records no strides (written before "
+                                  "zeroimpl kept memory formats) holds every parameter contiguous: "
+                                  "p.data = p.data.contiguous() first")
     if [g["members"] for g in index["groups"]] != [g["members"] for g in describe_groups(optimizer)]:
         raise CheckpointError("the checkpoint's param groups hold other parameters than this optimizer's; "
                               "build the optimizer with the same param groups")

@@ -23,7 +23,7 @@ def model_state_bytes(tensors_by_kind: dict[str, list[torch.Tensor]]) -> dict[st
     for order, kind in enumerate(MODEL_STATE_KINDS):
         for tensor in tensors_by_kind.get(kind, []):
             storage = tensor.untyped_storage()
-            if storage.nbytes() == 0:
+            if storage.nbytes() == 0 or tensor.numel() == 0:
                 continue
             extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size)
             start = tensor.storage_offset() * tensor.element_size()
