@@ -135,6 +135,35 @@ def _mixed_dtypes(rank, world_size):
             all(bool(t.float().abs().sum() > 0) for t in staging))
 
 
+def _pipeline_order(rank, world_size):
+    """The order of host steps and all-gathers inside one offloaded step() (observed by wrapping both)."""
+    from zeroimpl import comm
+
+    model = build_model("gpt2", torch.bfloat16)
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, offload="cpu",
+                                 bucket_numel=4096, lr=1e-3)
+    optimizer.backward(model(**batch(rank, 0, 0)).loss)
+    events, inner_step, all_gather = [], optimizer.inner.step, comm.all_gather
+    optimizer.inner.step = lambda: (events.append("step"), inner_step())
+    comm.all_gather = lambda *args, **kwargs: (events.append("gather"), all_gather(*args, **kwargs))[1]
+    try:
+        optimizer.step()
+    finally:
+        comm.all_gather = all_gather
+    return events, len(optimizer.layout.buckets)
+
+
+def test_offload_steps_bucket_by_bucket_each_gathered_before_the_next_steps(world_size_2):
+    """The host step runs per bucket, and each bucket's all-gather is queued before the next bucket steps:
+    the next host step overlaps the copy and the all-gather (a bucket whose pieces on this rank are all
+    padding has no step)."""
+    for events, buckets in (by_rank["pipeline"] for by_rank in world_size_2):
+        assert events.count("gather") == buckets and events.count("step") > 1
+        assert all(b == "gather" for a, b in zip(events, events[1:]) if a == "step")  # its own bucket's
+        last_step = len(events) - 1 - events[::-1].index("step")
+        assert events.index("gather") < last_step  # gathers start before the host steps end
+
+
 def test_staging_buffers_of_each_dtype_take_turns(world_size_2):
     for same, buffers, all_used in (by_rank["mixed_dtypes"] for by_rank in world_size_2):
         assert same and buffers == 4 and all_used
@@ -316,6 +345,7 @@ def _world_size_2(rank, world_size):
             "hint_memory": _hint_memory(rank, world_size),
             "host_arena": _host_arena(rank, world_size),
             "mixed_dtypes": _mixed_dtypes(rank, world_size),
+            "pipeline": _pipeline_order(rank, world_size),
             "edited": {case: _edited_params(rank, world_size, *case) for case in EDITED_CASES},
             "other_optimizers": {name: _any_optimizer(rank, world_size, name) for name in OTHER_OPTIMIZERS},
             "outside_edits": _edits_before_save_and_per_parameter(rank, world_size),

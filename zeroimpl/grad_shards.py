@@ -37,9 +37,12 @@ class DeviceGradientShards:
     def ready(self) -> list[Optional[torch.Tensor]]:
         return self.shards
 
-    def publish(self, storages: list[BucketStorage], then: Callable[[BucketStorage], None]) -> None:
-        """Each bucket's master into its parameters' shard, then ``then(storage)``, bucket by bucket."""
+    def publish(self, storages: list[BucketStorage], then: Callable[[BucketStorage], None],
+                prepare: Optional[Callable[[BucketStorage], None]] = None) -> None:
+        """Bucket by bucket: ``prepare(storage)``, the master into its parameters' shard, ``then(storage)``."""
         for storage in storages:
+            if prepare is not None:
+                prepare(storage)
             storage.publish_master()
             then(storage)
 

@@ -137,14 +137,18 @@ class HostGradientShards:
         self.wait_copies()
         return [shard if filled else None for shard, filled in zip(self.shards, self._filled)]
 
-    def publish(self, storages: list[BucketStorage], then: Callable[[BucketStorage], None]) -> None:
+    def publish(self, storages: list[BucketStorage], then: Callable[[BucketStorage], None],
+                prepare: Optional[Callable[[BucketStorage], None]] = None) -> None:
         """Start copying the updated host masters into the device parameters (asynchronous on CUDA), bucket by
-        bucket, each followed by ``then(storage)`` (its all-gather). A 16-bit model's masters are converted on
+        bucket, each preceded by ``prepare(storage)`` (its host step) and followed by ``then(storage)`` (its
+        all-gather), so that a bucket's host step overlaps the copy and all-gather of the one before. A 16-bit model's masters are converted on
         the host into one of two page-locked staging buffers of its dtype, taken in turn, so that half the
         bytes cross to the device and the conversion of one bucket overlaps the copy of the one before; a
         buffer is refilled once its previous copy has run."""
         turns = dict.fromkeys(self.staging, 0)  # per dtype: the buffer to fill next
         for storage in storages:
+            if prepare is not None:
+                prepare(storage)
             buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None
             if buffers is None:
                 storage.publish_master()

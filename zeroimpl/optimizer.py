@@ -468,35 +468,56 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for storage, grad in zip(self.storages, self.gradients.ready()):
             storage.sync_master_with_params()
             grads.append(None if grad is None else grad.to(storage.master.dtype))
+        piece_grads = {}  # bucket index -> [(master, its gradient)], pieces that step
         for piece, master in zip(self._pieces, self._piece_masters):
             grad = grads[piece.bucket_index]
             if stepped is not None and not stepped[piece.param_index]:
-                master.grad = None  # no gradient on any rank: torch would not touch it either
-            elif grad is None:  # a zero gradient kept by zero_grad(set_to_none=False), nothing reduced since
-                master.grad = torch.zeros_like(master)
+                continue  # no gradient on any rank: torch would not touch it either
+            if grad is None:  # a zero gradient kept by zero_grad(set_to_none=False), nothing reduced since
+                grad = torch.zeros_like(master)
             else:
-                master.grad = self._piece_view(grad, piece)
-        self.inner.step()
-        for master in self._piece_masters:
-            master.grad = None
-        self._publish_and_gather(defer=self.overlap_param_gather)
+                grad = self._piece_view(grad, piece)
+            piece_grads.setdefault(piece.bucket_index, []).append((master, grad))
+        if self.offload is None:  # one step over every piece (one launch of each kernel), then the copies
+            self._step_inner([g for pairs in piece_grads.values() for g in pairs])
+            self._publish_and_gather(defer=self.overlap_param_gather)
+        else:  # the host step bucket by bucket, each bucket copied and all-gathered while the next one steps
+            self._publish_and_gather(defer=self.overlap_param_gather,
+                                     prepare=lambda storage: self._step_inner(piece_grads.get(storage.bucket.index,
+                                                                                              [])))
         self._steps_taken += 1
         self._finish_step(overflow=False)
         if self.verify_every and self._steps_taken % self.verify_every == 0:
             self.verify_ranks_agree()
 
-    def _publish_and_gather(self, defer: bool = False) -> None:
+    def _step_inner(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Step the inner optimizers on these (master view, gradient) pairs alone: torch's optimizers skip
+        parameters without a gradient, and every class zeroimpl shards updates each parameter (flat: each
+        element) from its own gradient and state, so stepping the pieces in parts is bitwise stepping them
+        at once."""
+        if not pieces:
+            return
+        for master, grad in pieces:
+            master.grad = grad
+        self.inner.step()
+        for master, _ in pieces:
+            master.grad = None
+
+    def _publish_and_gather(self, defer: bool = False,
+                            prepare: Optional[Callable[[BucketStorage], None]] = None) -> None:
         """Write each bucket's updated master weights into its shard of the parameters and all-gather the
         bucket, bucket by bucket: a bucket's all-gather is queued right after its copy, so that it overlaps
-        the next bucket's copy (with offload, the host-to-device copies). ``defer``: leave the gathers in
-        flight (``overlap_param_gather``) for the guards of :mod:`zeroimpl.inflight` to wait for."""
+        the next bucket's copy (with offload, the host-to-device copies). ``prepare(storage)`` runs first for
+        each bucket (with offload: its host step, which then overlaps the previous bucket's copy and
+        all-gather). ``defer``: leave the gathers in flight (``overlap_param_gather``) for the guards of
+        :mod:`zeroimpl.inflight` to wait for."""
         self.finish_param_gathers()
         pending = {}
 
         def gather(storage: BucketStorage) -> None:
             pending[storage.bucket.index] = comm.all_gather(storage.param_buffer, storage.shard, self.process_group,
                                                             self.collective_timeout, tag=storage.bucket.index)
-        self.gradients.publish(self.storages, gather)
+        self.gradients.publish(self.storages, gather, prepare)
         # the all-gather writes the parameters in place: let autograd refuse graphs built before it
         torch.autograd.graph.increment_version([p for s in self.storages for p in s.params])
         for storage in self.storages:
