@@ -7,7 +7,9 @@ One optimizer step, as seen from one rank (Ψ trainable elements, N ranks)::
     step      -> (loss scaling: unscale) -> agree across ranks on NaN/Inf (fused with the clipping norm)
               -> inner optimizer on the shard's master weights (or skip the step: see ``nonfinite``)
               -> master written into this rank's slice of the flat parameter buffers
-              -> in-place all-gather of every parameter buffer (Ψ)                   [comm.py]
+              -> in-place all-gather of every parameter buffer (Ψ), bucket by bucket  [comm.py]
+                 (offload: each bucket's host step, copy and all-gather in turn, a pipeline), left in
+                 flight into the next forward (``overlap_param_gather``)            [inflight.py]
 
 The inner optimizer (e.g. torch.optim.AdamW) sees one tensor per *piece*: the part of one parameter that
 lies in this rank's master shard (a view of the shard; padding belongs to no piece) -- 1-D in flat groups,
