@@ -171,11 +171,6 @@ class GradientReducer:
         weakref.finalize(self, _remove_handles, self._handles)
         _install_registration_hook()
 
-    def bucket_of(self, param: torch.Tensor) -> Optional[int]:
-        """The bucket that holds ``param`` (``None``: not one of this reducer's parameters)."""
-        found = self._bucket_of.get(id(param))
-        return None if found is None else found[0]
-
     # -- hooks ----------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, param_index = self._bucket_of[id(param)]
