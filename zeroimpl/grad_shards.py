@@ -63,3 +63,6 @@ class DeviceGradientShards:
 
     def host_tensors(self) -> list[torch.Tensor]:
         return []
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        return []

@@ -26,7 +26,8 @@ from typing import Callable, Literal, Optional, Union
 
 import torch
 
-from .buffers import HALF_DTYPES, BucketStorage
+from .buffers import HALF_DTYPES, BucketStorage, host_master_dtype
+from .host_memory import HostArena
 
 # torch optimizers with a fused CPU kernel (torch >= 2.4), about 10x faster than their for-loop kernel
 FUSED_CPU_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -200,3 +201,19 @@ def staging_sizes(layout, param_dtypes: list[torch.dtype]) -> dict[torch.dtype, 
         if dtype in HALF_DTYPES:
             sizes[dtype] = max(sizes.get(dtype, 0), bucket.shard_numel)
     return sizes
+
+
+def host_buffers(layout, param_dtypes: list[torch.dtype], pin_device: Optional[torch.device]
+                 ) -> tuple[HostArena, list[torch.Tensor], list[torch.Tensor], dict[torch.dtype, list[torch.Tensor]]]:
+    """Offload's host memory, carved out of one :class:`HostArena` (page-locked for ``pin_device``): per
+    bucket a master and a gradient shard (shard-sized, :func:`host_master_dtype`), and per 16-bit dtype the
+    two staging buffers of :func:`staging_sizes` (``param_dtypes``: by parameter index)."""
+    buckets = len(layout.buckets)
+    dtypes = [host_master_dtype(param_dtypes[b.param_indices[0]]) for b in layout.buckets]
+    staging = staging_sizes(layout, param_dtypes)
+    sizes = [(b.shard_numel, d) for b, d in zip(layout.buckets, dtypes)] * 2
+    sizes += [(numel, dtype) for dtype, numel in staging.items() for _ in range(2)]
+    arena = HostArena(sizes, pin_device)
+    slices = arena.slices
+    staged = {dtype: slices[2 * buckets + 2 * k:2 * buckets + 2 * k + 2] for k, dtype in enumerate(staging)}
+    return arena, slices[:buckets], slices[buckets:2 * buckets], staged

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import comm, optimizer_kinds, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
-from .buffers import BucketStorage, flatten_params, host_master_dtype
+from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer, check_not_owned, rebound_message
 from .host_memory import HostArena, device_tensor, to_device
@@ -40,8 +40,7 @@ from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .memory_format import contiguous_strides, same_order, shaped
 from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
-                      staging_sizes,
-                      resolve_offload)
+                      host_buffers, resolve_offload)
 from .precision import DynamicLossScaler, LossScaleConfig
 from .step_state import StepState, StepVerdict, decode_checks, encode_checks
 from .topology import Topology, resolve_topology
@@ -167,7 +166,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout = build_layout(specs, self.world_size, bucket_numel, alignment)
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
         validation.check_params(trainable, self.topology, collective_timeout, layout.fingerprint())
-        _check_whole_groups(self.param_groups, sharding)
+        _check_whole_groups(self.param_groups)
         check_not_owned(trainable)  # before the parameters are moved into this optimizer's buffers
 
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
@@ -176,20 +175,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.layout: ShardLayout = layout
         self._pieces: list[ShardPiece] = self.layout.pieces(self.rank)  # this rank's part of each parameter
         self._device = trainable[0].device
-        host_masters = host_gradients = None
+        host_masters = None
         self.host_arenas: list[HostArena] = []  # offload: one allocation, page-locked on CUDA
         if self.offload is not None:  # masters, gradient shards and staging on the host, in one arena
-            numels = [b.shard_numel for b in layout.buckets]
-            dtypes = [host_master_dtype(trainable[b.param_indices[0]].dtype) for b in layout.buckets]
-            staging = staging_sizes(layout, [p.dtype for p in trainable])
             pin = self._device if self.offload.pin_memory and self._device.type == "cuda" else None
-            sizes = list(zip(numels * 2 + [n for n in staging.values() for _ in range(2)],
-                             dtypes * 2 + [d for d in staging for _ in range(2)]))
-            self.host_arenas = [HostArena(sizes, pin)]
-            host = self.host_arenas[0].slices
-            host_masters, host_gradients = host[:len(numels)], host[len(numels):2 * len(numels)]
-            host_staging = {d: host[2 * len(numels) + 2 * k:2 * len(numels) + 2 * k + 2]
-                            for k, d in enumerate(staging)}
+            arena, host_masters, host_gradients, host_staging = host_buffers(layout, [p.dtype for p in trainable],
+                                                                             pin)
+            self.host_arenas = [arena]
         self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank, host_masters)
         kwargs = {cls: {} for cls in classes}  # a class's groups carry its hyperparameters
         if optimizer_class in kwargs:
@@ -731,7 +723,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "gradients": [p.grad for s in self.storages for p in s.params if p.grad is not None],
             "gradient_shard": self.gradients.device_tensors(),
             "host_gradient_shard": self.gradients.host_tensors(),
-            "host_staging": self.gradients.staging_tensors() if self.offload is not None else [],
+            "host_staging": self.gradients.staging_tensors(),
             "master_weights": [s.master for s in self.storages if s.has_separate_master],
             "optimizer_state": [v for state in self.inner.state.values() for v in state.values() if torch.is_tensor(v)],
             "bucket_buffers": self.reducer.live_buffers(),
@@ -767,7 +759,7 @@ def _norm_dtype(shard: torch.Tensor) -> torch.dtype:
     return torch.promote_types(shard.dtype, torch.float32)
 
 
-def _check_whole_groups(groups: list[dict], sharding: dict) -> None:
+def _check_whole_groups(groups: list[dict]) -> None:
     """Let torch's whole-parameter classes refuse their groups on every rank alike (torch.optim.Muon: parameters
     that are not 2-D), not only on the rank that owns the offending parameter: build each once over
     shape-only (meta) copies of the group's trainable parameters. (A class of the user's, whose constructor
