@@ -8,7 +8,6 @@ corpus that the model memorises, so the loss visibly falls. No download is neede
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -100,9 +99,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Skip interpreter finalization: gloo's threads outlive destroy_process_group() (torch keeps the process
-    # group in torch.distributed.nn.functional's default arguments) and one needing the GIL while the
-    # interpreter finalizes can abort the process. See examples/trainer.py.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

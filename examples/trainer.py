@@ -10,8 +10,6 @@ final parameters (rank 0) for the tests.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -161,11 +159,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Skip interpreter finalization. torch.distributed.nn.functional, imported lazily after init_process_group
-    # (through torch._dynamo, by the first torch optimizer), holds the process group in default arguments, so
-    # destroy_process_group() does not join gloo's threads; one still freeing the last collective's tensors
-    # while the interpreter finalizes needs the GIL and aborts the process ("terminate called without an
-    # active exception", about 1 run in 20 on 2 CPU cores, torch 2.13).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

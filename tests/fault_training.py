@@ -97,13 +97,3 @@ if __name__ == "__main__":
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    # Skip interpreter finalization after a clean end. torch.distributed.nn.functional, imported lazily after
-    # init_process_group (through torch._dynamo, by the first torch optimizer), holds the process group in
-    # default arguments, so destroy_process_group() does not join gloo's threads; one still freeing the last
-    # collective's tensors while the interpreter finalizes needs the GIL and aborts the process ("terminate
-    # called without an active exception"; rare, but it failed one CI run). A failed job still exits through
-    # its exception: there the kept process group is what lets it exit (a released one's destructor waits
-    # for the collective that failed).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

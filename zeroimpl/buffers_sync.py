@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from . import shutdown
+
 
 def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> RemovableHandle:
     """Broadcast ``model``'s buffers from the group's first rank before every forward with gradients enabled
@@ -45,3 +47,5 @@ def sync_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGro
         for buffer in buffers:
             buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
             offset += buffer.numel()
+        if flat.device.type == "cpu":
+            shutdown.handed_to_gloo(flat)  # gloo's worker thread may let go of it last

@@ -23,6 +23,10 @@ rank instead of blocking forever. ``timeout=None`` leaves the bound to the proce
 (``init_process_group(timeout=...)``). The timeout applies to CPU tensors (gloo) only: on CUDA, a wait with
 a timeout would block the host until the collective ends and lose the overlap with backward, so there
 NCCL's watchdog enforces the process group's timeout (it aborts the process).
+
+A collective that a gloo worker thread runs (all-reduce, native reduce-scatter and all-gather) gets fresh
+aliases of CPU tensors, which :class:`Pending` drops after its wait and hands to :mod:`zeroimpl.shutdown`, so
+that the process can wait at exit for gloo to let go of them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from . import shutdown
 
 ALGORITHMS = ("native", "pairwise")
 HOST_POLL_SECONDS = 5e-5  # Pending.wait_on_host's polling interval
@@ -55,12 +61,14 @@ def _collective(new_name: str, old_name: str):
 class Pending:
     """Issued communication: ``works`` to wait for (none: it finished when issued), then ``finish()``.
 
-    ``timeout`` bounds the wait for all of ``works`` together, not each."""
+    ``timeout`` bounds the wait for all of ``works`` together, not each; ``lent``: the aliases ``works`` were
+    given (:func:`_aliases`)."""
 
     def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
-                 buffers: tuple = ()):
+                 buffers: tuple = (), lent: tuple = ()):
         self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
         self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
+        self.lent = lent
 
     def wait_on_host(self) -> None:
         """For CUDA collectives: block this thread, not a device stream, until every work is done; then
@@ -92,6 +100,8 @@ class Pending:
                 "probably died, hangs, or runs a different number of backward passes or steps; this rank cannot "
                 "continue. Restart the job from the last checkpoint (zeroimpl.checkpoint.load_checkpoint)") from error
         self.works, self.buffers = [], ()
+        shutdown.handed_to_gloo(*(t for t in self.lent if t.device.type == "cpu"))
+        self.lent = ()
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
@@ -124,7 +134,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         return Pending([], name, timeout)
     if algorithm(group, input) == "native":
         launch = _collective("reduce_scatter_single", "reduce_scatter_tensor")
-        return Pending([launch(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout)
+        lent = _aliases(output, input)
+        return Pending([launch(*lent, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout, lent=lent)
     pieces = input.view(world, -1)
     received = torch.empty(world - 1, output.numel(), dtype=input.dtype, device=input.device)
     works = _exchange([pieces[(rank + k) % world] for k in range(1, world)], list(received), group, 2 * tag)
@@ -143,7 +154,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
     timeout = _host_timeout(output, timeout)
     if world > 1 and algorithm(group, output) == "native":
         launch = _collective("all_gather_single", "all_gather_into_tensor")
-        return Pending([launch(output, input, group=group, async_op=True)], name, timeout)
+        lent = _aliases(output, input)
+        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent)
     pieces = output.view(world, -1)
     if input.data_ptr() != pieces[rank].data_ptr():
         pieces[rank].copy_(input)
@@ -155,7 +167,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
                 name: str = "all-reduce") -> torch.Tensor:
     """Reduce ``tensor`` in place across the group and return it."""
-    Pending([dist.all_reduce(tensor, op=op, group=group, async_op=True)], name, _host_timeout(tensor, timeout)).wait()
+    lent = _aliases(tensor)
+    Pending([dist.all_reduce(*lent, op=op, group=group, async_op=True)], name, _host_timeout(tensor, timeout),
+            lent=lent).wait()
     return tensor
 
 
@@ -186,6 +200,12 @@ def all_gather_objects(value, group, timeout: Optional[float] = None, name: str 
     all_gather(gathered, padded, group, timeout, name=name).wait()
     rows = gathered.view(world, longest).cpu()
     return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]
+
+
+def _aliases(*tensors: torch.Tensor) -> tuple:
+    """Fresh aliases (same memory, Python objects of their own) of ``tensors``, for a collective that a gloo
+    worker thread runs: after :meth:`Pending.wait` only the work holds them (see :mod:`zeroimpl.shutdown`)."""
+    return tuple(tensor.detach() for tensor in tensors)
 
 
 def _exchange(sends: list, receives: list, group, tag: int) -> list:

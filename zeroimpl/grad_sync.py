@@ -53,6 +53,7 @@ from .topology import Topology
 
 if TYPE_CHECKING:
     from .grad_shards import DeviceGradientShards
+    from .grad_views import GradViews
     from .offload import HostGradientShards
 
 
@@ -129,7 +130,7 @@ class GradientReducer:
     def __init__(self, layout: ShardLayout, storages: list[BucketStorage], topology: Topology,
                  stage: int, reduce_dtypes: list[torch.dtype], max_inflight: int,
                  gradients: Union[DeviceGradientShards, HostGradientShards],
-                 on_gradient: "weakref.WeakMethod[Callable[[], None]]",
+                 on_gradient: "weakref.WeakMethod[Callable[[], None]]", views: "GradViews",
                  timeout: Optional[float] = None):
         self.layout = layout
         self.timeout = timeout  # seconds a reduce-scatter may take before CollectiveError (None: the group's)
@@ -142,6 +143,7 @@ class GradientReducer:
         self._on_gradient = on_gradient  # weak method called on every gradient arrival (misuse checks)
         self._scale = 1.0 / topology.world_size
         self.gradients = gradients  # where finished reductions go
+        self.views = views  # what .grad shows after a backward
 
         self._inflight: deque[_Reduction] = deque()
         self.backward_passes = 0  # backward passes that reached these parameters since the last step/zero_grad
@@ -229,6 +231,7 @@ class GradientReducer:
             self._state = RoundState.DEFERRED
             return
         self._close_round()
+        self.views.expose(prepared=False)
 
     def _close_round(self) -> None:
         """Count the backward pass; stage 2: launch what is left, in order, and wait for everything."""
@@ -344,6 +347,12 @@ class GradientReducer:
                 "the step, so the edit would act on this rank's local gradient, not on the average as with DDP. "
                 "Clip with optimizer.clip_grad_norm_(max_norm) and scale the loss instead of the gradients. The "
                 "gradients were cleared; nothing was updated")
+
+    def forget(self, param_indices: list[int]) -> None:
+        """These parameters' gradients were cleared by the user: they have none since the last step."""
+        for index in param_indices:
+            self.grad_exists[index] = False
+            self._consumed[index] = False
 
     def end_step(self, stepped: Optional[list[bool]] = None) -> None:
         """The optimizer step consumed this step's gradients (as ``zero_grad()`` would clear them): count

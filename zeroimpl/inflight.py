@@ -23,7 +23,9 @@ apex's multi-tensor kernels on the whole model): :meth:`InFlightGathers.finish` 
 
 The mode and the hook are removed once nothing is in flight. A wait from inside the mode's own handler
 cannot take the mode off the stack (torch holds it off while the handler runs and puts it back): it stays
-inert and the hook, :meth:`InFlightGathers.finish` or :meth:`InFlightGathers.start` removes it.
+inert and the hook, :meth:`InFlightGathers.finish` or :meth:`InFlightGathers.start` removes it. A gloo
+collective issued while a guard is on the stack (the user's own too) keeps a reference to it: a guard taken
+off the stack goes to :mod:`zeroimpl.shutdown`, which waits at exit for gloo to let go of it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Iterable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import shutdown
 from .comm import Pending
 
 # tensor methods that read only metadata: no wait for them
@@ -175,3 +178,4 @@ def _remove_from_stack(mode: TorchFunctionMode) -> None:
         above.append(top)
     for other in reversed(above):
         torch._C._push_on_torch_function_stack(other)
+    shutdown.handed_to_gloo(mode)

@@ -34,6 +34,7 @@ from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
 from .grad_sync import GradientReducer, check_not_owned, rebound_message
+from .grad_views import GradViews
 from .host_memory import HostArena, device_tensor, to_device
 from .inflight import InFlightGathers
 from .inner import InnerOptimizers
@@ -210,9 +211,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
                          for s in self.storages]
         weakref.finalize(self, self._gathers.finish)  # no gather outlives its optimizer unfinished, no guard stays
+        # param.grad after backward: views of the averaged gradient in the shards, for torch's own utilities
+        self.grad_views = GradViews(trainable, self._pieces, stage, _weakly(self._prepare_for_views),
+                                    _weakly(self._grad_shards_by_bucket), _weakly(self._forget_gradients),
+                                    self.topology.shard, collective_timeout)
         self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtypes,
                                        max_inflight_buckets, self.gradients,
-                                       weakref.WeakMethod(self._check_gradient_arrival),
+                                       weakref.WeakMethod(self._check_gradient_arrival), self.grad_views,
                                        collective_timeout)
         self._constructed = True
 
@@ -284,19 +289,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- gradients --------------------------------------------------------------------------------
     def _prepare_gradients(self) -> bool:
-        """Finish the reduction (and unscaling); return whether there are gradients to step on."""
+        """Finish the reduction (and unscaling); return whether there are gradients to step on. Then every
+        trainable parameter's ``.grad`` is its view of the averaged gradient (:mod:`zeroimpl.grad_views`)."""
         self.finish_param_gathers()
         if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
             validation.check_not_wrapped_in_ddp(self.trainable_params[0])
             self._wrapping_checked = True
         self._check_model_unchanged()
+        self.grad_views.withdraw()  # .grad as the reducer left it (stage 1: the local gradients)
         self.reducer.finalize()
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
             return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
         if self.loss_scaler is not None and not self._step_state.unscaled:
             torch._foreach_mul_(self._grad_shards(), 1.0 / self.loss_scaler.scale)
             self._step_state.unscaled = True
+        self.grad_views.expose(prepared=True)
         return True
+
+    def _prepare_for_views(self) -> None:
+        """The first operation on a gradient view after a backward: reduce and unscale (collective)."""
+        with torch.no_grad():
+            self._prepare_gradients()
+
+    def _grad_shards_by_bucket(self) -> list[Optional[torch.Tensor]]:
+        return self.gradients.ready()
+
+    def _forget_gradients(self, param_indices: list[int]) -> None:
+        """The user cleared these parameters' ``.grad`` (``model.zero_grad()``, ``p.grad = None``): zero their
+        elements of the gradient shards and forget that they had a gradient, as torch would."""
+        shards = self.gradients.ready()
+        for piece in self._pieces:
+            shard = shards[piece.bucket_index]
+            if piece.param_index in param_indices and shard is not None:
+                shard[piece.shard_offset:piece.shard_offset + piece.length].zero_()
+        self.reducer.forget(param_indices)
 
     def _check_model_unchanged(self) -> None:
         """Raise, before any collective of the step, if the model no longer is what the layout describes."""
@@ -419,6 +445,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             # offload on a GPU: this copy of one scalar to the host is the step's second sync (with clipping)
             torch._foreach_mul_(shards, coefficient.to(shards[0].device))
+            self.grad_views.changed()
         return total
 
     # -- step -------------------------------------------------------------------------------------
@@ -576,12 +603,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``model.zero_grad()`` (which sees no ``.grad`` to clear) trains as with torch."""
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
+        self.grad_views.discard()
         verdict = self._step_state.verdict
         self.reducer.end_step(stepped=None if verdict is None else verdict.stepped)
         self.gradients.clear(set_to_none=True)
         self._step_state.reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.grad_views.discard()
         self.reducer.zero_grad(set_to_none)
         self._step_state.reset()
 
@@ -720,7 +749,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         :meth:`memory_report` counts, for tools that count storage themselves."""
         return {
             "parameters": [s.param_buffer for s in self.storages],
-            "gradients": [p.grad for s in self.storages for p in s.params if p.grad is not None],
+            "gradients": self.grad_views.full_gradients(),
             "gradient_shard": self.gradients.device_tensors(),
             "host_gradient_shard": self.gradients.host_tensors(),
             "host_staging": self.gradients.staging_tensors(),
@@ -745,6 +774,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                           master_weights=held["master_weights"] if on_host else 0,
                           optimizer_state=held["optimizer_state"] if on_host else 0)
         return MemoryReport(device, host)
+
+
+def _weakly(method):
+    """A callable that calls ``method`` while its object lives (the hooks' callbacks must not keep the optimizer
+    alive: a deleted optimizer lets go of the model)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 def _bit_checksum(flat: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,322 @@
+"""``param.grad`` after backward: the averaged gradient, held as this rank's shard, readable by torch's utilities.
+
+After a backward pass that reached a :class:`~zeroimpl.ShardedOptimizer`, every trainable parameter's
+``.grad`` is a :class:`ShardedGrad`: a tensor of the parameter's shape, dtype and device whose values are
+the *averaged* gradient (the one DDP would leave in ``.grad``), but which holds no full-size memory: its
+elements live in the gradient shards of the ranks (this rank holds one contiguous piece of it, or none).
+So the lines of a training loop that read the gradients work as under DDP, at stage 2's memory:
+
+* ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` / ``clip_grads_with_norm_`` (any ``norm_type``,
+  ``foreach`` or not): a norm of a gradient is the norm of the full averaged gradient. The first norm asked
+  for computes the norms of every parameter of the optimizer at once from the local pieces, with **one
+  all-reduce** of one value per parameter in the shard group; later norms of the same order reuse them
+  until a gradient changes (the cache is keyed on the shards' version counters).
+* ``clip_grad_value_`` and in-place scaling (``mul_``, ``div_``, ``clamp_``, ``zero_``, their ``_foreach``
+  forms): applied to the local piece; no communication.
+* ``torch.amp.GradScaler.unscale_`` (``_amp_foreach_non_finite_check_and_unscale_``): the pieces are
+  unscaled and ``found_inf`` is agreed across the ranks (one all-reduce), so every rank skips the same steps
+  and moves the scale alike.
+
+Any other operation on a sharded gradient raises a ``RuntimeError`` naming the alternatives (it would need
+the full gradient, which no rank holds). Because a norm is a collective, every rank must ask for it: a
+gradient norm read on one rank alone waits for the others (and fails after the collective timeout).
+
+The first operation on any of the optimizer's gradients after a backward finishes the reduction (stage 1:
+the reduce-scatter of the step; with loss scaling: the unscaling) through ``prepare``, on every rank alike.
+
+Lifecycle, per optimizer (:class:`GradViews`): :meth:`~GradViews.expose` at the end of each backward puts one
+persistent ``ShardedGrad`` per trainable parameter in ``.grad`` (stage 1: holding the rank's local
+gradient until ``prepare``); before the next backward accumulates (a tensor pre-hook), and at ``step()`` and
+``zero_grad()``, :meth:`~GradViews.withdraw` takes them off again. A view the user removed in between
+(``model.zero_grad()``, ``p.grad = None``) is *dropped*: its gradient is forgotten, as torch forgets a
+cleared ``.grad``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .layout import ShardPiece
+
+aten = torch.ops.aten
+
+# in-place elementwise operations on one gradient, applied to its piece as they are
+_ELEMENTWISE = {aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar, aten.clamp_.default,
+                aten.clamp_.Tensor, aten.clamp_min_.default, aten.clamp_min_.Tensor, aten.clamp_max_.default,
+                aten.clamp_max_.Tensor, aten.zero_.default, aten.nan_to_num_.default}
+# their foreach forms over a list of gradients, with one scalar or 0-dim tensor for all: the per-tensor op
+_FOREACH = {aten._foreach_mul_.Scalar: aten.mul_.Scalar, aten._foreach_mul_.Tensor: aten.mul_.Tensor,
+            aten._foreach_div_.Scalar: aten.div_.Scalar, aten._foreach_div_.Tensor: aten.div_.Tensor,
+            aten._foreach_clamp_min_.Scalar: aten.clamp_min_.default,
+            aten._foreach_clamp_max_.Scalar: aten.clamp_max_.default, aten._foreach_zero_.default: aten.zero_.default}
+_ALIASES = {aten.detach.default, aten.alias.default}
+
+
+class ShardedGrad(torch.Tensor):
+    """The averaged gradient of one parameter, sharded across the ranks (see the module docstring).
+
+    Shape, strides, dtype and device are the parameter's; the values are read and written through the
+    :class:`GradViews` that made it, in this rank's piece of the gradient shard (the reduce dtype, fp32 by
+    default, on the host with offload)."""
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, index: int, views: "GradViews"):
+        view = torch.Tensor._make_wrapper_subclass(cls, param.shape, strides=param.stride(), dtype=param.dtype,
+                                                   device=param.device, requires_grad=False)
+        view.param_index = index
+        view.views_ref = weakref.ref(views)
+        return view
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return (f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: the averaged "
+                "gradient, sharded across ranks by ShardedOptimizer)")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        views = {id(v): v for v in _sharded_args(args)}
+        owners = {id(view.views_ref()): view.views_ref() for view in views.values()}
+        if len(owners) != 1 or None in owners.values():
+            raise RuntimeError(f"{func}: the sharded gradients of two ShardedOptimizers (or of one deleted) cannot "
+                               "be used in one operation; call it once per optimizer's parameters")
+        return next(iter(owners.values())).run(func, args, kwargs)
+
+
+def _sharded_args(args) -> list[ShardedGrad]:
+    found = []
+    for value in args:
+        for item in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(item, ShardedGrad):
+                found.append(item)
+    return found
+
+
+class GradViews:
+    """The ``ShardedGrad`` of each trainable parameter of one optimizer, and when they sit in ``param.grad``.
+
+    Args:
+        params: the optimizer's trainable parameters, by parameter index.
+        pieces: this rank's pieces (at most one per parameter).
+        stage: 1 (``.grad`` holds the rank's local gradient until ``prepare``) or 2.
+        prepare: finish the reduction and unscaling of this step's gradients (collective); after it, the
+            gradient shards hold the averaged gradients. Called by the first operation after a backward.
+        shards: the gradient shard per bucket (``None`` where the bucket has none), after ``prepare``.
+        forget: called with the indices of parameters whose view the user removed from ``.grad``: forget
+            their gradient.
+        group, timeout: the shard group (norms and ``found_inf`` are all-reduced there) and the collectives'
+            timeout.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], pieces: list[ShardPiece], stage: int,
+                 prepare: Callable[[], None], shards: Callable[[], list[Optional[torch.Tensor]]],
+                 forget: Callable[[list[int]], None], group, timeout: Optional[float]):
+        self.params = params
+        self._piece = {piece.param_index: piece for piece in pieces}
+        self.stage = stage
+        self._prepare, self._shards, self._forget = prepare, shards, forget
+        self.group, self.timeout = group, timeout
+        self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
+        self._installed: set[int] = set()  # parameter indices whose .grad is its view
+        self._local: dict[int, torch.Tensor] = {}  # stage 1, not prepared: the rank's own gradient, by index
+        self.prepared = False  # the shards hold this step's averaged gradients (prepare ran since expose)
+        # ord -> every parameter's norm (1-D, by parameter index), until a gradient changes: dropped on the
+        # same events on every rank (never on a rank-local fact such as a shard's version counter), so that
+        # every rank runs the norm all-reduce alike
+        self._norms: dict = {}
+        self._handles = [p.register_hook(_withdraw_before_accumulating(weakref.ref(self))) for p in params]
+        weakref.finalize(self, _remove_handles, self._handles)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def expose(self, prepared: bool) -> None:
+        """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local
+        gradient it holds). ``prepared``: the shards already hold the averaged gradients."""
+        for index, (param, view) in enumerate(zip(self.params, self._views)):
+            if not param.requires_grad or param.grad is view:
+                continue
+            if param.grad is not None:
+                if prepared:
+                    continue  # stage 1: a gradient set by hand after the reduction, reduced at the step
+                self._local[index] = param.grad
+            param.grad = view
+            self._installed.add(index)
+        self.prepared = prepared
+        self.changed()
+
+    def withdraw(self) -> list[int]:
+        """Take the views out of ``.grad`` (stage 1 before ``prepare``: give back the local gradients); return
+        the indices of parameters whose view the user had removed (and forget their gradients)."""
+        dropped = []
+        for index in sorted(self._installed):
+            param, local = self.params[index], self._local.pop(index, None)
+            if param.grad is self._views[index]:
+                param.grad = local
+            else:
+                dropped.append(index)
+        self._installed.clear()
+        self._local.clear()
+        self.prepared = False
+        self.changed()
+        if dropped:
+            self._forget(dropped)
+        return dropped
+
+    def discard(self) -> None:
+        """Take the views out of ``.grad`` without forgetting anything (the step or ``zero_grad`` consumed them)."""
+        for index in self._installed:
+            if self.params[index].grad is self._views[index]:
+                self.params[index].grad = self._local.get(index)
+        self._installed.clear()
+        self._local.clear()
+        self.prepared = False
+        self.changed()
+
+    def changed(self) -> None:
+        """The gradients changed (call on every rank alike): norms are computed afresh."""
+        self._norms = {}
+
+    def full_gradients(self) -> list[torch.Tensor]:
+        """The full-size gradients this rank holds now: plain ``.grad`` tensors and the local gradients the views
+        keep (stage 1, before ``prepare``). For memory accounting."""
+        plain = [p.grad for p in self.params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+        return plain + list(self._local.values())
+
+    # -- operations -----------------------------------------------------------------------------
+    def run(self, func, args, kwargs):
+        """Carry out ``func`` (an aten operation with some of this optimizer's views among its arguments)."""
+        if func in _ALIASES:
+            return args[0]
+        stale = [view.param_index for view in _sharded_args(args) if view.param_index not in self._installed]
+        if stale:
+            raise RuntimeError("this gradient view is no longer param.grad: step() or zero_grad() consumed the "
+                               "gradients, or they were cleared. Read param.grad again after the next backward")
+        if not self.prepared:
+            self._prepare()  # collective: every rank runs the same operations
+        if func is aten.linalg_vector_norm.default:
+            return self._norm(args[0], *args[1:], **kwargs)
+        if func is aten._foreach_norm.Scalar:
+            ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+            dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+            return [self._norm(g, ord, dtype=dtype) if isinstance(g, ShardedGrad)
+                    else torch.linalg.vector_norm(g, ord, dtype=dtype) for g in args[0]]
+        if func is aten._amp_foreach_non_finite_check_and_unscale_.default:
+            return self._unscale(*args, **kwargs)
+        self.changed()  # every other supported operation writes the gradients
+        if func in _ELEMENTWISE:
+            self._apply(func, args[0], args[1:], kwargs)
+            return args[0]
+        if func in _FOREACH:
+            for grad in args[0]:
+                if isinstance(grad, ShardedGrad):
+                    self._apply(_FOREACH[func], grad, args[1:], kwargs)
+                else:
+                    _FOREACH[func](grad, *args[1:], **kwargs)
+            return None
+        raise RuntimeError(
+            f"{func} is not supported on param.grad under ShardedOptimizer: the averaged gradient is sharded "
+            "across the ranks (no rank holds all of it). Supported: torch.nn.utils.clip_grad_norm_, "
+            "get_total_norm, clip_grads_with_norm_ and clip_grad_value_, torch.amp.GradScaler, norms "
+            "(torch.linalg.vector_norm, .norm()) and in-place scaling (mul_, div_, clamp_, zero_). For a copy of "
+            "the full gradient use a DDP reference run; to edit gradients before they are averaged, use stage=1 "
+            "and set param.grad by hand, or a hook (param.register_hook)")
+
+    def _piece_tensor(self, index: int) -> Optional[torch.Tensor]:
+        """This rank's elements of parameter ``index``'s averaged gradient (1-D, in the shard), or None."""
+        piece = self._piece.get(index)
+        if piece is None:
+            return None
+        shard = self._shards()[piece.bucket_index]
+        return None if shard is None else shard[piece.shard_offset:piece.shard_offset + piece.length]
+
+    def _apply(self, func, view: ShardedGrad, rest: tuple, kwargs: dict) -> None:
+        piece = self._piece_tensor(view.param_index)
+        if piece is not None:
+            func(piece, *[_to(value, piece.device) for value in rest],
+                 **{key: _to(value, piece.device) for key, value in kwargs.items()})
+
+    def _norm(self, view: ShardedGrad, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
+        if dim is not None:
+            raise RuntimeError("a norm over some dimensions of a sharded param.grad is not supported (no rank holds "
+                               "whole rows); take the norm of the whole gradient")
+        norm = self._all_norms(float(ord))[view.param_index]
+        return norm.to(device=view.device, dtype=dtype or view.dtype)
+
+    def _all_norms(self, ord: float) -> torch.Tensor:
+        """The ``ord``-norm of every parameter's averaged gradient (by parameter index; one all-reduce of as many
+        values, then kept until the gradients change). fp64 partial terms, so the result is within an ulp or two
+        of the norm of the full gradient."""
+        if ord not in self._norms:
+            self._norms[ord] = self._reduce_norms(ord)
+        return self._norms[ord]
+
+    def _reduce_norms(self, ord: float) -> torch.Tensor:
+        op, empty = {float("inf"): (dist.ReduceOp.MAX, 0.0), -float("inf"): (dist.ReduceOp.MIN, float("inf"))}.get(
+            ord, (dist.ReduceOp.SUM, 0.0))
+        terms = []
+        for index in range(len(self.params)):
+            piece = self._piece_tensor(index)
+            if piece is None or piece.numel() == 0:
+                terms.append(None)
+            elif op is not dist.ReduceOp.SUM:
+                terms.append(torch.linalg.vector_norm(piece, ord, dtype=torch.float64).reshape(()))
+            elif ord == 0:
+                terms.append(torch.count_nonzero(piece).to(torch.float64))
+            else:
+                terms.append(torch.linalg.vector_norm(piece, ord, dtype=torch.float64) ** ord)
+        device = next((t.device for t in terms if t is not None), self.params[0].device)
+        values = torch.stack([t if t is not None else torch.tensor(empty, dtype=torch.float64, device=device)
+                              for t in terms])
+        values = values.to(_comm_device(self.params[0].device, device))
+        comm.all_reduce_(values, op, self.group, self.timeout, "gradient norm all-reduce")
+        return values if op is not dist.ReduceOp.SUM or ord == 0 else values ** (1.0 / ord)
+
+    def _unscale(self, grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        """GradScaler's unscale: plain tensors as torch does; sharded ones in their pieces, with ``found_inf``
+        agreed across the shard group (every rank then skips the same steps)."""
+        plain = [g for g in grads if not isinstance(g, ShardedGrad)]
+        if plain:
+            torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)
+        pieces = [p for p in (self._piece_tensor(g.param_index) for g in grads if isinstance(g, ShardedGrad))
+                  if p is not None and p.numel()]
+        local = torch.zeros(1, dtype=torch.float32, device=found_inf.device)
+        by_device: dict = {}
+        for piece in pieces:
+            by_device.setdefault((piece.device, piece.dtype), []).append(piece)
+        for (device, _), same in by_device.items():
+            found = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale.to(device))
+            local = torch.maximum(local, found.to(local.device))
+        agreed = local.to(_comm_device(found_inf.device, local.device))
+        comm.all_reduce_(agreed, dist.ReduceOp.MAX, self.group, self.timeout, "GradScaler found_inf all-reduce")
+        found_inf.copy_(torch.maximum(found_inf, agreed.to(found_inf.device).reshape(found_inf.shape)))
+
+
+def _to(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
+
+
+def _comm_device(param_device: torch.device, device: torch.device) -> torch.device:
+    """Where a small all-reduce runs: the parameters' device (NCCL needs CUDA tensors), else where the values are."""
+    return param_device if param_device.type != "cpu" else device
+
+
+def _withdraw_before_accumulating(views_ref):
+    """A tensor pre-hook: before autograd accumulates a new gradient into ``.grad``, take the views out (the
+    first such hook of a backward withdraws all of them), so that it accumulates into what torch would."""
+    def hook(grad):
+        views = views_ref()
+        if views is not None and views._installed:
+            views.withdraw()
+        return None
+    return hook
+
+
+def _remove_handles(handles) -> None:
+    for handle in handles:
+        handle.remove()
