@@ -217,12 +217,15 @@ def _verify(rank, stage):
     return clean, frozen_edit, trainable_edit, consumed
 
 
-def _torch_clipping_in_stage1():
-    """torch.nn.utils.clip_grad_norm_ on stage 1's local .grad would clip by this rank's norm."""
+def _local_gradient_edited_in_stage1():
+    """A local gradient kept from a hook of the user's and scaled after backward: stage 1 averages at the step,
+    so the edit would act on this rank's gradient alone (``.grad`` itself is the averaged view after backward)."""
     model = Net()
     optimizer = _optimizer(model, 1)
+    kept = []
+    model.body[0].weight.register_post_accumulate_grad_hook(lambda p: kept.append(p.grad))
     model(_batch(0, 0)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    kept[0].mul_(0.5)
     before = [p.detach().clone() for p in model.parameters()]
     message = _error_of(optimizer.step)
     return message, all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -281,7 +284,7 @@ def _two_ranks(rank, world_size, shared_directory):
         for checkpointing in (None, "reentrant", "non-reentrant"):
             cases[("reduce-scatters", stage, checkpointing)] = (
                 lambda stage=stage, checkpointing=checkpointing: _reduce_scatters_per_backward(stage, checkpointing))
-    cases[("torch clipping", 1)] = _torch_clipping_in_stage1
+    cases[("local edit", 1)] = _local_gradient_edited_in_stage1
     cases["rebuild"] = _rebuild_after_delete
     cases["old state dict"] = _old_state_dict
     cases["scalar parameter"] = lambda: _scalar_parameter_from_torch(os.path.join(shared_directory, "scalar"))
@@ -422,11 +425,11 @@ def test_16bit_gradients_average_in_fp32_at_a_world_size_that_is_not_a_power_of_
         assert worst < 1e-5
 
 
-def test_torch_clip_grad_norm_in_stage1_raises_before_any_update(two_ranks):
+def test_a_local_gradient_edited_in_stage1_raises_before_any_update(two_ranks):
     for results in two_ranks:
-        message, unchanged = _result(results, ("torch clipping", 1))
+        message, unchanged = _result(results, ("local edit", 1))
         assert message.startswith("RuntimeError") and "modified in place between backward and step" in message
-        assert "optimizer.clip_grad_norm_" in message and unchanged
+        assert "param.grad after backward" in message and unchanged
 
 
 def test_a_deleted_optimizer_can_be_replaced_and_a_refused_one_breaks_nothing(two_ranks):

@@ -335,18 +335,19 @@ class GradientReducer:
             self._reset_round()
 
     def _check_grads_unedited(self) -> None:
-        """Stage 1 reduces ``param.grad`` at the step: an in-place edit since backward (torch's
-        ``clip_grad_norm_``) would act on this rank's local gradient instead of the average."""
+        """Stage 1 reduces ``param.grad`` at the step: an in-place edit since backward of a local gradient (kept
+        by a hook: ``.grad`` itself is a view of the average after backward) would act on this rank's alone."""
         edited = [i for s in self.storages for i, p in zip(s.bucket.param_indices, s.params)
                   if p.grad is not None and i in self._grad_versions and p.grad._version != self._grad_versions[i]]
         if edited:
             self.zero_grad()
             raise RuntimeError(
-                f"param.grad of {len(edited)} parameter(s) was modified in place between backward and step "
-                "(torch.nn.utils.clip_grad_norm_, or a manual scaling). Stage 1 averages the gradients only at "
-                "the step, so the edit would act on this rank's local gradient, not on the average as with DDP. "
-                "Clip with optimizer.clip_grad_norm_(max_norm) and scale the loss instead of the gradients. The "
-                "gradients were cleared; nothing was updated")
+                f"the local gradient of {len(edited)} parameter(s) was modified in place between backward and step "
+                "(a reference kept from a hook during backward). Stage 1 averages the gradients only at the step, "
+                "so the edit would act on this rank's local gradient, not on the average as with DDP. Edit "
+                "param.grad after backward instead (it is a view of the averaged gradient: torch's clip_grad_norm_, "
+                "clip_grad_value_ and in-place scaling work on it), or scale the loss. The gradients were cleared; "
+                "nothing was updated")
 
     def forget(self, param_indices: list[int]) -> None:
         """These parameters' gradients were cleared by the user: they have none since the last step."""
