@@ -64,18 +64,20 @@ def get_batch(it, micro_step, rank, vocab, batch_size=4, block_size=32):
 def build_model():
     """A small GPT-2 built from its config (no download), the same on every rank."""
     torch.manual_seed(1337)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # nanoGPT's dropout=0.0
     return transformers.GPT2LMHeadModel(config)
 
 
 def train(model, optimizer, *, ddp, rank, iters, start_iter=0, gradient_accumulation_steps=2, grad_clip=1.0,
-          scaler=None, checkpoint_at=None, out_dir=None, log=print):
-    """nanoGPT's loop from ``start_iter`` to ``iters``. Returns per iteration: the loss, the gradient norm, the loss
+          scaler=None, autocast_dtype=None, checkpoint_at=None, out_dir=None, log=print):
+    """nanoGPT's loop from ``start_iter`` to ``iters``, under autocast to ``autocast_dtype`` (None: none). Returns per iteration: the loss, the gradient norm, the loss
     scale. With ``checkpoint_at``, saves a checkpoint in ``out_dir`` after that many iterations."""
     raw_model = model.module if ddp else model
     vocab = raw_model.config.vocab_size
     master_process = rank == 0
     scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)
+    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     history = []
     for iter_num in range(start_iter, iters):
         lr = get_lr(iter_num)
@@ -91,7 +93,8 @@ def train(model, optimizer, *, ddp, rank, iters, start_iter=0, gradient_accumula
             if ddp:
                 model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
             x, y = get_batch(iter_num, micro_step, rank, vocab)
-            loss = model(input_ids=x, labels=y).loss / gradient_accumulation_steps
+            with ctx:
+                loss = model(input_ids=x, labels=y).loss / gradient_accumulation_steps
             scaler.scale(loss).backward()
         norm = float("nan")
         if grad_clip != 0.0:
@@ -142,16 +145,16 @@ def main():
     model = build_model()
     optimizer = configure_optimizers(model, 0.1, get_lr(0), (0.9, 0.95), zero_stage=None if args.ddp else args.stage,
                                      offload="cpu" if args.offload else None)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)  # large: the first steps overflow in fp16
     wrapped = DDP(model) if args.ddp else model
     log = print if rank == 0 else (lambda *_: None)
     halfway = args.iters // 2 if args.resume else None
     history = train(wrapped, optimizer, ddp=args.ddp, rank=rank, iters=halfway or args.iters, scaler=scaler,
-                    checkpoint_at=halfway, out_dir=args.out_dir, log=log)
+                    autocast_dtype=torch.float16, checkpoint_at=halfway, out_dir=args.out_dir, log=log)
     if args.resume:
         start = load_checkpoint(model, optimizer, scaler, args.out_dir, rank, args.ddp)
         history += train(wrapped, optimizer, ddp=args.ddp, rank=rank, iters=args.iters, start_iter=start,
-                         scaler=scaler, log=log)
+                         scaler=scaler, autocast_dtype=torch.float16, log=log)
     for iter_num, (loss, norm, scale) in enumerate(history):
         log(f"iter {iter_num}: loss {loss:.4f}, grad norm {norm:.4f}, loss scale {scale:g}")
     dist.destroy_process_group()

@@ -29,7 +29,7 @@ from typing import Callable, Collection, Iterable, Iterator, Literal, Optional, 
 import torch
 import torch.distributed as dist
 
-from . import comm, optimizer_kinds, validation
+from . import comm, optimizer_kinds, optimizer_state, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
@@ -39,14 +39,13 @@ from .host_memory import HostArena, device_tensor, to_device
 from .inflight import InFlightGathers
 from .inner import InnerOptimizers
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
-from .memory_format import contiguous_strides, same_order, shaped
+from .memory_format import shaped
 from .offload import (KERNEL_KEYS, CPUOffload, HostGradientShards, OffloadOption, host_optimizer_kwargs,
                       host_buffers, resolve_offload)
 from .precision import DynamicLossScaler, LossScaleConfig
 from .step_state import StepState, StepVerdict, decode_checks, encode_checks
 from .topology import Topology, resolve_topology
 
-STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
 # param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have, and
 # the group's optimizer class (not a hyperparameter: never saved with them)
 OUTER_ONLY_KEYS = frozenset({"params", "param_names", "optimizer"})
@@ -622,7 +621,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         self.sync_masters()
         return {
-            "format": STATE_FORMAT,
+            "format": optimizer_state.STATE_FORMAT,
             "rank": self.rank,
             "layout": self.layout.fingerprint(),
             "strides": [tuple(p.stride()) for p in self.trainable_params],  # the flat order of every shard
@@ -647,34 +646,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return any(s.has_separate_master for s in self.storages)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout."""
-        if isinstance(state_dict, dict) and state_dict.get("format") == "zeroimpl.sharded_optimizer/1":
-            raise ValueError("this state was saved by an older zeroimpl, whose optimizer state was per bucket; "
-                             "it cannot be loaded with load_state_dict. Resume from a checkpoint written by "
-                             "zeroimpl.checkpoint.save_checkpoint instead (those of every version load)")
-        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
-            raise ValueError("not a ShardedOptimizer state dict (missing format tag "
-                             f"{STATE_FORMAT!r}); a plain torch optimizer state needs the checkpoint API")
-        if state_dict["rank"] != self.rank or state_dict["layout"] != self.layout.fingerprint():
-            raise ValueError(
-                f"this state was saved by rank {state_dict['rank']} with world size "
-                f"{state_dict['layout']['world_size']} and another parameter layout; this optimizer is rank "
-                f"{self.rank} of {self.world_size}. Load each rank's own state with the same model, param "
-                "groups, world size and bucket settings (resharding is the checkpoint API's job)")
-        saved = state_dict.get("strides") or [contiguous_strides(p.shape) for p in self.trainable_params]
-        for index, (strides, param) in enumerate(zip(saved, self.trainable_params)):
-            if not same_order(param.shape, strides, param.stride()):
-                raise ValueError(
-                    f"trainable parameter {index} {tuple(param.shape)} was saved in the memory format of strides "
-                    f"{tuple(strides)} but has strides {tuple(param.stride())} here, so its shard would be read in "
-                    "the wrong order: give the parameters the memory format they had when saved before building "
-                    "the optimizer (model.to(memory_format=...); a state saved before zeroimpl kept memory "
-                    "formats holds every parameter contiguous: p.data = p.data.contiguous())")
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError("the state has a different number of param groups")
-        if (state_dict["loss_scaler"] is None) != (self.loss_scaler is None):
-            raise ValueError("the state's loss scaler does not match this optimizer (loss scaling on in one, off "
-                             "in the other)")
+        """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout.
+
+        Collective (call it on every rank, each with its own state): a state that some rank cannot load (another
+        rank's, as a checkpoint saved on the master process alone holds) is refused on every rank, before
+        anything changes."""
+        problem = optimizer_state.load_problem(state_dict, self.rank, self.world_size, self.layout.fingerprint(),
+                                               self.trainable_params, len(self.param_groups),
+                                               self.loss_scaler is not None)
+        optimizer_state.agree_to_load(problem, self.topology, self.collective_timeout)
         self._install_state(state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
                             state_dict["loss_scaler"])
 

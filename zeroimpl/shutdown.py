@@ -1,0 +1,59 @@
+"""Exit without an abort: before the interpreter finalizes, wait for gloo's worker threads to let go of
+zeroimpl's Python objects.
+
+gloo runs a collective (``ProcessGroupGloo::AsyncWork``: all-reduce, broadcast, barrier, native reduce-scatter
+and all-gather) on a worker thread, which drops its reference to the work just after completing it. A work
+holds Python objects: its tensors (in torch >= 2.10 C++ holding a tensor keeps its Python object alive, and
+letting go of it decrefs that object) and, in its copy of the issuing thread's state, the TorchFunctionModes
+on the stack, among them :mod:`zeroimpl.inflight`'s guard (so even the user's own ``dist.barrier()`` holds
+it). A barrier also holds weak references to the works in progress when it was issued, which defer their
+destruction (and their tensors' release) until the barrier goes, on the worker thread. The worker threads
+outlive ``destroy_process_group()``: torch keeps the process group in default arguments
+(``torch.distributed.nn.functional``, imported by the first torch optimizer). If a worker lets go of such an
+object after the interpreter has begun to finalize, the decref asks for the GIL, Python ends the thread with
+``pthread_exit``, and its unwinding through the work's (noexcept) destructor calls ``std::terminate``:
+"terminate called without an active exception", SIGABRT after a good run (torch 2.13, Python 3.11).
+
+So the Python objects that gloo may hold are zeroimpl's own, and zeroimpl drops them after the wait (a fresh
+alias of a tensor for each collective, :func:`zeroimpl.comm._aliases`) or when taking a guard off the stack;
+:func:`handed_to_gloo` registers them then, and at exit, after every optimizer's finalizer, zeroimpl waits
+until they are freed: the wait releases the GIL, so a worker lets go of them then.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+EXIT_WAIT_SECONDS = 5.0  # the longest wait at exit: a work still running, or held in Python, is left be
+WORKER_SECONDS = 0.05  # a worker lets go within a millisecond once it runs: then look for cyclic garbage
+
+_held: weakref.WeakSet = weakref.WeakSet()  # registered objects not freed yet
+
+
+def handed_to_gloo(*objects) -> None:
+    """Register ``objects``: zeroimpl holds them no longer, a gloo work may still."""
+    _held.update(objects)
+
+
+def _wait_for_gloo() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    _wait_until(time.monotonic() + WORKER_SECONDS)
+    if _held:
+        gc.collect()  # one held only by cyclic garbage (an exception's traceback) is no work's to free
+        _wait_until(deadline)
+
+
+def _wait_until(deadline: float) -> None:
+    while _held and time.monotonic() < deadline:
+        time.sleep(1e-3)  # releases the GIL
+
+
+class _Process:
+    """Alive until exit; its finalizer, created on import (before any optimizer's), runs after theirs:
+    weakref.finalize runs the finalizers alive at exit in reverse order of creation, before finalization."""
+
+
+_PROCESS = _Process()
+weakref.finalize(_PROCESS, _wait_for_gloo)
