@@ -35,6 +35,7 @@ from zeroimpl import CPUOffload, ShardedOptimizer
 NORM_RTOL = 1e-6
 ADAM_ATOL = 1e-4
 BF16_RTOL = 2 ** -8
+REENTRANT_ATOL = 1e-6  # AdamW, 4 steps, lr 1e-2 (measured: see the test's output)
 LOSS_RTOL = 1e-5  # losses after steps whose parameters agree to ADAM_ATOL
 LATER_NORM_RTOL = 1e-4  # gradient norms after such steps (measured 8.3e-6)
 # offload with the for-loop AdamW kernel, DDP's (the fused CPU kernel rounds differently in the last bit)
@@ -220,6 +221,64 @@ def _cleared_between_backward_and_step(rank, config):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _under_join(rank, stage, batches):
+    """``with Join([optimizer])`` over this rank's number of batches: the error each rank raised (or "no error")
+    and the final parameters."""
+    from torch.distributed.algorithms.join import Join
+
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2)
+    try:
+        with Join([optimizer]):
+            for step in range(batches):
+                model(**batch(rank, step, 0)).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        outcome = "no error"
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        outcome = f"{type(error).__name__}: {error}"
+    return outcome, [p.detach().clone() for p in model.parameters()]
+
+
+def _utility_free_run(rank, stage):
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2)
+    for step in range(3):
+        model(**batch(rank, step, 0)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class SharedInTwoRegions(torch.nn.Module):
+    """One layer applied in two reentrant-checkpointed regions: its gradient arrives in two nested backwards."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.shared, self.head = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        return self.head(h).square().mean()
+
+
+def _shared_in_two_regions(rank, stage):
+    model = SharedInTwoRegions()
+    if stage is None:
+        forward, optimizer = DDP(model, static_graph=True), torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        forward, optimizer = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    for step in range(4):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        forward(x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _unsupported(rank):
     model = build_model("gpt2")
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2)
@@ -237,6 +296,12 @@ def _all(rank, world_size, shared):
     cases = {"nanogpt": lambda: _nanogpt_cases(rank), "utilities": lambda: _utility_cases(rank),
              "bf16": lambda: _bf16_norm(rank), "resume": lambda: _resume(rank, shared),
              "unsupported": lambda: _unsupported(rank)}
+    for stage in (None, 1, 2):
+        cases[("shared regions", stage)] = lambda stage=stage: _shared_in_two_regions(rank, stage)
+    for stage in (1, 2):
+        cases[("uneven", stage)] = lambda stage=stage: _under_join(rank, stage, 3 if rank == 0 else 5)[0]
+        cases[("even", stage)] = lambda stage=stage: (_under_join(rank, stage, 3)[1],
+                                                      _utility_free_run(rank, stage))
     for name, config in [("ddp", None), *ZERO_CONFIGS.items()]:
         cases[("accelerate", name)] = lambda config=config: _accelerate_run(rank, config)
         cases[("cleared", name)] = lambda config=config: _cleared_between_backward_and_step(rank, config)
@@ -339,3 +404,27 @@ def test_a_master_only_checkpoint_is_refused_on_every_rank_and_own_states_resume
 def test_an_unsupported_operation_on_a_sharded_gradient_names_the_alternatives(ranks):
     for message in _result(ranks, "unsupported"):
         assert "sharded across the ranks" in message and "clip_grad_norm_" in message
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_uneven_inputs_under_join_raise_on_every_rank(ranks, stage):
+    """Rank 0 holds 3 batches, rank 1 holds 5: both raise at rank 1's fourth step, naming uneven inputs."""
+    for message in _result(ranks, ("uneven", stage)):
+        assert message.startswith("UnevenInputsError: uneven inputs"), message
+        assert "DistributedSampler" in message
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_even_inputs_under_join_train_as_without_it(ranks, stage):
+    for joined, plain in _result(ranks, ("even", stage)):
+        assert all(torch.equal(a, b) for a, b in zip(joined, plain))
+
+
+def test_a_layer_in_several_reentrant_checkpointed_regions_trains_as_ddp(ranks):
+    """Stage 1 reduces once per step: bitwise. Stage 2 reduces a bucket once per nested backward that brings
+    it a gradient (here twice), summed in another order than DDP's one all-reduce: REENTRANT_ATOL."""
+    for stage1, stage2, reference in zip(*(_result(ranks, ("shared regions", s)) for s in (1, 2, None))):
+        assert all(torch.equal(a, b) for a, b in zip(stage1, reference))
+        worst = max((a - b).abs().max().item() for a, b in zip(stage2, reference))
+        print(f"stage 2, a layer in two reentrant regions: {worst:.3g} from DDP")
+        assert worst <= REENTRANT_ATOL

@@ -249,6 +249,11 @@ class GradientReducer:
         self._order.reset()
         self._buffers = [None] * len(self._buffers)
 
+    @property
+    def round_idle(self) -> bool:
+        """No gradient has arrived since the last round closed: the next one starts a round."""
+        return self._state is RoundState.IDLE
+
     # -- buckets --------------------------------------------------------------------------------
     def _buffer(self, bucket_index: int) -> torch.Tensor:
         """The bucket's reduction buffer of this round: ``padded_numel`` elements, born with zero padding (the

@@ -28,8 +28,9 @@ from typing import Callable, Collection, Iterable, Iterator, Literal, Optional, 
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
 
-from . import comm, optimizer_kinds, optimizer_state, validation
+from . import comm, optimizer_kinds, optimizer_state, uneven, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import DeviceGradientShards
@@ -51,7 +52,7 @@ from .topology import Topology, resolve_topology
 OUTER_ONLY_KEYS = frozenset({"params", "param_names", "optimizer"})
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """Shards optimizer state (stage 1) and gradients (stage 2) of ``params`` across data-parallel ranks.
 
     Args:
@@ -154,6 +155,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
         super().__init__(groups, {})  # refuses duplicates
+        Joinable.__init__(self)  # under torch's Join: uneven inputs raise on every rank (zeroimpl/uneven.py)
 
         self.stage = stage
         self.process_group = self.topology.shard  # reduce-scatter and all-gather run here
@@ -285,12 +287,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _check_gradient_arrival(self) -> None:
         self._step_state.gradient_arrived(loss_scaling=self.loss_scaler is not None)
+        if self.stage == 2 and self.reducer.round_idle:  # this backward's reduce-scatters are about to start
+            uneven.check_in(self)
+
+    # -- torch.distributed.algorithms.Join ---------------------------------------------------------
+    def join_hook(self, **kwargs) -> uneven.RefuseUnevenInputs:
+        """Under ``Join``, a rank that ran out of data makes every rank raise ``UnevenInputsError``."""
+        return uneven.RefuseUnevenInputs(self.join_device, self.join_process_group)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self):
+        return self.process_group if self.topology.replicate is None else dist.group.WORLD
 
     # -- gradients --------------------------------------------------------------------------------
     def _prepare_gradients(self) -> bool:
         """Finish the reduction (and unscaling); return whether there are gradients to step on. Then every
         trainable parameter's ``.grad`` is its view of the averaged gradient (:mod:`zeroimpl.grad_views`)."""
         self.finish_param_gathers()
+        uneven.check_in(self)
         if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
             validation.check_not_wrapped_in_ddp(self.trainable_params[0])
             self._wrapping_checked = True

@@ -1,0 +1,55 @@
+"""Uneven inputs under ``torch.distributed.algorithms.Join``: a clear error on every rank, never a hang.
+
+``with Join([optimizer]):`` lets ranks that ran out of data leave the loop early while the others go on; torch's
+protocol has each joinable announce every iteration's collectives (``Join.notify_join_context``) and the
+ranks that joined *shadow* them (DDP all-reduces zeros; ZeroRedundancyOptimizer steps). A sharded
+optimizer cannot be shadowed from the hook alone: the joined rank owns a shard of the gradients and the
+state, so it would have to take part in every collective of the iteration -- the reduce-scatters of each
+micro-batch, the step's agreement all-reduce, the parameter all-gathers, and whatever norm or GradScaler
+all-reduce the loop runs, in an order only the other ranks know. So ShardedOptimizer takes part in the
+protocol to *detect* uneven inputs: at the start of each round of collectives (the first gradient of a
+stage-2 backward, and the step) a rank that has not joined announces itself and then all-reduces a flag that
+a joined rank's hook sets, and every rank raises :class:`UnevenInputsError` at the same point. Outside a
+``Join`` context (or with even inputs) nothing is added but, inside one, two one-element all-reduces per round.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook
+
+MESSAGE = ("uneven inputs: a rank ran out of data inside `with Join([...])` while others went on. ShardedOptimizer "
+           "shards gradients and optimizer state, so a rank without data cannot shadow the others' reduce-scatters, "
+           "step and all-gathers. Give every rank the same number of batches per epoch (a DistributedSampler with "
+           "drop_last=True, or stop all ranks when the first runs out: all_reduce a flag with ReduceOp.MIN), or "
+           "train with DistributedDataParallel under Join")
+
+
+class UnevenInputsError(RuntimeError):
+    """Some rank ran out of data under ``Join`` (raised on every rank, at the same collective)."""
+
+
+class RefuseUnevenInputs(JoinHook):
+    """The hook of a rank that joined: it tells the ranks still training, then raises."""
+
+    def __init__(self, device: torch.device, group) -> None:
+        self.device, self.group = device, group
+
+    def main_hook(self) -> None:
+        dist.all_reduce(torch.ones(1, device=self.device), group=self.group)  # the flag of check_in
+        raise UnevenInputsError(MESSAGE)
+
+
+def check_in(joinable) -> None:
+    """Before a round of collectives: inside an active ``Join``, announce this rank and raise
+    :class:`UnevenInputsError` (on every rank alike) if another rank has joined. Vacuous outside one."""
+    if not joinable._join_config.enable:
+        return
+    work = Join.notify_join_context(joinable)
+    if work is not None:
+        work.wait()
+    joined = torch.zeros(1, device=joinable.join_device)
+    dist.all_reduce(joined, group=joinable.join_process_group)
+    if joined.item() > 0:
+        raise UnevenInputsError(MESSAGE)
