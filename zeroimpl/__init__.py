@@ -8,7 +8,8 @@ from .layout import ShardLayout, build_layout
 from .offload import CPUOffload
 from .optimizer import ShardedOptimizer
 from .precision import LossScaleConfig
+from .uneven import UnevenInputsError
 
 __all__ = ["ShardedOptimizer", "CPUOffload", "CollectiveError", "DivergenceError", "broadcast_buffers", "sync_buffers", "LossScaleConfig", "MemoryReport", "StateBytes", "ShardLayout",
-           "build_layout", "estimate_memory"]
+           "build_layout", "estimate_memory", "UnevenInputsError"]
 __version__ = "0.1.0"
