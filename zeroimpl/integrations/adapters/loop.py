@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...grad_views import ShardedGrad
 from ..micro_batches import run_micro_batches
 from .base import Runner, TrainSettings
 
@@ -69,9 +70,11 @@ class WrapperLoopRunner(Runner):
         return replicated_parameters(self.model)
 
     def common_state(self) -> dict[str, list[torch.Tensor]]:
-        """Parameters, their ``.grad`` and the model's buffers: what every implementation holds."""
+        """Parameters, their ``.grad`` and the model's buffers: what every implementation holds. (zeroimpl's
+        ``.grad`` after backward is a view of its gradient shard, which it counts itself: not a gradient here.)"""
         params = list(self.model.parameters())
-        return {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None],
+        return {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None
+                                                    and not isinstance(p.grad, ShardedGrad)],
                 "optimizer_state": [], "master_weights": [], "buffers": list(self.model.buffers())}
 
 

@@ -36,7 +36,8 @@ class ZeroimplRunner(WrapperLoopRunner):
     def model_state(self) -> dict[str, list[torch.Tensor]]:
         held, state = self.optimizer.held_tensors(), self.common_state()
         state["parameters"] = held["parameters"] + state["parameters"]  # frozen too
-        state["gradients"] += held["gradient_shard"] + held["host_gradient_shard"]
+        # full gradients (stage 1's local ones, also those kept by the .grad views) and the shards
+        state["gradients"] = held["gradients"] + held["gradient_shard"] + held["host_gradient_shard"]
         state["optimizer_state"] = held["optimizer_state"]
         state["master_weights"] = held["master_weights"]
         state["buffers"] += held["bucket_buffers"] + held["host_staging"]
