@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
+from . import comm
+
 MESSAGE = ("uneven inputs: a rank ran out of data inside `with Join([...])` while others went on. ShardedOptimizer "
            "shards gradients and optimizer state, so a rank without data cannot shadow the others' reduce-scatters, "
            "step and all-gathers. Give every rank the same number of batches per epoch (a DistributedSampler with "
@@ -37,7 +39,7 @@ class RefuseUnevenInputs(JoinHook):
         self.device, self.group = device, group
 
     def main_hook(self) -> None:
-        dist.all_reduce(torch.ones(1, device=self.device), group=self.group)  # the flag of check_in
+        comm.all_reduce_(torch.ones(1, device=self.device), dist.ReduceOp.SUM, self.group, name="uneven inputs flag")
         raise UnevenInputsError(MESSAGE)
 
 
@@ -50,6 +52,6 @@ def check_in(joinable) -> None:
     if work is not None:
         work.wait()
     joined = torch.zeros(1, device=joinable.join_device)
-    dist.all_reduce(joined, group=joinable.join_process_group)
+    comm.all_reduce_(joined, dist.ReduceOp.SUM, joinable.join_process_group, name="uneven inputs flag")
     if joined.item() > 0:
         raise UnevenInputsError(MESSAGE)
