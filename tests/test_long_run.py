@@ -47,9 +47,9 @@ def _hooks(model) -> int:
 
 
 def _measure(model):
-    from zeroimpl import grad_sync
+    from zeroimpl import ownership
     tensors, objects = _live_objects()
-    return {"tensors": tensors, "objects": objects, "hooks": _hooks(model), "owners": len(grad_sync._OWNERS),
+    return {"tensors": tensors, "objects": objects, "hooks": _hooks(model), "owners": ownership.live_claims(),
             "rss": _rss_mib()}
 
 

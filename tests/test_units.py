@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from zeroimpl.checkpoint.reshard import plan
-from zeroimpl.grad_sync import LaunchOrder
+from zeroimpl.backward_round import LaunchOrder
 from zeroimpl.layout import ParamSpec, build_layout, overlap
 from zeroimpl.precision import DynamicLossScaler, LossScaleConfig
-from zeroimpl.step_state import decode_checks, encode_checks
+from zeroimpl.step_checks import decode_checks, encode_checks
 
 
 # -- loss scaler -------------------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """zeroimpl: ZeRO stage 1 and 2 as a drop-in torch optimizer wrapper."""
 
 from .accounting import MemoryReport, StateBytes
-from .buffers_sync import broadcast_buffers, sync_buffers
-from .comm import CollectiveError, DivergenceError
+from .comm import CollectiveError
 from .estimate import estimate_memory
 from .layout import ShardLayout, build_layout
+from .module_buffers import broadcast_buffers, sync_buffers
 from .offload import CPUOffload
 from .optimizer import ShardedOptimizer
 from .precision import LossScaleConfig
 from .uneven import UnevenInputsError
+from .verify import DivergenceError
 
 __all__ = ["ShardedOptimizer", "CPUOffload", "CollectiveError", "DivergenceError", "broadcast_buffers", "sync_buffers", "LossScaleConfig", "MemoryReport", "StateBytes", "ShardLayout",
            "build_layout", "estimate_memory", "UnevenInputsError"]

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .optimizer import ShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,36 @@ def tensor_bytes(tensors) -> int:
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
     return total
+
+
+def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryReport:
+    """The report of the tensors ``ShardedOptimizer.held_tensors()`` returns; ``offload``: the masters and the
+    optimizer state live on the host."""
+    held_bytes = {kind: tensor_bytes(tensors) for kind, tensors in held.items()}
+    device = StateBytes(
+        parameters=held_bytes["parameters"],
+        gradients=held_bytes["gradients"],
+        gradient_shard=held_bytes["gradient_shard"],
+        master_weights=0 if offload else held_bytes["master_weights"],
+        optimizer_state=0 if offload else held_bytes["optimizer_state"],
+        bucket_buffers=held_bytes["bucket_buffers"],
+    )
+    host = StateBytes(gradient_shard=held_bytes["host_gradient_shard"], bucket_buffers=held_bytes["host_staging"],
+                      master_weights=held_bytes["master_weights"] if offload else 0,
+                      optimizer_state=held_bytes["optimizer_state"] if offload else 0)
+    return MemoryReport(device, host)
+
+
+def held_tensors(optimizer: "ShardedOptimizer") -> dict[str, list[torch.Tensor]]:
+    """``optimizer.held_tensors()``: the tensors it holds on this rank now, by kind (see :class:`StateBytes`)."""
+    return {
+        "parameters": [s.param_buffer for s in optimizer.storages],
+        "gradients": optimizer.grad_views.full_gradients(),
+        "gradient_shard": optimizer.gradients.device_tensors(),
+        "host_gradient_shard": optimizer.gradients.host_tensors(),
+        "host_staging": [t for buffers in optimizer.param_sync.staging.values() for t in buffers],
+        "master_weights": [s.master for s in optimizer.storages if s.has_separate_master],
+        "optimizer_state": [v for state in optimizer.inner.state.values() for v in state.values()
+                            if torch.is_tensor(v)],
+        "bucket_buffers": optimizer.reducer.live_buffers(),
+    }

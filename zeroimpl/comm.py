@@ -50,10 +50,6 @@ class CollectiveError(RuntimeError):
     """A collective of ShardedOptimizer failed or timed out: another rank has died, hangs, or diverged."""
 
 
-class DivergenceError(CollectiveError):
-    """The ranks' parameters differ (``ShardedOptimizer(verify_every=K)``, ``verify_ranks_agree()``)."""
-
-
 def _collective(new_name: str, old_name: str):
     return getattr(dist, new_name, None) or getattr(dist, old_name)
 

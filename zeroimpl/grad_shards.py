@@ -1,9 +1,9 @@
 """Where this rank's averaged gradient shards live between the reduction and the optimizer step.
 
 Both stores take the output of each bucket's reduce-scatter (``reduced``: ``bucket.shard_numel`` elements
-in the reduce dtype, on the device), accumulate across reductions until ``clear()``, hand the optimizer
-one tensor per bucket in ``ready()``, and write the updated master weights back into the parameters in
-``publish()``:
+in the reduce dtype, on the device), accumulate across reductions until ``clear()``, and hand the optimizer
+one tensor per bucket in ``ready()``. They store; they call nothing above them (the step publishes the
+masters: :mod:`zeroimpl.param_sync`):
 
 * :class:`DeviceGradientShards` -- no offload: the shards stay on the device, in the reduce dtype.
 * :class:`zeroimpl.offload.HostGradientShards` -- CPU offload: fp32 shards in (pinned) host memory.
@@ -11,11 +11,11 @@ one tensor per bucket in ``ready()``, and write the updated master weights back 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
-from .buffers import BucketStorage
 
 
 class DeviceGradientShards:
@@ -37,15 +37,6 @@ class DeviceGradientShards:
     def ready(self) -> list[Optional[torch.Tensor]]:
         return self.shards
 
-    def publish(self, storages: list[BucketStorage], then: Callable[[BucketStorage], None],
-                prepare: Optional[Callable[[BucketStorage], None]] = None) -> None:
-        """Bucket by bucket: ``prepare(storage)``, the master into its parameters' shard, ``then(storage)``."""
-        for storage in storages:
-            if prepare is not None:
-                prepare(storage)
-            storage.publish_master()
-            then(storage)
-
     def clear(self, set_to_none: bool) -> None:
         if set_to_none:
             self.shards = [None] * len(self.shards)
@@ -64,5 +55,14 @@ class DeviceGradientShards:
     def host_tensors(self) -> list[torch.Tensor]:
         return []
 
-    def staging_tensors(self) -> list[torch.Tensor]:
-        return []
+
+@contextlib.contextmanager
+def accumulating(store) -> Iterator[None]:
+    """Set ``store.accumulating`` (either store) inside the block: the backward passes inside are non-final
+    micro-batches (offload sums them on the device)."""
+    previous = store.accumulating
+    store.accumulating = True
+    try:
+        yield
+    finally:
+        store.accumulating = previous

@@ -24,12 +24,11 @@ every reduction is waited for, so no bucket buffer survives backward::
     compute: --grad b0--|--grad b1--|--grad b2--|
     comm:               |--RS b0----|--RS b1----|--RS b2--|  (at most `max_inflight` in flight)
 
-A *round* is what one backward pass reduces: each bucket once. It ends at the end of the outermost
-backward. Reentrant activation checkpointing runs a nested backward per segment; the end of a nested one
-leaves the round open (``RoundState.DEFERRED``) so that the next segments fill the same buckets; a round
-still open when the optimizer needs the gradients, or when a new backward starts, is closed then. A
-backward that failed part-way leaves its round open too; its gradients are kept, as torch keeps the
-``.grad`` that a failed backward had already accumulated.
+A *round* is what one backward pass reduces: each bucket once (:mod:`zeroimpl.backward_round` says when
+one ends, also under reentrant activation checkpointing, and in which order buckets launch). A round still
+open when the optimizer needs the gradients, or when a new backward starts, is closed then. A backward that
+failed part-way leaves its round open too; its gradients are kept, as torch keeps the ``.grad`` that a failed
+backward had already accumulated.
 
 Besides the values, the reducer records which parameters received a gradient since the last
 ``zero_grad()`` or step (``grad_exists``), so that parameters without one are not stepped, as in torch.
@@ -37,38 +36,25 @@ Besides the values, the reducer records which parameters received a gradient sin
 
 from __future__ import annotations
 
-import enum
-import sys
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from . import comm
+from .backward_round import BackwardRound, LaunchOrder, under_compiled_autograd
 from .buffers import BucketStorage
 from .layout import ShardLayout
 from .memory_format import shaped
+from .ownership import rebound_message
+from .step_checks import StepState
 from .topology import Topology
 
 if TYPE_CHECKING:
     from .grad_shards import DeviceGradientShards
-    from .grad_views import GradViews
     from .offload import HostGradientShards
-
-
-# id(param) -> the live reducer that owns it. A live reducer keeps its parameters alive, so an id found
-# here always names the same parameter object.
-_OWNERS: "weakref.WeakValueDictionary[int, GradientReducer]" = weakref.WeakValueDictionary()
-_REGISTRATION_HOOK = None  # the global parameter-registration hook, installed with the first reducer
-
-
-class RoundState(enum.Enum):
-    """Where the current round (one backward pass's reductions) stands."""
-
-    IDLE = "idle"  # no gradient since the round was last closed
-    RUNNING = "running"  # an end-of-backward callback is queued on a live backward
-    DEFERRED = "deferred"  # a nested (reentrant) backward ended; the outer one may bring more gradients
+    from .uneven import UnevenInputs
 
 
 class _Reduction:
@@ -81,78 +67,33 @@ class _Reduction:
         self.work = work
 
 
-class LaunchOrder:
-    """Which buckets one round of backward launches, and when. Every rank must issue the same collectives in
-    the same order whatever order its hooks fire in, so buckets launch strictly in index order: a bucket
-    once every one of its parameters has a gradient and every bucket before it has launched, and the rest at
-    the end of the round (a parameter without a gradient counts as zero). Pure bookkeeping, no tensors."""
-
-    def __init__(self, bucket_params: list[list[int]]):
-        self._sizes = [len(params) for params in bucket_params]  # parameters per bucket
-        self.reset()
-
-    def reset(self) -> None:
-        """A new round: nothing arrived, nothing launched."""
-        self._arrived: list[set[int]] = [set() for _ in self._sizes]
-        self._next = 0  # buckets below this index are launched
-
-    def seen(self, bucket_index: int, param_index: int) -> bool:
-        """Whether this parameter's gradient already arrived this round, or its bucket already launched."""
-        return param_index in self._arrived[bucket_index] or bucket_index < self._next
-
-    def arrived(self, bucket_index: int) -> set[int]:
-        """The parameters of the bucket whose gradient arrived this round."""
-        return self._arrived[bucket_index]
-
-    def arrive(self, bucket_index: int, param_index: int) -> list[int]:
-        """Record a gradient; return the buckets that may launch now, in order."""
-        self._arrived[bucket_index].add(param_index)
-        ready = []
-        while self._next < len(self._sizes) and len(self._arrived[self._next]) == self._sizes[self._next]:
-            ready.append(self._next)
-            self._next += 1
-        return ready
-
-    def through(self, bucket_index: int) -> list[int]:
-        """Launch every bucket up to ``bucket_index`` not launched yet, complete or not: return them, in order."""
-        ready = list(range(self._next, bucket_index + 1))
-        self._next = max(self._next, bucket_index + 1)
-        return ready
-
-    def remaining(self) -> list[int]:
-        """The end of the round: every bucket not launched yet, in order."""
-        return self.through(len(self._sizes) - 1)
-
-
 class GradientReducer:
     """Owns the hooks and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``."""
 
     def __init__(self, layout: ShardLayout, storages: list[BucketStorage], topology: Topology,
-                 stage: int, reduce_dtypes: list[torch.dtype], max_inflight: int,
-                 gradients: Union[DeviceGradientShards, HostGradientShards],
-                 on_gradient: "weakref.WeakMethod[Callable[[], None]]", views: "GradViews",
-                 timeout: Optional[float] = None):
+                 stage: int, reduce_dtype: Optional[torch.dtype], max_inflight: int,
+                 gradients: Union[DeviceGradientShards, HostGradientShards], step_state: StepState,
+                 uneven: "UnevenInputs", timeout: Optional[float] = None):
         self.layout = layout
         self.timeout = timeout  # seconds a reduce-scatter may take before CollectiveError (None: the group's)
         self.storages = storages
         self.group = topology.shard  # reduce-scatters
         self.replicate = topology.replicate  # all-reduces of the reduced shards (hybrid sharding), or None
         self.stage = stage
-        self.reduce_dtypes = reduce_dtypes  # per bucket
+        # per bucket: the given dtype, or fp32 (fp64 for fp64 parameters)
+        self.reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32) for s in storages]
         self.max_inflight = max_inflight
-        self._on_gradient = on_gradient  # weak method called on every gradient arrival (misuse checks)
+        self.step_state = step_state  # told of every gradient arrival (misuse checks)
+        self.uneven = uneven  # checked in before each stage-2 round of reduce-scatters (torch's Join)
         self._scale = 1.0 / topology.world_size
         self.gradients = gradients  # where finished reductions go
-        self.views = views  # what .grad shows after a backward
 
         self._inflight: deque[_Reduction] = deque()
         self.backward_passes = 0  # backward passes that reached these parameters since the last step/zero_grad
-        self._state = RoundState.IDLE
-        self._end_callback: Optional[weakref.ref] = None  # the callback queued on the running backward
+        self.round = BackwardRound()
         num_params = len(layout.slots)
         self.grad_exists = [False] * num_params  # by parameter index: a gradient arrived since the last clear
         self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
-        self.replaced: list[str] = []  # parameters that a module replaced by other Parameter objects
         self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
         self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
@@ -161,9 +102,8 @@ class GradientReducer:
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
         self._handles = []
-        for storage in storages:  # (ShardedOptimizer checked ownership before moving the parameters)
+        for storage in storages:
             for index, param in zip(storage.bucket.param_indices, storage.params):
-                _OWNERS[id(param)] = self
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
                 self._strides[index] = param.stride()  # its memory format: the gradient slot's too
         hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
@@ -171,7 +111,6 @@ class GradientReducer:
             for param in storage.params:
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
         weakref.finalize(self, _remove_handles, self._handles)
-        _install_registration_hook()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -180,9 +119,9 @@ class GradientReducer:
         if problem is not None:
             self._reset_round()  # no reduction of this backward may stay in flight behind the error
             raise RuntimeError(problem)
-        on_gradient = self._on_gradient()
-        if on_gradient is not None:
-            on_gradient()
+        self.step_state.gradient_arrived()
+        if self.stage == 2 and self.round.idle:  # this backward's reduce-scatters are about to start
+            self.uneven.check_in()
         self._follow_backward()
         if self.stage == 1:
             self._grad_versions[param_index] = param.grad._version
@@ -200,7 +139,7 @@ class GradientReducer:
 
     def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
         """Why this gradient cannot be taken, or None."""
-        if _under_compiled_autograd():
+        if under_compiled_autograd():
             return ("ShardedOptimizer does not support compiled autograd (torch._dynamo.config.compiled_autograd): "
                     "its gradient hooks reduce-scatter during backward. Compile the model's forward "
                     "(torch.compile(model)) and run backward without compiled autograd")
@@ -213,25 +152,13 @@ class GradientReducer:
 
     def _follow_backward(self) -> None:
         """Make sure that the end of the backward now running closes the round."""
-        if self._backward_failed():
+        if self.round.failed():
             self._close_round()  # keep what it reduced, as torch keeps .grad
-        if self._state is not RoundState.RUNNING:
-            callback = _EndOfBackward(weakref.ref(self))
-            torch.autograd.Variable._execution_engine.queue_callback(callback)
-            self._end_callback = weakref.ref(callback)  # dies with the backward if it fails
-            self._state = RoundState.RUNNING
-
-    def _backward_failed(self) -> bool:
-        """The backward our callback was queued on ended without calling it: it failed part-way."""
-        return self._state is RoundState.RUNNING and self._end_callback() is None
+        self.round.follow(_weakly_end_of_backward(weakref.ref(self)))
 
     def _end_of_backward(self) -> None:
-        self._end_callback = None
-        if _inside_outer_backward():  # a reentrant checkpoint's nested backward: the outer one goes on
-            self._state = RoundState.DEFERRED
-            return
-        self._close_round()
-        self.views.expose(prepared=False)
+        if self.round.ended():  # else a reentrant checkpoint's nested backward: the outer one goes on
+            self._close_round()
 
     def _close_round(self) -> None:
         """Count the backward pass; stage 2: launch what is left, in order, and wait for everything."""
@@ -244,15 +171,9 @@ class GradientReducer:
     def _reset_round(self) -> None:
         """Wait for every reduction and forget the per-round state."""
         self.wait_all()
-        self._state = RoundState.IDLE
-        self._end_callback = None
+        self.round.reset()
         self._order.reset()
         self._buffers = [None] * len(self._buffers)
-
-    @property
-    def round_idle(self) -> bool:
-        """No gradient has arrived since the last round closed: the next one starts a round."""
-        return self._state is RoundState.IDLE
 
     # -- buckets --------------------------------------------------------------------------------
     def _buffer(self, bucket_index: int) -> torch.Tensor:
@@ -315,7 +236,7 @@ class GradientReducer:
     # -- the optimizer's verbs ------------------------------------------------------------------
     def finalize(self) -> None:
         """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now)."""
-        if self._state is RoundState.DEFERRED or self._backward_failed():
+        if self.round.left_open():
             self._close_round()  # left open by a reentrant backward, or by one that failed part-way
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
@@ -396,60 +317,13 @@ class GradientReducer:
         self.gradients.clear(set_to_none)
 
 
-def check_not_owned(params: list[torch.Tensor]) -> None:
-    """Raise if a live ShardedOptimizer already manages one of ``params``."""
-    if any(_OWNERS.get(id(p)) is not None for p in params):
-        raise RuntimeError("a parameter is already managed by another ShardedOptimizer; delete that optimizer "
-                           "(del optimizer) or build the model anew before creating another")
-
-
-def rebound_message(param_indices: list[int]) -> str:
-    return (f"trainable parameters {param_indices[:5]} (the optimizer's numbering) no longer live in the "
-            "optimizer's flat buffers: the model was converted or moved after the ShardedOptimizer was built "
-            "(model.to(...), .half(), .double(), resize_token_embeddings, param.data = ...), so the optimizer "
-            "would no longer update it. Convert and move the model first, then build the optimizer; to change "
-            "the model later, save a checkpoint, build a new ShardedOptimizer and load it")
-
-
-class _EndOfBackward:
-    """The callback queued on a backward; the autograd engine drops it with a backward that fails."""
-
-    def __init__(self, reducer_ref):
-        self.reducer_ref = reducer_ref
-
-    def __call__(self) -> None:
-        reducer = self.reducer_ref()
+def _weakly_end_of_backward(reducer_ref):
+    """The end-of-backward callback, holding the reducer weakly (a deleted optimizer lets go of the model)."""
+    def on_end():
+        reducer = reducer_ref()
         if reducer is not None:
             reducer._end_of_backward()
-
-
-def _under_compiled_autograd() -> bool:
-    """Whether compiled autograd is tracing this backward (its graph cannot hold our collectives and
-    callbacks). Reads torch's flag only when torch._dynamo has been imported."""
-    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
-    return torch.compiler.is_compiling() or bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
-
-
-def _inside_outer_backward() -> bool:
-    """Whether the backward now ending runs inside another one's node (reentrant checkpointing)."""
-    current_node = getattr(torch._C, "_current_autograd_node", None)
-    return current_node is not None and current_node() is not None
-
-
-def _install_registration_hook() -> None:
-    """Notice a module replacing a parameter that a live reducer manages (``load_state_dict(assign=True)``,
-    ``module.weight = nn.Parameter(...)``): that reducer's optimizer would keep updating the old object."""
-    global _REGISTRATION_HOOK
-    if _REGISTRATION_HOOK is None:
-        _REGISTRATION_HOOK = torch.nn.modules.module.register_module_parameter_registration_hook(
-            _on_parameter_registered)
-
-
-def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
-    old = getattr(module, name, None)  # still the old parameter: the hook runs before the assignment
-    owner = _OWNERS.get(id(old)) if isinstance(old, torch.Tensor) and old is not param else None
-    if owner is not None:
-        owner.replaced.append(f"{type(module).__name__}.{name}")
+    return on_end
 
 
 def _forward_to(reducer_ref):

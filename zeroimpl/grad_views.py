@@ -22,9 +22,11 @@ the full gradient, which no rank holds). Because a norm is a collective, every r
 gradient norm read on one rank alone waits for the others (and fails after the collective timeout).
 
 The first operation on any of the optimizer's gradients after a backward finishes the reduction (stage 1:
-the reduce-scatter of the step; with loss scaling: the unscaling) through ``prepare``, on every rank alike.
+the reduce-scatter of the step; with loss scaling: the unscaling) through :meth:`GradViews.prepare`, which
+calls down into :meth:`zeroimpl.step_checks.StepChecks.prepare`, on every rank alike; ``step()`` calls it too.
 
-Lifecycle, per optimizer (:class:`GradViews`): :meth:`~GradViews.expose` at the end of each backward puts one
+Lifecycle, per optimizer (:class:`GradViews`): :meth:`~GradViews.expose` at the end of each backward (an
+autograd-engine callback queued by the views' own post-accumulate-grad hook) puts one
 persistent ``ShardedGrad`` per trainable parameter in ``.grad`` (stage 1: holding the rank's local
 gradient until ``prepare``); before the next backward accumulates (a tensor pre-hook), and at ``step()`` and
 ``zero_grad()``, :meth:`~GradViews.withdraw` takes them off again. A view the user removed in between
@@ -35,13 +37,14 @@ cleared ``.grad``.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import comm
 from .layout import ShardPiece
+from .step_checks import StepChecks
 
 aten = torch.ops.aten
 
@@ -105,23 +108,24 @@ class GradViews:
         params: the optimizer's trainable parameters, by parameter index.
         pieces: this rank's pieces (at most one per parameter).
         stage: 1 (``.grad`` holds the rank's local gradient until ``prepare``) or 2.
-        prepare: finish the reduction and unscaling of this step's gradients (collective); after it, the
-            gradient shards hold the averaged gradients. Called by the first operation after a backward.
-        shards: the gradient shard per bucket (``None`` where the bucket has none), after ``prepare``.
-        forget: called with the indices of parameters whose view the user removed from ``.grad``: forget
-            their gradient.
+        checks: the optimizer's :class:`~zeroimpl.step_checks.StepChecks`: it finishes the reduction and
+            unscaling (after which the gradient shards, ``checks.gradients.ready()``, hold the averaged
+            gradients) and forgets the gradients of parameters whose view the user removed from ``.grad``.
         group, timeout: the shard group (norms and ``found_inf`` are all-reduced there) and the collectives'
             timeout.
+
+    Build it after the optimizer's gradient reducer: its hooks then run after the reducer's, so that the views
+    are exposed after the reducer closed the round.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], pieces: list[ShardPiece], stage: int,
-                 prepare: Callable[[], None], shards: Callable[[], list[Optional[torch.Tensor]]],
-                 forget: Callable[[list[int]], None], group, timeout: Optional[float]):
+                 checks: StepChecks, group, timeout: Optional[float]):
         self.params = params
         self._piece = {piece.param_index: piece for piece in pieces}
         self.stage = stage
-        self._prepare, self._shards, self._forget = prepare, shards, forget
+        self.checks = checks
         self.group, self.timeout = group, timeout
+        self._end_of_backward: Optional[weakref.ref] = None  # the expose callback queued on the running backward
         self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
         self._installed: set[int] = set()  # parameter indices whose .grad is its view
         self._local: dict[int, torch.Tensor] = {}  # stage 1, not prepared: the rank's own gradient, by index
@@ -130,10 +134,30 @@ class GradViews:
         # same events on every rank (never on a rank-local fact such as a shard's version counter), so that
         # every rank runs the norm all-reduce alike
         self._norms: dict = {}
-        self._handles = [p.register_hook(_withdraw_before_accumulating(weakref.ref(self))) for p in params]
+        views_ref = weakref.ref(self)
+        self._handles = [p.register_hook(_withdraw_before_accumulating(views_ref)) for p in params]
+        self._handles += [p.register_post_accumulate_grad_hook(_expose_after_backward(views_ref)) for p in params]
         weakref.finalize(self, _remove_handles, self._handles)
 
     # -- lifecycle ------------------------------------------------------------------------------
+    def prepare(self) -> bool:
+        """Finish the reduction and unscaling with the views out of ``.grad`` (collective); return whether there are
+        gradients to step on. Then every trainable parameter's ``.grad`` is its view of the averaged gradient."""
+        self.withdraw()  # .grad as the reducer left it (stage 1: the local gradients)
+        if not self.checks.prepare():
+            return False
+        self.expose(prepared=True)
+        return True
+
+    def _follow_backward(self) -> None:
+        """Expose the views at the end of the backward now running (every backward, nested ones too: exposing
+        is idempotent, and the next accumulation withdraws them first)."""
+        if self._end_of_backward is not None and self._end_of_backward() is not None:
+            return  # queued already on this backward
+        callback = _ExposeAtEnd(weakref.ref(self))
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        self._end_of_backward = weakref.ref(callback)  # dies with the backward (run, or dropped on failure)
+
     def expose(self, prepared: bool) -> None:
         """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local
         gradient it holds). ``prepared``: the shards already hold the averaged gradients."""
@@ -164,7 +188,7 @@ class GradViews:
         self.prepared = False
         self.changed()
         if dropped:
-            self._forget(dropped)
+            self.checks.forget(dropped)
         return dropped
 
     def discard(self) -> None:
@@ -197,7 +221,8 @@ class GradViews:
             raise RuntimeError("this gradient view is no longer param.grad: step() or zero_grad() consumed the "
                                "gradients, or they were cleared. Read param.grad again after the next backward")
         if not self.prepared:
-            self._prepare()  # collective: every rank runs the same operations
+            with torch.no_grad():
+                self.prepare()  # collective: every rank runs the same operations
         if func is aten.linalg_vector_norm.default:
             return self._norm(args[0], *args[1:], **kwargs)
         if func is aten._foreach_norm.Scalar:
@@ -231,7 +256,7 @@ class GradViews:
         piece = self._piece.get(index)
         if piece is None:
             return None
-        shard = self._shards()[piece.bucket_index]
+        shard = self.checks.gradients.ready()[piece.bucket_index]
         return None if shard is None else shard[piece.shard_offset:piece.shard_offset + piece.length]
 
     def _apply(self, func, view: ShardedGrad, rest: tuple, kwargs: dict) -> None:
@@ -315,6 +340,28 @@ def _withdraw_before_accumulating(views_ref):
             views.withdraw()
         return None
     return hook
+
+
+def _expose_after_backward(views_ref):
+    """A post-accumulate-grad hook: have the views exposed when the backward now running ends."""
+    def hook(param):
+        views = views_ref()
+        if views is not None:
+            views._follow_backward()
+    return hook
+
+
+class _ExposeAtEnd:
+    """The callback queued on a backward (the engine drops it with a backward that fails)."""
+
+    def __init__(self, views_ref):
+        self.views_ref = views_ref
+
+    def __call__(self) -> None:
+        views = self.views_ref()
+        if views is not None:
+            views._end_of_backward = None
+            views.expose(prepared=False)
 
 
 def _remove_handles(handles) -> None:

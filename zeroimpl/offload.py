@@ -21,12 +21,14 @@ synchronous; the code path is the same, which is what the test suite exercises.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 
-from .buffers import HALF_DTYPES, BucketStorage, host_master_dtype
+from .buffers import HALF_DTYPES, host_master_dtype
+from .grad_shards import DeviceGradientShards
 from .host_memory import HostArena
 
 # torch optimizers with a fused CPU kernel (torch >= 2.4), about 10x faster than their for-loop kernel
@@ -75,6 +77,28 @@ def host_optimizer_kwargs(optimizer_class: type, kwargs: dict, group_keys: set, 
     return kwargs
 
 
+def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: dict, groups: list[dict],
+                 policy: Optional[CPUOffload]) -> dict[type, dict]:
+    """Each inner optimizer class's constructor arguments: ``optimizer_kwargs`` for ``optimizer_class`` (the
+    other classes' groups carry their hyperparameters), with the fused host kernel where ``policy`` applies."""
+    kwargs = {cls: {} for cls in classes}
+    if optimizer_class in kwargs:
+        kwargs[optimizer_class] = dict(optimizer_kwargs)  # checked by the class's constructor
+    if policy is not None:
+        for cls in kwargs:
+            group_keys = {key for group in groups if group["optimizer"] is cls for key in group}
+            kwargs[cls] = host_optimizer_kwargs(cls, kwargs[cls], group_keys, policy)
+    return kwargs
+
+
+class ShardFill(enum.Enum):
+    """What one bucket's host gradient shard holds since the last ``clear()``."""
+
+    EMPTY = "empty"  # no gradient (``ready()`` gives None)
+    FILLED = "filled"  # the sum of the reductions since clear(): the next one adds to it
+    ZEROED = "zeroed"  # a zero gradient kept by zero_grad(set_to_none=False): the next reduction overwrites it
+
+
 class HostGradientShards:
     """Gradient shards (fp32) on the host, filled by asynchronous copies as each bucket's reduction completes.
 
@@ -83,16 +107,11 @@ class HostGradientShards:
     Host syncs: :meth:`ready` waits once per step, whatever the number of buckets.
     """
 
-    def __init__(self, storages: list[BucketStorage], shards: list[torch.Tensor], staging: dict):
-        device = storages[0].param_buffer.device
+    def __init__(self, device: torch.device, shards: list[torch.Tensor]):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream
         self.shards = shards  # per bucket: zeroed, shard-sized, in the master's dtype (page-locked on CUDA)
-        self.staging = staging  # 16-bit dtype -> two host buffers of its largest shard (see publish)
-        self._staged: dict = {}  # (dtype, 0 or 1) -> the CUDA event after the last copy out of that buffer
-        self._filled = [False] * len(storages)  # host shard holds a gradient since clear()
-        self._zeroed = [False] * len(storages)  # ... which is zero (zero_grad(set_to_none=False)): overwrite it
-        self._device_sums: list[Optional[torch.Tensor]] = [None] * len(storages)  # device accumulators
-        self._published: Optional[torch.cuda.Event] = None  # the last copy of masters to the device
+        self._fill = [ShardFill.EMPTY] * len(shards)  # per bucket: what the host shard holds
+        self._device_sums: list[Optional[torch.Tensor]] = [None] * len(shards)  # device accumulators
         self.accumulating = False  # set by ShardedOptimizer.accumulating(): keep sums on the device
 
     def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
@@ -108,11 +127,11 @@ class HostGradientShards:
 
     def _to_host(self, bucket_index: int, reduced: torch.Tensor) -> None:
         host = self.shards[bucket_index]
-        if self._filled[bucket_index] and not self._zeroed[bucket_index]:
+        if self._fill[bucket_index] is ShardFill.FILLED:
             self.wait_copies()  # a micro-batch not marked accumulating: sum on the host (blocking)
             host.add_(reduced.to(host.device))
             return
-        self._filled[bucket_index], self._zeroed[bucket_index] = True, False
+        self._fill[bucket_index] = ShardFill.FILLED  # (a ZEROED shard is overwritten)
         if self._stream is None:
             host.copy_(reduced)
             return
@@ -122,12 +141,9 @@ class HostGradientShards:
         reduced.record_stream(self._stream)  # the allocator must not reuse it before the copy has run
 
     def wait_copies(self) -> None:
-        """Block until no copy between host and device is in flight (host buffers may then be written)."""
+        """Block until no gradient copy to the host is in flight (the host shards may then be read or written)."""
         if self._stream is not None:
             self._stream.synchronize()
-        if self._published is not None:
-            self._published.synchronize()
-            self._published = None
 
     def ready(self) -> list[Optional[torch.Tensor]]:
         """Every gradient on the host, every copy finished: the host shards, ``None`` where no gradient came."""
@@ -136,51 +152,23 @@ class HostGradientShards:
                 self._device_sums[index] = None
                 self._to_host(index, device_sum)
         self.wait_copies()
-        return [shard if filled else None for shard, filled in zip(self.shards, self._filled)]
-
-    def publish(self, storages: list[BucketStorage], then: Callable[[BucketStorage], None],
-                prepare: Optional[Callable[[BucketStorage], None]] = None) -> None:
-        """Start copying the updated host masters into the device parameters (asynchronous on CUDA), bucket by
-        bucket, each preceded by ``prepare(storage)`` (its host step) and followed by ``then(storage)`` (its
-        all-gather), so that a bucket's host step overlaps the copy and all-gather of the one before. A 16-bit model's masters are converted on
-        the host into one of two page-locked staging buffers of its dtype, taken in turn, so that half the
-        bytes cross to the device and the conversion of one bucket overlaps the copy of the one before; a
-        buffer is refilled once its previous copy has run."""
-        turns = dict.fromkeys(self.staging, 0)  # per dtype: the buffer to fill next
-        for storage in storages:
-            if prepare is not None:
-                prepare(storage)
-            buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None
-            if buffers is None:
-                storage.publish_master()
-            else:
-                key = (storage.shard.dtype, turns[storage.shard.dtype])
-                turns[storage.shard.dtype] = 1 - key[1]
-                if key in self._staged:
-                    self._staged.pop(key).synchronize()
-                storage.publish_master(buffers[key[1]][:storage.shard.numel()])
-                if self._stream is not None:
-                    self._staged[key] = torch.cuda.Event()
-                    self._staged[key].record(torch.cuda.current_stream(self._stream.device))
-            then(storage)
-        if self._stream is not None:
-            self._published = torch.cuda.Event()
-            self._published.record(torch.cuda.current_stream(self._stream.device))
+        return [None if fill is ShardFill.EMPTY else shard for shard, fill in zip(self.shards, self._fill)]
 
     def clear(self, set_to_none: bool) -> None:
         self._device_sums = [None] * len(self.shards)
         if set_to_none:
-            self._filled = [False] * len(self.shards)
+            self._fill = [ShardFill.EMPTY] * len(self.shards)
         else:  # as on the device: gradients that existed become zeros, and the next reduction replaces them
             self.wait_copies()
-            for shard, filled in zip(self.shards, self._filled):
-                if filled:
+            for index, shard in enumerate(self.shards):
+                if self._fill[index] is not ShardFill.EMPTY:
                     shard.zero_()
-            self._zeroed = list(self._filled)
+                    self._fill[index] = ShardFill.ZEROED
 
     @property
     def has_gradients(self) -> bool:
-        return any(self._filled) or any(s is not None for s in self._device_sums)
+        return (any(fill is not ShardFill.EMPTY for fill in self._fill)
+                or any(s is not None for s in self._device_sums))
 
     def device_tensors(self) -> list[torch.Tensor]:
         return [s for s in self._device_sums if s is not None]
@@ -188,13 +176,11 @@ class HostGradientShards:
     def host_tensors(self) -> list[torch.Tensor]:
         return list(self.shards)
 
-    def staging_tensors(self) -> list[torch.Tensor]:
-        return [t for buffers in self.staging.values() for t in buffers]
 
 
 def staging_sizes(layout, param_dtypes: list[torch.dtype]) -> dict[torch.dtype, int]:
     """For each 16-bit parameter dtype of the layout's buckets, the largest shard of that dtype: the size of
-    each of :class:`HostGradientShards`' two staging buffers for it (``param_dtypes``: by parameter index)."""
+    each of :class:`~zeroimpl.param_sync.ParamSync`' two staging buffers for it (``param_dtypes``: by parameter index)."""
     sizes: dict[torch.dtype, int] = {}
     for bucket in layout.buckets:
         dtype = param_dtypes[bucket.param_indices[0]]
@@ -217,3 +203,16 @@ def host_buffers(layout, param_dtypes: list[torch.dtype], pin_device: Optional[t
     slices = arena.slices
     staged = {dtype: slices[2 * buckets + 2 * k:2 * buckets + 2 * k + 2] for k, dtype in enumerate(staging)}
     return arena, slices[:buckets], slices[buckets:2 * buckets], staged
+
+
+def gradient_store(policy: Optional[CPUOffload], layout, params: list[torch.nn.Parameter]):
+    """Where the gradient shards live: ``(host arenas, host masters per bucket or None, the gradient store,
+    staging buffers per 16-bit dtype)``; without ``policy`` nothing on the host and a
+    :class:`~zeroimpl.grad_shards.DeviceGradientShards`, with it one arena holding masters, gradient shards
+    and staging (page-locked when the parameters are on CUDA) and a :class:`HostGradientShards`."""
+    device = params[0].device
+    if policy is None:
+        return [], None, DeviceGradientShards(len(layout.buckets)), {}
+    pin = device if policy.pin_memory and device.type == "cuda" else None
+    arena, masters, gradients, staging = host_buffers(layout, [p.dtype for p in params], pin)
+    return [arena], masters, HostGradientShards(device, gradients), staging

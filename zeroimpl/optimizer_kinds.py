@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Collection, Literal
+from typing import Callable, Collection, Literal, Optional
 
 import torch
 
@@ -72,6 +72,18 @@ def step_work(optimizer_class: type) -> Callable[[tuple], int]:
     return lambda shape: math.prod(shape)
 
 
+def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: Collection[type],
+         assume_elementwise: bool) -> tuple[list[dict], list[Optional[Callable[[tuple], int]]]]:
+    """The param groups with their classes (:func:`groups_with_classes`) and, per group, the step cost that a
+    whole-parameter layout balances (:func:`step_work`), or ``None`` for a flat group. Raises on a class
+    that cannot be sharded or cannot be told apart (:func:`sharding_of`)."""
+    check_class(optimizer_class)
+    check_per_parameter(per_parameter)
+    groups = groups_with_classes(params, optimizer_class, optimizer_kwargs)
+    kinds = {group["optimizer"]: sharding_of(group["optimizer"], per_parameter, assume_elementwise) for group in groups}
+    return groups, [step_work(group["optimizer"]) if kinds[group["optimizer"]] == "whole" else None for group in groups]
+
+
 def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:
     """Param groups (copies) with their optimizer class under ``"optimizer"``: ``optimizer_class`` where a group
     names none, and then ``optimizer_kwargs`` as defaults of the hyperparameters of every group of
@@ -93,3 +105,16 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
                          f"every param group names another optimizer class; put them in the groups they are for, "
                          "or pass the class most groups use as optimizer_class")
     return groups
+
+
+def check_whole_groups(groups: list[dict], outer_only_keys: frozenset) -> None:
+    """Let torch's whole-parameter classes refuse their groups on every rank alike (torch.optim.Muon: parameters
+    that are not 2-D), not only on the rank that owns the offending parameter: build each once over
+    shape-only (meta) copies of the group's trainable parameters (``outer_only_keys``: the group keys that are
+    not hyperparameters). A class of the user's, whose constructor may read values, is built over this rank's
+    pieces only."""
+    for group in groups:
+        trainable = [p for p in group["params"] if p.requires_grad]
+        if group["optimizer"] in WHOLE_PARAMETER_OPTIMIZERS and trainable:
+            hyperparameters = {k: v for k, v in group.items() if k not in outer_only_keys}
+            group["optimizer"]([{**hyperparameters, "params": [torch.empty_like(p, device="meta") for p in trainable]}])

@@ -12,6 +12,9 @@ scale backs off only after ``hysteresis`` overflows without a growth in between.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,13 @@ class LossScaleConfig:
 
 class DynamicLossScaler:
     """The scale and its counters; ``update(found_overflow)`` is called once per optimizer step."""
+
+    @classmethod
+    def resolve(cls, loss_scale, params: list[torch.Tensor]) -> Optional["DynamicLossScaler"]:
+        """The scaler for ShardedOptimizer's ``loss_scale`` option (``"auto"``: on when a parameter is fp16)."""
+        if loss_scale == "auto":
+            loss_scale = LossScaleConfig() if any(p.dtype == torch.float16 for p in params) else None
+        return cls(loss_scale) if loss_scale else None
 
     def __init__(self, config: LossScaleConfig):
         self.config = config

@@ -15,9 +15,11 @@ a joined rank's hook sets, and every rank raises :class:`UnevenInputsError` at t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from . import comm
 
@@ -43,15 +45,23 @@ class RefuseUnevenInputs(JoinHook):
         raise UnevenInputsError(MESSAGE)
 
 
-def check_in(joinable) -> None:
-    """Before a round of collectives: inside an active ``Join``, announce this rank and raise
-    :class:`UnevenInputsError` (on every rank alike) if another rank has joined. Vacuous outside one."""
-    if not joinable._join_config.enable:
-        return
-    work = Join.notify_join_context(joinable)
-    if work is not None:
-        work.wait()
-    joined = torch.zeros(1, device=joinable.join_device)
-    comm.all_reduce_(joined, dist.ReduceOp.SUM, joinable.join_process_group, name="uneven inputs flag")
-    if joined.item() > 0:
-        raise UnevenInputsError(MESSAGE)
+class UnevenInputs:
+    """The check-in of one :class:`~torch.distributed.algorithms.join.Joinable` (held weakly: the optimizer
+    owns this object) before each round of its collectives."""
+
+    def __init__(self, joinable: Joinable) -> None:
+        self._joinable = weakref.ref(joinable)
+
+    def check_in(self) -> None:
+        """Inside an active ``Join``, announce this rank and raise :class:`UnevenInputsError` (on every rank
+        alike) if another rank has joined. Vacuous outside one."""
+        joinable = self._joinable()
+        if joinable is None or not joinable._join_config.enable:
+            return
+        work = Join.notify_join_context(joinable)
+        if work is not None:
+            work.wait()
+        joined = torch.zeros(1, device=joinable.join_device)
+        comm.all_reduce_(joined, dist.ReduceOp.SUM, joinable.join_process_group, name="uneven inputs flag")
+        if joined.item() > 0:
+            raise UnevenInputsError(MESSAGE)

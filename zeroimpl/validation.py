@@ -12,6 +12,17 @@ from .memory_format import dense_strides
 from .precision import LossScaleConfig
 
 
+def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every) -> None:
+    """Refuse a ShardedOptimizer option out of range, naming it and what it accepts."""
+    check_stage(stage)
+    check_loss_scale(loss_scale)
+    check_nonfinite(nonfinite)
+    check_timeout(collective_timeout)
+    if max_inflight_buckets < 0:
+        raise ValueError(f"max_inflight_buckets must be >= 0, got {max_inflight_buckets}")
+    check_verify_every(verify_every)
+
+
 def check_stage(stage) -> None:
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 (shard optimizer state) or 2 (also shard gradients), got {stage!r}")

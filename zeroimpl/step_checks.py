@@ -1,0 +1,236 @@
+"""The gradients of one optimizer step, from "backward ran" to "ready to step": finishing the reduction, and the
+step's one agreement all-reduce.
+
+A step goes through these facts (:class:`StepState`), each set once and all forgotten by ``reset`` (at the
+end of ``step()`` and at ``zero_grad()``):
+
+* ``loss_scaled`` -- a loss was multiplied by the loss scale (``scale_loss`` / ``backward``). With loss
+  scaling on, a gradient arriving without it is an error (the user called ``loss.backward()``).
+* ``unscaled`` -- the gradient shards were divided by the loss scale (at the first :meth:`StepChecks.prepare`
+  after the last backward). With loss scaling on, a gradient arriving after it is an error.
+* ``verdict`` -- the agreement all-reduce ran (:class:`StepVerdict`). A new gradient arriving forgets it, so
+  the checks run again.
+
+:meth:`StepChecks.prepare` finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling: the
+step and the first operation on a ``param.grad`` view (:mod:`zeroimpl.grad_views`) both call down into it.
+:meth:`StepChecks.agree` is the step's one host sync: one all-reduce of 5 elements (:func:`encode_checks`)
+tells whether any rank's shard holds NaN/Inf, whether every rank ran the same number of backward passes,
+the global gradient norm when clipping, and whether some rank lacks a gradient for some parameter (only
+then does a second all-reduce, one flag per parameter, say which parameters have a gradient on no rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import validation
+from .host_memory import device_tensor, to_device
+from .layout import ShardPiece
+from .topology import Topology
+
+if TYPE_CHECKING:
+    from .buffers import BucketStorage
+    from .grad_shards import DeviceGradientShards
+    from .grad_sync import GradientReducer
+    from .offload import HostGradientShards
+    from .ownership import Ownership
+    from .param_sync import ParamSync
+    from .precision import DynamicLossScaler
+    from .uneven import UnevenInputs
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """The agreed outcome of a step's checks, identical on every rank."""
+
+    same_passes: bool  # every rank ran the same number of backward passes since the last step
+    nonfinite: bool  # the averaged gradients hold NaN or Inf
+    stepped: Optional[list[bool]]  # per trainable parameter: a gradient on some rank; None: every parameter
+
+
+class StepState:
+    """The current step's progress; see the module docstring for the facts and when each is set."""
+
+    def __init__(self, loss_scaling: bool):
+        self.loss_scaling = loss_scaling
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_scaled = False
+        self.unscaled = False
+        self.verdict: Optional[StepVerdict] = None
+
+    def gradient_arrived(self) -> None:
+        """A gradient reached the optimizer: forget the verdict; with loss scaling, refuse a gradient of an
+        unscaled loss or one that comes after the shards were unscaled."""
+        self.verdict = None
+        if not self.loss_scaling:
+            return
+        if not self.loss_scaled:
+            raise RuntimeError("loss scaling is on (fp16 parameters, or loss_scale=LossScaleConfig(...)), so the "
+                               "loss must be scaled: call optimizer.backward(loss) instead of loss.backward()")
+        if self.unscaled:
+            raise RuntimeError("backward() between clip_grad_norm_() and step() is not supported with "
+                               "loss scaling; run every backward of the step before clipping")
+
+
+class StepChecks:
+    """Finishes this step's gradients and runs the agreement all-reduce, for one optimizer (see the module
+    docstring). ``state`` is the step's :class:`StepState`; the reducer reports gradient arrivals to it."""
+
+    def __init__(self, reducer: "GradientReducer", gradients: Union["DeviceGradientShards", "HostGradientShards"],
+                 param_sync: "ParamSync", ownership: "Ownership", storages: list["BucketStorage"],
+                 pieces: list[ShardPiece], state: StepState, uneven: "UnevenInputs",
+                 loss_scaler: Optional["DynamicLossScaler"], topology: Topology, timeout: Optional[float],
+                 device: torch.device):
+        self.reducer, self.gradients, self.param_sync = reducer, gradients, param_sync
+        self.ownership, self.storages, self.pieces = ownership, storages, pieces
+        self.state, self.uneven, self.loss_scaler = state, uneven, loss_scaler
+        self.topology, self.timeout, self.device = topology, timeout, device
+        self._wrapping_checked = False
+
+    def prepare(self) -> bool:
+        """Finish the reduction (and unscaling); return whether there are gradients to step on. Collective:
+        every rank calls it at the same point (the first gradient operation after backward, or the step)."""
+        self.param_sync.finish()
+        self.uneven.check_in()
+        if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
+            validation.check_not_wrapped_in_ddp(self.ownership.params[0])
+            self._wrapping_checked = True
+        self.ownership.check_unchanged(self.storages)
+        self.reducer.finalize()
+        if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
+            return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
+        if self.loss_scaler is not None and not self.state.unscaled:
+            torch._foreach_mul_(self.shards(), 1.0 / self.loss_scaler.scale)
+            self.state.unscaled = True
+        return True
+
+    def shards(self) -> list[torch.Tensor]:
+        """The gradient shards of the buckets that have one (on the host with offload)."""
+        return [shard for shard in self.gradients.ready() if shard is not None]
+
+    def scale_to_norm(self, max_norm: float, total: torch.Tensor) -> bool:
+        """Scale the gradient shards so that their total norm (``total``, agreed) is at most ``max_norm``, as
+        torch's ``clip_grad_norm_`` does; return whether there were shards to scale."""
+        shards = self.shards()
+        if not shards:
+            return False
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # offload on a GPU: this copy of one scalar to the host is the step's second sync (with clipping)
+        torch._foreach_mul_(shards, coefficient.to(shards[0].device))
+        return True
+
+    def forget(self, param_indices: list[int]) -> None:
+        """The user cleared these parameters' ``.grad`` (``model.zero_grad()``, ``p.grad = None``): zero their
+        elements of the gradient shards and forget that they had a gradient, as torch would."""
+        cleared = set(param_indices)
+        shards = self.gradients.ready()
+        for piece in self.pieces:
+            shard = shards[piece.bucket_index]
+            if piece.param_index in cleared and shard is not None:
+                shard[piece.shard_offset:piece.shard_offset + piece.length].zero_()
+        self.reducer.forget(param_indices)
+
+    def agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
+        """Run the agreement all-reduce (call after :meth:`prepare`); store the verdict in ``state.verdict``
+        and return the global gradient norm for ``norm_type`` (on the device; ``None`` without one).
+
+        NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
+        over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
+        alike, :meth:`_any_nonfinite` tells NaN/Inf apart from finite gradients whose norm overflows fp32.
+        Norms are taken in fp32, or fp64 for fp64 shards. When the ranks ran different numbers of backward
+        passes the verdict says so (``same_passes``) and nothing more is checked."""
+        shards = self.shards()
+        local_device = shards[0].device if shards else self.device
+        passes = float(self.reducer.backward_passes)
+        maximum = norm_type == float("inf")
+        if maximum:
+            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=_norm_dtype(s))
+                                     for s in shards] or [torch.zeros((), device=local_device)]).max()
+        else:
+            power = 2.0 if norm_type is None else norm_type
+            norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=_norm_dtype(s)) ** power
+                                     for s in shards] or [torch.zeros((), device=local_device)]).sum()
+            if self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
+                norm_term = torch.zeros_like(norm_term)
+        values = to_device(encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum), self.device)
+        agreed = self.topology.all_reduce_(values, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
+                                           self.timeout, "gradient check all-reduce")
+        suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum,  # the host sync
+                                                      self.topology.world_size)
+        if not same_passes:
+            self.state.verdict = StepVerdict(same_passes=False, nonfinite=False, stepped=None)
+            return None
+        verdict = StepVerdict(same_passes=True, nonfinite=suspect and self._any_nonfinite(shards),
+                              stepped=self._params_with_gradients() if lacking else None)
+        self.state.verdict = verdict
+        if norm_type is None:
+            return None
+        if verdict.nonfinite and maximum:  # a MAX all-reduce need not carry a NaN through
+            return torch.full((), float("nan"), device=self.device)
+        return agreed[1] if maximum else agreed[1] ** (1.0 / norm_type)
+
+    def _params_with_gradients(self) -> list[bool]:
+        """By parameter index, whether any rank has a gradient for it (one all-reduce of a flag per parameter,
+        run on every rank alike, only on steps where some rank lacks some gradient)."""
+        local = device_tensor(self.reducer.grad_exists, self.device, torch.float32)
+        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.timeout, "gradient presence all-reduce")
+        return [flag > 0 for flag in agreed.tolist()]
+
+    def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
+        """Whether any rank's gradient shard holds NaN/Inf, exactly (a mask per shard, one more all-reduce
+        and host sync). Runs only on steps whose norm is not finite, on every rank together."""
+        local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1)
+        local = to_device(local, self.device)
+        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.timeout, "gradient NaN/Inf all-reduce")
+        return bool(agreed.item())
+
+
+def nonfinite_message(loss_scale: Optional[float]) -> str:
+    """Why ``step()`` raises ``FloatingPointError`` (``loss_scale``: the scale, at its minimum, or ``None``)."""
+    at_minimum = f" even at the minimum loss scale {loss_scale}" if loss_scale is not None else ""
+    return (f"the averaged gradients hold NaN or Inf{at_minimum}: this step was not applied and its gradients were "
+            "cleared (parameters and optimizer state are unchanged, on every rank). Usual causes: a learning rate "
+            "too high, a diverging loss, bad input data, or fp16 without loss scaling. Fix the cause (lower the "
+            "learning rate, clip gradients, use bf16), or pass nonfinite='skip' to skip such steps and count them "
+            "in optimizer.skipped_steps")
+
+
+def passes_message(passes: int) -> str:
+    """Why ``step()`` raises when the ranks ran different numbers of backward passes (``passes``: this rank's)."""
+    return (f"the ranks ran different numbers of backward passes before step() (this rank: {passes}); every rank "
+            "must run the same micro-batches per optimizer step. The gradients were cleared; nothing was updated")
+
+
+def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum: bool) -> torch.Tensor:
+    """This rank's five values for the step's one check all-reduce: ``[NaN/Inf suspected, norm term, pass
+    count term, pass count term, lacking]``, for a SUM all-reduce (2- or p-norm: the norm term is
+    ``sum |g|**p``) or a MAX one (``maximum``, inf-norm). ``passes``: this rank's backward passes since the
+    last step; ``lacking``: some parameter of this rank has no gradient. On ``norm_term``'s device, in its
+    dtype (fp32, or fp64 for fp64 gradients)."""
+    counts = [passes, -passes] if maximum else [passes, passes * passes]
+    suspect = (~torch.isfinite(norm_term)).float().reshape(1)
+    tail = device_tensor(counts + [1.0 if lacking else 0.0], norm_term.device, torch.float32)
+    return torch.cat([suspect, norm_term.reshape(1), tail])
+
+
+def decode_checks(reduced: list[float], maximum: bool, world_size: int) -> tuple[bool, bool, bool]:
+    """The agreed ``(NaN/Inf suspected on some rank, every rank ran the same backward passes, some rank
+    lacks a gradient)`` from the reduced values of :func:`encode_checks`, identical on every rank.
+
+    Pass counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM; equality in Cauchy-Schwarz) or
+    ``max(c) == -max(-c)`` (MAX). A suspected NaN/Inf is only suspected: a finite gradient's norm term can
+    overflow fp32, which the caller tells apart."""
+    suspect, _, first, second, lacking = reduced
+    same_passes = first == -second if maximum else world_size * second == first ** 2
+    return suspect > 0, same_passes, lacking > 0
+
+
+def _norm_dtype(shard: torch.Tensor) -> torch.dtype:
+    """fp32 for 16-bit and fp32 gradient shards, fp64 for fp64 ones (torch refuses to narrow in a norm)."""
+    return torch.promote_types(shard.dtype, torch.float32)

@@ -1,0 +1,66 @@
+"""Are the ranks' parameters still identical? Bit checksums compared across ranks, and ``DivergenceError``.
+
+Data-parallel ranks must hold bit-identical parameters after every step. A rank-dependent edit in user code, a
+different seed or a corrupted update breaks that silently; :func:`verify_ranks_agree` (every
+``verify_every`` steps, or on demand) compares an int64 wrapping sum of the bits of every bucket of parameters
+and every frozen parameter across ranks -- one small all-reduce -- and names the first parameter that differs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .buffers import BucketStorage
+from .comm import CollectiveError
+from .topology import Topology
+
+
+class DivergenceError(CollectiveError):
+    """The ranks' parameters differ (``ShardedOptimizer(verify_every=K)``, ``verify_ranks_agree()``)."""
+
+
+def verify_ranks_agree(storages: list[BucketStorage], frozen: list[torch.Tensor], topology: Topology,
+                       device: torch.device, timeout: Optional[float], step: int,
+                       name_of: Callable[[torch.Tensor], str]) -> None:
+    """Raise :class:`DivergenceError` on every rank unless every rank holds bit-identical parameters: the
+    buckets' and the ``frozen`` ones. Collective: one all-reduce of two int64 checksums per bucket and per
+    frozen parameter, and one per parameter of a differing bucket to name the first that differs (``name_of``
+    names it; ``step``: the steps taken, for the message)."""
+    def same_on_every_rank(checksums: torch.Tensor) -> list[bool]:
+        return topology.same_on_every_rank(checksums.to(device), timeout, "parameter checksum all-reduce").tolist()
+
+    flat_frozen = [p.detach().reshape(-1) for p in frozen]
+    same = same_on_every_rank(torch.stack([bit_checksum(t) for t in [s.param_buffer for s in storages] + flat_frozen]))
+    suspects = [p for s, agree in zip(storages, same) if not agree for p in s.params]
+    if suspects:
+        per_param = torch.stack([bit_checksum(p.detach().reshape(-1)) for p in suspects])
+        first = next(p for p, agree in zip(suspects, same_on_every_rank(per_param)) if not agree)
+    elif not all(same):
+        first = frozen[same.index(False, len(storages)) - len(storages)]
+    else:
+        return
+    raise DivergenceError(
+        f"the ranks hold different parameters after step {step}: {name_of(first)} differs ({same.count(False)} "
+        "bucket(s) or frozen parameter(s) in all). Data-parallel ranks must stay identical; usual causes: "
+        "rank-dependent code that edits parameters, a different model or seed on some rank, or a corrupted "
+        "update. Restart from the last checkpoint; if it recurs, find what edits that parameter")
+
+
+def bit_checksum(flat: torch.Tensor) -> torch.Tensor:
+    """An int64 sum of the bits of a contiguous 1-D tensor, read as integers of the element's width: any one
+    changed element changes it (wrapping on overflow)."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    return flat.view(as_int).sum(dtype=torch.int64)
+
+
+def param_name(param_groups: list[dict], param: torch.Tensor) -> str:
+    """A parameter's name (when the groups came from ``model.named_parameters()``) or position, and shape."""
+    for group_index, group in enumerate(param_groups):
+        for position, member in enumerate(group["params"]):
+            if member is param:
+                names = group.get("param_names")
+                where = repr(names[position]) if names else f"parameter {position} of param group {group_index}"
+                return f"{where} (shape {tuple(param.shape)})"
+    return f"a parameter of shape {tuple(param.shape)}"
