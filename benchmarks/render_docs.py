@@ -19,7 +19,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-PAGES = ("README.md", "docs/benchmarks.md")
+PAGES = ("README.md",) + tuple(sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
+                                     if name.endswith(".md")))
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)", re.S)
 MIB = 2**20
 
@@ -49,7 +50,53 @@ def peers() -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"comparison": comparison, "peers": peers}
+def markdown_table(name: str) -> list[list[str]]:
+    """The rows (header first, the separator dropped) of the one table in a results Markdown file."""
+    lines = [line for line in open(os.path.join(RESULTS, name)).read().splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if not set(line) <= set("|- ")]
+
+
+def host_step() -> str:
+    """``benchmarks/host_step.py``'s kernels and zeroimpl's whole offload ``step()``, parameters per second."""
+    results = json.load(open(os.path.join(RESULTS, "host_step.json")))
+    speed = {(r["implementation"], r["params"]): r["params_per_s"] for r in results["rows"]}
+    columns = ["torch AdamW for-loop", "torch AdamW fused", "DeepSpeedCPUAdam", "zeroimpl offload step()"]
+    lines = ["| parameters | torch AdamW for-loop | torch AdamW fused (zeroimpl's kernel) | DeepSpeedCPUAdam "
+             "| zeroimpl whole `step()` |", "| --- | --- | --- | --- | --- |"]
+    for params in sorted({p for _, p in speed}):
+        cells = []
+        for column in columns:
+            value = speed.get((column, params))
+            deepspeed = speed.get(("DeepSpeedCPUAdam", params))
+            text = "-" if value is None else f"{value / 1e6:,.0f} M/s"
+            if value is not None and deepspeed and column in ("torch AdamW fused", "zeroimpl offload step()"):
+                text += f" ({value / deepspeed:.2f}x DeepSpeed)"
+            cells.append(text)
+        lines.append(f"| {params / 1e6:g}M | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nMachine: {results['machine']}.  \nCommand: `{results['command'].strip()}`\n"
+
+
+def overlap() -> str:
+    """``benchmarks/overlap.py``'s step time, overlapped / waited in ``step()``, one column per world size."""
+    header, *rows = markdown_table("overlap.md")
+    size, world, ratio = header.index("GPT-2"), header.index("world size"), header.index("overlapped / waited")
+    worlds = sorted({int(r[world]) for r in rows})
+    by_size: dict[str, dict[int, str]] = {}
+    for row in rows:
+        by_size.setdefault(row[size], {})[int(row[world])] = row[ratio]
+    lines = ["| GPT-2 | " + " | ".join(f"{n} ranks" for n in worlds) + " |", "| --- |" + " --- |" * len(worlds)]
+    lines += [f"| {name} | " + " | ".join(cells.get(n, "-") for n in worlds) + " |" for name, cells in by_size.items()]
+    return "\n".join(lines) + "\n"
+
+
+def verify() -> str:
+    """``benchmarks/verify_cost.py``'s cost of one ``verify_every`` check against a training step."""
+    header, *rows = markdown_table("verify.md")
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+RENDERERS = {"comparison": comparison, "peers": peers, "host-step": host_step, "overlap": overlap, "verify": verify}
 
 
 def render(text: str) -> str:
