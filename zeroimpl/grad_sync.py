@@ -48,7 +48,7 @@ from .buffers import BucketStorage
 from .layout import ShardLayout
 from .memory_format import shaped
 from .ownership import rebound_message
-from .step_checks import StepState
+from .step_state import StepState
 from .topology import Topology
 
 if TYPE_CHECKING:

@@ -26,6 +26,23 @@ cannot take the mode off the stack (torch holds it off while the handler runs an
 inert and the hook, :meth:`InFlightGathers.finish` or :meth:`InFlightGathers.start` removes it. A gloo
 collective issued while a guard is on the stack (the user's own too) keeps a reference to it: a guard taken
 off the stack goes to :mod:`zeroimpl.shutdown`, which waits at exit for gloo to let go of it.
+
+Contract: what is load-bearing here, and what guards it.
+
+* It edits torch's private torch-function mode stack (``torch._C._push_on_torch_function_stack`` and friends:
+  :func:`_push_at_bottom` / :func:`_remove_from_stack`), so that the guard survives a user's ``with mode:``
+  block and stays under ``torch.set_default_device``'s ``DeviceContext``; a torch upgrade that changes that
+  stack breaks it first. Guarded by ``tests/test_overlap.py::test_reads_below_torch_functions_and_the_mode_stack``
+  (user modes, a default device, the stack left as found).
+* It installs a *process-wide* module forward pre-hook while gathers are in flight, and removes it (and the
+  mode) once none is: every module's forward in the process pays one dict lookup meanwhile. Guarded by the
+  same test (TorchScript, ``torch.compile``, custom ``autograd.Function`` kernels, another thread).
+* :meth:`InFlightGathers.buckets_touched` must see every tensor argument -- positional, in a list or tuple, and
+  keyword (``torch.mul(input=p, other=1.0)``) -- or a read sees stale values. Guarded by
+  ``test_every_read_after_step_sees_the_new_parameters``, ``test_a_users_own_read_or_write_after_step_sees_
+  the_new_parameters`` and ``tests/test_mutation_guards.py`` (keyword arguments).
+* Results must be bitwise those of ``overlap_param_gather=False``:
+  ``test_overlapped_gathers_give_bitwise_the_same_training``. Exit safety: ``tests/test_clean_exit.py``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The gradients of one optimizer step, from "backward ran" to "ready to step": finishing the reduction, and the
 step's one agreement all-reduce.
 
-A step goes through these facts (:class:`StepState`), each set once and all forgotten by ``reset`` (at the
-end of ``step()`` and at ``zero_grad()``):
-
-* ``loss_scaled`` -- a loss was multiplied by the loss scale (``scale_loss`` / ``backward``). With loss
-  scaling on, a gradient arriving without it is an error (the user called ``loss.backward()``).
-* ``unscaled`` -- the gradient shards were divided by the loss scale (at the first :meth:`StepChecks.prepare`
-  after the last backward). With loss scaling on, a gradient arriving after it is an error.
-* ``verdict`` -- the agreement all-reduce ran (:class:`StepVerdict`). A new gradient arriving forgets it, so
-  the checks run again.
+The step's progress is a :class:`~zeroimpl.step_state.StepState`, which the reducer also records gradient
+arrivals in.
 
 :meth:`StepChecks.prepare` finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling: the
 step and the first operation on a ``param.grad`` view (:mod:`zeroimpl.grad_views`) both call down into it.
@@ -21,7 +14,6 @@ then does a second all-reduce, one flag per parameter, say which parameters have
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
@@ -30,6 +22,7 @@ import torch.distributed as dist
 from . import validation
 from .host_memory import device_tensor, to_device
 from .layout import ShardPiece
+from .step_state import StepState, StepVerdict
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -41,41 +34,6 @@ if TYPE_CHECKING:
     from .param_sync import ParamSync
     from .precision import DynamicLossScaler
     from .uneven import UnevenInputs
-
-
-@dataclass(frozen=True)
-class StepVerdict:
-    """The agreed outcome of a step's checks, identical on every rank."""
-
-    same_passes: bool  # every rank ran the same number of backward passes since the last step
-    nonfinite: bool  # the averaged gradients hold NaN or Inf
-    stepped: Optional[list[bool]]  # per trainable parameter: a gradient on some rank; None: every parameter
-
-
-class StepState:
-    """The current step's progress; see the module docstring for the facts and when each is set."""
-
-    def __init__(self, loss_scaling: bool):
-        self.loss_scaling = loss_scaling
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss_scaled = False
-        self.unscaled = False
-        self.verdict: Optional[StepVerdict] = None
-
-    def gradient_arrived(self) -> None:
-        """A gradient reached the optimizer: forget the verdict; with loss scaling, refuse a gradient of an
-        unscaled loss or one that comes after the shards were unscaled."""
-        self.verdict = None
-        if not self.loss_scaling:
-            return
-        if not self.loss_scaled:
-            raise RuntimeError("loss scaling is on (fp16 parameters, or loss_scale=LossScaleConfig(...)), so the "
-                               "loss must be scaled: call optimizer.backward(loss) instead of loss.backward()")
-        if self.unscaled:
-            raise RuntimeError("backward() between clip_grad_norm_() and step() is not supported with "
-                               "loss scaling; run every backward of the step before clipping")
 
 
 class StepChecks:
