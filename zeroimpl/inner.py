@@ -6,6 +6,13 @@ of the master shard -- 1-D in flat groups, the whole parameter in its own shape 
 (:func:`piece_view`). :class:`PieceMasters` makes those views and steps them; ``step_pieces`` takes
 (master view, gradient view) pairs and steps only them.
 
+Group-level state is the inner optimizers'. An optimizer may keep state in its param group (timm's Adan a step
+counter, schedule-free AdamW ``k`` and ``weight_sum``): the outer (user-facing) groups mirror the inner ones
+after every step (:meth:`InnerOptimizers.report`), and before a step only the outer values that changed since
+(a scheduler's ``lr``, a user's edit) go in (:meth:`InnerOptimizers.follow`). The inner optimizers' own
+step hooks and torch's global ones do not fire for the inner steps: the ``ShardedOptimizer.step()`` around
+them is the one step the user sees.
+
 A ShardedOptimizer may mix optimizer classes (Muon for hidden matrices, AdamW for the rest): each outer
 param group names its class. :class:`InnerOptimizers` builds one torch optimizer per class over the pieces
 of that class's groups and presents them in the outer groups' order: ``param_groups[g]`` is outer group
@@ -16,6 +23,7 @@ same groups would number them.
 
 from __future__ import annotations
 
+import pickle
 from typing import Optional, Sequence
 
 import torch
@@ -59,19 +67,41 @@ class InnerOptimizers:
         return {piece: state for optimizer in self.optimizers.values() for piece, state in optimizer.state.items()}
 
     def fill_defaults(self, outer_groups: list[dict]) -> None:
-        """Give the outer groups the hyperparameters they left to the classes' defaults."""
+        """Give the outer groups the hyperparameters they left to the classes' defaults (and the inner groups
+        the outer ones' values), then remember them as in sync."""
         for outer, inner in zip(outer_groups, self.param_groups):
             for key, value in inner.items():
                 outer.setdefault(key, value)
+        self.report(outer_groups)
 
     def follow(self, outer_groups: list[dict]) -> None:
-        """Take the outer groups' hyperparameters (a scheduler changes those), not the inner kernel's choice."""
+        """Before a step: take the outer values changed since the groups were last in sync (a scheduler's
+        ``lr``, a user's edit), never the inner kernel's choice; keep everything else the optimizer wrote."""
+        for outer, inner, synced in zip(outer_groups, self.param_groups, self._synced):
+            for key, value in outer.items():
+                if key not in OUTER_ONLY_KEYS | KERNEL_KEYS and (key not in synced or synced[key] is not value):
+                    inner[key] = synced[key] = value
+
+    def report(self, outer_groups: list[dict]) -> None:
+        """After a step or a load: show the inner groups' values (group-level state included) in the outer
+        groups, and remember them as in sync."""
+        self._synced = []
         for outer, inner in zip(outer_groups, self.param_groups):
-            inner.update({k: v for k, v in outer.items() if k not in OUTER_ONLY_KEYS | KERNEL_KEYS})
+            outer.update({key: value for key, value in inner.items() if key != "params"})
+            self._synced.append({key: value for key, value in outer.items() if key not in OUTER_ONLY_KEYS})
+
+    @property
+    def steps_in_parts(self) -> bool:
+        """Whether stepping the pieces in parts (the offload pipeline, bucket by bucket) is bitwise one step:
+        true for torch's own classes, whose state is per parameter only; another class (group-level state,
+        a counter in its step) is stepped once over every piece."""
+        return all(type(optimizer).__module__.startswith("torch.optim") for optimizer in self.optimizers.values())
 
     def step(self) -> None:
+        """Step every inner optimizer, without firing step hooks (the outer step fires them once)."""
         for optimizer in self.optimizers.values():
-            optimizer.step()
+            step = type(optimizer).step
+            getattr(step, "__wrapped__", step)(optimizer)
 
     def state_dict(self) -> dict:
         """Torch's format, pieces numbered through the outer groups in order."""
@@ -111,6 +141,41 @@ class InnerOptimizers:
             groups.append(own[optimizer_class]["param_groups"][position[optimizer_class]])
             position[optimizer_class] += 1
         return groups
+
+
+def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs: dict[type, dict], topology,
+                        timeout: Optional[float]) -> InnerOptimizers:
+    """:class:`InnerOptimizers` over this rank's pieces; a constructor that refuses them (a class refusing a
+    shape that only this rank owns) raises the same error on every rank, never a later collective failure
+    or hang: one object all-gather of each rank's outcome (``topology``: the ranks that build together)."""
+    error, inner = None, None
+    try:
+        inner = InnerOptimizers(groups, classes, kwargs)
+    except Exception as exc:  # any refusal by a class's constructor: shared below, then raised everywhere
+        error = exc
+    gathered = topology.all_gather_objects(None if error is None else _portable(error), timeout,
+                                           "inner optimizer construction agreement")
+    refused = next(((rank, found) for rank, found in enumerate(gathered) if found is not None), None)
+    if refused is None:
+        return inner
+    if error is not None:
+        raise error
+    rank, (error_class, message) = refused
+    note = f"(rank {rank} in all-gather order, building its inner optimizer) {message}"
+    try:
+        raised = error_class(note)
+    except Exception:  # a class whose constructor takes other arguments
+        raised = RuntimeError(f"{error_class.__name__}: {note}")
+    raise raised
+
+
+def _portable(error: Exception) -> tuple[type, str]:
+    """The error's class (when it pickles: a module-level class) and message, to send to the other ranks."""
+    try:
+        pickle.dumps(type(error))
+        return type(error), str(error)
+    except Exception:
+        return RuntimeError, f"{type(error).__name__}: {error}"
 
 
 def piece_view(shard: torch.Tensor, piece: ShardPiece, layout: ShardLayout, param: torch.Tensor) -> torch.Tensor:

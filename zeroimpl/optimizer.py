@@ -27,7 +27,7 @@ from .buffers import BucketStorage, flatten_params
 from .grad_shards import accumulating
 from .grad_sync import GradientReducer
 from .grad_views import GradViews
-from .inner import OUTER_ONLY_KEYS, InnerOptimizers, PieceMasters, step_pieces
+from .inner import OUTER_ONLY_KEYS, PieceMasters, build_on_every_rank, step_pieces
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .offload import CPUOffload, OffloadOption, gradient_store, inner_kwargs, resolve_offload
 from .ownership import Ownership
@@ -145,9 +145,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank, host_masters)
         self.param_sync = ParamSync(self.storages, self.process_group, collective_timeout, staging)
         self.pieces = PieceMasters(layout, layout.pieces(self.rank), self.storages, trainable)
-        self.inner = InnerOptimizers(self.pieces.inner_groups(self.param_groups), classes,
-                                     inner_kwargs(classes, optimizer_class, optimizer_kwargs, self.param_groups,
-                                                  self.offload))
+        self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), classes,
+                                         inner_kwargs(classes, optimizer_class, optimizer_kwargs, self.param_groups,
+                                                      self.offload), self.topology, collective_timeout)
         self.inner.fill_defaults(self.param_groups)
         self.defaults = self.inner.defaults
 
@@ -302,13 +302,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                  for storage, grad in zip(self.storages, self.gradients.ready())]
         pairs = self.pieces.gradient_pairs(grads, self._step_state.verdict.stepped)
         self.param_sync.begin()
-        if self.offload is None:
-            step_pieces(self.inner, [pair for bucket in pairs.values() for pair in bucket])
+        in_parts = self.offload is not None and self.inner.steps_in_parts  # the pipeline: a host step per bucket
+        step_pieces(self.inner, [] if in_parts else [pair for bucket in pairs.values() for pair in bucket])
         for storage in self.storages:
-            if self.offload is not None:
-                step_pieces(self.inner, pairs.get(storage.bucket.index, []))
+            step_pieces(self.inner, pairs.get(storage.bucket.index, []) if in_parts else [])
             self.param_sync.publish(storage)
         self.param_sync.end(defer=self.overlap_param_gather)
+        self.inner.report(self.param_groups)
         self._steps_taken += 1
         self._finish_step(overflow=False)
         if self.verify_every and self._steps_taken % self.verify_every == 0:

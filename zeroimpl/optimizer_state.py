@@ -122,6 +122,7 @@ def install(inner: InnerOptimizers, outer_groups: list[dict], storages: list[Buc
                 storage.mark_master_in_sync()
     if loss_scaler is not None and loss_scaler_state is not None:
         loss_scaler.load_state_dict(loss_scaler_state)
+    inner.report(outer_groups)
 
 
 def inner_state_dict(inner: InnerOptimizers, piece_masters: list[torch.Tensor], piece_states: list[Optional[dict]],
