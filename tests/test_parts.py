@@ -196,3 +196,11 @@ def test_a_round_ends_with_its_backward_and_a_failed_backward_leaves_it_open():
     with pytest.raises(RuntimeError, match="backward failed"):
         (y * 2).sum().backward()
     assert round_.failed() and round_.left_open() and ended == [True]
+
+
+def test_checkpoint_functions_refuse_swapped_arguments_by_name():
+    from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+    model = torch.nn.Linear(2, 2)
+    for function in (save_checkpoint, load_checkpoint):
+        with pytest.raises(TypeError, match=r"\(directory, optimizer, model\).*got Linear and Linear"):
+            function("unused", model, model)

@@ -54,6 +54,7 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     group (it loads onto any mesh or flat world). ``directory`` is replaced only once the new checkpoint is
     complete.
     """
+    _check_arguments(optimizer, model, "save_checkpoint")
     topology = optimizer.topology
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
@@ -158,6 +159,13 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, k
 
 
 # -- load ---------------------------------------------------------------------------------------------
+def _check_arguments(optimizer, model, function: str) -> None:
+    """Refuse arguments in the wrong order or of the wrong kind (the same on every rank: no collective yet)."""
+    if not isinstance(optimizer, ShardedOptimizer) or not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{function}(directory, optimizer, model) takes a ShardedOptimizer and then the model, got "
+                        f"{type(optimizer).__name__} and {type(model).__name__}")
+
+
 def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
                     timeout: Optional[float] = None) -> None:
     """Restore ``optimizer`` and ``model`` from a checkpoint saved at any world size, stage or offload setting.
@@ -167,6 +175,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     on every rank. Nothing is changed unless every rank has read and checked everything it needs.
     ``timeout``: as for :func:`save_checkpoint`.
     """
+    _check_arguments(optimizer, model, "load_checkpoint")
     error: Optional[BaseException] = None
     try:
         directory = files.resolve_directory(directory)
