@@ -33,6 +33,7 @@ from .layout import ShardLayout, ShardPiece
 from .memory_format import shaped
 from .offload import KERNEL_KEYS
 
+_MOMENTUM_KEYS = frozenset({"momentum", "betas"})  # the two names of momentum in torch's optimizer classes
 # param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have, and
 # the group's optimizer class (not a hyperparameter: never saved with them)
 OUTER_ONLY_KEYS = frozenset({"params", "param_names", "optimizer"})
@@ -58,8 +59,17 @@ class InnerOptimizers:
 
     @property
     def defaults(self) -> dict:
-        """The defaults of the first group's optimizer class."""
-        return self.optimizers[self.classes[0]].defaults
+        """Every class's defaults (the first group's class first). When the classes name momentum differently
+        (Muon's and SGD's ``momentum``, AdamW's ``betas[0]``), ``betas`` is left out, so that a scheduler
+        cycling momentum (OneCycleLR, CyclicLR) writes ``momentum`` into every group, which :meth:`follow`
+        turns into ``betas[0]`` for the groups of a ``betas`` class: each group cycles as over its class alone."""
+        merged: dict = {}
+        for optimizer_class in self.classes:
+            for key, value in self.optimizers[optimizer_class].defaults.items():
+                merged.setdefault(key, value)
+        if _MOMENTUM_KEYS <= {key for o in self.optimizers.values() for key in o.defaults}:
+            merged.pop("betas")
+        return merged
 
     @property
     def state(self) -> dict:
@@ -80,7 +90,11 @@ class InnerOptimizers:
         for outer, inner, synced in zip(outer_groups, self.param_groups, self._synced):
             for key, value in outer.items():
                 if key not in OUTER_ONLY_KEYS | KERNEL_KEYS and (key not in synced or synced[key] is not value):
-                    inner[key] = synced[key] = value
+                    synced[key] = value
+                    if key == "momentum" and "momentum" not in inner and "betas" in inner:  # see defaults
+                        inner["betas"] = (value, *inner["betas"][1:])
+                    else:
+                        inner[key] = value
 
     def report(self, outer_groups: list[dict]) -> None:
         """After a step or a load: show the inner groups' values (group-level state included) in the outer
