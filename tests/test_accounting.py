@@ -21,10 +21,12 @@ bucket_buffers 2·p·S, two staging buffers of the largest bucket shard S that t
 into on their way to the device.
 """
 
+from functools import partial
+
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import case_results, run_cases, run_distributed
 from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 
@@ -82,15 +84,12 @@ def _expected(stage, dtype, offload, padded, owned, pieces, psi, largest_shard, 
             "step1": place(0, device_shard_after_step, state)}
 
 
-def _all_reports(rank, world_size):
-    return {config: _reports(rank, world_size, *config) for config in CONFIGS}
-
-
 def _everything(rank, world_size):
     """The reports of every configuration and the bucket-buffer peaks, in one launch of 2 ranks."""
-    return {"reports": _all_reports(rank, world_size),
-            "peaks": {max_inflight: _peak_bucket_buffers(rank, world_size, max_inflight)
-                      for max_inflight in MAX_INFLIGHT}}
+    cases = {("reports", *config): partial(_reports, rank, world_size, *config) for config in CONFIGS}
+    for max_inflight in MAX_INFLIGHT:
+        cases[("peaks", max_inflight)] = partial(_peak_bucket_buffers, rank, world_size, max_inflight)
+    return run_cases(cases)
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +97,10 @@ def runs():
     return run_distributed(2, _everything)
 
 
-@pytest.fixture(scope="module")
-def reports_by_config(runs):
-    return [by_rank["reports"] for by_rank in runs]
-
-
 @pytest.mark.parametrize("stage,dtype,offload", CONFIGS)
-def test_bytes_match_the_formula(reports_by_config, stage, dtype, offload):
+def test_bytes_match_the_formula(runs, stage, dtype, offload):
     world_size = 2
-    for by_config in reports_by_config:
-        reports, sizes, _ = by_config[(stage, dtype, offload)]
+    for reports, sizes, _ in case_results(runs, ("reports", stage, dtype, offload)):
         expected = _expected(stage, dtype, offload, sizes["padded"], sizes["owned"], sizes["pieces"], sizes["psi"],
                              sizes["largest_shard"], world_size)
         for moment, places in expected.items():
@@ -118,14 +111,13 @@ def test_bytes_match_the_formula(reports_by_config, stage, dtype, offload):
             assert report.total == report.device.total + report.host.total
 
 
-def test_offload_places_state_and_masters_on_the_host(reports_by_config):
+def test_offload_places_state_and_masters_on_the_host(runs):
     """Where each kind lives, from the tensors themselves: with offload the optimizer state and the master
     weights are CPU tensors apart from the parameters (here the device is the CPU too, so the byte
     accounting above is what tells device from host), and host memory is 16 bytes per owned shard element
     (gradient shard and master: 8 per shard element, padding included; state: 8 per owned element), plus
     the two staging buffers."""
-    for by_config in reports_by_config:
-        reports, sizes, places = by_config[(2, torch.bfloat16, "cpu")]
+    for reports, sizes, places in case_results(runs, ("reports", 2, torch.bfloat16, "cpu")):
         assert places == {"state": {"cpu"}, "masters": {"cpu"}, "params": {"cpu"}, "separate_masters": True}
         host = reports["step1"].host
         staging = 2 * 2 * sizes["largest_shard"]  # two bf16 buffers of the largest shard
@@ -159,7 +151,7 @@ def test_stage2_bucket_buffers_are_bounded_and_freed(runs, max_inflight):
     """During backward at most max_inflight reduce-scatters (buffer + its 1/N output + the (N-1)/N receive
     buffer of gloo's pairwise exchange: 2 buckets at N = 2) plus the bucket being filled are alive; after
     backward nothing is."""
-    for peak, largest, buckets, after, gradients in (by_rank["peaks"][max_inflight] for by_rank in runs):
+    for peak, largest, buckets, after, gradients in case_results(runs, ("peaks", max_inflight)):
         assert buckets > max_inflight + 2  # the bound is below "every bucket at once"
         assert 0 < peak <= (max_inflight * 2 + 1) * largest
         assert after == 0 and gradients == 0

@@ -12,11 +12,12 @@ micro-batch.
 """
 
 import os
+from functools import partial
 
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import case_results, run_cases, run_distributed
 from zeroimpl.integrations.collectives import CollectiveCounter, summarize
 from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
@@ -63,7 +64,7 @@ CONFIGS = [
 
 
 def _count_all(rank, world_size):
-    return {config: _count(rank, world_size, *config) for config in CONFIGS}
+    return run_cases({config: partial(_count, rank, world_size, *config) for config in CONFIGS})
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def counts_by_config():
 
 @pytest.mark.parametrize("stage,accum,clip,dtype,algorithm", CONFIGS)
 def test_collectives_per_step(counts_by_config, stage, accum, clip, dtype, algorithm):
-    for result in (by_rank[(stage, accum, clip, dtype, algorithm)] for by_rank in counts_by_config):
+    for result in case_results(counts_by_config, (stage, accum, clip, dtype, algorithm)):
         buckets, padded = result["buckets"], result["padded"]
         assert result["numel"] == result["psi"]  # tied and frozen parameters are not counted
         assert 0 <= padded - result["psi"] < buckets * 2 * 8  # padding < world_size * alignment per bucket

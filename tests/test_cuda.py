@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from test_mixed_precision import LOSS_ATOL, PARAM_RTOL, _relative_l2
-from workloads import RunConfig, batch, build_model, max_param_diff, param_groups, train
+from workloads import (HALF_LOSS_ATOL, HALF_PARAM_RTOL, RunConfig, batch, build_model, max_param_diff, param_groups,
+                       relative_l2, train)
 from zeroimpl import CPUOffload, ShardedOptimizer, estimate_memory
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -63,8 +63,8 @@ def test_nccl_clipping_matches_ddp(runs):
 def test_16_bit_training_tracks_fp32(runs, case):
     for by_name in runs:
         run, reference = by_name[case], by_name["stage 2"]
-        assert max(abs(a - b) for a, b in zip(run["losses"], reference["losses"])) <= LOSS_ATOL
-        assert _relative_l2(run["params"], reference["params"]) <= PARAM_RTOL
+        assert max(abs(a - b) for a, b in zip(run["losses"], reference["losses"])) <= HALF_LOSS_ATOL
+        assert relative_l2(run["params"], reference["params"]) <= HALF_PARAM_RTOL
         assert run["losses"] != reference["losses"]  # it really ran in 16 bits
 
 

@@ -21,14 +21,13 @@ import contextlib
 import importlib.util
 import math
 import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run_distributed
+from distributed import case_results, run_cases, run_distributed
 from workloads import batch, build_model, param_groups
 from zeroimpl import CPUOffload, ShardedOptimizer
 
@@ -305,13 +304,7 @@ def _all(rank, world_size, shared):
     for name, config in [("ddp", None), *ZERO_CONFIGS.items()]:
         cases[("accelerate", name)] = lambda config=config: _accelerate_run(rank, config)
         cases[("cleared", name)] = lambda config=config: _cleared_between_backward_and_step(rank, config)
-    results = {}
-    for key, case in cases.items():  # one case failing must not hide the others
-        try:
-            results[key] = case()
-        except Exception:  # noqa: BLE001 - reported by the case's test
-            results[key] = RuntimeError(traceback.format_exc())
-    return results
+    return run_cases(cases)  # one case failing must not hide the others
 
 
 @pytest.fixture(scope="module")
@@ -319,18 +312,11 @@ def ranks(tmp_path_factory):
     return run_distributed(2, _all, str(tmp_path_factory.mktemp("drop_in")))
 
 
-def _result(ranks, key):
-    for results in ranks:
-        if isinstance(results[key], Exception):
-            raise results[key]
-    return [results[key] for results in ranks]
-
-
 @pytest.mark.parametrize("variant, config", [(v, c) for v, (_, _, _, configs) in NANOGPT_VARIANTS.items()
                                              for c in configs])
 def test_nanogpt_loop_trains_as_ddp(ranks, variant, config):
     grad_clip, _, dtype, _ = NANOGPT_VARIANTS[variant]
-    for results in _result(ranks, "nanogpt"):
+    for results in case_results(ranks, "nanogpt"):
         history, reference, params, reference_params = results[(variant, config)]
         scales = [scale for _, _, scale in history]
         assert scales == [scale for _, _, scale in reference], "the same steps skipped, the same scales"
@@ -354,7 +340,7 @@ def test_nanogpt_loop_trains_as_ddp(ranks, variant, config):
 @pytest.mark.parametrize("config", list(ZERO_CONFIGS))
 @pytest.mark.parametrize("utility", list(UTILITIES))
 def test_torch_gradient_utilities_act_on_the_averaged_gradient(ranks, utility, config):
-    for results in _result(ranks, "utilities"):
+    for results in case_results(ranks, "utilities"):
         (norms, params, calls), (expected_norms, expected_params, _) = results[("utility", utility, config)]
         assert all(count <= 1 for count in calls), f"at most one all-reduce per call, got {calls}"
         if utility == "clip value":
@@ -371,7 +357,7 @@ def test_torch_gradient_utilities_act_on_the_averaged_gradient(ranks, utility, c
 
 @pytest.mark.parametrize("config", list(ZERO_CONFIGS))
 def test_a_16bit_models_norm_is_the_norm_of_its_averaged_gradient(ranks, config):
-    for results in _result(ranks, "bf16"):
+    for results in case_results(ranks, "bf16"):
         norm, dtype, expected = results[config]
         assert dtype == torch.bfloat16
         assert abs(norm - expected) <= BF16_RTOL * expected
@@ -379,7 +365,7 @@ def test_a_16bit_models_norm_is_the_norm_of_its_averaged_gradient(ranks, config)
 
 @pytest.mark.parametrize("config", list(ZERO_CONFIGS))
 def test_an_accelerate_style_loop_trains_as_ddp(ranks, config):
-    for got, expected in zip(_result(ranks, ("accelerate", config)), _result(ranks, ("accelerate", "ddp"))):
+    for got, expected in zip(case_results(ranks, ("accelerate", config)), case_results(ranks, ("accelerate", "ddp"))):
         norms, params = got
         for norm, reference in zip(norms, expected[0]):
             assert abs(norm - reference) <= NORM_RTOL * reference
@@ -388,12 +374,12 @@ def test_an_accelerate_style_loop_trains_as_ddp(ranks, config):
 
 @pytest.mark.parametrize("config", list(ZERO_CONFIGS))
 def test_gradients_cleared_by_the_user_are_forgotten_as_in_torch(ranks, config):
-    for got, expected in zip(_result(ranks, ("cleared", config)), _result(ranks, ("cleared", "ddp"))):
+    for got, expected in zip(case_results(ranks, ("cleared", config)), case_results(ranks, ("cleared", "ddp"))):
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_a_master_only_checkpoint_is_refused_on_every_rank_and_own_states_resume_bitwise(ranks):
-    for rank, results in enumerate(_result(ranks, "resume")):
+    for rank, results in enumerate(case_results(ranks, "resume")):
         assert results["resumed"]
         message = results["master only"]
         if rank == 0:  # its own state: refused because rank 1 refuses
@@ -402,28 +388,28 @@ def test_a_master_only_checkpoint_is_refused_on_every_rank_and_own_states_resume
 
 
 def test_an_unsupported_operation_on_a_sharded_gradient_names_the_alternatives(ranks):
-    for message in _result(ranks, "unsupported"):
+    for message in case_results(ranks, "unsupported"):
         assert "sharded across the ranks" in message and "clip_grad_norm_" in message
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_uneven_inputs_under_join_raise_on_every_rank(ranks, stage):
     """Rank 0 holds 3 batches, rank 1 holds 5: both raise at rank 1's fourth step, naming uneven inputs."""
-    for message in _result(ranks, ("uneven", stage)):
+    for message in case_results(ranks, ("uneven", stage)):
         assert message.startswith("UnevenInputsError: uneven inputs"), message
         assert "DistributedSampler" in message
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_even_inputs_under_join_train_as_without_it(ranks, stage):
-    for joined, plain in _result(ranks, ("even", stage)):
+    for joined, plain in case_results(ranks, ("even", stage)):
         assert all(torch.equal(a, b) for a, b in zip(joined, plain))
 
 
 def test_a_layer_in_several_reentrant_checkpointed_regions_trains_as_ddp(ranks):
     """Stage 1 reduces once per step: bitwise. Stage 2 reduces a bucket once per nested backward that brings
     it a gradient (here twice), summed in another order than DDP's one all-reduce: REENTRANT_ATOL."""
-    for stage1, stage2, reference in zip(*(_result(ranks, ("shared regions", s)) for s in (1, 2, None))):
+    for stage1, stage2, reference in zip(*(case_results(ranks, ("shared regions", s)) for s in (1, 2, None))):
         assert all(torch.equal(a, b) for a, b in zip(stage1, reference))
         worst = max((a - b).abs().max().item() for a, b in zip(stage2, reference))
         print(f"stage 2, a layer in two reentrant regions: {worst:.3g} from DDP")

@@ -5,10 +5,12 @@ class); the estimate from a bare parameter count may differ only by padding (< 1
 world_size * alignment elements per bucket, here < 0.5%).
 """
 
+from functools import partial
+
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import case_results, run_cases, run_distributed
 from workloads import batch, build_model, matrix_param_groups, param_groups
 from zeroimpl import ShardedOptimizer, estimate_memory
 
@@ -23,45 +25,43 @@ CONFIGS = [("adamw", 1, torch.float32, None), ("adamw", 2, torch.float32, None),
            ("adamw+adafactor", 2, torch.float32, None), ("adamw+adafactor", 2, torch.float32, "cpu")]
 
 
-def _measured_and_estimated(rank, world_size):
-    results = {}
-    for name, stage, dtype, offload in CONFIGS:
-        optimizer_class, kwargs = OPTIMIZERS[name.split("+")[0]]
-        model = build_model("llama", dtype)
-        groups = param_groups(model) if "+" not in name else matrix_param_groups(model, name.split("+")[1])
-        settings = dict(dtype=dtype, offload=offload, optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
-                        bucket_numel=4096)
-        from_model = estimate_memory(groups, world_size, stage, rank=rank, **settings)
-        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        from_count = estimate_memory(numel, world_size, stage, **settings)
-        optimizer = ShardedOptimizer(groups, optimizer_class, stage=stage, offload=offload, bucket_numel=4096,
-                                     **kwargs)
-        for step in range(2):  # the second backward is the steady state: optimizer state exists
-            optimizer.zero_grad()
-            optimizer.backward(model(**batch(rank, step, 0)).loss)
-            measured = optimizer.memory_report()
-            optimizer.step()
-        results[(name, stage, dtype, offload)] = (measured, from_model, from_count)
-    return results
+def _measured_and_estimated(rank, world_size, name, stage, dtype, offload):
+    optimizer_class, kwargs = OPTIMIZERS[name.split("+")[0]]
+    model = build_model("llama", dtype)
+    groups = param_groups(model) if "+" not in name else matrix_param_groups(model, name.split("+")[1])
+    settings = dict(dtype=dtype, offload=offload, optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
+                    bucket_numel=4096)
+    from_model = estimate_memory(groups, world_size, stage, rank=rank, **settings)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from_count = estimate_memory(numel, world_size, stage, **settings)
+    optimizer = ShardedOptimizer(groups, optimizer_class, stage=stage, offload=offload, bucket_numel=4096, **kwargs)
+    for step in range(2):  # the second backward is the steady state: optimizer state exists
+        optimizer.zero_grad()
+        optimizer.backward(model(**batch(rank, step, 0)).loss)
+        measured = optimizer.memory_report()
+        optimizer.step()
+    return measured, from_model, from_count
+
+
+def _every_config(rank, world_size):
+    return run_cases({config: partial(_measured_and_estimated, rank, world_size, *config) for config in CONFIGS})
 
 
 @pytest.fixture(scope="module")
 def reports():
-    return run_distributed(2, _measured_and_estimated)
+    return run_distributed(2, _every_config)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_estimate_from_the_model_is_exact(reports, config):
-    for by_config in reports:
-        measured, from_model, _ = by_config[config]
+    for measured, from_model, _ in case_results(reports, config):
         assert from_model.as_dict() == measured.as_dict()
 
 
 @pytest.mark.parametrize("config", [c for c in CONFIGS if "+" not in c[0]], ids=lambda c: "-".join(map(str, c)))
 def test_estimate_from_a_count_is_within_padding(reports, config):
     """(A count says nothing of which parameters another class steps: flat, single-class configurations.)"""
-    for by_config in reports:
-        measured, _, from_count = by_config[config]
+    for measured, _, from_count in case_results(reports, config):
         assert from_count.total > 0
         assert abs(from_count.total - measured.total) <= 0.005 * measured.total
 

@@ -4,44 +4,12 @@ import random
 
 import pytest
 
+from layout_checks import check_layout_invariants
 from zeroimpl.layout import ParamSpec, build_layout
 
 
 def _specs(numels, group=0, dtype="torch.float32"):
     return [ParamSpec(group, dtype, n) for n in numels]
-
-
-def _check_invariants(specs, layout):
-    # every element of every parameter is owned by exactly one rank, at a consistent place
-    owned = {i: [0] * spec.numel for i, spec in enumerate(specs)}
-    for rank in range(layout.world_size):
-        for piece in layout.pieces(rank):
-            slot = layout.slots[piece.param_index]
-            bucket = layout.buckets[piece.bucket_index]
-            shard_start, _ = bucket.shard_range(rank)
-            assert shard_start + piece.shard_offset == slot.offset + piece.param_start
-            assert 0 <= piece.shard_offset and piece.shard_offset + piece.length <= bucket.shard_numel
-            for element in range(piece.param_start, piece.param_end):
-                owned[piece.param_index][element] += 1
-    assert all(count == 1 for counts in owned.values() for count in counts)
-    for bucket in layout.buckets:
-        assert bucket.padded_numel % (layout.world_size * layout.alignment) == 0
-        if bucket.whole:  # each parameter in one shard; each shard as full as its chunk, plus alignment
-            slots = [layout.slots[i] for i in bucket.param_indices]
-            assert all(s.offset // bucket.shard_numel == (s.end - 1) // bucket.shard_numel for s in slots if s.numel)
-            fill = [sum(s.numel for s in slots if s.numel and s.offset // bucket.shard_numel == r)
-                    for r in range(layout.world_size)]
-            assert bucket.shard_numel - max(fill) < layout.alignment or bucket.numel == 0
-            assert len({specs[i].group_index for i in bucket.param_indices}) == 1
-            continue
-        # the padding is less than one alignment unit per rank (a bucket of empty parameters still gets one)
-        assert bucket.padded_numel - bucket.numel <= layout.world_size * layout.alignment
-        assert bucket.padded_numel - bucket.numel < layout.world_size * layout.alignment or bucket.numel == 0
-        assert len({specs[i].group_index for i in bucket.param_indices}) == 1
-        assert len({specs[i].dtype for i in bucket.param_indices}) == 1
-        offsets = [layout.slots[i].offset for i in bucket.param_indices]
-        assert offsets == sorted(offsets) and offsets[0] == 0
-    assert layout.numel == sum(s.numel for s in specs)
 
 
 def test_reverse_order_and_bucket_cap():
@@ -60,7 +28,7 @@ def test_more_ranks_than_elements():
     specs = _specs([1, 2])
     layout = build_layout(specs, world_size=8, bucket_numel=100, alignment=1)
     assert layout.buckets[0].padded_numel == 8 and layout.buckets[0].shard_numel == 1
-    _check_invariants(specs, layout)
+    check_layout_invariants(specs, layout)
     assert layout.pieces(5) == []  # ranks past the data own only padding
 
 
@@ -78,7 +46,7 @@ def test_random_layouts_keep_invariants(seed):
                        rng.choice([0, 1, 3, rng.randrange(1, 5000)])) for group in groups]
     layout = build_layout(specs, world_size=rng.randrange(1, 9), bucket_numel=rng.choice([1, 64, 1000, 10 ** 6]),
                           alignment=rng.choice([1, 4, 8]))
-    _check_invariants(specs, layout)
+    check_layout_invariants(specs, layout)
 
 
 def test_bad_arguments():

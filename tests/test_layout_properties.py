@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_layout import _check_invariants
+from layout_checks import check_layout_invariants
 from zeroimpl.buffers import flatten_params
 from zeroimpl.layout import ParamSpec, ShardLayout, build_layout
 
@@ -37,7 +37,7 @@ def test_every_element_is_owned_exactly_once_and_shards_are_balanced(drawn, layo
     world_size, bucket_numel, alignment = layout_settings
     specs = _specs(drawn)
     layout = build_layout(specs, world_size, bucket_numel, alignment)
-    _check_invariants(specs, layout)
+    check_layout_invariants(specs, layout)
     for bucket in layout.buckets:
         ranges = [bucket.shard_range(rank) for rank in range(world_size)]
         assert all(end - start == bucket.shard_numel for start, end in ranges)  # equal slots per rank

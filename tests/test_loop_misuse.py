@@ -6,16 +6,15 @@ Each case builds its own model and optimizer; the 2-rank cases run in one launch
 """
 
 import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed import run_distributed
+from distributed import case_result, run_cases, run_distributed
+from workloads import SmallNet, small_batch
 from zeroimpl.integrations.collectives import CollectiveCounter, summarize
-from test_training_loops import Net, _batch
 from zeroimpl import ShardedOptimizer, broadcast_buffers
 
 
@@ -34,16 +33,16 @@ def _error_of(action) -> str:
 def _changed_model(stage, change, when="after a step"):
     """Train one step, change the model as the user would, train on: the error, and whether the parameters
     moved before it was raised."""
-    model = Net()
+    model = SmallNet()
     optimizer = _optimizer(model, stage)
-    model(_batch(0, 0)).backward()
+    model(small_batch(0, 0)).backward()
     optimizer.step()
     optimizer.zero_grad()
     change(model)
     before = [p.detach().clone() for p in model.parameters()]
 
     def train_on():
-        model(_batch(0, 1).to(model.head.weight.dtype)).backward()
+        model(small_batch(0, 1).to(model.head.weight.dtype)).backward()
         optimizer.step()
 
     message = _error_of(train_on)
@@ -52,13 +51,13 @@ def _changed_model(stage, change, when="after a step"):
 
 
 def _unfreeze_later(stage):
-    model = Net()
+    model = SmallNet()
     model.aux_head.requires_grad_(False)
     optimizer = _optimizer(model, stage)
-    model(_batch(0, 0), use_aux=True).backward()
+    model(small_batch(0, 0), use_aux=True).backward()
     optimizer.step()
     model.aux_head.requires_grad_(True)
-    model(_batch(0, 1), use_aux=True).backward()
+    model(small_batch(0, 1), use_aux=True).backward()
     return _error_of(optimizer.step)
 
 
@@ -79,11 +78,11 @@ def _compiled_autograd(stage):
     runs it; entered here the way torch's own tests do)."""
     from torch._dynamo import compiled_autograd
 
-    model = Net()
+    model = SmallNet()
     optimizer = _optimizer(model, stage)
     try:
         with compiled_autograd._enable(torch.compile(backend="eager")):
-            return _error_of(lambda: (model(_batch(0, 0)).backward(), optimizer.step()))
+            return _error_of(lambda: (model(small_batch(0, 0)).backward(), optimizer.step()))
     finally:
         torch._dynamo.reset()
 
@@ -105,7 +104,7 @@ class _FailOnce(torch.autograd.Function):
         return grad
 
 
-class _FailingNet(Net):
+class _FailingNet(SmallNet):
     def forward(self, x, **kwargs):
         h = _FailOnce.apply(torch.tanh(self.embed(x)))  # backward fails after the body and head hooks ran
         for layer in self.body:
@@ -126,10 +125,10 @@ def _retried_backward(rank, world_size, stage):
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         _FailOnce.failures_left = 1
         try:
-            model(_batch(rank, 0)).backward()
+            model(small_batch(rank, 0)).backward()
         except RuntimeError as error:
             assert "simulated failure" in str(error)
-        model(_batch(rank, 0)).backward()
+        model(small_batch(rank, 0)).backward()
         if implementation == "torch":
             for p in (p for p in model.parameters() if p.grad is not None):  # aux_head: unused
                 dist.all_reduce(p.grad)
@@ -143,10 +142,10 @@ def _reduce_scatters_per_backward(stage, checkpointing):
     os.environ["ZEROIMPL_COLLECTIVES"] = "native"
     counter = CollectiveCounter().install()
     try:
-        model = Net()
+        model = SmallNet()
         optimizer = _optimizer(model, stage)
         counter.take()
-        model(_batch(0, 0), checkpointing=checkpointing).backward()
+        model(small_batch(0, 0), checkpointing=checkpointing).backward()
         calls = summarize(counter.take()).get("reduce_scatter_single", (0, 0, set()))[0]
         optimizer.step()
         return calls, len(optimizer.layout.buckets)
@@ -181,7 +180,7 @@ def _buffers(rank, mode):
         elif mode == "trainer":
             forward = ShardedModule(model)
     for step in range(3):
-        forward(_batch(rank, step) * (1 + rank)).backward()
+        forward(small_batch(rank, step) * (1 + rank)).backward()
         optimizer.step()
         optimizer.zero_grad()
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
@@ -190,27 +189,27 @@ def _buffers(rank, mode):
 def _verify(rank, stage):
     """verify_every=2: a rank-dependent edit of a frozen parameter after step 1 is caught at step 2; an edit
     of a trainable parameter is caught by an explicit verify_ranks_agree(). Normal training never trips."""
-    model = Net()
+    model = SmallNet()
     model.aux_head.requires_grad_(False)
     optimizer = ShardedOptimizer(model.named_parameters(), torch.optim.AdamW, stage=stage, bucket_numel=200,
                                  lr=1e-3, verify_every=2)
     for step in range(4):
-        model(_batch(rank, step)).backward()
+        model(small_batch(rank, step)).backward()
         optimizer.step()
         optimizer.zero_grad()
     clean = "no error"
-    model(_batch(rank, 4)).backward()
+    model(small_batch(rank, 4)).backward()
     optimizer.step()  # step 5: not checked
     with torch.no_grad():
         if rank == 1:
             model.aux_head.bias[0] += 1e-3
-    model(_batch(rank, 5)).backward()
+    model(small_batch(rank, 5)).backward()
     frozen_edit = _error_of(optimizer.step)  # step 6: checked
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.step()  # the failed check left a finished step: no gradient is left to apply again
     consumed = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with torch.no_grad():
-        model.aux_head.bias.copy_(Net().aux_head.bias)
+        model.aux_head.bias.copy_(SmallNet().aux_head.bias)
         if rank == 1:
             model.body[2].weight[3, 3] += 1e-3
     trainable_edit = _error_of(optimizer.verify_ranks_agree)
@@ -220,11 +219,11 @@ def _verify(rank, stage):
 def _local_gradient_edited_in_stage1():
     """A local gradient kept from a hook of the user's and scaled after backward: stage 1 averages at the step,
     so the edit would act on this rank's gradient alone (``.grad`` itself is the averaged view after backward)."""
-    model = Net()
+    model = SmallNet()
     optimizer = _optimizer(model, 1)
     kept = []
     model.body[0].weight.register_post_accumulate_grad_hook(lambda p: kept.append(p.grad))
-    model(_batch(0, 0)).backward()
+    model(small_batch(0, 0)).backward()
     kept[0].mul_(0.5)
     before = [p.detach().clone() for p in model.parameters()]
     message = _error_of(optimizer.step)
@@ -234,19 +233,19 @@ def _local_gradient_edited_in_stage1():
 def _rebuild_after_delete():
     """The recovery the unfreezing error names: delete the optimizer, build another; and a second optimizer
     over the same parameters is refused without breaking the first."""
-    model = Net()
+    model = SmallNet()
     optimizer = _optimizer(model, 2)
     refused = _error_of(lambda: _optimizer(model, 2))
-    model(_batch(0, 0)).backward()
+    model(small_batch(0, 0)).backward()
     optimizer.step()  # the first optimizer still trains the model
-    first_still_trains = not torch.equal(model.body[0].weight, Net().body[0].weight)
+    first_still_trains = not torch.equal(model.body[0].weight, SmallNet().body[0].weight)
     del optimizer
     rebuilt = _error_of(lambda: _optimizer(model, 2))
     return refused, first_still_trains, rebuilt
 
 
 def _old_state_dict():
-    model = Net()
+    model = SmallNet()
     optimizer = _optimizer(model, 2)
     state = optimizer.state_dict()
     state["format"] = "zeroimpl.sharded_optimizer/1"
@@ -257,10 +256,10 @@ def _scalar_parameter_from_torch(tmp):
     """A 0-dim parameter (a learnable temperature): Adam's `step` and `exp_avg` have its shape."""
     from zeroimpl.checkpoint import load_torch_optimizer_state, save_checkpoint
 
-    model = Net()
+    model = SmallNet()
     model.temperature = torch.nn.Parameter(torch.tensor(1.0))
     plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    (model(_batch(0, 0)) * model.temperature).backward()
+    (model(small_batch(0, 0)) * model.temperature).backward()
     plain.step()
     optimizer = _optimizer(model, 2)
     load_torch_optimizer_state(optimizer, plain.state_dict())
@@ -275,7 +274,7 @@ def _two_ranks(rank, world_size, shared_directory):
         cases[("param.data", stage)] = lambda stage=stage: _changed_model(
             stage, lambda m: setattr(m.head.weight, "data", torch.zeros_like(m.head.weight)))
         cases[("assign", stage)] = lambda stage=stage: _changed_model(
-            stage, lambda m: m.load_state_dict(Net().state_dict(), assign=True))
+            stage, lambda m: m.load_state_dict(SmallNet().state_dict(), assign=True))
         cases[("unfreeze", stage)] = lambda stage=stage: _unfreeze_later(stage)
         cases[("resize", stage)] = lambda stage=stage: _resize_embeddings(stage)
         cases[("compiled", stage)] = lambda stage=stage: _compiled_autograd(stage)
@@ -290,24 +289,7 @@ def _two_ranks(rank, world_size, shared_directory):
     cases["scalar parameter"] = lambda: _scalar_parameter_from_torch(os.path.join(shared_directory, "scalar"))
     for mode in ("ddp", "broadcast", "trainer", "none"):
         cases[("buffers", mode)] = lambda mode=mode: _buffers(rank, mode)
-    results = {}
-    for key, case in cases.items():  # one case failing unexpectedly must not hide the others
-        try:
-            results[key] = case()
-        except Exception:
-            results[key] = _Crashed(traceback.format_exc())
-    return results
-
-
-class _Crashed(str):
-    """A case that raised where the test expected a result: its traceback."""
-
-
-def _result(results, key):
-    found = results[key]
-    if isinstance(found, _Crashed):
-        pytest.fail(f"{key} raised unexpectedly:\n{found}")
-    return found
+    return run_cases(cases)  # one case failing unexpectedly must not hide the others
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +304,7 @@ STAGES = (1, 2)
 @pytest.mark.parametrize("change", ["double", "half", "param.data"])
 def test_converting_the_model_after_building_raises_before_any_update(two_ranks, change, stage):
     for results in two_ranks:
-        message, unchanged = _result(results, (change, stage))
+        message, unchanged = case_result(results, (change, stage))
         assert message.startswith("RuntimeError") and "no longer live in the optimizer's flat buffers" in message
         assert "build the optimizer" in message and unchanged
 
@@ -330,7 +312,7 @@ def test_converting_the_model_after_building_raises_before_any_update(two_ranks,
 @pytest.mark.parametrize("stage", STAGES)
 def test_replacing_parameters_raises(two_ranks, stage):
     for results in two_ranks:
-        message, unchanged = _result(results, ("assign", stage))
+        message, unchanged = case_result(results, ("assign", stage))
         assert message.startswith("RuntimeError") and "replaced parameters" in message and "assign=True" in message
         assert unchanged
 
@@ -338,20 +320,20 @@ def test_replacing_parameters_raises(two_ranks, stage):
 @pytest.mark.parametrize("stage", STAGES)
 def test_resizing_token_embeddings_raises(two_ranks, stage):
     for results in two_ranks:
-        assert "no longer live in the optimizer's flat buffers" in _result(results, ("resize", stage))
+        assert "no longer live in the optimizer's flat buffers" in case_result(results, ("resize", stage))
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_unfreezing_a_parameter_frozen_at_construction_raises(two_ranks, stage):
     for results in two_ranks:
-        message = _result(results, ("unfreeze", stage))
+        message = case_result(results, ("unfreeze", stage))
         assert message.startswith("RuntimeError") and "frozen (requires_grad=False) when the" in message
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_compiled_autograd_is_refused_clearly(two_ranks, stage):
     for results in two_ranks:
-        message = _result(results, ("compiled", stage))
+        message = case_result(results, ("compiled", stage))
         assert "does not support compiled autograd" in message, message
 
 
@@ -359,7 +341,7 @@ def test_compiled_autograd_is_refused_clearly(two_ranks, stage):
 def test_a_failed_backward_retried_without_zero_grad_trains_as_torch(two_ranks, stage):
     """SGD, one step: the same sums in another order, so 1e-6 (the defect: a misleading error)."""
     for results in two_ranks:
-        ours, reference = _result(results, ("retried", stage))
+        ours, reference = case_result(results, ("retried", stage))
         assert max((a - b).abs().max().item() for a, b in zip(ours, reference)) < 1e-6
 
 
@@ -367,24 +349,24 @@ def test_a_failed_backward_retried_without_zero_grad_trains_as_torch(two_ranks, 
 @pytest.mark.parametrize("stage", STAGES)
 def test_checkpointing_reduces_each_bucket_once_per_backward(two_ranks, stage, checkpointing):
     for results in two_ranks:
-        calls, buckets = _result(results, ("reduce-scatters", stage, checkpointing))
-        plain, _ = _result(results, ("reduce-scatters", stage, None))
+        calls, buckets = case_result(results, ("reduce-scatters", stage, checkpointing))
+        plain, _ = case_result(results, ("reduce-scatters", stage, None))
         assert calls == plain == (buckets if stage == 2 else 0)
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "trainer"])
 def test_broadcast_buffers_keeps_ranks_identical_as_ddp_does(two_ranks, mode):
     for results in two_ranks:
-        ddp, ours = _result(results, ("buffers", "ddp")), _result(results, ("buffers", mode))
+        ddp, ours = case_result(results, ("buffers", "ddp")), case_result(results, ("buffers", mode))
         assert all(torch.equal(ddp[name], ours[name]) for name in ddp)
-    without = [_result(results, ("buffers", "none"))["norm.running_mean"] for results in two_ranks]
+    without = [case_result(results, ("buffers", "none"))["norm.running_mean"] for results in two_ranks]
     assert not torch.equal(*without)  # without it, each rank keeps its own statistics
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_verify_every_catches_ranks_that_diverge(two_ranks, stage):
     for results in two_ranks:
-        clean, frozen_edit, trainable_edit, consumed = _result(results, ("verify", stage))
+        clean, frozen_edit, trainable_edit, consumed = case_result(results, ("verify", stage))
         assert clean == "no error" and consumed
         assert frozen_edit.startswith("DivergenceError") and "after step 6" in frozen_edit
         assert "'aux_head.bias' (shape (4,))" in frozen_edit
@@ -394,15 +376,15 @@ def test_verify_every_catches_ranks_that_diverge(two_ranks, stage):
 def _bf16_gradient_at_three_ranks(rank, world_size):
     """One SGD(lr=1) step on a bf16 model: the fp32 master moves by exactly the averaged gradient's rounding
     of the exact fp32 mean of the ranks' bf16 gradients."""
-    model = Net().to(torch.bfloat16)
+    model = SmallNet().to(torch.bfloat16)
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=2, bucket_numel=200, lr=1.0)
     before = [m.clone() for m in optimizer.state_dict()["master_weights"]]
-    reference = Net().to(torch.bfloat16)
-    reference(_batch(rank, 0).bfloat16(), use_aux=True).float().backward()
+    reference = SmallNet().to(torch.bfloat16)
+    reference(small_batch(rank, 0).bfloat16(), use_aux=True).float().backward()
     grads = [p.grad.double() for p in reference.parameters()]
     for grad in grads:
         dist.all_reduce(grad)
-    model(_batch(rank, 0).bfloat16(), use_aux=True).float().backward()
+    model(small_batch(rank, 0).bfloat16(), use_aux=True).float().backward()
     optimizer.step()
     after = optimizer.state_dict()["master_weights"]
     mean = {i: (g / world_size).float().reshape(-1) for i, g in enumerate(grads)}
@@ -427,24 +409,24 @@ def test_16bit_gradients_average_in_fp32_at_a_world_size_that_is_not_a_power_of_
 
 def test_a_local_gradient_edited_in_stage1_raises_before_any_update(two_ranks):
     for results in two_ranks:
-        message, unchanged = _result(results, ("local edit", 1))
+        message, unchanged = case_result(results, ("local edit", 1))
         assert message.startswith("RuntimeError") and "modified in place between backward and step" in message
         assert "param.grad after backward" in message and unchanged
 
 
 def test_a_deleted_optimizer_can_be_replaced_and_a_refused_one_breaks_nothing(two_ranks):
     for results in two_ranks:
-        refused, first_still_trains, rebuilt = _result(results, "rebuild")
+        refused, first_still_trains, rebuilt = case_result(results, "rebuild")
         assert "already managed by another ShardedOptimizer" in refused
         assert first_still_trains and rebuilt == "no error"
 
 
 def test_an_old_format_state_dict_is_refused_clearly(two_ranks):
     for results in two_ranks:
-        message = _result(results, "old state dict")
+        message = case_result(results, "old state dict")
         assert message.startswith("ValueError") and "older zeroimpl" in message
 
 
 def test_a_scalar_parameter_converts_from_torch_and_saves(two_ranks):
     for results in two_ranks:
-        assert _result(results, "scalar parameter") == "no error"
+        assert case_result(results, "scalar parameter") == "no error"

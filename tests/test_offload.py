@@ -13,10 +13,12 @@ tolerance KERNEL_ATOL = 1e-4 (Adam turns a last-bit difference in a near-zero gr
 in bf16 the kernels are not compared (a last-bit master difference can flip a rounding of the weights).
 """
 
+from functools import partial
+
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import case_results, run_cases, run_distributed
 from workloads import RunConfig, batch, bitwise_equal, build_model, max_param_diff, param_groups, train
 from zeroimpl import CPUOffload, ShardedOptimizer
 
@@ -53,15 +55,16 @@ def _assert_parity(results, dtype):
 
 @pytest.fixture(scope="module")
 def world_size_2():
-    """Every check at world size 2 in one launch of 2 ranks (``_world_size_2`` at the end of this file); each
-    configuration builds its own model and optimizer."""
+    """Every check at world size 2 in one launch of 2 ranks (``_world_size_2`` at the end of this file), one
+    case per test (``run_cases``: a case that raises fails its own test only); each configuration builds its
+    own model and optimizer."""
     return run_distributed(2, _world_size_2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_offload_matches_no_offload_at_world_size_2(world_size_2, dtype):
-    for rank_results in world_size_2:
-        _assert_parity(rank_results["parity"], dtype)
+    for rank_results in case_results(world_size_2, ("parity", dtype)):
+        _assert_parity(rank_results, dtype)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -157,7 +160,7 @@ def test_offload_steps_bucket_by_bucket_each_gathered_before_the_next_steps(worl
     """The host step runs per bucket, and each bucket's all-gather is queued before the next bucket steps:
     the next host step overlaps the copy and the all-gather (a bucket whose pieces on this rank are all
     padding has no step)."""
-    for events, buckets in (by_rank["pipeline"] for by_rank in world_size_2):
+    for events, buckets in case_results(world_size_2, "pipeline"):
         assert events.count("gather") == buckets and events.count("step") > 1
         assert all(b == "gather" for a, b in zip(events, events[1:]) if a == "step")  # its own bucket's
         last_step = len(events) - 1 - events[::-1].index("step")
@@ -165,18 +168,18 @@ def test_offload_steps_bucket_by_bucket_each_gathered_before_the_next_steps(worl
 
 
 def test_staging_buffers_of_each_dtype_take_turns(world_size_2):
-    for same, buffers, all_used in (by_rank["mixed_dtypes"] for by_rank in world_size_2):
+    for same, buffers, all_used in case_results(world_size_2, "mixed_dtypes"):
         assert same and buffers == 4 and all_used
 
 
 def test_host_buffers_share_one_exact_arena(world_size_2):
     """One allocation (page-locked on CUDA) holds them all, and it is exactly what memory_report counts."""
-    for arena_bytes, reported, inside, staging in (by_rank["host_arena"] for by_rank in world_size_2):
+    for arena_bytes, reported, inside, staging in case_results(world_size_2, "host_arena"):
         assert arena_bytes == reported > 0 and inside and staging == 2
 
 
 def test_accumulating_sums_on_the_device_and_crosses_once(world_size_2):
-    for seen, shard_numel in (by_rank["hint_memory"] for by_rank in world_size_2):
+    for seen, shard_numel in case_results(world_size_2, "hint_memory"):
         assert seen == [4 * shard_numel, 4 * shard_numel, 0]
 
 
@@ -224,7 +227,7 @@ def test_host_syncs_per_step_do_not_grow_with_buckets(world_size_2, dtype):
     """One host sync in clip + step, the step's agreed checks (NaN/Inf, backward counts), with 2 or 20+
     buckets."""
     expected = ["tolist"]
-    for (few, few_buckets), (many, many_buckets) in (by_rank["host_syncs"][dtype] for by_rank in world_size_2):
+    for (few, few_buckets), (many, many_buckets) in case_results(world_size_2, ("host_syncs", dtype)):
         assert few_buckets == 2 and many_buckets >= 20  # one bucket per param group; one per parameter
         assert few == many == [expected, expected]
 
@@ -250,7 +253,7 @@ EDITED_CASES = [(torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.bfloat16
 
 @pytest.mark.parametrize("dtype,offload", EDITED_CASES)
 def test_parameters_edited_outside_the_optimizer_are_kept(world_size_2, dtype, offload):
-    assert [by_rank["edited"][(dtype, offload)] for by_rank in world_size_2] == [True, True]
+    assert case_results(world_size_2, ("edited", dtype, offload)) == [True, True]
 
 
 def _any_optimizer(rank, world_size, optimizer_name):
@@ -275,7 +278,7 @@ OTHER_OPTIMIZERS = ["rmsprop", "adagrad", "nadam"]
 
 @pytest.mark.parametrize("optimizer_name", OTHER_OPTIMIZERS)
 def test_offload_with_other_optimizers_is_bitwise(world_size_2, optimizer_name):
-    assert [by_rank["other_optimizers"][optimizer_name] for by_rank in world_size_2] == [True, True]
+    assert case_results(world_size_2, ("other_optimizers", optimizer_name)) == [True, True]
 
 
 def _edits_before_save_and_per_parameter(rank, world_size):
@@ -308,7 +311,7 @@ def _edits_before_save_and_per_parameter(rank, world_size):
 
 
 def test_outside_edits_reach_saved_state_and_resync_only_the_edited_parameter(world_size_2):
-    results = [by_rank["outside_edits"] for by_rank in world_size_2]
+    results = case_results(world_size_2, "outside_edits")
     assert all(before_save and only_the_edit for before_save, only_the_edit, _ in results)
     assert sum(count for _, _, count in results) > 0  # the edit did change some master elements
 
@@ -333,20 +336,24 @@ def _zero_grad_keep(rank, world_size):
 
 
 def test_zero_grad_without_none_neither_steps_nor_blocks(world_size_2):
-    for unchanged, waits, buckets in (by_rank["zero_grad_keep"] for by_rank in world_size_2):
+    for unchanged, waits, buckets in case_results(world_size_2, "zero_grad_keep"):
         assert unchanged and waits == 0 and buckets > 2
 
 
 def _world_size_2(rank, world_size):
-    # the host-sync count first, while the processes are fresh (nothing can have been initialised already)
-    return {"host_syncs": {dtype: _host_syncs_few_and_many_buckets(rank, world_size, dtype)
-                           for dtype in HOST_SYNC_DTYPES},
-            "parity": _parity_runs(rank, world_size, (torch.float32, torch.bfloat16)),
-            "hint_memory": _hint_memory(rank, world_size),
-            "host_arena": _host_arena(rank, world_size),
-            "mixed_dtypes": _mixed_dtypes(rank, world_size),
-            "pipeline": _pipeline_order(rank, world_size),
-            "edited": {case: _edited_params(rank, world_size, *case) for case in EDITED_CASES},
-            "other_optimizers": {name: _any_optimizer(rank, world_size, name) for name in OTHER_OPTIMIZERS},
-            "outside_edits": _edits_before_save_and_per_parameter(rank, world_size),
-            "zero_grad_keep": _zero_grad_keep(rank, world_size)}
+    # the host-sync counts first, while the processes are fresh (nothing can have been initialised already)
+    cases = {("host_syncs", dtype): partial(_host_syncs_few_and_many_buckets, rank, world_size, dtype)
+             for dtype in HOST_SYNC_DTYPES}
+    for dtype in (torch.float32, torch.bfloat16):
+        cases[("parity", dtype)] = partial(_parity_runs, rank, world_size, (dtype,))
+    cases.update({"hint_memory": partial(_hint_memory, rank, world_size),
+                  "host_arena": partial(_host_arena, rank, world_size),
+                  "mixed_dtypes": partial(_mixed_dtypes, rank, world_size),
+                  "pipeline": partial(_pipeline_order, rank, world_size)})
+    for case in EDITED_CASES:
+        cases[("edited", *case)] = partial(_edited_params, rank, world_size, *case)
+    for name in OTHER_OPTIMIZERS:
+        cases[("other_optimizers", name)] = partial(_any_optimizer, rank, world_size, name)
+    cases["outside_edits"] = partial(_edits_before_save_and_per_parameter, rank, world_size)
+    cases["zero_grad_keep"] = partial(_zero_grad_keep, rank, world_size)
+    return run_cases(cases)

@@ -17,48 +17,14 @@ import contextlib
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 
 from distributed import run_distributed
+from workloads import SmallNet, small_batch
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
 
 STEPS = 5
 CONFIGS = {"stage1": (1, None), "stage2": (2, None), "stage1-offload": (1, CPUOffload(fused_step=False)),
            "stage2-offload": (2, CPUOffload(fused_step=False))}
-
-
-class Net(torch.nn.Module):
-    """Four layers, a head and an auxiliary head that only some idioms use (an unused task head, an expert
-    that got no tokens)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Linear(8, 16)
-        self.body = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
-        self.head = torch.nn.Linear(16, 4)
-        self.aux_head = torch.nn.Linear(16, 4)
-
-    def forward(self, x, use_aux=False, checkpointing=None):
-        h = torch.tanh(self.embed(x))
-        for layer in self.body:
-            if checkpointing is None:
-                h = torch.tanh(layer(h))
-            else:
-                h = checkpoint(lambda t, layer=layer: torch.tanh(layer(t)), h,
-                               use_reentrant=checkpointing == "reentrant")
-        if checkpointing is None:
-            out = self.head(h)
-        else:  # the first gradients of backward come from inside a checkpointed segment
-            out = checkpoint(self.head, h, use_reentrant=checkpointing == "reentrant")
-        if use_aux:
-            out = out + self.aux_head(h)
-        return (out - 0.5).square().mean()
-
-
-def _batch(rank, step, micro=0):
-    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randn(4, 8, generator=generator)
 
 
 # Each idiom: (loop options) -- how the user's loop zeroes gradients, accumulates, uses the aux head, ...
@@ -85,7 +51,7 @@ IDIOMS = {
 
 def _train(rank, options, config):
     """Run the idiom's loop; ``config`` None is the DDP reference. Returns the final parameters."""
-    model = Net()
+    model = SmallNet()
     groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
     if config is None:
@@ -116,7 +82,7 @@ def _train(rank, options, config):
             last = micro == accum - 1
             sync = forward.no_sync() if config is None and not last else contextlib.nullcontext()
             with sync:
-                loss = forward(_batch(rank, step, micro), use_aux=aux(rank, step), checkpointing=checkpointing)
+                loss = forward(small_batch(rank, step, micro), use_aux=aux(rank, step), checkpointing=checkpointing)
                 (loss / accum).backward()
         if "drop_grad_of" in options:  # leave one parameter out of this step, as torch allows
             model.get_parameter(options["drop_grad_of"]).grad = None
@@ -134,11 +100,11 @@ def _train(rank, options, config):
 
 def _fp16(rank, zero, stage):
     """An fp16 model with dynamic loss scaling, zeroing with ``opt.zero_grad()`` or ``model.zero_grad()``."""
-    model = Net().half()
+    model = SmallNet().half()
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bucket_numel=200, lr=1e-3,
                                  loss_scale=LossScaleConfig(initial_scale=2 ** 8))  # no overflow: every step applies
     for step in range(STEPS):
-        optimizer.backward(model(_batch(rank, step).half()).float())
+        optimizer.backward(model(small_batch(rank, step).half()).float())
         optimizer.step()
         (optimizer if zero == "opt" else model).zero_grad()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -181,7 +147,7 @@ def test_model_zero_grad_with_fp16_loss_scaling_trains_as_opt_zero_grad(trained,
     for by_idiom in trained:
         ours, reference = by_idiom["fp16"][("model", stage)], by_idiom["fp16"][("opt", stage)]
         assert all(torch.equal(ours[n], reference[n]) for n in reference)
-        initial = Net().half().state_dict()
+        initial = SmallNet().half().state_dict()
         assert not any(torch.equal(initial[n], reference[n]) for n in reference if "aux" not in n)  # steps applied
 
 
@@ -189,7 +155,7 @@ def test_the_reference_sees_what_each_idiom_changes(trained):
     """The idioms are not vacuous: unused heads stay put, frozen layers stop, and the accumulation and
     zero_grad variants train differently from one another where torch says they must."""
     for by_idiom in trained:
-        initial = {n: p.detach() for n, p in Net().named_parameters()}
+        initial = {n: p.detach() for n, p in SmallNet().named_parameters()}
         unused = by_idiom["a head unused on every rank"][None]
         assert torch.equal(unused["aux_head.weight"], initial["aux_head.weight"])
         assert not torch.equal(by_idiom["a head used in some steps only"][None]["aux_head.weight"],
