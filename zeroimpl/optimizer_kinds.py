@@ -4,7 +4,11 @@
   AdamW, SGD, ...): every bucket is cut into equal chunks wherever the element boundaries fall.
 * **whole** -- optimizers that need a whole parameter (Muon's Newton-Schulz orthogonalisation of a matrix,
   Adafactor's factored second moments, and any class the user marks as per-parameter, e.g. Shampoo or SOAP):
-  each parameter belongs to exactly one rank, which steps it as the plain optimizer would.
+  each parameter belongs to exactly one rank, which steps it as the plain optimizer would. The low-bit
+  optimizers of bitsandbytes and torchao are recognised without flags and sharded whole too: they quantize
+  their state in blocks counted from a parameter's first element and choose 8-bit or fp32 state by the
+  parameter's size, so a flat shard boundary inside a block (or a piece smaller than the size threshold)
+  would step differently from the unsharded optimizer. Whole parameters step bitwise as it does.
 * refused -- optimizers that need more than one parameter at a time (LBFGS's closure over the whole model)
   or sparse gradients (SparseAdam), which reduce-scatter cannot give.
 """
@@ -26,6 +30,9 @@ ELEMENTWISE_OPTIMIZERS = frozenset({
 # (torch.optim.Adafactor since torch 2.5, torch.optim.Muon since 2.9)
 WHOLE_PARAMETER_OPTIMIZERS = frozenset(cls for cls in (getattr(torch.optim, "Muon", None),
                                                        getattr(torch.optim, "Adafactor", None)) if cls is not None)
+# packages whose optimizers quantize state blockwise (recognised by module, without importing them: the core
+# depends on torch alone)
+BLOCKWISE_PACKAGES = ("bitsandbytes.", "torchao.")
 REFUSED_OPTIMIZERS = {
     torch.optim.LBFGS: "its step re-evaluates a closure over the whole model and keeps a history of flattened "
                        "whole-model vectors, so no rank can step a shard of it",
@@ -56,12 +63,25 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
                          "use an optimizer that steps each parameter on its own (AdamW, SGD, Muon, Adafactor, ...)")
     if optimizer_class in per_parameter or optimizer_class in WHOLE_PARAMETER_OPTIMIZERS:
         return "whole"
+    if is_blockwise(optimizer_class):
+        if assume_elementwise:
+            raise ValueError(f"{optimizer_class.__name__} quantizes its state in blocks counted from each parameter's "
+                             "first element, so flat shards would cut blocks and train differently from the unsharded "
+                             "optimizer: leave assume_elementwise off (zeroimpl shards it by whole parameters, exactly)")
+        return "whole"
     if optimizer_class in ELEMENTWISE_OPTIMIZERS or assume_elementwise:
         return "flat"
     raise ValueError(f"zeroimpl cannot tell how to shard {optimizer_class.__name__}. If it updates every element "
-                     "from that element's parameter, gradient and state only, pass assume_elementwise=True (flat "
-                     f"shards); if it needs whole parameters (matrix or factored state, as Shampoo or SOAP), pass "
-                     f"per_parameter=[{optimizer_class.__name__}] (each parameter stepped whole by one rank)")
+                     "from that element's own parameter, gradient and state only, pass assume_elementwise=True (flat "
+                     "shards). Otherwise -- matrix or factored state (Shampoo, SOAP), state quantized in blocks, a "
+                     "per-parameter norm or trust ratio (LAMB, LARS, max_unorm), or when unsure -- pass "
+                     f"per_parameter=[{optimizer_class.__name__}]: each parameter is stepped whole by one rank, exactly "
+                     "as the unsharded optimizer steps it (the safe choice)")
+
+
+def is_blockwise(optimizer_class: type) -> bool:
+    """Whether the class (or a class it derives from) is a bitsandbytes or torchao optimizer."""
+    return any(cls.__module__.startswith(BLOCKWISE_PACKAGES) for cls in optimizer_class.__mro__)
 
 
 def step_work(optimizer_class: type) -> Callable[[tuple], int]:
