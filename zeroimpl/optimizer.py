@@ -155,7 +155,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.nonfinite = nonfinite
         self._skipped_without_scaler = 0
         self._step_state = StepState(loss_scaling=self.loss_scaler is not None)
-        self.uneven = uneven.UnevenInputs(self)
+        self.uneven = uneven.UnevenInputs(self, self.join_device, self.join_process_group)
 
         self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtype,
                                        max_inflight_buckets, self.gradients, self._step_state, self.uneven,

@@ -49,8 +49,9 @@ class UnevenInputs:
     """The check-in of one :class:`~torch.distributed.algorithms.join.Joinable` (held weakly: the optimizer
     owns this object) before each round of its collectives."""
 
-    def __init__(self, joinable: Joinable) -> None:
-        self._joinable = weakref.ref(joinable)
+    def __init__(self, joinable: Joinable, device: torch.device, group) -> None:
+        self._joinable = weakref.ref(joinable)  # only handed to torch's Join (its protocol)
+        self.device, self.group = device, group  # where the flag is all-reduced: the joinable's own
 
     def check_in(self) -> None:
         """Inside an active ``Join``, announce this rank and raise :class:`UnevenInputsError` (on every rank
@@ -61,7 +62,7 @@ class UnevenInputs:
         work = Join.notify_join_context(joinable)
         if work is not None:
             work.wait()
-        joined = torch.zeros(1, device=joinable.join_device)
-        comm.all_reduce_(joined, dist.ReduceOp.SUM, joinable.join_process_group, name="uneven inputs flag")
+        joined = torch.zeros(1, device=self.device)
+        comm.all_reduce_(joined, dist.ReduceOp.SUM, self.group, name="uneven inputs flag")
         if joined.item() > 0:
             raise UnevenInputsError(MESSAGE)
