@@ -71,3 +71,14 @@ def test_the_core_imports_torch_alone():
                 third_party.add(node.module.split(".")[0])
     import sys
     assert third_party - set(sys.stdlib_module_names) == {"torch"}
+
+
+def test_tests_share_helpers_through_helper_modules_not_other_tests():
+    """A test module imports helpers from workloads.py, distributed.py or layout_checks.py, never from another
+    test module (whose fixtures and module-level launches would come along)."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("test_"):
+                offenders.append(f"{path.name} imports {node.module}")
+    assert not offenders, offenders
