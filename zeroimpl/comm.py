@@ -169,14 +169,6 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optiona
     return tensor
 
 
-def same_on_every_rank(values: torch.Tensor, group, timeout: Optional[float] = None,
-                       name: str = "agreement all-reduce") -> torch.Tensor:
-    """Elementwise, whether every rank holds the same ``values`` (1-D): ``max(x) == -max(-x)``, one MAX
-    all-reduce of twice their size. The answer is identical on every rank."""
-    high, negated_low = all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, group, timeout, name).chunk(2)
-    return high == -negated_low
-
-
 def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
     """Every rank's ``value`` (anything picklable), in group-rank order, with the waits bounded by ``timeout``
     as every other collective here (``dist.all_gather_object`` waits up to the process group's timeout, 30
