@@ -38,9 +38,9 @@ Contract: what is load-bearing here, and what guards it.
   mode) once none is: every module's forward in the process pays one dict lookup meanwhile. Guarded by the
   same test (TorchScript, ``torch.compile``, custom ``autograd.Function`` kernels, another thread).
 * :meth:`InFlightGathers.buckets_touched` must see every tensor argument -- positional, in a list or tuple, and
-  keyword (``torch.mul(input=p, other=1.0)``) -- or a read sees stale values. Guarded by
-  ``test_every_read_after_step_sees_the_new_parameters``, ``test_a_users_own_read_or_write_after_step_sees_
-  the_new_parameters`` and ``tests/test_mutation_guards.py::test_a_parameter_passed_by_keyword_right_after_step_sees_the_new_values``.
+  keyword (``torch.mul(input=p, other=1.0)``) -- or a read sees stale values. Guarded by test_overlap.py's
+  ``test_every_read_after_step_sees_the_new_parameters`` and ``test_a_users_own_read_or_write_after_step_...``,
+  and test_mutation_guards.py's ``test_a_parameter_passed_by_keyword_right_after_step_sees_the_new_values``.
 * Results must be bitwise those of ``overlap_param_gather=False``:
   ``test_overlapped_gathers_give_bitwise_the_same_training``. Exit safety: ``tests/test_clean_exit.py``.
 """
