@@ -94,3 +94,49 @@ def test_torchao_low_bit_classes_are_recognised_and_sharded_whole():
         assert sharding_of(cls, (), False) == "whole"
         with pytest.raises(ValueError, match="quantizes its state in blocks"):
             sharding_of(cls, (), True)
+
+
+def _resume(rank, world_size, directory):
+    """AdamW8bit: 2 steps, a checkpoint, then 1 more step (a) after loading it into an optimizer of another
+    bucket size, (b) with plain DDP + AdamW8bit from its consolidated torch state; both bitwise the
+    uninterrupted run of the same kind."""
+    from zeroimpl.checkpoint import consolidated_optimizer_state_dict, load_checkpoint, save_checkpoint
+    cls, kwargs = CLASSES["AdamW8bit"]
+
+    def steps(model, optimizer, forward, first, count):
+        for step in range(first, first + count):
+            x = torch.randn(8, 67, generator=torch.Generator().manual_seed(100 * step + rank))
+            forward(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def sharded(bucket_numel):
+        model = OddNet()
+        return model, ShardedOptimizer(model.parameters(), cls, stage=2, bucket_numel=bucket_numel, **kwargs)
+
+    model, optimizer = sharded(2048)
+    steps(model, optimizer, model, 0, 2)
+    save_checkpoint(directory, optimizer, model)
+    steps(model, optimizer, model, 2, 1)
+    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
+    resumed, again = sharded(8192)
+    load_checkpoint(directory, again, resumed)
+    steps(resumed, again, resumed, 2, 1)
+    plain_model = OddNet()
+    plain = cls(plain_model.parameters(), **kwargs)
+    reference_model = OddNet()
+    reference = cls(reference_model.parameters(), **kwargs)
+    ddp_reference = DistributedDataParallel(reference_model)
+    steps(reference_model, reference, ddp_reference, 0, 2)
+    plain_model.load_state_dict(reference_model.state_dict())  # (the weights are the same: checked below)
+    plain.load_state_dict(consolidated_optimizer_state_dict(directory))
+    steps(plain_model, plain, DistributedDataParallel(plain_model), 2, 1)
+    steps(reference_model, reference, ddp_reference, 2, 1)
+    return (all(torch.equal(p.detach(), uninterrupted[n]) for n, p in resumed.named_parameters()),
+            all(torch.equal(p.detach(), q.detach()) for p, q in zip(plain_model.parameters(), reference_model.parameters())))
+
+
+def test_low_bit_state_checkpoints_reshard_and_export_to_the_plain_optimizer(tmp_path):
+    for resharded, exported in run_distributed(2, _resume, str(tmp_path / "lowbit")):
+        assert resharded, "resumed with another bucket size: not the uninterrupted run"
+        assert exported, "the consolidated torch state, loaded into bitsandbytes' AdamW8bit, trains differently"

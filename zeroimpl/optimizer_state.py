@@ -112,7 +112,10 @@ def install(inner: InnerOptimizers, outer_groups: list[dict], storages: list[Buc
                                                    zip(inner_state["param_groups"], kernels)]}
     inner.load_state_dict(inner_state)  # moves the state to the masters' device and dtype
     for outer, own, saved, kernel in zip(outer_groups, inner.param_groups, hyperparameters, kernels):
+        # the saved outer groups are the newer: they mirror the inner ones after each step, and a scheduler
+        # may have changed them since (its lr goes into the inner group at the next step)
         outer.update({k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS})
+        own.update({k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS | KERNEL_KEYS})
         outer.update(kernel)
         own.update(kernel)
     if masters is not None:

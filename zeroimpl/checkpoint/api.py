@@ -34,7 +34,7 @@ from . import files
 from .files import EXTRAS, INDEX, CheckpointError, rank_file
 from .format import (FORMAT, READABLE_FORMATS, class_name, copy_scalars, describe_groups, file_keys, group_classes,
                      key_offsets, merge_scalars, param_scalars, read_rank, saved_layout, saved_memory_order,
-                     split_state)
+                     split_state, state_dtypes)
 from .reshard import plan
 
 
@@ -72,7 +72,8 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         if topology.replicate_rank == 0:  # the other replicas hold the same shards
             entry = files.write(_rank_payload(optimizer, split), os.path.join(files.partial_path(directory),
                                                                               rank_file(optimizer.rank)))
-            entry = (entry, {piece.param_index: (scalars, None if elementwise is None else sorted(elementwise))
+            entry = (entry, {piece.param_index: (scalars, None if elementwise is None else
+                                                 {key: str(value.dtype) for key, value in elementwise.items()})
                              for piece, _, elementwise, scalars, _ in split})
     except Exception as caught:
         error = caught
@@ -85,8 +86,11 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
             held = [[by_param[i] for _, by_param in entries if i in by_param]
                     for i in range(len(optimizer.trainable_params))]
             scalars = [merge_scalars([found for found, _ in pieces]) for pieces in held]
-            keys = [_same_keys([found for _, found in pieces]) for pieces in held]
-            files.write(_index(optimizer, model, listing, keys, scalars), os.path.join(partial, INDEX))
+            keys = [_same_keys([None if found is None else sorted(found) for _, found in pieces]) for pieces in held]
+            # a key's arrays concatenate every piece's, promoted to a common dtype (bitsandbytes keeps uint8 state
+            # for large parameters, fp32 for small ones under the same key): each parameter's own dtypes
+            dtypes = [next((found for _, found in pieces if found is not None), None) for pieces in held]
+            files.write(_index(optimizer, model, listing, keys, scalars, dtypes), os.path.join(partial, INDEX))
             files.publish(directory)
     except Exception as caught:
         error = caught
@@ -139,11 +143,12 @@ def _model_extras(optimizer: ShardedOptimizer, model: torch.nn.Module) -> dict:
 
 
 def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, keys: list[Optional[list[str]]],
-           param_scalars: list[Optional[dict]]) -> dict:
+           param_scalars: list[Optional[dict]], dtypes: list[Optional[dict]]) -> dict:
     names = _param_names(optimizer, model)
     return {
         "format": FORMAT,
         "param_state_keys": keys,
+        "param_state_dtypes": dtypes,
         "world_size": optimizer.world_size,
         "stage": optimizer.stage,
         "offload": optimizer.offload is not None,
@@ -241,7 +246,7 @@ def _check_extras(extras: dict, model: torch.nn.Module) -> None:
 def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
     """Read this rank's new shard: (masters per bucket, the inner state per piece, hyperparameters)."""
     saved = saved_layout(index)
-    scalars, keys_of = param_scalars(index, saved), file_keys(index, saved)
+    scalars, keys_of, dtypes_of = param_scalars(index, saved), file_keys(index, saved), state_dtypes(index)
     masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in optimizer.storages]
     targets = optimizer.piece_states()
     arrays: list[dict[str, torch.Tensor]] = [{} for _ in targets]  # per new piece: per-element state by key
@@ -259,7 +264,8 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
             for key in keys_of[piece.param_index]:
                 start = offsets[key][c.source_piece] + c.piece_offset
                 values = payload["state"][key]
-                array = arrays[c.target_piece].setdefault(key, torch.zeros(piece.length, dtype=values.dtype))
+                dtype = dtypes_of[piece.param_index].get(key, values.dtype)
+                array = arrays[c.target_piece].setdefault(key, torch.zeros(piece.length, dtype=dtype))
                 array[c.target_piece_offset:c.target_piece_offset + c.length] = values[start:start + c.length]
             found = payload["whole_state"].get(piece.param_index)
             if found:

@@ -19,7 +19,7 @@ from ..memory_format import flattened, shaped
 from ..optimizer import ShardedOptimizer
 from . import files
 from .format import (READABLE_FORMATS, describe_groups, file_keys, key_offsets, param_scalars, read_rank, saved_layout,
-                     saved_memory_order, split_state)
+                     saved_memory_order, split_state, state_dtypes)
 from .files import EXTRAS, INDEX, CheckpointError
 
 
@@ -32,7 +32,7 @@ def _read_full(directory: str):
         raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {READABLE_FORMATS[-1]!r})")
     layout = saved_layout(index)
     numels = [slot.numel for slot in layout.slots]
-    keys_of = file_keys(index, layout)
+    keys_of, dtypes_of = file_keys(index, layout), state_dtypes(index)
     masters = [None] * len(numels)
     states: list[dict[str, torch.Tensor]] = [{} for _ in numels]
     for rank in range(layout.world_size):
@@ -46,8 +46,8 @@ def _read_full(directory: str):
             masters[i][target] = payload["master"][offset:offset + piece.length]
             for key in keys_of[i]:
                 values, start = payload["state"][key], offsets[key][number]
-                states[i].setdefault(key, torch.empty(numels[i], dtype=values.dtype))[target] = \
-                    values[start:start + piece.length]
+                dtype = dtypes_of[i].get(key, values.dtype)
+                states[i].setdefault(key, torch.empty(numels[i], dtype=dtype))[target] = values[start:start + piece.length]
             states[i].update(payload["whole_state"].get(i, {}))
             offset += piece.length
     return directory, index, layout, masters, states

@@ -92,6 +92,14 @@ def saved_layout(index: dict) -> ShardLayout:
     return layout
 
 
+def state_dtypes(index: dict) -> list[dict[str, torch.dtype]]:
+    """By parameter index, the dtype of each of its per-element state tensors as saved (its key's array in a rank
+    file is promoted to a dtype common to every piece under that key); empty where not recorded (formats 1-3)."""
+    recorded = index.get("param_state_dtypes") or [None] * len(index["params"])
+    return [{key: getattr(torch, name.removeprefix("torch.")) for key, name in (found or {}).items()}
+            for found in recorded]
+
+
 def param_scalars(index: dict, layout: ShardLayout) -> list[Optional[dict]]:
     """The scalar state of every trainable parameter (``None``: never stepped). Format 1 kept one per bucket."""
     if "param_scalars" in index:
