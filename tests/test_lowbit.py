@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import case_results, run_cases, run_distributed
-from zeroimpl import ShardedOptimizer
+from zeroimpl import ShardedOptimizer, estimate_memory
 from zeroimpl.optimizer_kinds import sharding_of
 
 bnb = pytest.importorskip("bitsandbytes", reason="pip install 'zeroimpl[lowbit]' (bitsandbytes)")
@@ -48,6 +48,10 @@ def _train(rank, name, sharded):
         optimizer.step()
         optimizer.zero_grad()
     state = optimizer.held_tensors()["optimizer_state"] if sharded else None
+    if sharded:  # estimate_memory, before anything is built, predicts this rank's state bytes exactly
+        estimate = estimate_memory(OddNet().parameters(), optimizer.world_size, 2, optimizer_class=cls,
+                                   optimizer_kwargs=kwargs, bucket_numel=2048, rank=optimizer.rank)
+        assert estimate.device.optimizer_state == optimizer.memory_report().device.optimizer_state
     return {n: p.detach().clone() for n, p in model.named_parameters()}, state
 
 

@@ -71,7 +71,7 @@ def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_n
     if isinstance(params, int):
         if params <= 0:
             raise ValueError(f"the parameter count must be positive, got {params}")
-        if optimizer_kinds.sharding_of(optimizer_class, per_parameter, True) == "whole":
+        if _sharding(optimizer_class, per_parameter) == "whole":
             raise ValueError(f"{optimizer_class.__name__} is sharded by whole parameters, whose state and padding "
                              "depend on their shapes: pass the model's parameters or param groups, not a count")
         sizes = [bucket_numel] * (params // bucket_numel) + ([params % bucket_numel] if params % bucket_numel else [])
@@ -81,11 +81,17 @@ def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_n
     for group in groups:
         group["params"] = list(group["params"])
     work = [optimizer_kinds.step_work(g["optimizer"])
-            if optimizer_kinds.sharding_of(g["optimizer"], per_parameter, True) == "whole" else None for g in groups]
+            if _sharding(g["optimizer"], per_parameter) == "whole" else None for g in groups]
     trainable, specs = trainable_specs(groups, work)
     if not specs:
         raise ValueError("no trainable parameters to estimate")
     return groups, trainable, specs
+
+
+def _sharding(optimizer_class: type, per_parameter: Collection[type]) -> optimizer_kinds.Sharding:
+    """As the optimizer shards the class; a class zeroimpl does not know is estimated flat."""
+    return optimizer_kinds.sharding_of(optimizer_class, per_parameter,
+                                       assume_elementwise=not optimizer_kinds.is_blockwise(optimizer_class))
 
 
 def _dtype(name: str) -> torch.dtype:
