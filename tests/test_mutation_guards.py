@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import run_distributed
-from workloads import batch, build_model, param_groups
-from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, comm, estimate_memory
+from workloads import batch, build_model, issue_gathers_late_on_rank_1, overlap_pair, param_groups
+from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, estimate_memory
 from zeroimpl.checkpoint import export_fp32_state_dict, load_torch_optimizer_state, save_checkpoint
 
 STEPS, ACCUM = 3, 3
@@ -122,21 +122,9 @@ KEYWORD_READS = {
 def _keyword_reads(rank):
     """Two models in lockstep, the second with overlapped gathers; after each step, the very first read of the
     overlapped parameters is one of KEYWORD_READS, compared with the plain model's parameters."""
-    original = comm.all_gather
-
-    def late(*args, **kwargs):
-        import time
-        time.sleep(0.1)
-        return original(*args, **kwargs)
-    models, optimizers = [], []
-    for overlap in (False, True):
-        model = build_model("gpt2")
-        models.append(model)
-        optimizers.append(ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096,
-                                           lr=1e-2, overlap_param_gather=overlap))
+    models, optimizers = overlap_pair()
     results, in_flight = {}, []
-    if rank == 1:
-        comm.all_gather = late
+    restore = issue_gathers_late_on_rank_1(rank)
     try:
         for step, (name, read) in enumerate(KEYWORD_READS.items()):
             for model, optimizer in zip(models, optimizers):
@@ -150,7 +138,7 @@ def _keyword_reads(rank):
             results[name + ", after finish_param_gathers"] = all(
                 torch.equal(a, b) for a, b in zip(seen, models[1].parameters()))
     finally:
-        comm.all_gather = original
+        restore()
     return results, in_flight
 
 

@@ -9,14 +9,14 @@ guard must leave torch's mode stack as it found it.
 
 import io
 import os
-import time
 
 import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import RunConfig, batch, bitwise_equal, build_model, param_groups, train
-from zeroimpl import CPUOffload, ShardedOptimizer, comm
+from workloads import (RunConfig, batch, bitwise_equal, build_model, issue_gathers_late_on_rank_1, overlap_pair,
+                       param_groups, train)
+from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.checkpoint import export_fp32_state_dict, save_checkpoint
 
 CASES = {"stage 1": {"stage": 1}, "stage 2": {"stage": 2}, "stage 2 + offload": {"stage": 2, "offload": True},
@@ -123,29 +123,11 @@ USER_READS = {
 }
 
 
-def _issue_gathers_late_on_rank_1(rank: int, seconds: float = 0.1):
-    """Test instrument: on rank 1, each parameter all-gather is issued ``seconds`` after the one before (a
-    slow peer), so that rank 0's gathers of bucket k are surely in flight for (k + 1) * ``seconds`` after its
-    step() returns. The real collectives still run."""
-    original = comm.all_gather
-
-    def late(*args, **kwargs):
-        time.sleep(seconds)
-        return original(*args, **kwargs)
-    if rank == 1:
-        comm.all_gather = late
-
-
 def _user_reads(rank, world_size):
     """After each step, a read or write of the parameters in user code, with no call to finish_param_gathers.
     Rank 1 issues its all-gathers late, so rank 0's are surely still in flight when it reads."""
-    _issue_gathers_late_on_rank_1(rank)
-    models, optimizers = [], []
-    for overlap in (False, True):
-        model = build_model("gpt2")
-        models.append(model)
-        optimizers.append(ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096,
-                                           lr=1e-2, overlap_param_gather=overlap))
+    issue_gathers_late_on_rank_1(rank)
+    models, optimizers = overlap_pair()
     results = {}
     for step, (name, read) in enumerate(USER_READS.items()):
         for model, optimizer in zip(models, optimizers):
@@ -235,7 +217,7 @@ def _module_paths(rank, world_size):
     training through an extension kernel, a TorchScript module, torch.func on the parameters, a forward
     under a user's mode; then two overlapping optimizers at once under torch.set_default_device, and the
     mode stack left as it was."""
-    _issue_gathers_late_on_rank_1(rank)
+    issue_gathers_late_on_rank_1(rank)
     depth = torch._C._len_torch_function_stack()
 
     def pair():

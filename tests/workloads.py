@@ -9,6 +9,7 @@ Everything here runs inside the spawned ranks. The reference is DDP + the same t
 from __future__ import annotations
 
 import contextlib
+import time
 
 from dataclasses import dataclass, field
 from typing import Optional
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from zeroimpl import ShardedOptimizer
+from zeroimpl import ShardedOptimizer, comm
 from zeroimpl.integrations import models
 from zeroimpl.integrations.micro_batches import run_micro_batches
 
@@ -258,3 +259,28 @@ def max_param_diff(a: dict, b: dict) -> float:
 def bitwise_equal(a: dict, b: dict) -> bool:
     return a["losses"] == b["losses"] and a["norms"] == b["norms"] and all(
         torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+def issue_gathers_late_on_rank_1(rank: int, seconds: float = 0.1):
+    """Test instrument: on rank 1, each parameter all-gather is issued ``seconds`` after the one before (a slow
+    peer), so that rank 0's gathers of bucket k are surely in flight for (k + 1) * ``seconds`` after its step()
+    returns. The real collectives still run. Returns the function that restores the real all-gather."""
+    original = comm.all_gather
+
+    def late(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+    if rank == 1:
+        comm.all_gather = late
+
+    def restore() -> None:
+        comm.all_gather = original
+    return restore
+
+
+def overlap_pair() -> tuple[list[torch.nn.Module], list[ShardedOptimizer]]:
+    """Two GPT-2s built alike, stepped with AdamW at stage 2: the first waits for its all-gathers in step(), the
+    second leaves them in flight (``overlap_param_gather``), for tests that compare reads of the two."""
+    models = [build_model("gpt2"), build_model("gpt2")]
+    return models, [ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096, lr=1e-2,
+                                     overlap_param_gather=overlap) for model, overlap in zip(models, (False, True))]
