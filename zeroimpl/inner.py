@@ -114,8 +114,8 @@ class InnerOptimizers:
     def step(self) -> None:
         """Step every inner optimizer, without firing step hooks (the outer step fires them once)."""
         for optimizer in self.optimizers.values():
-            step = type(optimizer).step
-            getattr(step, "__wrapped__", step)(optimizer)
+            step = type(optimizer).step  # torch.optim.Optimizer wraps it with the hooks ("hooked") on construction
+            (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
 
     def state_dict(self) -> dict:
         """Torch's format, pieces numbered through the outer groups in order."""
