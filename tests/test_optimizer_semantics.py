@@ -117,6 +117,28 @@ def _resumed(rank, name, stage, offload, how, directory):
     return all(torch.equal(a, b) for a, b in zip(_params(model).values(), _params(uninterrupted).values()))
 
 
+def _torch_formats(rank, directory):
+    """GroupStepSGD's group counter through torch's formats: a plain optimizer's state_dict loaded into a
+    ShardedOptimizer, and a checkpoint exported to a plain optimizer; each then trains on as DDP does."""
+    from zeroimpl.checkpoint import consolidated_optimizer_state_dict, load_torch_optimizer_state
+    reference, _ = _train(rank, GroupStepSGD, None, None)
+    plain_model, plain = _train(rank, GroupStepSGD, None, None, steps=2)
+    model = SmallNet()
+    model.load_state_dict(plain_model.state_dict())
+    optimizer = ShardedOptimizer(model.parameters(), GroupStepSGD, stage=2, bucket_numel=128, assume_elementwise=True)
+    load_torch_optimizer_state(optimizer, plain.state_dict())
+    _train(rank, GroupStepSGD, 2, None, steps=2, model=model, optimizer=optimizer, start=2)
+    loaded = all(torch.equal(a, b) for a, b in zip(_params(model).values(), _params(reference).values()))
+    model, optimizer = _train(rank, GroupStepSGD, 2, None, steps=2)
+    save_checkpoint(f"{directory}/torch-formats", optimizer, model)
+    exported_model = SmallNet()
+    exported_model.load_state_dict(model.state_dict())
+    exported = GroupStepSGD(exported_model.parameters())
+    exported.load_state_dict(consolidated_optimizer_state_dict(f"{directory}/torch-formats"))
+    _train(rank, GroupStepSGD, None, None, steps=2, model=exported_model, optimizer=exported, start=2)
+    return loaded, all(torch.equal(a, b) for a, b in zip(_params(exported_model).values(), _params(reference).values()))
+
+
 def _hooks(rank, offload):
     """Global and per-optimizer step hooks fire once per ShardedOptimizer.step(), with two inner classes."""
     calls = {"global": 0, "own": 0}
@@ -252,6 +274,7 @@ def _all(rank, world_size, directory):
     for offload in (None, NO_FUSED):
         cases[("hooks", offload is not None)] = partial(_hooks, rank, offload)
     cases["construction"] = partial(_construction, rank)
+    cases["torch formats"] = partial(_torch_formats, rank, directory)
     for scheduler in SCHEDULERS:
         for order in ((torch.optim.Muon, torch.optim.AdamW), (torch.optim.AdamW, torch.optim.Muon)):
             cases[("scheduler", scheduler, order[0].__name__)] = partial(_schedulers, rank, scheduler, order)
@@ -302,3 +325,9 @@ def test_muon_and_adamw_on_a_small_llama_train_bitwise_as_under_ddp(ranks):
     spreads (measured: 6.2e-3 max parameter difference after 5 steps)."""
     for results in case_results(ranks, "llama"):
         assert results == {f"stage {stage}, offload {offload is not None}": True for stage, offload in LLAMA_RUNS}
+
+
+def test_group_level_state_goes_through_torch_formats(ranks):
+    for loaded, exported in case_results(ranks, "torch formats"):
+        assert loaded, "a plain optimizer's state_dict loaded into ShardedOptimizer lost its group counter"
+        assert exported, "the checkpoint exported to a plain optimizer lost its group counter"
