@@ -1,7 +1,8 @@
 """Low-bit optimizers (bitsandbytes' 8-bit classes) sharded exactly: recognised without flags and stepped by
 whole parameters, so that every quantization block and the 8-bit/fp32 choice by size are those of the
-unsharded optimizer. Reference: DDP + the same optimizer at world sizes 2 (bitwise), 3 and 4 (the reduction
-order's rounding only) on a model of odd sizes, where flat shard boundaries would fall inside blocks."""
+unsharded optimizer. Reference: DDP + the same optimizer at world sizes 2 (bitwise) and 3 (the reduction
+order's rounding only; 4 measured alike, left out of the suite for time) on a model of odd sizes, where flat shard
+boundaries would fall inside blocks."""
 
 from __future__ import annotations
 
@@ -61,21 +62,24 @@ def _parity(rank, name):
     return max((ours[n] - reference[n]).abs().max().item() for n in reference), sum(t.numel() for t in quantized)
 
 
-def _all(rank, world_size):
-    return run_cases({name: partial(_parity, rank, name) for name in CLASSES})
+def _all(rank, world_size, directory):
+    cases = {name: partial(_parity, rank, name) for name in CLASSES}
+    if world_size == 2:
+        cases["resume"] = partial(_resume, rank, world_size, directory)
+    return run_cases(cases)
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def ranks(request):
-    return request.param, run_distributed(request.param, _all)
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request, tmp_path_factory):
+    return request.param, run_distributed(request.param, _all, str(tmp_path_factory.mktemp("lowbit") / "checkpoint"))
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_low_bit_optimizers_train_bitwise_as_under_ddp(ranks, name):
     world_size, results = ranks
     outcomes = case_results(results, name)
-    # world size 2: bitwise. 3 and 4: the gradient average sums three or four terms in another order than DDP's
-    # all-reduce (torch's own AdamW then differs by 2.1e-7 / 6.7e-8 here); measured 4.5e-8 to 9.7e-8
+    # world size 2: bitwise. 3: the gradient average sums three terms in another order than DDP's all-reduce
+    # (torch's own AdamW then differs by 2.1e-7 here); measured 4.5e-8 to 5.5e-8 (at 4 ranks: up to 9.7e-8)
     bound = 0.0 if world_size == 2 else 1e-6
     assert all(difference <= bound for difference, _ in outcomes), [difference for difference, _ in outcomes]
     # the two large matrices hold 8-bit state, each on one rank: 8-bit elements in all = their sizes
@@ -140,7 +144,10 @@ def _resume(rank, world_size, directory):
             all(torch.equal(p.detach(), q.detach()) for p, q in zip(plain_model.parameters(), reference_model.parameters())))
 
 
-def test_low_bit_state_checkpoints_reshard_and_export_to_the_plain_optimizer(tmp_path):
-    for resharded, exported in run_distributed(2, _resume, str(tmp_path / "lowbit")):
+def test_low_bit_state_checkpoints_reshard_and_export_to_the_plain_optimizer(ranks):
+    world_size, results = ranks
+    if world_size != 2:
+        pytest.skip("run in the world-size-2 launch")
+    for resharded, exported in case_results(results, "resume"):
         assert resharded, "resumed with another bucket size: not the uninterrupted run"
         assert exported, "the consolidated torch state, loaded into bitsandbytes' AdamW8bit, trains differently"
