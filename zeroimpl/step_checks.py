@@ -55,7 +55,9 @@ class StepChecks:
         """Finish the reduction (and unscaling); return whether there are gradients to step on. Collective:
         every rank calls it at the same point (the first gradient operation after backward, or the step)."""
         self.param_sync.finish()
-        self.uneven.check_in()
+        if not self.state.checked_in:  # once per round of gradients, not again at the step after clipping
+            self.uneven.check_in()
+            self.state.checked_in = True
         if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
             validation.check_not_wrapped_in_ddp(self.ownership.params[0])
             self._wrapping_checked = True

@@ -8,6 +8,9 @@ A step goes through these facts, each set once and all forgotten by :meth:`StepS
 * ``unscaled`` -- the gradient shards were divided by the loss scale (at the first
   :meth:`~zeroimpl.step_checks.StepChecks.prepare` after the last backward). With loss scaling on, a gradient
   arriving after it is an error.
+* ``checked_in`` -- the step's gradients were finished with this rank checked in under torch's ``Join``
+  (:mod:`zeroimpl.uneven`): a later ``prepare`` (the step after clipping) need not check in again until a new
+  gradient arrives.
 * ``verdict`` -- the step's agreement all-reduce ran (:class:`StepVerdict`). A new gradient arriving forgets
   it, so the checks run again.
 """
@@ -37,12 +40,14 @@ class StepState:
     def reset(self) -> None:
         self.loss_scaled = False
         self.unscaled = False
+        self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
 
     def gradient_arrived(self) -> None:
         """A gradient reached the optimizer: forget the verdict; with loss scaling, refuse a gradient of an
         unscaled loss or one that comes after the shards were unscaled."""
         self.verdict = None
+        self.checked_in = False
         if not self.loss_scaling:
             return
         if not self.loss_scaled:
