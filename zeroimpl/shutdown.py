@@ -14,10 +14,14 @@ object after the interpreter has begun to finalize, the decref asks for the GIL,
 ``pthread_exit``, and its unwinding through the work's (noexcept) destructor calls ``std::terminate``:
 "terminate called without an active exception", SIGABRT after a good run (torch 2.13, Python 3.11).
 
-So the Python objects that gloo may hold are zeroimpl's own, and zeroimpl drops them after the wait (a fresh
-alias of a tensor for each collective, :func:`zeroimpl.comm._aliases`) or when taking a guard off the stack;
-:func:`handed_to_gloo` registers them then, and at exit, after every optimizer's finalizer, zeroimpl waits
-until they are freed: the wait releases the GIL, so a worker lets go of them then.
+At exit, after every optimizer's finalizer, zeroimpl therefore releases the GIL for ``WORKER_SECONDS`` whatever
+it holds: a worker that is letting go of any Python object -- DDP's bucket tensors, the user's all-gather outputs
+kept alive by a later barrier's reference to their work (a core dump of a plain Trainer + DDP run at 4 ranks
+showed ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref`` -> ``pthread_exit``) -- takes it then.
+Before this wait was unconditional, such a run aborted in about 1 exit in 30. The objects zeroimpl itself hands
+to gloo it drops after the wait (a fresh alias of a tensor for each collective, :func:`zeroimpl.comm._aliases`)
+or when taking a guard off the stack; :func:`handed_to_gloo` registers them then, and the exit waits on until
+they are freed (at most ``EXIT_WAIT_SECONDS``).
 """
 
 from __future__ import annotations
@@ -27,9 +31,8 @@ import time
 import weakref
 
 EXIT_WAIT_SECONDS = 5.0  # the longest wait at exit: a work still running, or held in Python, is left be
-# a worker lets go within a millisecond once it runs, but on a loaded machine (2 cores, 8 busy processes) it
-# may wait longer than 50 ms for a core: a plain DDP run (whose gloo works hold DDP's tensors, which zeroimpl
-# cannot register) aborted at exit after a 50 ms wait once in a full suite run under that load
+# the GIL-free wait every exit makes: a worker lets go within a millisecond once it runs, but on a loaded
+# machine (2 cores, 4 ranks and their launcher exiting together) it may wait tens of milliseconds for a core
 WORKER_SECONDS = 0.2
 
 _held: weakref.WeakSet = weakref.WeakSet()  # registered objects not freed yet
@@ -42,7 +45,7 @@ def handed_to_gloo(*objects) -> None:
 
 def _wait_for_gloo() -> None:
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
-    _wait_until(time.monotonic() + WORKER_SECONDS)
+    time.sleep(WORKER_SECONDS)  # releases the GIL to any worker letting go of a Python object, registered or not
     if _held:
         gc.collect()  # one held only by cyclic garbage (an exception's traceback) is no work's to free
         _wait_until(deadline)
