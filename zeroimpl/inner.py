@@ -104,6 +104,31 @@ class InnerOptimizers:
             outer.update({key: value for key, value in inner.items() if key != "params"})
             self._synced.append({key: value for key, value in outer.items() if key not in OUTER_ONLY_KEYS})
 
+    def switch_mode(self, mode: str, outer_groups: list[dict]) -> bool:
+        """Schedule-free optimizers' ``train()`` / ``eval()`` (``mode``), over the master pieces, on every inner
+        optimizer whose class has it (after taking the outer groups' changes; then the outer groups show the
+        new mode). Whether any class has it: the same on every rank, since every rank builds every class."""
+        switching = [optimizer for optimizer in self.optimizers.values() if callable(getattr(optimizer, mode, None))]
+        if switching:
+            self.follow(outer_groups)
+            for optimizer in switching:
+                getattr(optimizer, mode)()
+            self.report(outer_groups)
+        return bool(switching)
+
+    def refuse_global_clipping(self) -> None:
+        """Raise for an optimizer that clips by the norm of every gradient it steps (timm's Lamb,
+        ``max_grad_norm``): sharded, it would see this rank's part of that norm only."""
+        for optimizer_class, optimizer in self.optimizers.items():
+            value = next((v for v in [optimizer.defaults.get("max_grad_norm")] +
+                          [g.get("max_grad_norm") for g in optimizer.param_groups] if v is not None), None)
+            if value is not None:
+                raise ValueError(
+                    f"{optimizer_class.__name__} clips by the norm of all the gradients it steps (max_grad_norm="
+                    f"{value}), but each rank steps only its own shard and would clip by its part of that norm: "
+                    f"construct it with max_grad_norm=None and clip before step() with torch.nn.utils."
+                    f"clip_grad_norm_(model.parameters(), {value}), which zeroimpl computes over every rank")
+
     @property
     def steps_in_parts(self) -> bool:
         """Whether stepping the pieces in parts (the offload pipeline, bucket by bucket) is bitwise one step:
@@ -165,6 +190,8 @@ def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs:
     error, inner = None, None
     try:
         inner = InnerOptimizers(groups, classes, kwargs)
+        if topology.shard_size > 1:
+            inner.refuse_global_clipping()
     except Exception as exc:  # any refusal by a class's constructor: shared below, then raised everywhere
         error = exc
     gathered = topology.all_gather_objects(None if error is None else _portable(error), timeout,

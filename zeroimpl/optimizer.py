@@ -198,13 +198,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.scale_loss(loss).backward(**backward_kwargs)
 
     def accumulating(self) -> ContextManager[None]:
-        """Mark the backward passes inside as non-final micro-batches of gradient accumulation.
-
-        Only offload in stage 2 uses the hint: those micro-batches' reductions are summed on the device,
-        and the sum crosses to the host with the final micro-batch's, once per step. Without the hint every
-        micro-batch is copied to the host as it completes and summed there (correct, but more traffic and
-        a host sync per bucket). Forgetting to leave it is harmless: ``step()`` moves any device sum over.
-        """
+        """Mark the backward passes inside as non-final micro-batches of gradient accumulation. Only offload in
+        stage 2 uses the hint: their reductions sum on the device and cross to the host once per step (without
+        it, each crosses and sums there). Forgetting to leave it is harmless: ``step()`` moves any device sum."""
         return accumulating(self.gradients)
 
     # -- torch.distributed.algorithms.Join ---------------------------------------------------------
@@ -213,8 +209,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return uneven.RefuseUnevenInputs(self.join_device, self.join_process_group)
 
     @property
-    def join_device(self) -> torch.device:
-        """Where the ``Join`` flags live: the parameters' device."""
+    def join_device(self) -> torch.device:  # where the Join flags live
         return self._device
 
     @property
@@ -237,12 +232,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return total
 
     def found_nonfinite(self) -> bool:
-        """Whether this step's averaged (unscaled) gradients hold NaN or Inf on any rank, so that ``step()``
-        will skip the update (or raise, see ``nonfinite``). Identical on every rank; collective.
-
-        Finishes the reduction and runs the step's small all-reduce, whose answer ``step()`` then reuses
-        (until a new gradient arrives).
-        """
+        """Whether this step's averaged (unscaled) gradients hold NaN or Inf on any rank, so that ``step()`` will
+        skip the update (or raise, see ``nonfinite``). Identical on every rank; collective: the step's small
+        all-reduce, whose answer ``step()`` then reuses (until a new gradient arrives)."""
         with torch.no_grad():
             if not self.grad_views.prepare():
                 return False
@@ -251,13 +243,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm.
-
-        Equal to ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, computed from the
-        shards with one all-reduce of five elements (the norm, and the checks that ``step()`` then
-        reuses). The result is identical on every rank. Gradients with NaN or Inf are left unclipped: the
-        returned norm is then NaN or Inf, and ``step()`` will skip or raise.
-        """
+        """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm: equal to
+        ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, computed from the shards with one
+        all-reduce of five elements (with the checks ``step()`` reuses), identical on every rank. Gradients with
+        NaN or Inf are left unclipped: the norm is then NaN or Inf, and ``step()`` will skip or raise."""
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
@@ -331,6 +320,22 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.reducer.zero_grad(set_to_none)
         self._step_state.reset()
 
+    # -- schedule-free modes --------------------------------------------------------------------------
+    def train(self) -> None:
+        """Schedule-free optimizers' ``train()``, called before training (HF Trainer calls it): see :meth:`eval`."""
+        self._switch_mode("train")
+
+    def eval(self) -> None:
+        """Schedule-free optimizers' switch of the parameters to the averaged point for evaluation (``train()``
+        switches back), as under DDP: collective when an inner class has the method (its master shards move,
+        then the parameters are all-gathered from them); nothing for other classes."""
+        self._switch_mode("eval")
+
+    def _switch_mode(self, mode: str) -> None:
+        self.sync_masters()
+        if self.inner.switch_mode(mode, self.param_groups):
+            self.param_sync.publish_all()
+
     # -- parameters -------------------------------------------------------------------------------
     def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the parameter all-gathers still in flight (``overlap_param_gather``), of ``buckets`` or of all:
@@ -343,15 +348,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return len(self.param_sync.gathers)
 
     def sync_masters(self) -> None:
-        """Take parameters edited outside the optimizer since the last step into the master weights (``step()``
-        and saving do it themselves). Local: it only finishes the all-gathers still in flight."""
+        """Take parameters edited since the last step into the master weights (``step()`` and saving do it).
+        Local: it only finishes the all-gathers still in flight."""
         self.param_sync.sync_masters()
 
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
-        """Raise :class:`zeroimpl.DivergenceError` on every rank unless every rank holds bit-identical parameters
-        (trainable, and the frozen members of the param groups). Collective: one small all-reduce of bit
-        checksums (:mod:`zeroimpl.verify`). ``verify_every`` calls it after every that-many steps."""
+        """Raise :class:`zeroimpl.DivergenceError` on every rank unless all hold bit-identical parameters (trainable
+        and frozen members of the groups). Collective: one small all-reduce of checksums (:mod:`zeroimpl.verify`)."""
         self.finish_param_gathers()
         verify.verify_ranks_agree(self.storages, self.ownership.frozen, self.topology, self._device,
                                   self.collective_timeout, self._steps_taken,
@@ -365,11 +369,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                           self.param_groups, self.storages, self.loss_scaler)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout.
-
-        Collective (call it on every rank, each with its own state): a state that some rank cannot load (another
-        rank's, as a checkpoint saved on the master process alone holds) is refused on every rank, before
-        anything changes."""
+        """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout. Collective
+        (every rank, each with its own state): a state some rank cannot load (another rank's, as a checkpoint
+        saved on the master process alone holds) is refused on every rank, before anything changes."""
         optimizer_state.load(self, state_dict)
 
     # -- the checkpoint package's seam -----------------------------------------------------------
@@ -380,13 +382,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def restore_state(self, piece_states: list[Optional[dict]], hyperparameters: list[dict],
                       masters: Optional[list[torch.Tensor]] = None, loss_scaler: Optional[dict] = None) -> None:
-        """Install optimizer state read from a checkpoint or converted from torch's format.
-
-        ``piece_states``: the inner state per piece, in :meth:`piece_states` order (``None``: not stepped yet);
-        ``hyperparameters``: each param group's. With ``masters`` (per bucket, this rank's master shard) the
-        parameters are all-gathered from them: collective. Without, the masters follow the parameters, which
-        the caller loads (local). ``loss_scaler``: a ``LossScaler.state_dict()`` (``None``: keep the current one).
-        """
+        """Install optimizer state read from a checkpoint or converted from torch's format. ``piece_states``: the
+        inner state per piece, in :meth:`piece_states` order (``None``: not stepped yet); ``hyperparameters``:
+        each param group's. With ``masters`` (per bucket, this rank's master shard) the parameters are
+        all-gathered from them: collective. Without, the masters follow the parameters, which the caller loads
+        (local). ``loss_scaler``: a ``LossScaler.state_dict()`` (``None``: keep the current one)."""
         optimizer_state.restore(self, piece_states, hyperparameters, masters, loss_scaler)
 
     # -- introspection ----------------------------------------------------------------------------
