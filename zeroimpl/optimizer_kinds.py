@@ -9,6 +9,8 @@
   their state in blocks counted from a parameter's first element and choose 8-bit or fp32 state by the
   parameter's size, so a flat shard boundary inside a block (or a piece smaller than the size threshold)
   would step differently from the unsharded optimizer. Whole parameters step bitwise as it does.
+* Third-party classes checked against DDP (timm's Adan and Lamb, schedule-free's AdamW, SGD and RAdam) are
+  recognised by name, flat or whole as :data:`THIRD_PARTY_SHARDING` says.
 * refused -- optimizers that need more than one parameter at a time (LBFGS's closure over the whole model)
   or sparse gradients (SparseAdam), which reduce-scatter cannot give.
 """
@@ -30,6 +32,15 @@ ELEMENTWISE_OPTIMIZERS = frozenset({
 # (torch.optim.Adafactor since torch 2.5, torch.optim.Muon since 2.9)
 WHOLE_PARAMETER_OPTIMIZERS = frozenset(cls for cls in (getattr(torch.optim, "Muon", None),
                                                        getattr(torch.optim, "Adafactor", None)) if cls is not None)
+# third-party classes checked bitwise against DDP + the same class (tests/test_third_party_optimizers.py), by
+# "module.qualname" (the core does not import them): sharded as listed without assume_elementwise or per_parameter
+THIRD_PARTY_SHARDING: dict[str, "Sharding"] = {
+    "timm.optim.adan.Adan": "flat",
+    "schedulefree.adamw_schedulefree.AdamWScheduleFree": "flat",
+    "schedulefree.sgd_schedulefree.SGDScheduleFree": "flat",
+    "schedulefree.radam_schedulefree.RAdamScheduleFree": "flat",
+    "timm.optim.lamb.Lamb": "whole",  # a trust ratio per parameter
+}
 # packages whose optimizers quantize state blockwise (recognised by module, without importing them: the core
 # depends on torch alone)
 BLOCKWISE_PACKAGES = ("bitsandbytes.", "torchao.")
@@ -69,6 +80,9 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
                              "first element, so flat shards would cut blocks and train differently from the unsharded "
                              "optimizer: leave assume_elementwise off (zeroimpl shards it by whole parameters, exactly)")
         return "whole"
+    known = THIRD_PARTY_SHARDING.get(f"{optimizer_class.__module__}.{optimizer_class.__qualname__}")
+    if known is not None:  # even under assume_elementwise, which is for the classes zeroimpl does not know
+        return known
     if optimizer_class in ELEMENTWISE_OPTIMIZERS or assume_elementwise:
         return "flat"
     raise ValueError(f"zeroimpl cannot tell how to shard {optimizer_class.__name__}. If it updates every element "

@@ -4,7 +4,8 @@ An :class:`Implementation` is a row of the comparison (e.g. "DeepSpeed ZeRO-2 + 
 needs installed and builds a :class:`Runner` around a freshly built model inside each rank. A runner trains
 with the same optimizer settings as every other: AdamW with two param groups (decayed matrices, undecayed
 biases and norms) -- or, with ``optimizer="muon"``, torch.optim.Muon on the hidden matrices and AdamW on the
-rest -- gradient accumulation over the micro-batches it is given, global-norm clipping.
+rest; with ``"adamw8bit"``, bitsandbytes' AdamW8bit in place of AdamW -- gradient accumulation over the
+micro-batches it is given, global-norm clipping.
 """
 
 from __future__ import annotations
@@ -32,12 +33,20 @@ class TrainSettings:
     accum: int = 1  # micro-batches per optimizer step
     max_grad_norm: Optional[float] = 1.0  # global 2-norm clipping; None: no clipping
     micro_batch_size: int = 4
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: torch.optim.Muon on the hidden matrices
+    optimizer: Literal["adamw", "muon", "adamw8bit"] = "adamw"  # muon: torch.optim.Muon on the hidden matrices
     muon_lr: float = 0.02
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16: each implementation's own bf16 recipe. zeroimpl and DeepSpeed keep the parameters in bf16 and fp32
     master weights for their shard; DDP, PyTorch ZeRO and FairScale run the fp32 model under
     ``torch.autocast(dtype=torch.bfloat16)`` (automatic mixed precision)."""
+
+    def adamw_class(self) -> type:
+        """The AdamW every implementation runs: bitsandbytes' AdamW8bit with "adamw8bit", else torch's."""
+        if self.optimizer == "adamw8bit":
+            from bitsandbytes.optim import AdamW8bit
+
+            return AdamW8bit
+        return torch.optim.AdamW
 
     def adamw_kwargs(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
@@ -52,7 +61,7 @@ def training_groups(model: torch.nn.Module, settings: TrainSettings) -> tuple[li
     groups; with ``"muon"`` the hidden matrices (:func:`zeroimpl.integrations.models.hidden_matrices`) and the
     two groups of everything else."""
     groups = param_groups(model, settings.weight_decay)
-    if settings.optimizer == "adamw":
+    if settings.optimizer != "muon":
         return [], groups
     return split_hidden_matrices(model, groups)
 
@@ -132,7 +141,7 @@ class OneOptimizerClass(Implementation):
     matrices beside AdamW."""
 
     def unsupported(self, settings: TrainSettings) -> Optional[str]:
-        if settings.optimizer != "adamw":
-            return (f"it wraps one optimizer class over all parameters, so it cannot run {settings.optimizer} on "
-                    "the hidden matrices beside AdamW")
+        if settings.optimizer == "muon":
+            return ("it wraps one optimizer class over all parameters, so it cannot run muon on the hidden matrices "
+                    "beside AdamW")
         return None

@@ -1,5 +1,5 @@
 """The reference: DistributedDataParallel + torch.optim.AdamW (and torch.optim.Muon on the hidden matrices with
-``optimizer="muon"``), every rank holding everything."""
+``optimizer="muon"``; bitsandbytes' AdamW8bit with ``"adamw8bit"``), every rank holding everything."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class TorchOptimizers:
 def torch_optimizers(model: torch.nn.Module, settings: TrainSettings) -> TorchOptimizers:
     """torch.optim.AdamW over the usual groups, and torch.optim.Muon over the hidden matrices with "muon"."""
     matrices, groups = training_groups(model, settings)
-    optimizers = [torch.optim.AdamW(groups, **settings.adamw_kwargs())]
+    optimizers = [settings.adamw_class()(groups, **settings.adamw_kwargs())]
     if matrices:
         optimizers.insert(0, torch.optim.Muon(matrices, **settings.muon_kwargs()))
     return TorchOptimizers(optimizers)

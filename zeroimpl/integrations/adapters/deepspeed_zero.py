@@ -5,6 +5,11 @@ DeepSpeedCPUAdam with offload, as DeepSpeed chooses; with ``optimizer="muon"`` D
 picks its matrices itself -- every parameter of 2 or more dimensions whose name has neither "embed" nor
 "lm_head" -- with the standard Newton-Schulz iteration that torch.optim.Muon runs), the engine scales the
 loss by the accumulation steps, clips and steps at the accumulation boundary.
+
+With ``optimizer="adamw8bit"`` DeepSpeed has no 8-bit optimizer of its own: it takes bitsandbytes' AdamW8bit as
+a client optimizer only with ``zero_allow_untested_optimizer`` (and, with offload, ``zero_force_ds_cpu_optimizer``
+off), which this row sets, and then steps its flat fp32 partition as one tensor: quantization blocks cross
+parameter boundaries and the 8-bit size threshold applies to the partition, not to each parameter.
 """
 
 from __future__ import annotations
@@ -86,21 +91,32 @@ class DeepSpeed(Implementation):
         if not self.offload:
             adamw["torch_adam"] = True  # torch.optim.AdamW, as the other rows (FusedAdam needs CUDA)
         optimizer = {"type": "AdamW", "params": adamw}
+        if settings.optimizer == "adamw8bit":  # a client optimizer (build): DeepSpeed refuses it without these
+            return {**self._common(settings, world_size), "zero_optimization": zero,
+                    "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
         if settings.optimizer == "muon":
             muon = {"muon_lr": settings.muon_lr, "momentum": 0.95, "ns_method": "standard"}
             optimizer = {"type": "Muon", "params": {**adamw, **muon}}
+        return {**self._common(settings, world_size), "optimizer": optimizer, "zero_optimization": zero}
+
+    @staticmethod
+    def _common(settings: TrainSettings, world_size: int) -> dict:
         precision = {"bf16": {"enabled": True}} if settings.precision == "bf16" else {}
         return {**precision, "train_micro_batch_size_per_gpu": settings.micro_batch_size,
                 "gradient_accumulation_steps": settings.accum,
                 "train_batch_size": settings.micro_batch_size * settings.accum * world_size,
-                "gradient_clipping": settings.max_grad_norm or 0.0,
-                "optimizer": optimizer,
-                "zero_optimization": zero, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+                "gradient_clipping": settings.max_grad_norm or 0.0, "steps_per_print": 10 ** 9,
+                "wall_clock_breakdown": False}
 
     def build(self, model, settings: TrainSettings, device) -> DeepSpeedRunner:
         import deepspeed
         import torch.distributed as dist
 
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, settings.weight_decay),
-                                          config=self.config(settings, dist.get_world_size(), device))
+        groups = param_groups(model, settings.weight_decay)
+        config = self.config(settings, dist.get_world_size(), device)
+        if settings.optimizer == "adamw8bit":  # a client optimizer: DeepSpeed has no 8-bit one
+            client = settings.adamw_class()(groups, **settings.adamw_kwargs())
+            engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config)
+        else:
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
         return DeepSpeedRunner(engine, model, device)

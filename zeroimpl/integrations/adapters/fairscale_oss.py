@@ -35,6 +35,6 @@ class FairScale(OneOptimizerClass):
         from fairscale.nn.data_parallel import ShardedDataParallel
         from fairscale.optim import OSS
 
-        optimizer = OSS(param_groups(model, settings.weight_decay), optim=torch.optim.AdamW,
+        optimizer = OSS(param_groups(model, settings.weight_decay), optim=settings.adamw_class(),
                         **settings.adamw_kwargs())
         return FairScaleRunner(ShardedDataParallel(model, optimizer), model, optimizer, settings, device)

@@ -23,6 +23,6 @@ class TorchZero(OneOptimizerClass):
     stage = 1
 
     def build(self, model, settings: TrainSettings, device) -> TorchZeroRunner:
-        optimizer = ZeroRedundancyOptimizer(param_groups(model, settings.weight_decay), torch.optim.AdamW,
+        optimizer = ZeroRedundancyOptimizer(param_groups(model, settings.weight_decay), settings.adamw_class(),
                                             **settings.adamw_kwargs())
         return TorchZeroRunner(wrap_ddp(model, device), model, optimizer, settings, device)

@@ -1,11 +1,12 @@
 """``zeroimpl-compare``: zeroimpl beside DDP, PyTorch ZeRO, FairScale and DeepSpeed on one Hugging Face model.
 
     zeroimpl-compare [--model gpt2|llama|bert|t5|DIRECTORY] [--size tiny|small|base|large]
-                     [--world-size 2] [--steps 6] [--accum 1] [--optimizer adamw|muon] [--only NAME ...]
+                     [--world-size 2] [--steps 6] [--accum 1] [--optimizer adamw|muon|adamw8bit] [--only NAME ...]
                      [--out runs/comparison]
 
 Each implementation trains the same model (same initial weights), on the same data, with the same AdamW
-settings (or, with --optimizer muon, torch.optim.Muon on the hidden matrices and AdamW on the rest), in its
+settings (or, with --optimizer muon, torch.optim.Muon on the hidden matrices and AdamW on the rest; with
+adamw8bit, bitsandbytes' AdamW8bit), in its
 own set of processes (gloo on CPU; NCCL with --device cuda). At the end it prints a table
 (memory by kind, peak, step time, deviation from DDP and a verdict), and writes comparison.md, .csv, .json
 and a .png chart to --out. Peers that are not installed are skipped with the command that installs them.
@@ -17,6 +18,7 @@ The default (GPT-2 "base", 29.5M parameters, 2 ranks, 11 rows) takes about 5 min
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import shlex
 import sys
@@ -44,8 +46,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
-                        help="muon: torch.optim.Muon on the hidden matrices, AdamW on the rest (default: adamw)")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "adamw8bit"],
+                        help="muon: torch.optim.Muon on the hidden matrices, AdamW on the rest; adamw8bit: "
+                        "bitsandbytes' AdamW8bit everywhere (pip install 'zeroimpl[lowbit]') (default: adamw)")
     parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
@@ -59,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser().parse_args(argv)
+    if args.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        parser().error("--optimizer adamw8bit needs bitsandbytes: pip install 'zeroimpl[lowbit]'")
     from tqdm import tqdm
 
     from ..adapters import TrainSettings, all_implementations
