@@ -96,7 +96,32 @@ def verify() -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
-RENDERERS = {"comparison": comparison, "peers": peers, "host-step": host_step, "overlap": overlap, "verify": verify}
+def network() -> str:
+    """``benchmarks/network.py``'s two simulated nodes: step time (and vs DDP) and bytes across the link per step,
+    one row per model and implementation, one column pair per link rate."""
+    results = json.load(open(os.path.join(RESULTS, "network", "network.json")))
+    cells = {(c["size"], c["rate"], c["implementation"]): c for c in results["cells"]}
+    rates = list(dict.fromkeys(c["rate"] for c in results["cells"]))
+    header = "| model | implementation | " + " | ".join(f"{r}: step time (vs DDP) | {r}: MB across per step"
+                                                           for r in rates) + " | loss | model states (MiB) |"
+    lines = [header, "|" + " --- |" * (4 + 2 * len(rates))]
+    for size, implementation in dict.fromkeys((c["size"], c["implementation"]) for c in results["cells"]):
+        row, last = [], None
+        for rate in rates:
+            cell, ddp = cells.get((size, rate, implementation)), cells.get((size, rate, "ddp"))
+            if cell is None:
+                row += ["-", "-"]
+                continue
+            ratio = f" ({cell['median_step_seconds'] / ddp['median_step_seconds']:.2f}x)" if ddp else ""
+            row += [f"{cell['median_step_seconds']:.3f} s{ratio}", f"{cell['link_bytes_per_step'] / 1e6:.1f}"]
+            last = cell
+        lines.append(f"| gpt2 {size} | {implementation} | " + " | ".join(row)
+                     + f" | {last['final_loss']:.4f} | {last['model_state_mib']:.1f} |")
+    return "\n".join(lines) + f"\n\nCommand: `{results['command']}`\n"
+
+
+RENDERERS = {"comparison": comparison, "peers": peers, "host-step": host_step, "overlap": overlap, "verify": verify,
+             "network": network}
 
 
 def render(text: str) -> str:

@@ -25,6 +25,7 @@ class Call(NamedTuple):
     #             isend / irecv: the elements sent / received
     dtype: Optional[torch.dtype]
     ranks: Optional[tuple[int, ...]] = None  # the global ranks of the call's group (None: not recorded)
+    peer: Optional[int] = None  # isend / irecv: the global rank sent to / received from
 
 
 def _full_size(args, kwargs) -> tuple[int, Optional[torch.dtype]]:
@@ -49,6 +50,14 @@ def _group_ranks(group) -> Optional[tuple[int, ...]]:
         return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     except (RuntimeError, ValueError):  # not initialised, or not a process group
         return None
+
+
+def _peer(name: str, args, kwargs) -> Optional[int]:
+    """The global rank an ``isend(tensor, dst)`` / ``irecv(tensor, src)`` addresses; None for other calls."""
+    if name not in ("isend", "irecv"):
+        return None
+    peer = args[1] if len(args) > 1 else kwargs.get("dst" if name == "isend" else "src")
+    return int(peer) if peer is not None else None
 
 
 class CollectiveCounter:
@@ -78,7 +87,8 @@ class CollectiveCounter:
 
     def _counted(self, name: str, original):
         def counted(*args, **kwargs):
-            self.calls.append(Call(name, *_full_size(args, kwargs), _group_ranks(kwargs.get("group"))))
+            self.calls.append(Call(name, *_full_size(args, kwargs), _group_ranks(kwargs.get("group")),
+                                   _peer(name, args, kwargs)))
             return original(*args, **kwargs)
 
         return counted
@@ -87,7 +97,7 @@ class CollectiveCounter:
 def summarize(calls: list[Call]) -> dict[str, tuple[int, int, set]]:
     """name -> (number of calls, total elements, dtypes)."""
     summary: dict[str, tuple[int, int, set]] = {}
-    for name, numel, dtype, _ in calls:
+    for name, numel, dtype, *_ in calls:
         count, total, dtypes = summary.get(name, (0, 0, set()))
         summary[name] = (count + 1, total + numel, dtypes | {dtype})
     return summary

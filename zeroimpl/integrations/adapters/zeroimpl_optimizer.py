@@ -1,8 +1,10 @@
-"""zeroimpl's ShardedOptimizer, stage 1 or 2, with or without CPU offload, on the bare model (no DDP)."""
+"""zeroimpl's ShardedOptimizer, stage 1 or 2, with or without CPU offload, flat or hybrid (a replicate x shard
+device mesh), on the bare model (no DDP)."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -44,17 +46,32 @@ class ZeroimplRunner(WrapperLoopRunner):
         return state
 
 
+def hybrid_mesh(replicas: int, device: torch.device):
+    """A ``replicas x (world / replicas)`` device mesh (replicate x shard): shards within each group of
+    consecutive ranks (a node, under torchrun), replicated across the groups."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % replicas:
+        raise ValueError(f"a hybrid mesh of {replicas} replicas needs a world size divisible by it, got {world}")
+    return init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+
+
 class Zeroimpl(Implementation):
     modules = ()
 
-    def __init__(self, stage: int, offload: bool = False):
-        self.stage, self.offload = stage, offload
-        self.name = f"zeroimpl stage {stage}" + (" + offload" if offload else "")
+    def __init__(self, stage: int, offload: bool = False, replicas: Optional[int] = None):
+        """``replicas``: hybrid sharding over that many replicas of the shards (None: flat, one shard group)."""
+        self.stage, self.offload, self.replicas = stage, offload, replicas
+        self.name = (f"zeroimpl stage {stage}" + (" + offload" if offload else "")
+                     + (f" hybrid ({replicas} replicas)" if replicas else ""))
 
     def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
         if settings.precision == "bf16":
             model.to(torch.bfloat16)
-        optimizer = ShardedOptimizer(sharded_groups(model, settings), torch.optim.AdamW,
+        optimizer = ShardedOptimizer(sharded_groups(model, settings), settings.adamw_class(),
                                      stage=self.stage, offload="cpu" if self.offload else None,
+                                     device_mesh=hybrid_mesh(self.replicas, device) if self.replicas else None,
                                      **settings.adamw_kwargs())
         return ZeroimplRunner(model, model, optimizer, settings, device)

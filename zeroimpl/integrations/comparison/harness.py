@@ -52,7 +52,8 @@ class RankResult:
     peak_bytes: int  # peak memory past start-up (see measure.PeakMemory)
     tokens_per_step: int
     parameter_checksum: str  # SHA-256 of this rank's final full parameters: equal on every rank if in sync
-    collectives: list[list[tuple]] = field(default_factory=list)  # per timed step: (name, numel, dtype name)
+    # per timed step: (name, numel, dtype name, peer: the global rank an isend / irecv addresses, else None)
+    collectives: list[list[tuple]] = field(default_factory=list)
 
 
 @dataclass
@@ -88,8 +89,14 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _train_rank(rank: int, world_size: int, implementation: Implementation, workload: Workload,
-                parameters_path: str) -> RankResult:
+def train_rank(rank: int, world_size: int, implementation: Implementation, workload: Workload,
+               parameters_path: str, step_boundary: Optional[Callable[[int], None]] = None) -> RankResult:
+    """Train on this rank of an initialised process group (one of ``run_implementation``'s processes, or a
+    torchrun worker of benchmarks/network.py); rank 0 saves the final full parameters to ``parameters_path``.
+
+    ``step_boundary(k)``, if given, runs on every rank right after the barrier that starts step ``k``, and with
+    ``k = workload.steps`` behind one more barrier after the last step, before anything else communicates
+    (benchmarks/network.py reads the link's byte counters there)."""
     device = torch.device(f"cuda:{rank}" if workload.device == "cuda" else "cpu")
     for module in ("transformers", *implementation.modules):
         importlib.import_module(module)  # imports are start-up, not training: before the peak is reset
@@ -106,6 +113,8 @@ def _train_rank(rank: int, world_size: int, implementation: Implementation, work
         micro_batches = workload.micro_batches(rank, step)
         dist.barrier()
         _synchronize(device)
+        if step_boundary is not None:
+            step_boundary(step)
         start = time.perf_counter()
         losses += runner.backward(micro_batches)
         if step == workload.steps - 1:
@@ -118,11 +127,14 @@ def _train_rank(rank: int, world_size: int, implementation: Implementation, work
         if step >= workload.warmup_steps:
             times.append(time.perf_counter() - start)
         if counter is not None:
-            calls = [(c.name, c.numel, str(c.dtype)) for c in counter.take() if c.name != "barrier"]
+            calls = [(c.name, c.numel, str(c.dtype), c.peer) for c in counter.take() if c.name != "barrier"]
             if step >= workload.warmup_steps:
                 collectives.append(calls)
     if counter is not None:
         counter.uninstall()
+    if step_boundary is not None:
+        dist.barrier()
+        step_boundary(workload.steps)
     after_step = model_state_bytes(runner.model_state())
     peak = memory.peak()
     parameters = runner.full_parameters()
@@ -154,7 +166,7 @@ def run_implementation(implementation: Implementation, workload: Workload, workd
     parameters_path = os.path.join(os.path.abspath(workdir), f"{slug}.parameters.pt")
     backend = "nccl" if workload.device == "cuda" else "gloo"
     try:
-        result.ranks = run_distributed(workload.world_size, _train_rank, implementation, workload, parameters_path,
+        result.ranks = run_distributed(workload.world_size, train_rank, implementation, workload, parameters_path,
                                        timeout=timeout, backend=backend,
                                        env=implementation.environment(workload.device))
         result.parameters_path = parameters_path

@@ -1,0 +1,311 @@
+"""Two nodes on one machine, joined by a link of known speed: what DDP, DeepSpeed ZeRO-2 and zeroimpl (flat and
+hybrid) cost when the link between machines is slow (issue 29).
+
+    python benchmarks/network.py                          # GPT-2 small and base at 1 and 10 Gbit/s (~15 min)
+    python benchmarks/network.py --sizes small --rates 1gbit --only ddp zeroimpl-2   # one cell
+    python benchmarks/network.py --count-collectives      # also count each rank's bytes sent to the other node
+
+The simulation (root and iproute2 needed: ``apt-get install iproute2``; it says so and exits without them)::
+
+    namespace <prefix>n0                          namespace <prefix>n1
+    node 0: torchrun agent, ranks 0 and 1         node 1: torchrun agent, ranks 2 and 3
+    veth <prefix>a 10.77.0.1/24  <-- link -->  veth <prefix>b 10.77.0.2/24
+    tc on each end: tbf rate R (and netem delay D, where the kernel has netem), shaping what that end sends
+
+Each namespace runs one ``torchrun --nnodes 2 --node_rank i`` agent (static rendezvous on node 0's address) and
+its ranks bind gloo to their end of the veth pair (``GLOO_SOCKET_IFNAME``): the ranks of one node reach each
+other through their namespace's loopback, so the veth counters count exactly the traffic between the nodes
+(payload, TCP/IP and Ethernet headers, ACKs). Every rank reads them at its step boundaries
+(:func:`zeroimpl.integrations.comparison.harness.train_rank`'s ``step_boundary``), so bytes per step are those
+of the timed steps alone, without start-up or the final gather. The namespaces, and with them the veth pair,
+are deleted whatever happens (an error, Ctrl-C, SIGTERM).
+
+Per implementation it reports the median step time (every rank's timed steps), bytes across the link per step,
+the loss of the last step (mean over ranks) and the model states per rank, and writes ``network.json`` and
+``network.md`` to ``--out`` (default ``benchmarks/results/network``), which ``benchmarks/render_docs.py``
+renders into docs/benchmarks.md. With ``--count-collectives`` each rank also records the bytes it sends to
+ranks of the other node through ``torch.distributed.isend`` (zeroimpl's reduce-scatter and all-gather on gloo
+are pairwise exchanges of point-to-point sends): the link must carry those bytes plus headers
+(tests/test_network.py checks this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NODES, RANKS_PER_NODE = 2, 2
+SUBNET = "10.77.0"  # node i has address SUBNET.(i + 1)
+MASTER_PORT = 29517
+IMPLEMENTATIONS = ("ddp", "deepspeed-2", "zeroimpl-2", "zeroimpl-2-hybrid")
+
+
+def implementation(key: str):
+    """The comparison's row for ``key`` (one of IMPLEMENTATIONS); the hybrid one shards within a node and
+    replicates across the NODES nodes."""
+    from zeroimpl.integrations.adapters import DDP, DeepSpeed, Zeroimpl
+
+    return {"ddp": lambda: DDP(), "deepspeed-2": lambda: DeepSpeed(2), "zeroimpl-2": lambda: Zeroimpl(2),
+            "zeroimpl-2-hybrid": lambda: Zeroimpl(2, replicas=NODES)}[key]()
+
+
+# -- the link ------------------------------------------------------------------------------------------------
+
+def missing_requirements() -> str | None:
+    """Why this machine cannot simulate the nodes (None when it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root: run as root (or in a container with CAP_NET_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found: apt-get install iproute2"
+    return None
+
+
+def _run(*command: str) -> None:
+    completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode:
+        raise RuntimeError(f"`{' '.join(command)}` failed: {completed.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Two namespaces joined by a shaped veth pair (see the module docstring); use as a context manager."""
+
+    rate: str  # tc's spelling: "1gbit", "10gbit"
+    delay_ms: float = 0.0  # one way, each direction (netem); 0: none
+    prefix: str = f"zi{os.getpid() % 100000}"  # short: interface names have at most 15 characters
+
+    def namespace(self, node: int) -> str:
+        return f"{self.prefix}n{node}"
+
+    def device(self, node: int) -> str:
+        return f"{self.prefix}{'ab'[node]}"
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def __enter__(self) -> "Link":
+        try:
+            for node in range(NODES):
+                _run("ip", "netns", "add", self.namespace(node))
+                _run("ip", "-n", self.namespace(node), "link", "set", "lo", "up")
+            _run("ip", "link", "add", self.device(0), "netns", self.namespace(0), "type", "veth", "peer", "name",
+                 self.device(1), "netns", self.namespace(1))
+            for node in range(NODES):
+                ns, dev = self.namespace(node), self.device(node)
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev)
+                _run("ip", "-n", ns, "link", "set", dev, "up")
+                tbf = ["tbf", "rate", self.rate, "burst", "512kb", "latency", "100ms"]
+                if self.delay_ms:
+                    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                         f"{self.delay_ms}ms")
+                    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
+                else:
+                    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for node in range(NODES):
+            ns = self.namespace(node)
+            # whatever still runs inside (a rank whose agent was killed) goes first
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def link_bytes(device: str) -> int:
+    """Bytes sent plus received so far by ``device``, read in the caller's own network namespace."""
+    base = f"/sys/class/net/{device}/statistics"
+    return sum(int(open(f"{base}/{direction}_bytes").read()) for direction in ("tx", "rx"))
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """SIGTERM (and SIGHUP) raise SystemExit while inside, so that the Link's cleanup runs as on Ctrl-C."""
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}")
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+# -- one run: two agents, one per node -----------------------------------------------------------------------
+
+@dataclass
+class Cell:
+    """One implementation on one model size over one link."""
+
+    implementation: str
+    size: str
+    rate: str
+    delay_ms: float
+    median_step_seconds: float
+    link_bytes_per_step: float  # both directions, timed steps only
+    final_loss: float  # the last step's micro-batch losses, mean over ranks
+    model_state_mib: float  # the largest rank's
+    peak_rss_mib: float
+    counted_cross_node_bytes_per_step: float | None = None  # isend bytes to the other node (--count-collectives)
+
+
+def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_collectives: bool,
+             workdir: str, timeout: float = 900.0) -> Cell:
+    """Train ``key`` on GPT-2 ``size`` across the two nodes of ``link``; raise with the agents' output if it fails."""
+    out = os.path.join(workdir, f"{key}-{size}-{link.rate}.json")
+    agents = []
+    for node in range(NODES):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": link.device(node),
+               **implementation(key).environment("cpu")}
+        command = ["ip", "netns", "exec", link.namespace(node), sys.executable, "-m", "torch.distributed.run",
+                   "--nnodes", str(NODES), "--nproc_per_node", str(RANKS_PER_NODE), "--node_rank", str(node),
+                   "--master_addr", link.address(0), "--master_port", str(MASTER_PORT),
+                   os.path.abspath(__file__), "worker", key, size, str(steps), str(warmup), link.device(node), out,
+                   *(["--count-collectives"] if count_collectives else [])]
+        agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True))
+    try:
+        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    finally:  # an error or an interrupt: stop the agents (which stop their ranks), then kill what is left
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGTERM)
+        for agent in agents:
+            try:
+                agent.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    if any(agent.returncode for agent in agents) or not os.path.exists(out):
+        raise RuntimeError(f"{key} on {size} over {link.rate} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    ranks = json.load(open(out))
+    os.remove(out)
+    crossings = [r["link_bytes"][steps] - r["link_bytes"][warmup] for r in ranks]
+    counted = None
+    if count_collectives:
+        counted = sum(numel * _ELEMENT_BYTES[dtype] for rank, r in enumerate(ranks) for calls in r["collectives"]
+                      for name, numel, dtype, peer in calls
+                      if name == "isend" and peer // RANKS_PER_NODE != rank // RANKS_PER_NODE) / (steps - warmup)
+    return Cell(key, size, link.rate, link.delay_ms,
+                median_step_seconds=statistics.median(t for r in ranks for t in r["step_seconds"]),
+                link_bytes_per_step=statistics.median(crossings) / (steps - warmup),
+                final_loss=statistics.mean(statistics.mean(r["losses"][-(len(r["losses"]) // steps):]) for r in ranks),
+                model_state_mib=max(r["model_state"]["total"] for r in ranks) / 2**20,
+                peak_rss_mib=max(r["peak_bytes"] for r in ranks) / 2**20, counted_cross_node_bytes_per_step=counted)
+
+
+_ELEMENT_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2, "torch.float64": 8, "torch.int64": 8,
+                  "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1, "torch.bool": 1}
+
+
+def worker(key: str, size: str, steps: int, warmup: int, device: str, out: str, count_collectives: bool) -> None:
+    """One torchrun rank: train through the comparison harness, reading the link counters at step boundaries;
+    rank 0 writes every rank's result to ``out``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from zeroimpl.integrations.comparison.harness import Workload, train_rank
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    readings: list[int] = []
+    workload = Workload("gpt2", size, world, steps=steps, warmup_steps=warmup, count_collectives=count_collectives)
+    with tempfile.TemporaryDirectory() as scratch:
+        result = train_rank(rank, world, implementation(key), workload, os.path.join(scratch, "parameters.pt"),
+                            step_boundary=lambda step: readings.append(link_bytes(device)))
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object({**asdict(result), "link_bytes": readings}, gathered, dst=0)
+    if rank == 0:
+        with open(out + ".partial", "w") as handle:
+            json.dump(gathered, handle)
+        os.replace(out + ".partial", out)
+    dist.destroy_process_group()
+
+
+# -- the report ----------------------------------------------------------------------------------------------
+
+def markdown(cells: list[Cell], command: str) -> str:
+    """The results table, one row per (size, link, implementation), with the step time as a ratio to DDP's."""
+    ddp = {(c.size, c.rate): c.median_step_seconds for c in cells if c.implementation == "ddp"}
+    lines = ["# Two nodes over a shaped link", "",
+             f"{NODES} nodes x {RANKS_PER_NODE} ranks (network namespaces joined by a veth pair shaped with tc tbf), "
+             "gloo, GPT-2 of the comparison's sizes, AdamW, fp32, micro-batch 4, clip 1.0. Bytes across the link "
+             "are both directions, per timed step, from the veth counters (headers and ACKs included).  ",
+             f"Command: `{command}`.", "",
+             "| model | link | implementation | step time | vs DDP | MB across the link per step | final loss "
+             "| model states per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        ratio = f"{c.median_step_seconds / ddp[(c.size, c.rate)]:.2f}x" if (c.size, c.rate) in ddp else "-"
+        lines.append(f"| gpt2 {c.size} | {c.rate} | {c.implementation} | {c.median_step_seconds:.3f} s | {ratio} "
+                     f"| {c.link_bytes_per_step / 1e6:.1f} | {c.final_loss:.4f} | {c.model_state_mib:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["small", "base"], choices=["tiny", "small", "base", "large"])
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="tc rates of the link")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (netem; the kernel must have it)")
+    parser.add_argument("--only", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed first steps")
+    parser.add_argument("--count-collectives", action="store_true")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "network"))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "worker":
+        key, size, steps, warmup, device, out = sys.argv[2:8]
+        worker(key, size, int(steps), int(warmup), device, out, "--count-collectives" in sys.argv[8:])
+        return 0
+    args = parse_args(argv)
+    missing = missing_requirements()
+    if missing:
+        print(f"benchmarks/network.py cannot simulate two nodes here: {missing}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    command = "python benchmarks/network.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    cells = []
+    with signals_raise(), tempfile.TemporaryDirectory() as workdir:
+        for rate in args.rates:
+            with Link(rate, args.delay_ms) as link:
+                for size in args.sizes:
+                    for key in args.only:
+                        started = time.monotonic()
+                        cells.append(run_cell(link, key, size, args.steps, args.warmup, args.count_collectives,
+                                              workdir))
+                        print(f"{key} gpt2 {size} over {rate}: {cells[-1].median_step_seconds:.3f} s/step, "
+                              f"{cells[-1].link_bytes_per_step / 1e6:.1f} MB/step across the link "
+                              f"({time.monotonic() - started:.0f} s)", flush=True)
+    with open(os.path.join(args.out, "network.json"), "w") as handle:
+        json.dump({"command": command, "cells": [asdict(c) for c in cells]}, handle, indent=1)
+    with open(os.path.join(args.out, "network.md"), "w") as handle:
+        handle.write(markdown(cells, command))
+    print(f"wrote {args.out}/network.json and network.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
