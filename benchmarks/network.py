@@ -4,6 +4,7 @@ hybrid) cost when the link between machines is slow (issue 29).
     python benchmarks/network.py                          # GPT-2 small and base at 1 and 10 Gbit/s (~15 min)
     python benchmarks/network.py --sizes small --rates 1gbit --only ddp zeroimpl-2   # one cell
     python benchmarks/network.py --count-collectives      # also count each rank's bytes sent to the other node
+    python benchmarks/network.py --collectives 8000000    # time each collective across the link instead
 
 The simulation (root and iproute2 needed: ``apt-get install iproute2``; it says so and exits without them)::
 
@@ -168,21 +169,19 @@ class Cell:
     counted_cross_node_bytes_per_step: float | None = None  # isend bytes to the other node (--count-collectives)
 
 
-def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_collectives: bool,
-             workdir: str, timeout: float = 900.0) -> Cell:
-    """Train ``key`` on GPT-2 ``size`` across the two nodes of ``link``; raise with the agents' output if it fails."""
-    out = os.path.join(workdir, f"{key}-{size}-{link.rate}.json")
+def run_on_nodes(link: Link, script: list[str], env: dict, timeout: float = 900.0) -> list[str]:
+    """Run ``python -m torch.distributed.run ... <script>`` as one agent per node of ``link`` (static rendezvous
+    on node 0's address, gloo bound to each node's end of the link); return each agent's output, or raise
+    with it when an agent fails."""
     agents = []
     for node in range(NODES):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": link.device(node),
-               **implementation(key).environment("cpu")}
+        node_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": link.device(node),
+                    **env}
         command = ["ip", "netns", "exec", link.namespace(node), sys.executable, "-m", "torch.distributed.run",
                    "--nnodes", str(NODES), "--nproc_per_node", str(RANKS_PER_NODE), "--node_rank", str(node),
-                   "--master_addr", link.address(0), "--master_port", str(MASTER_PORT),
-                   os.path.abspath(__file__), "worker", key, size, str(steps), str(warmup), link.device(node), out,
-                   *(["--count-collectives"] if count_collectives else [])]
-        agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True))
+                   "--master_addr", link.address(0), "--master_port", str(MASTER_PORT), *script]
+        agents.append(subprocess.Popen(command, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, start_new_session=True))
     try:
         outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
     finally:  # an error or an interrupt: stop the agents (which stop their ranks), then kill what is left
@@ -195,8 +194,18 @@ def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_col
             except subprocess.TimeoutExpired:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
-    if any(agent.returncode for agent in agents) or not os.path.exists(out):
-        raise RuntimeError(f"{key} on {size} over {link.rate} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    if any(agent.returncode for agent in agents):
+        raise RuntimeError(f"{' '.join(script)} over {link.rate} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    return outputs
+
+
+def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_collectives: bool,
+             workdir: str) -> Cell:
+    """Train ``key`` on GPT-2 ``size`` across the two nodes of ``link``."""
+    out = os.path.join(workdir, f"{key}-{size}-{link.rate}.json")
+    run_on_nodes(link, [os.path.abspath(__file__), "worker", key, size, str(steps), str(warmup), out,
+                        *(["--count-collectives"] if count_collectives else [])],
+                 implementation(key).environment("cpu"))
     ranks = json.load(open(out))
     os.remove(out)
     crossings = [r["link_bytes"][steps] - r["link_bytes"][warmup] for r in ranks]
@@ -217,9 +226,9 @@ _ELEMENT_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2, "
                   "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1, "torch.bool": 1}
 
 
-def worker(key: str, size: str, steps: int, warmup: int, device: str, out: str, count_collectives: bool) -> None:
-    """One torchrun rank: train through the comparison harness, reading the link counters at step boundaries;
-    rank 0 writes every rank's result to ``out``."""
+def worker(key: str, size: str, steps: int, warmup: int, out: str, count_collectives: bool) -> None:
+    """One torchrun rank: train through the comparison harness, reading the counters of its node's end of the
+    link (``GLOO_SOCKET_IFNAME``) at step boundaries; rank 0 writes every rank's result to ``out``."""
     import datetime
 
     import torch.distributed as dist
@@ -229,6 +238,7 @@ def worker(key: str, size: str, steps: int, warmup: int, device: str, out: str, 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     readings: list[int] = []
+    device = os.environ["GLOO_SOCKET_IFNAME"]
     workload = Workload("gpt2", size, world, steps=steps, warmup_steps=warmup, count_collectives=count_collectives)
     with tempfile.TemporaryDirectory() as scratch:
         result = train_rank(rank, world, implementation(key), workload, os.path.join(scratch, "parameters.pt"),
@@ -240,6 +250,19 @@ def worker(key: str, size: str, steps: int, warmup: int, device: str, out: str, 
             json.dump(gathered, handle)
         os.replace(out + ".partial", out)
     dist.destroy_process_group()
+
+
+def time_collectives(rate: str, delay_ms: float, numel: int, out: str, command: str) -> None:
+    """benchmarks/collectives.py across the two nodes of a link at ``rate``: ``out/collectives-<rate>.md``."""
+    with Link(rate, delay_ms) as link, tempfile.TemporaryDirectory() as scratch:
+        run_on_nodes(link, [os.path.join(ROOT, "benchmarks", "collectives.py"), "--numel", str(numel), "--out", scratch],
+                     {})
+        table = open(os.path.join(scratch, "collectives-gloo.md")).read()
+    heading, rest = table.split("\n", 1)
+    with open(os.path.join(out, f"collectives-{rate}.md"), "w") as handle:
+        handle.write(f"{heading}, {NODES} nodes x {RANKS_PER_NODE} ranks over a {rate} link\n\nRun by `{command}` "
+                     f"(benchmarks/collectives.py under one torchrun agent per simulated node).\n{rest}")
+    print(f"wrote {out}/collectives-{rate}.md")
 
 
 # -- the report ----------------------------------------------------------------------------------------------
@@ -271,14 +294,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     parser.add_argument("--count-collectives", action="store_true")
+    parser.add_argument("--collectives", type=int, default=None, metavar="NUMEL",
+                        help="instead of training: time each collective of benchmarks/collectives.py (all-reduce, "
+                             "native and pairwise reduce-scatter and all-gather) on NUMEL fp32 elements across the "
+                             "nodes, per rate: collectives-<rate>.md")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "network"))
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "worker":
-        key, size, steps, warmup, device, out = sys.argv[2:8]
-        worker(key, size, int(steps), int(warmup), device, out, "--count-collectives" in sys.argv[8:])
+        key, size, steps, warmup, out = sys.argv[2:7]
+        worker(key, size, int(steps), int(warmup), out, "--count-collectives" in sys.argv[7:])
         return 0
     args = parse_args(argv)
     missing = missing_requirements()
@@ -287,6 +314,11 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     command = "python benchmarks/network.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    if args.collectives:
+        with signals_raise():
+            for rate in args.rates:
+                time_collectives(rate, args.delay_ms, args.collectives, args.out, command)
+        return 0
     cells = []
     with signals_raise(), tempfile.TemporaryDirectory() as workdir:
         for rate in args.rates:

@@ -63,8 +63,19 @@ CONFIGS = [
 ]
 
 
+def _count_across_nodes(rank, world_size):
+    """Stage 2 with the default algorithms, as if each rank were a node of its own (torchrun's
+    LOCAL_WORLD_SIZE=1): the group spans nodes."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        return _count(rank, world_size, 2, 1, False, torch.float32, "")
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
 def _count_all(rank, world_size):
-    return run_cases({config: partial(_count, rank, world_size, *config) for config in CONFIGS})
+    cases = {config: partial(_count, rank, world_size, *config) for config in CONFIGS}
+    return run_cases({**cases, "across nodes": partial(_count_across_nodes, rank, world_size)})
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +114,20 @@ def test_collectives_per_step(counts_by_config, stage, accum, clip, dtype, algor
             count, total, _ = summary.pop("all_reduce")
             assert (count, total) == (1, 5)
             assert summary == {}, f"unexpected collectives {summary}"
+
+
+def test_across_nodes_the_all_gather_is_the_backends_ring_and_the_reduce_scatter_stays_pairwise(counts_by_config):
+    """comm.py: a pairwise all-gather sends a piece between every two ranks, so over a group that spans nodes
+    (by torchrun's LOCAL_WORLD_SIZE) gloo's own all-gather, a ring that crosses each node boundary once, is
+    used; the reduce-scatter stays pairwise (gloo's own costs more than an all-reduce there too)."""
+    for result in case_results(counts_by_config, "across nodes"):
+        buckets, padded = result["buckets"], result["padded"]
+        for calls in result["per_step"]:
+            summary = summarize(calls)
+            assert summary.pop("all_gather_single") == (buckets, padded, {torch.float32})
+            assert summary.pop("isend") == (buckets, padded // 2, {torch.float32})  # the reduce-scatter's half
+            assert summary.pop("irecv") == (buckets, padded // 2, {torch.float32})
+            assert summary.pop("all_reduce")[:2] == (1, 5) and summary == {}, summary
 
 
 def _inputs(world_size: int, numel: int) -> list[torch.Tensor]:

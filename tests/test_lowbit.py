@@ -18,8 +18,9 @@ from zeroimpl.optimizer_kinds import sharding_of
 
 bnb = pytest.importorskip("bitsandbytes", reason="pip install 'zeroimpl[lowbit]' (bitsandbytes)")
 
+# PagedAdamW8bit pages its state on CUDA; on the CPU bitsandbytes falls back to plain buffers (with a warning)
 CLASSES = {"AdamW8bit": (bnb.optim.AdamW8bit, {"lr": 1e-2}), "Adam8bit": (bnb.optim.Adam8bit, {"lr": 1e-2}),
-           "Lion8bit": (bnb.optim.Lion8bit, {"lr": 1e-3})}
+           "Lion8bit": (bnb.optim.Lion8bit, {"lr": 1e-3}), "PagedAdamW8bit": (bnb.optim.PagedAdamW8bit, {"lr": 1e-2})}
 STEPS = 3
 
 

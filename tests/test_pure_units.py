@@ -381,3 +381,11 @@ def test_estimate_from_a_model_counts_padding_and_pieces_per_rank():
     by_rank = [estimate_memory(model.parameters(), 2, 2, rank=r, **settings).device.optimizer_state for r in (0, 1)]
     assert sum(by_rank) == 8 * 77 + 4 * 3
     assert stage2.device.optimizer_state == max(by_rank) and by_rank[0] != by_rank[1]
+
+
+def test_node_count_follows_torchruns_numbering():
+    """comm.node_count: node n holds global ranks [n * L, (n + 1) * L); an unknown L counts as one node."""
+    from zeroimpl.comm import node_count
+
+    assert node_count(range(8), 4) == 2 and node_count([0, 1, 2, 3], 4) == 1 and node_count([3, 4], 4) == 2
+    assert node_count([1, 5, 9], 4) == 3 and node_count(range(8), 0) == 1 and node_count(range(3), 1) == 3

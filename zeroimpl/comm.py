@@ -13,6 +13,15 @@ all-gather, the ring minimum):
   0.85x and 0.5x (``benchmarks/results/collectives-gloo.md``). A pairwise reduce-scatter holds a receive
   buffer of ``(N - 1) / N`` of its bucket until its wait.
 
+Which ranks exchange matters once a group spans machines: a pairwise exchange sends ``1 / N`` of the tensor
+between *every* two ranks, so with ``L`` ranks per node ``(N - L) / N`` of each rank's bytes cross between
+nodes, where a ring (gloo's native all-gather; node-contiguous ranks, as torchrun numbers them) crosses the
+node boundary on one edge per node only. Two nodes of 2 ranks over a 1 Gbit/s link: a pairwise all-gather
+of 16 MB takes 157 ms, the ring 107-113 ms (``benchmarks/results/network/collectives-1gbit.md``); at 8 ranks
+per node the pairwise exchange would move 4x the ring's bytes across. So a gloo all-gather over a group that
+spans nodes (:func:`spans_nodes`: by torchrun's ``LOCAL_WORLD_SIZE``) is ``native``; the reduce-scatter
+stays pairwise, as gloo's native one costs more than an all-reduce there too (216 against 157 ms).
+
 ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors (read when the collective is
 issued; set it alike on every rank). Tensors on an accelerator always use ``native``. The
 ``torch.distributed`` functions are looked up at call time, so that a test can wrap them to count traffic.
@@ -103,9 +112,10 @@ class Pending:
             finish()
 
 
-def algorithm(group, tensor: torch.Tensor) -> str:
-    """``native`` or ``pairwise`` for ``tensor``: native off the CPU, else the environment's choice, else
-    pairwise on gloo and native elsewhere."""
+def algorithm(group, tensor: torch.Tensor, gather: bool = False) -> str:
+    """``native`` or ``pairwise`` for ``tensor``'s reduce-scatter (or, ``gather``, all-gather): native off the
+    CPU, else the environment's choice, else on gloo pairwise -- but for an all-gather over a group that spans
+    nodes -- and native elsewhere."""
     if tensor.device.type != "cpu":
         return "native"
     chosen = os.environ.get("ZEROIMPL_COLLECTIVES", "")
@@ -113,7 +123,23 @@ def algorithm(group, tensor: torch.Tensor) -> str:
         if chosen not in ALGORITHMS:
             raise ValueError(f"ZEROIMPL_COLLECTIVES={chosen!r} is not one of {ALGORITHMS}; unset it for the default")
         return chosen
-    return "pairwise" if dist.get_backend(group) == "gloo" else "native"
+    if dist.get_backend(group) != "gloo" or (gather and spans_nodes(group)):
+        return "native"
+    return "pairwise"
+
+
+def spans_nodes(group) -> bool:
+    """Whether ``group``'s ranks sit on more than one node, by torchrun's numbering (``LOCAL_WORLD_SIZE`` ranks
+    per node, node ``n`` holding global ranks ``[n * L, (n + 1) * L)``); False where the launcher did not set
+    ``LOCAL_WORLD_SIZE``. The same answer on every rank of a torchrun job."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return node_count(ranks, int(os.environ.get("LOCAL_WORLD_SIZE") or 0)) > 1
+
+
+def node_count(global_ranks, ranks_per_node: int) -> int:
+    """How many nodes hold ``global_ranks`` when each node holds ``ranks_per_node`` consecutive ranks (0: unknown,
+    counted as one node)."""
+    return len({rank // ranks_per_node for rank in global_ranks}) if ranks_per_node > 0 else 1
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
@@ -148,7 +174,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
     """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     timeout = _host_timeout(output, timeout)
-    if world > 1 and algorithm(group, output) == "native":
+    if world > 1 and algorithm(group, output, gather=True) == "native":
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
         return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent)
