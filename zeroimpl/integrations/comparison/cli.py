@@ -1,7 +1,8 @@
 """``zeroimpl-compare``: zeroimpl beside DDP, PyTorch ZeRO, FairScale and DeepSpeed on one Hugging Face model.
 
     zeroimpl-compare [--model gpt2|llama|bert|t5|DIRECTORY] [--size tiny|small|base|large]
-                     [--world-size 2] [--steps 6] [--accum 1] [--optimizer adamw|muon|adamw8bit] [--only NAME ...]
+                     [--world-size 2] [--steps 6] [--accum 1] [--optimizer adamw|muon|adamw8bit]
+                     [--max-grad-norm 1.0] [--only NAME ...]
                      [--out runs/comparison]
 
 Each implementation trains the same model (same initial weights), on the same data, with the same AdamW
@@ -50,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
                         help="muon: torch.optim.Muon on the hidden matrices, AdamW on the rest; adamw8bit: "
                         "bitsandbytes' AdamW8bit everywhere (pip install 'zeroimpl[lowbit]') (default: adamw)")
     parser.add_argument("--muon-lr", type=float, default=0.02)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="global 2-norm clipping of every implementation; 0: no clipping (default: 1.0)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                         help="bf16: zeroimpl and DeepSpeed train bf16 parameters with fp32 master shards, the "
@@ -73,7 +76,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     implementations = [i for i in all_implementations()
                        if args.only is None or i.stage == 0 or any(n.lower() in i.name.lower() for n in args.only)]
     settings = TrainSettings(lr=args.lr, accum=args.accum, micro_batch_size=args.micro_batch_size,
-                             optimizer=args.optimizer, muon_lr=args.muon_lr, precision=args.precision)
+                             optimizer=args.optimizer, muon_lr=args.muon_lr, precision=args.precision,
+                             max_grad_norm=args.max_grad_norm or None)
     workload = Workload(args.model, args.size, args.world_size, args.steps, settings=settings, device=args.device)
     command = "zeroimpl-compare " + shlex.join(sys.argv[1:] if argv is None else argv)
     with tqdm(total=len(implementations), unit="run", desc="comparison") as bar:
