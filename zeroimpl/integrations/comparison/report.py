@@ -111,7 +111,7 @@ def caption(workload: Workload, parameters: int) -> str:
     if settings.optimizer == "muon":
         optimizer = f"Muon lr {settings.muon_lr} on the hidden matrices, AdamW lr {settings.lr} on the rest"
     else:
-        optimizer = f"AdamW lr {settings.lr}"
+        optimizer = f"{settings.adamw_class().__name__} lr {settings.lr}"
     tolerance = tolerances(settings)[2]
     precision = ("bf16 (zeroimpl, DeepSpeed: bf16 parameters, fp32 masters; the others: autocast)"
                  if settings.precision == "bf16" else "fp32")
