@@ -186,12 +186,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
     return Pending(works, name, timeout)
 
 
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
+               name: str = "all-reduce") -> Pending:
+    """Start reducing ``tensor`` in place across the group; it must stay untouched until the wait."""
+    lent = _aliases(tensor)
+    return Pending([dist.all_reduce(*lent, op=op, group=group, async_op=True)], name, _host_timeout(tensor, timeout),
+                   lent=lent)
+
+
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
                 name: str = "all-reduce") -> torch.Tensor:
     """Reduce ``tensor`` in place across the group and return it."""
-    lent = _aliases(tensor)
-    Pending([dist.all_reduce(*lent, op=op, group=group, async_op=True)], name, _host_timeout(tensor, timeout),
-            lent=lent).wait()
+    all_reduce(tensor, op, group, timeout, name).wait()
     return tensor
 
 

@@ -8,7 +8,8 @@ Tensors named here (all 1-D):
   first gradient of the bucket until its reduce-scatter has finished.
 * ``reduced`` -- ``bucket.shard_numel`` elements in the reduce dtype: this rank's part of one reduction
   of the averaged gradient (at world size 1, the bucket buffer itself; with hybrid sharding, all-reduced
-  across the replicas once its reduce-scatter in the shard group has finished), handed to the gradient store
+  across the replicas once its reduce-scatter in the shard group has finished, that all-reduce in flight
+  while backward goes on, as the reduce-scatters are), handed to the gradient store
   (:mod:`zeroimpl.grad_shards`), which sums the reductions since the last ``zero_grad()`` on the device
   or, with offload, on the host.
 
@@ -23,6 +24,7 @@ every reduction is waited for, so no bucket buffer survives backward::
 
     compute: --grad b0--|--grad b1--|--grad b2--|
     comm:               |--RS b0----|--RS b1----|--RS b2--|  (at most `max_inflight` in flight)
+    hybrid:                         |--AR b0----|--AR b1----|--AR b2--|  (across replicas; as many)
 
 A *round* is what one backward pass reduces: each bucket once (:mod:`zeroimpl.backward_round` says when
 one ends, also under reentrant activation checkpointing, and in which order buckets launch). A round still
@@ -58,9 +60,9 @@ if TYPE_CHECKING:
 
 
 class _Reduction:
-    """One bucket's reduce-scatter in flight."""
+    """One bucket's reduce-scatter in flight (or, hybrid, its reduced shard's all-reduce: no buffer)."""
 
-    def __init__(self, bucket_index: int, buffer: torch.Tensor, output: torch.Tensor, work):
+    def __init__(self, bucket_index: int, buffer: Optional[torch.Tensor], output: torch.Tensor, work):
         self.bucket_index = bucket_index
         self.buffer = buffer  # kept alive until the collective finishes
         self.output = output
@@ -88,7 +90,8 @@ class GradientReducer:
         self._scale = 1.0 / topology.world_size
         self.gradients = gradients  # where finished reductions go
 
-        self._inflight: deque[_Reduction] = deque()
+        self._inflight: deque[_Reduction] = deque()  # reduce-scatters, in launch order
+        self._replicating: deque[_Reduction] = deque()  # hybrid: reduced shards' all-reduces, in the same order
         self.backward_passes = 0  # backward passes that reached these parameters since the last step/zero_grad
         self.round = BackwardRound()
         num_params = len(layout.slots)
@@ -222,16 +225,29 @@ class GradientReducer:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
+        """Finish the oldest reduce-scatter and hand its shard to the store; with hybrid sharding start the
+        shard's all-reduce across the replicas instead, finished later (:meth:`_complete_replicated`)."""
         reduction = self._inflight.popleft()
         reduction.work.wait()
-        if self.replicate is not None:
-            comm.all_reduce_(reduction.output, torch.distributed.ReduceOp.SUM, self.replicate, self.timeout,
-                             "gradient shard all-reduce across replicas")
+        if self.replicate is None:
+            self.gradients.add(reduction.bucket_index, reduction.output)
+            return
+        work = comm.all_reduce(reduction.output, torch.distributed.ReduceOp.SUM, self.replicate, self.timeout,
+                               "gradient shard all-reduce across replicas")
+        self._replicating.append(_Reduction(reduction.bucket_index, None, reduction.output, work))
+        while len(self._replicating) > self.max_inflight:
+            self._complete_replicated()
+
+    def _complete_replicated(self) -> None:
+        reduction = self._replicating.popleft()
+        reduction.work.wait()
         self.gradients.add(reduction.bucket_index, reduction.output)
 
     def wait_all(self) -> None:
         while self._inflight:
             self._complete_oldest()
+        while self._replicating:
+            self._complete_replicated()
 
     # -- the optimizer's verbs ------------------------------------------------------------------
     def finalize(self) -> None:
@@ -295,7 +311,7 @@ class GradientReducer:
         live = [b for b in self._buffers if b is not None]
         for reduction in self._inflight:
             live += [reduction.buffer, reduction.output, *reduction.work.buffers]
-        return live
+        return live + [reduction.output for reduction in self._replicating]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: ``set_to_none`` forgets the gradients; otherwise every parameter that had a gradient
