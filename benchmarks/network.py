@@ -25,9 +25,10 @@ Per implementation it reports the median step time (every rank's timed steps), b
 the loss of the last step (mean over ranks) and the model states per rank, and writes ``network.json`` and
 ``network.md`` to ``--out`` (default ``benchmarks/results/network``), which ``benchmarks/render_docs.py``
 renders into docs/benchmarks.md. With ``--count-collectives`` each rank also records the bytes it sends to
-ranks of the other node through ``torch.distributed.isend`` (zeroimpl's reduce-scatter and all-gather on gloo
-are pairwise exchanges of point-to-point sends): the link must carry those bytes plus headers
-(tests/test_network.py checks this).
+ranks of the other node through ``torch.distributed.isend``. zeroimpl's reduce-scatter on gloo is such a
+pairwise exchange, and so is its all-gather under ``ZEROIMPL_COLLECTIVES=pairwise`` (by default an
+all-gather across nodes is gloo's ring, whose bytes the counter cannot attribute to a peer): then the link
+must carry those bytes plus headers (tests/test_network.py checks this).
 """
 
 from __future__ import annotations
@@ -127,6 +128,10 @@ class Link:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while pids and time.monotonic() < deadline:  # let them go before their namespace does
+                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+                time.sleep(0.1)
             # deleting a namespace deletes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
@@ -172,18 +177,23 @@ class Cell:
 def run_on_nodes(link: Link, script: list[str], env: dict, timeout: float = 900.0) -> list[str]:
     """Run ``python -m torch.distributed.run ... <script>`` as one agent per node of ``link`` (static rendezvous
     on node 0's address, gloo bound to each node's end of the link); return each agent's output, or raise
-    with it when an agent fails."""
-    agents = []
-    for node in range(NODES):
-        node_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": link.device(node),
-                    **env}
-        command = ["ip", "netns", "exec", link.namespace(node), sys.executable, "-m", "torch.distributed.run",
-                   "--nnodes", str(NODES), "--nproc_per_node", str(RANKS_PER_NODE), "--node_rank", str(node),
-                   "--master_addr", link.address(0), "--master_port", str(MASTER_PORT), *script]
-        agents.append(subprocess.Popen(command, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, start_new_session=True))
+    with it when an agent fails (the other is stopped then) or the run outlasts ``timeout`` seconds."""
+    agents, logs = [], []
     try:
-        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+        for node in range(NODES):
+            node_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+                        "GLOO_SOCKET_IFNAME": link.device(node), **env}
+            command = ["ip", "netns", "exec", link.namespace(node), sys.executable, "-m", "torch.distributed.run",
+                       "--nnodes", str(NODES), "--nproc_per_node", str(RANKS_PER_NODE), "--node_rank", str(node),
+                       "--master_addr", link.address(0), "--master_port", str(MASTER_PORT), *script]
+            logs.append(tempfile.TemporaryFile("w+"))  # a file, not a pipe: no agent blocks on unread output
+            agents.append(subprocess.Popen(command, env=node_env, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                           text=True, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(agent.poll() is None for agent in agents):
+            if any(agent.returncode for agent in agents) or time.monotonic() > deadline:
+                break  # one failed (or time is up): the finally stops the other
+            time.sleep(0.2)
     finally:  # an error or an interrupt: stop the agents (which stop their ranks), then kill what is left
         for agent in agents:
             if agent.poll() is None:
@@ -194,6 +204,11 @@ def run_on_nodes(link: Link, script: list[str], env: dict, timeout: float = 900.
             except subprocess.TimeoutExpired:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
     if any(agent.returncode for agent in agents):
         raise RuntimeError(f"{' '.join(script)} over {link.rate} failed:\n" + "\n".join(o[-3000:] for o in outputs))
     return outputs

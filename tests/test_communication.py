@@ -64,13 +64,17 @@ CONFIGS = [
 
 
 def _count_across_nodes(rank, world_size):
-    """Stage 2 with the default algorithms, as if each rank were a node of its own (torchrun's
-    LOCAL_WORLD_SIZE=1): the group spans nodes."""
-    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    """Stage 2 with the default algorithms, as if each rank were a node of its own (torchrun's GROUP_RANK, the
+    node number, = the rank): the group spans nodes."""
+    previous = os.environ.get("GROUP_RANK")
+    os.environ["GROUP_RANK"] = str(rank)
     try:
         return _count(rank, world_size, 2, 1, False, torch.float32, "")
     finally:
-        del os.environ["LOCAL_WORLD_SIZE"]
+        if previous is None:
+            del os.environ["GROUP_RANK"]
+        else:
+            os.environ["GROUP_RANK"] = previous
 
 
 def _count_all(rank, world_size):
@@ -118,8 +122,9 @@ def test_collectives_per_step(counts_by_config, stage, accum, clip, dtype, algor
 
 def test_across_nodes_the_all_gather_is_the_backends_ring_and_the_reduce_scatter_stays_pairwise(counts_by_config):
     """comm.py: a pairwise all-gather sends a piece between every two ranks, so over a group that spans nodes
-    (by torchrun's LOCAL_WORLD_SIZE) gloo's own all-gather, a ring that crosses each node boundary once, is
-    used; the reduce-scatter stays pairwise (gloo's own costs more than an all-reduce there too)."""
+    (by torchrun's GROUP_RANK, agreed at the group's first all-gather, before the steps counted here) gloo's
+    own all-gather, a ring that crosses each node boundary once, is used; the reduce-scatter stays pairwise
+    (gloo's own costs more than an all-reduce there too)."""
     for result in case_results(counts_by_config, "across nodes"):
         buckets, padded = result["buckets"], result["padded"]
         for calls in result["per_step"]:

@@ -28,9 +28,12 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "network.py")
 OVERHEAD_BOUND = 1.03
 
 
-def _namespaces() -> set[str]:
+def _namespaces(run: subprocess.Popen) -> set[str]:
+    """The network namespaces of ``run`` (named after its pid: benchmarks/network.py's Link.prefix), so that
+    other runs on the machine at the same time do not count."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+    prefix = f"zi{run.pid % 100000}n"
+    return {line.split()[0] for line in listed.splitlines() if line.startswith(prefix)}
 
 
 def _running(pid: str) -> bool:
@@ -57,38 +60,43 @@ ENV = {**os.environ, "PYTHONPATH": ROOT}
 
 
 def test_bytes_across_the_link_match_the_bytes_the_ranks_sent_to_the_other_node(tmp_path):
-    before = _namespaces()
-    completed = subprocess.run([sys.executable, SCRIPT, "--sizes", "small", "--rates", "10gbit", "--only", "zeroimpl-2",
-                                "--steps", "3", "--count-collectives", "--out", str(tmp_path)],
-                               env={**ENV, "ZEROIMPL_COLLECTIVES": "pairwise"}, capture_output=True, text=True,
-                               timeout=300)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    run = subprocess.Popen([sys.executable, SCRIPT, "--sizes", "small", "--rates", "10gbit", "--only", "zeroimpl-2",
+                            "--steps", "3", "--count-collectives", "--out", str(tmp_path)],
+                           env={**ENV, "ZEROIMPL_COLLECTIVES": "pairwise"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        output = run.communicate(timeout=300)[0]
+    except subprocess.TimeoutExpired:
+        run.terminate()  # SIGTERM: the script cleans up its namespaces and ranks, as on Ctrl-C
+        output = run.communicate(timeout=60)[0]
+    assert run.returncode == 0, output[-5000:]
     (cell,) = json.load(open(tmp_path / "network.json"))["cells"]
     counted, crossed = cell["counted_cross_node_bytes_per_step"], cell["link_bytes_per_step"]
     assert counted > 1e6, cell  # GPT-2 small: ~1.1M parameters, reduce-scattered and all-gathered in fp32
     assert counted <= crossed <= OVERHEAD_BOUND * counted, cell
     assert cell["median_step_seconds"] > 0 and cell["final_loss"] > 0
     assert (tmp_path / "network.md").read_text().count("| gpt2 small | 10gbit | zeroimpl-2 |") == 1
-    assert _namespaces() == before
+    assert not _namespaces(run)
 
 
 def test_an_interrupted_run_leaves_no_namespace_and_no_rank_behind(tmp_path):
-    before = _namespaces()
     run = subprocess.Popen([sys.executable, SCRIPT, "--sizes", "small", "--rates", "1gbit", "--only", "ddp",
                             "--steps", "50", "--out", str(tmp_path)], env=ENV, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
-    while _namespaces() == before and time.monotonic() < deadline and run.poll() is None:
+    while not _namespaces(run) and time.monotonic() < deadline and run.poll() is None:
         time.sleep(0.2)
-    made = _namespaces() - before
+    made = _namespaces(run)
     assert made, "the run made no namespace"
-    time.sleep(3)  # the agents and their ranks are starting up in the namespaces
-    pids_inside = {pid for ns in made for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                                                 text=True).stdout.split()}
+    pids_inside: set[str] = set()
+    while len(pids_inside) < 6 and time.monotonic() < deadline + 60 and run.poll() is None:  # 2 agents, 4 ranks
+        time.sleep(0.2)
+        pids_inside |= {pid for ns in made for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                                                      text=True).stdout.split()}
     run.send_signal(signal.SIGINT)
     output = run.communicate(timeout=60)[0]
     assert run.returncode != 0, output[-3000:]
-    assert _namespaces() == before, output[-3000:]
+    assert not _namespaces(run), output[-3000:]
     assert pids_inside, "no process ran in the namespaces"
     alive = [pid for pid in pids_inside if _running(pid)]
     assert not alive, f"processes left behind: {alive}"

@@ -383,9 +383,10 @@ def test_estimate_from_a_model_counts_padding_and_pieces_per_rank():
     assert stage2.device.optimizer_state == max(by_rank) and by_rank[0] != by_rank[1]
 
 
-def test_node_count_follows_torchruns_numbering():
-    """comm.node_count: node n holds global ranks [n * L, (n + 1) * L); an unknown L counts as one node."""
+def test_node_count_counts_distinct_node_numbers_and_any_unknown_as_one_node():
+    """comm.node_count: the ranks' node numbers (torchrun's GROUP_RANK + 1), 0 where a rank's is unknown."""
     from zeroimpl.comm import node_count
 
-    assert node_count(range(8), 4) == 2 and node_count([0, 1, 2, 3], 4) == 1 and node_count([3, 4], 4) == 2
-    assert node_count([1, 5, 9], 4) == 3 and node_count(range(8), 0) == 1 and node_count(range(3), 1) == 3
+    assert node_count([1, 1, 2, 2]) == 2 and node_count([1, 1, 1]) == 1 and node_count([3, 1, 2]) == 3
+    assert node_count([1, 2, 1, 2, 2, 2]) == 2  # nodes with 2 and 4 ranks
+    assert node_count([1, 0, 2]) == 1 and node_count([0, 0]) == 1

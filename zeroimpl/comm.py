@@ -17,10 +17,11 @@ Which ranks exchange matters once a group spans machines: a pairwise exchange se
 between *every* two ranks, so with ``L`` ranks per node ``(N - L) / N`` of each rank's bytes cross between
 nodes, where a ring (gloo's native all-gather; node-contiguous ranks, as torchrun numbers them) crosses the
 node boundary on one edge per node only. Two nodes of 2 ranks over a 1 Gbit/s link: a pairwise all-gather
-of 16 MB takes 157 ms, the ring 107-113 ms (``benchmarks/results/network/collectives-1gbit.md``); at 8 ranks
-per node the pairwise exchange would move 4x the ring's bytes across. So a gloo all-gather over a group that
-spans nodes (:func:`spans_nodes`: by torchrun's ``LOCAL_WORLD_SIZE``) is ``native``; the reduce-scatter
-stays pairwise, as gloo's native one costs more than an all-reduce there too (216 against 157 ms).
+of 16 MB takes 138-167 ms, the ring 103-112 ms (``benchmarks/results/network/collectives-1gbit.md``); at 8
+ranks per node the pairwise exchange would move 4x the ring's bytes across. So a gloo all-gather over a group
+that spans nodes (:func:`spans_nodes`: by torchrun's ``GROUP_RANK``, agreed by the group once) is
+``native``; the reduce-scatter stays pairwise, as gloo's native one costs more than an all-reduce there too
+(207-216 ms).
 
 ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors (read when the collective is
 issued; set it alike on every rank). Tensors on an accelerator always use ``native``. The
@@ -112,7 +113,7 @@ class Pending:
             finish()
 
 
-def algorithm(group, tensor: torch.Tensor, gather: bool = False) -> str:
+def algorithm(group, tensor: torch.Tensor, gather: bool = False, timeout: Optional[float] = None) -> str:
     """``native`` or ``pairwise`` for ``tensor``'s reduce-scatter (or, ``gather``, all-gather): native off the
     CPU, else the environment's choice, else on gloo pairwise -- but for an all-gather over a group that spans
     nodes -- and native elsewhere."""
@@ -123,23 +124,34 @@ def algorithm(group, tensor: torch.Tensor, gather: bool = False) -> str:
         if chosen not in ALGORITHMS:
             raise ValueError(f"ZEROIMPL_COLLECTIVES={chosen!r} is not one of {ALGORITHMS}; unset it for the default")
         return chosen
-    if dist.get_backend(group) != "gloo" or (gather and spans_nodes(group)):
+    if dist.get_backend(group) != "gloo" or (gather and spans_nodes(group, timeout)):
         return "native"
     return "pairwise"
 
 
-def spans_nodes(group) -> bool:
-    """Whether ``group``'s ranks sit on more than one node, by torchrun's numbering (``LOCAL_WORLD_SIZE`` ranks
-    per node, node ``n`` holding global ranks ``[n * L, (n + 1) * L)``); False where the launcher did not set
-    ``LOCAL_WORLD_SIZE``. The same answer on every rank of a torchrun job."""
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return node_count(ranks, int(os.environ.get("LOCAL_WORLD_SIZE") or 0)) > 1
+_spans: dict[tuple, bool] = {}  # (the group's global ranks, this rank's GROUP_RANK) -> spans_nodes' answer
 
 
-def node_count(global_ranks, ranks_per_node: int) -> int:
-    """How many nodes hold ``global_ranks`` when each node holds ``ranks_per_node`` consecutive ranks (0: unknown,
-    counted as one node)."""
-    return len({rank // ranks_per_node for rank in global_ranks}) if ranks_per_node > 0 else 1
+def spans_nodes(group, timeout: Optional[float] = None) -> bool:
+    """Whether ``group``'s ranks sit on more than one node, by the node number torchrun gives each rank
+    (``GROUP_RANK``). The ranks agree on it with one all-reduce of every rank's node number, the first time a
+    group asks (collective: all-gathers run on every rank of the group in the same order) and again only if
+    ``GROUP_RANK`` changes; so every rank gets the same answer, whatever each node's number of ranks. False
+    where some rank's launcher did not set ``GROUP_RANK``."""
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    node = os.environ.get("GROUP_RANK", "")
+    key = (ranks, node)
+    if key not in _spans:
+        nodes = torch.zeros(len(ranks), dtype=torch.float64)
+        nodes[dist.get_rank(group)] = int(node) + 1 if node.isdigit() else 0  # 0: unknown
+        all_reduce_(nodes, dist.ReduceOp.SUM, group, timeout, "node agreement")
+        _spans[key] = node_count(nodes.tolist()) > 1
+    return _spans[key]
+
+
+def node_count(node_numbers) -> int:
+    """How many nodes the ranks with these node numbers (1, 2, ...; 0: unknown) sit on; any unknown: 1."""
+    return 1 if 0 in node_numbers else len(set(node_numbers))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
@@ -174,7 +186,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
     """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     timeout = _host_timeout(output, timeout)
-    if world > 1 and algorithm(group, output, gather=True) == "native":
+    if world > 1 and algorithm(group, output, gather=True, timeout=timeout) == "native":
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
         return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent)

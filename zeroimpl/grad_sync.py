@@ -240,7 +240,8 @@ class GradientReducer:
 
     def _complete_replicated(self) -> None:
         reduction = self._replicating.popleft()
-        reduction.work.wait()
+        # as for the reduce-scatters: on CUDA block the host, not the compute stream
+        (reduction.work.wait_on_host if reduction.output.is_cuda else reduction.work.wait)()
         self.gradients.add(reduction.bucket_index, reduction.output)
 
     def wait_all(self) -> None:

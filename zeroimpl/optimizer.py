@@ -66,8 +66,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             shard group; ``topology`` describes both.
         bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32). Larger buckets
             mean fewer, larger collectives; smaller ones more overlap and smaller transient buffers.
-        max_inflight_buckets: reduce-scatters allowed in flight before backward waits for the oldest (default 2):
-            bounds the bucket buffers alive during backward; 0 waits for each at once.
+        max_inflight_buckets: reduce-scatters (and, hybrid, replica all-reduces) in flight before backward waits
+            for the oldest (default 2): bounds the buffers alive during backward; 0 waits for each at once.
         reduce_dtype: dtype in which gradients are reduced and the gradient shard is kept. Default: fp32 (fp64
             for fp64 parameters), for accuracy with 16-bit models.
         loss_scale: dynamic loss scaling. ``"auto"`` (default): on when any parameter is fp16. A
