@@ -226,8 +226,10 @@ def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_col
     crossings = [r["link_bytes"][steps] - r["link_bytes"][warmup] for r in ranks]
     counted = None
     if count_collectives:
-        counted = sum(numel * _ELEMENT_BYTES[dtype] for rank, r in enumerate(ranks) for calls in r["collectives"]
-                      for name, numel, dtype, peer in calls
+        import torch  # the dtype names the harness recorded ("torch.float32") give the element sizes
+
+        counted = sum(numel * getattr(torch, dtype.removeprefix("torch.")).itemsize
+                      for rank, r in enumerate(ranks) for calls in r["collectives"] for name, numel, dtype, peer in calls
                       if name == "isend" and peer // RANKS_PER_NODE != rank // RANKS_PER_NODE) / (steps - warmup)
     return Cell(key, size, link.rate, link.delay_ms,
                 median_step_seconds=statistics.median(t for r in ranks for t in r["step_seconds"]),
@@ -235,10 +237,6 @@ def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_col
                 final_loss=statistics.mean(statistics.mean(r["losses"][-(len(r["losses"]) // steps):]) for r in ranks),
                 model_state_mib=max(r["model_state"]["total"] for r in ranks) / 2**20,
                 peak_rss_mib=max(r["peak_bytes"] for r in ranks) / 2**20, counted_cross_node_bytes_per_step=counted)
-
-
-_ELEMENT_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2, "torch.float64": 8, "torch.int64": 8,
-                  "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1, "torch.bool": 1}
 
 
 def worker(key: str, size: str, steps: int, warmup: int, out: str, count_collectives: bool) -> None:

@@ -11,6 +11,7 @@ Stage 1 communicates once per step however many micro-batches are accumulated; s
 micro-batch.
 """
 
+import contextlib
 import os
 from functools import partial
 
@@ -22,19 +23,28 @@ from zeroimpl.integrations.collectives import CollectiveCounter, summarize
 from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
 
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """``os.environ[name] = value`` inside, what it was (or its absence) after."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
 def _count(rank, world_size, stage, accum, clip, dtype, algorithm):
     """One configuration, with ZEROIMPL_COLLECTIVES and the counter installed for it alone (set, then restored)."""
-    previous = os.environ.get("ZEROIMPL_COLLECTIVES")
-    os.environ["ZEROIMPL_COLLECTIVES"] = algorithm
     counter = CollectiveCounter().install()
     try:
-        return _count_steps(rank, counter, stage, accum, clip, dtype)
+        with _environment("ZEROIMPL_COLLECTIVES", algorithm):
+            return _count_steps(rank, counter, stage, accum, clip, dtype)
     finally:
         counter.uninstall()
-        if previous is None:
-            del os.environ["ZEROIMPL_COLLECTIVES"]
-        else:
-            os.environ["ZEROIMPL_COLLECTIVES"] = previous
 
 
 def _count_steps(rank, counter, stage, accum, clip, dtype):
@@ -66,15 +76,8 @@ CONFIGS = [
 def _count_across_nodes(rank, world_size):
     """Stage 2 with the default algorithms, as if each rank were a node of its own (torchrun's GROUP_RANK, the
     node number, = the rank): the group spans nodes."""
-    previous = os.environ.get("GROUP_RANK")
-    os.environ["GROUP_RANK"] = str(rank)
-    try:
+    with _environment("GROUP_RANK", str(rank)):
         return _count(rank, world_size, 2, 1, False, torch.float32, "")
-    finally:
-        if previous is None:
-            del os.environ["GROUP_RANK"]
-        else:
-            os.environ["GROUP_RANK"] = previous
 
 
 def _count_all(rank, world_size):

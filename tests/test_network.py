@@ -55,7 +55,8 @@ def _cannot_simulate() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_cannot_simulate() is not None, reason=str(_cannot_simulate()))
+CANNOT_SIMULATE = _cannot_simulate()
+pytestmark = pytest.mark.skipif(CANNOT_SIMULATE is not None, reason=str(CANNOT_SIMULATE))
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 
 
