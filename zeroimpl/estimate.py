@@ -12,7 +12,8 @@ Optimizer state is measured, not tabulated: each group's optimizer class takes o
 tensor, and each state tensor counts per element (same size as the parameter) or per piece -- the part of
 one parameter in one rank's shard, which the inner optimizer sees as one tensor -- (a scalar such as Adam's
 ``step``); for a whole-parameter group (Muon, Adafactor) it takes one step on a tensor of each parameter's
-shape (Adafactor's factored state). So any optimizer is predicted, with the kernel offload would choose.
+shape (Adafactor's factored state), and a low-bit class on a tensor of each piece's size (its blocks,
+8-bit or fp32 by size). So any optimizer is predicted, with the kernel offload would choose.
 """
 
 from __future__ import annotations
@@ -63,6 +64,20 @@ def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torc
     raise AssertionError("unreachable")
 
 
+def shared_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, numel: int) -> dict[str, int]:
+    """By key, the bytes of the state tensors that one optimizer shares between its parameters (a low-bit
+    class's quantization maps), held once per optimizer: one step over two ``numel``-element tensors."""
+    probes = [torch.zeros(numel, dtype=dtype, requires_grad=True) for _ in range(2)]
+    for probe in probes:
+        probe.grad = torch.zeros_like(probe)
+    optimizer = optimizer_class(probes, **optimizer_kwargs)
+    optimizer.step()
+    first, second = (optimizer.state[probe] for probe in probes)
+    return {key: value.numel() * value.element_size() for key, value in first.items()
+            if torch.is_tensor(value) and torch.is_tensor(second.get(key))
+            and value.untyped_storage().data_ptr() == second[key].untyped_storage().data_ptr()}
+
+
 def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int, optimizer_class: type,
                       optimizer_kwargs: dict, per_parameter: Collection[type]) -> tuple[list[dict], list, list]:
     """The param groups (with their classes), trainable parameters (``None`` for a bare count) and layout
@@ -76,13 +91,14 @@ def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_n
                              "depend on their shapes: pass the model's parameters or param groups, not a count")
         sizes = [bucket_numel] * (params // bucket_numel) + ([params % bucket_numel] if params % bucket_numel else [])
         group = {"optimizer": optimizer_class, **optimizer_kwargs}
-        return [group], [None] * len(sizes), [ParamSpec(0, str(dtype), size) for size in sizes]
+        blocks = _blocks(group, per_parameter)
+        return [group], [None] * len(sizes), [ParamSpec(0, str(dtype), size, blocks=blocks) for size in sizes]
     groups = optimizer_kinds.groups_with_classes(params, optimizer_class, optimizer_kwargs)
     for group in groups:
         group["params"] = list(group["params"])
     work = [optimizer_kinds.step_work(g["optimizer"])
             if _sharding(g["optimizer"], per_parameter) == "whole" else None for g in groups]
-    trainable, specs = trainable_specs(groups, work)
+    trainable, specs = trainable_specs(groups, work, [_blocks(g, per_parameter) for g in groups])
     if not specs:
         raise ValueError("no trainable parameters to estimate")
     return groups, trainable, specs
@@ -92,6 +108,13 @@ def _sharding(optimizer_class: type, per_parameter: Collection[type]) -> optimiz
     """As the optimizer shards the class; a class zeroimpl does not know is estimated flat."""
     return optimizer_kinds.sharding_of(optimizer_class, per_parameter,
                                        assume_elementwise=not optimizer_kinds.is_blockwise(optimizer_class))
+
+
+def _blocks(group: dict, per_parameter: Collection[type]):
+    """A blocked group's quantization (:func:`optimizer_kinds.blocks_of`); ``None`` for another group."""
+    if _sharding(group["optimizer"], per_parameter) != "blocked":
+        return None
+    return optimizer_kinds.blocks_of(group["optimizer"], {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS})
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -125,17 +148,27 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     layout = build_layout(specs, world_size, bucket_numel, alignment)
     probes: dict = {}
 
-    def piece_state(piece, master_dtype: torch.dtype) -> int:
+    def piece_state(piece, master_dtype: torch.dtype, shared_of_rank: dict) -> int:
         group = groups[layout.buckets[piece.bucket_index].group_index]
         kwargs = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
         if policy is not None:
             kwargs = host_optimizer_kwargs(group["optimizer"], kwargs, set(), policy)
-        whole = layout.buckets[piece.bucket_index].whole
-        shape = tuple(trainable[piece.param_index].shape) if whole else None
+        bucket = layout.buckets[piece.bucket_index]
+        whole = bucket.whole or bool(bucket.block)  # blocked: state by the piece's size (blocks, fp32 or 8-bit)
+        shape = (tuple(trainable[piece.param_index].shape) if bucket.whole else (piece.length,)) if whole else None
         key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype, shape)
         if key not in probes:
             probes[key] = (whole_state_bytes(group["optimizer"], kwargs, master_dtype, shape) if whole
                            else optimizer_state_bytes(group["optimizer"], kwargs, master_dtype))
+        if whole and bucket.block:  # a low-bit piece: its shared quantization maps are counted once per rank
+            shared_key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype)
+            blocks = specs[piece.param_index].blocks
+            if shared_key not in probes:
+                probes[shared_key] = shared_state_bytes(group["optimizer"], kwargs, master_dtype,
+                                                        max(blocks.threshold, blocks.size))
+            shared = probes[shared_key] if blocks.quantizes(piece.length) else {}
+            shared_of_rank.update({(group["optimizer"], name): size for name, size in shared.items()})
+            return probes[key] - sum(shared.values())
         if whole:
             return probes[key]
         per_element, per_tensor = probes[key]
@@ -144,9 +177,11 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     parameters = full_gradients = shards = masters = 0
     state_of_rank = [0] * world_size
     for r in range(world_size):
+        shared_of_rank: dict = {}  # (class, key) -> bytes of a state tensor shared by the rank's pieces
         for piece in layout.pieces(r):
             param_dtype = _dtype(layout.buckets[piece.bucket_index].dtype)
-            state_of_rank[r] += piece_state(piece, torch.promote_types(param_dtype, torch.float32))
+            state_of_rank[r] += piece_state(piece, torch.promote_types(param_dtype, torch.float32), shared_of_rank)
+        state_of_rank[r] += sum(shared_of_rank.values())
     for bucket in layout.buckets:
         param_dtype = _dtype(bucket.dtype)
         master_dtype = torch.promote_types(param_dtype, torch.float32)

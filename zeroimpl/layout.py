@@ -13,7 +13,11 @@ Vocabulary (used by every other module):
   ``r`` of every bucket: ``[r * shard_numel, (r + 1) * shard_numel)``. In a *flat* bucket the parameters
   are packed end to end and a parameter may straddle shards. In a *whole-parameter* bucket (param groups
   whose optimizer needs whole tensors: Muon, Adafactor) each chunk holds whole parameters, bin-packed so
-  that the chunks are about equally full, each followed by its own padding.
+  that the chunks are about equally full, each followed by its own padding. In a *blocked* bucket (param
+  groups of a low-bit optimizer, which quantizes state in blocks counted from a parameter's first element
+  and keeps fp32 state for small tensors: :class:`Blocks`) the parameters are flat but each starts on a
+  block, shards are whole blocks, and each is placed so that every piece of it is quantized exactly when the
+  whole parameter is (:func:`place_blocked`).
 
 Invariants (checked by ``tests/test_layout.py``):
 
@@ -27,7 +31,10 @@ Invariants (checked by ``tests/test_layout.py``):
 * ``padded_numel`` is a multiple of ``world_size * alignment`` (for a flat bucket the smallest that holds
   it; for a whole-parameter bucket ``world_size`` times its fullest chunk, rounded up), so every rank owns
   exactly the same number of elements and the imbalance is bounded by the padding;
-* every element of every parameter is owned by exactly one rank.
+* every element of every parameter is owned by exactly one rank;
+* in a blocked bucket every member starts on a block and every shard is whole blocks, so a piece's blocks
+  are the whole parameter's; when a parameter is split, each piece has the whole parameter's quantization
+  (``Blocks.quantizes``) -- a piece is stepped as that part of the whole parameter would be.
 """
 
 from __future__ import annotations
@@ -36,11 +43,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-# whole-parameter buckets: a bucket is closed once it holds bucket_numel elements and its chunks are padded by
-# at most this fraction of its elements, or, whatever its padding, once it holds WHOLE_BUCKET_GROWTH times
-# world_size * max(bucket_numel, its largest parameter) elements
-WHOLE_PADDING_TARGET = 0.01
-WHOLE_BUCKET_GROWTH = 2
+from .blocks import Blocks, place_blocked, round_up
+from .whole_packing import place_whole, split_whole_run
+
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class ParamSpec:
     numel: int
     whole: bool = False  # its optimizer needs it whole: one rank owns all of it
     work: int = 0  # the owner's relative cost of stepping it (whole parameters; balanced across ranks)
+    blocks: Optional[Blocks] = None  # its optimizer quantizes state in blocks (a blocked bucket)
 
 
 def overlap(start: int, end: int, other_start: int, other_end: int) -> Optional[tuple[int, int]]:
@@ -61,22 +67,24 @@ def overlap(start: int, end: int, other_start: int, other_end: int) -> Optional[
     return (low, high) if low < high else None
 
 
-def trainable_specs(groups: Sequence[dict],
-                    step_work: Sequence[Optional[Callable[[tuple], int]]] = ()) -> tuple[list, list[ParamSpec]]:
+def trainable_specs(groups: Sequence[dict], step_work: Sequence[Optional[Callable[[tuple], int]]] = (),
+                    blocks: Sequence[Optional[Blocks]] = ()) -> tuple[list, list[ParamSpec]]:
     """The trainable parameters of param groups (``{"params": [...]}``), each once, in group order, and the
     :class:`ParamSpec` of each: what ShardedOptimizer lays out and ``estimate_memory`` predicts alike.
 
     ``step_work[g]``: for a group sharded by whole parameters, the cost of stepping a parameter of a given
-    shape; ``None`` (or absent) for a flat group."""
+    shape; ``None`` (or absent) for a flat group. ``blocks[g]``: for a flat group of a low-bit optimizer, how
+    it quantizes; ``None`` (or absent) otherwise."""
     trainable, specs, seen = [], [], set()
     for group_index, group in enumerate(groups):
         work = step_work[group_index] if group_index < len(step_work) else None
+        quantization = blocks[group_index] if group_index < len(blocks) and work is None else None
         for param in group["params"]:
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
                 trainable.append(param)
                 specs.append(ParamSpec(group_index, str(param.dtype), param.numel(), whole=work is not None,
-                                       work=0 if work is None else work(tuple(param.shape))))
+                                       work=0 if work is None else work(tuple(param.shape)), blocks=quantization))
     return trainable, specs
 
 
@@ -106,8 +114,10 @@ class Bucket:
     numel: int  # elements used by parameters
     padded_numel: int  # multiple of world_size * alignment
     world_size: int
-    offsets: tuple[int, ...]  # flat: end to end from 0; whole: each shard's members end to end from its start
+    offsets: tuple[int, ...]  # flat: end to end from 0; whole: each shard's members end to end from its start;
+    # blocked: each on a block (place_blocked)
     whole: bool = False  # every shard holds whole parameters
+    block: int = 0  # blocked: the quantization block (members start on one; shards are whole blocks); else 0
 
     @property
     def shard_numel(self) -> int:
@@ -189,12 +199,14 @@ class ShardLayout:
     def fingerprint(self) -> dict:
         """A small, complete description of the layout: comparable, to refuse state from another layout, and
         enough to rebuild it with :meth:`from_fingerprint` (checkpoints store it). A flat bucket is
-        ``(group, dtype, members, numel, padded_numel)``; a whole-parameter bucket adds its offsets."""
+        ``(group, dtype, members, numel, padded_numel)``; a whole-parameter bucket adds its offsets, a blocked
+        one its offsets and block."""
         return {
             "world_size": self.world_size,
             "alignment": self.alignment,
             "buckets": [(b.group_index, b.dtype, b.param_indices, b.numel, b.padded_numel)
-                        + ((b.offsets,) if b.whole else ()) for b in self.buckets],
+                        + ((b.offsets,) if b.whole else (b.offsets, b.block) if b.block else ())
+                        for b in self.buckets],
             "param_numels": [slot.numel for slot in self.slots],
         }
 
@@ -206,11 +218,11 @@ class ShardLayout:
         buckets = []
         for bucket_index, entry in enumerate(fingerprint["buckets"]):
             group_index, dtype, param_indices, numel, padded_numel = entry[:5]
-            whole = len(entry) > 5
+            whole, block = len(entry) == 6, int(entry[6]) if len(entry) == 7 else 0
             sizes = [numels[i] for i in param_indices]
-            offsets = tuple(entry[5]) if whole else _end_to_end(sizes)
+            offsets = tuple(entry[5]) if len(entry) > 5 else _end_to_end(sizes)
             bucket = Bucket(bucket_index, group_index, dtype, tuple(param_indices), numel, padded_numel, world_size,
-                            offsets, whole)
+                            offsets, whole, block)
             for index, offset in zip(param_indices, offsets):
                 if slots[index] is not None:
                     raise ValueError(f"parameter {index} is in two buckets")
@@ -231,63 +243,14 @@ def _fits(bucket: Bucket, sizes: Sequence[int]) -> bool:
     disjoint = all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
     one_shard = not bucket.whole or all(start // bucket.shard_numel == (end - 1) // bucket.shard_numel
                                         for start, end in ranges if end > start)
-    return inside and disjoint and one_shard
+    on_blocks = not bucket.block or (bucket.shard_numel % bucket.block == 0
+                                     and all(offset % bucket.block == 0 for offset in bucket.offsets))
+    return inside and disjoint and one_shard and on_blocks
 
 
 def _end_to_end(sizes: Sequence[int]) -> tuple[int, ...]:
     """Offsets of members packed end to end from 0."""
     return tuple(itertools.accumulate(sizes, initial=0))[:-1] if sizes else ()
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def pack_whole(members: Sequence[int], params: Sequence[ParamSpec], world_size: int) -> list[list[int]]:
-    """Longest-processing-time bin packing of whole parameters into ``world_size`` chunks by numel (the
-    padding is ``world_size * fullest - total``): largest first, each into the least full chunk (ties: the
-    lower chunk). Members keep their order inside a chunk."""
-    chunks: list[list[int]] = [[] for _ in range(world_size)]
-    fill = [0] * world_size
-    for index in sorted(members, key=lambda i: (-params[i].numel, members.index(i))):
-        target = min(range(world_size), key=lambda r: (fill[r], r))
-        chunks[target].append(index)
-        fill[target] += params[index].numel
-    order = {index: position for position, index in enumerate(members)}
-    return [sorted(chunk, key=order.__getitem__) for chunk in chunks]
-
-
-def _chunk_padding(members: Sequence[int], params: Sequence[ParamSpec], world_size: int) -> int:
-    fill = [sum(params[i].numel for i in chunk) for chunk in pack_whole(members, params, world_size)]
-    return world_size * max(fill) - sum(fill)
-
-
-def _split_whole_run(run: Sequence[int], params: Sequence[ParamSpec], world_size: int,
-                     bucket_numel: int) -> list[list[int]]:
-    """Cut a run of whole parameters (reverse parameter order, one group and dtype) into buckets.
-
-    From each start, the bucket grows one parameter at a time; it is cut at the first length that holds
-    ``bucket_numel`` elements and packs with padding at most :data:`WHOLE_PADDING_TARGET` of them, else, once
-    it holds ``WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest member)`` elements, at the length
-    (holding ``bucket_numel``) of least relative padding seen. The run's tail may be smaller.
-    """
-    buckets, start = [], 0
-    while start < len(run):
-        best_end, best_fraction, total, largest = len(run), float("inf"), 0, 0
-        for end in range(start + 1, len(run) + 1):
-            total += params[run[end - 1]].numel
-            largest = max(largest, params[run[end - 1]].numel)
-            if total < bucket_numel and end < len(run):
-                continue
-            fraction = _chunk_padding(run[start:end], params, world_size) / max(total, 1)
-            if fraction < best_fraction:
-                best_end, best_fraction = end, fraction
-            limit = WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest)
-            if fraction <= WHOLE_PADDING_TARGET or total >= limit:
-                break
-        buckets.append(list(run[start:best_end]))
-        start = best_end
-    return buckets
 
 
 def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
@@ -316,9 +279,9 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
 
     Flat buckets hold at most ``bucket_numel`` elements (a larger parameter gets a bucket of its own).
     Whole-parameter buckets grow past ``bucket_numel`` until their chunks pack with little padding
-    (:data:`WHOLE_PADDING_TARGET`), up to ``WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest
-    member)`` elements (their transient reduction buffers grow alike); across buckets, the chunks go to the
-    ranks so as to balance the ranks' total ``work``.
+    (:mod:`~zeroimpl.whole_packing`), and across buckets their chunks go to the ranks so as to balance the
+    ranks' total ``work``. Blocked buckets hold what a flat one would, placed by
+    :func:`~zeroimpl.blocks.place_blocked` (padded to whole blocks).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -334,7 +297,7 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
         runs[-1].append(index)
     for run in runs:
         if params[run[0]].whole:
-            groups += _split_whole_run(run, params, world_size, bucket_numel)
+            groups += split_whole_run(run, params, world_size, bucket_numel)
             continue
         groups.append([])
         numel = 0  # of the bucket being filled
@@ -352,40 +315,17 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
     for bucket_index, members in enumerate(groups):
         first = params[members[0]]
         if first.whole:
-            members, offsets, padded = _place_whole(members, params, world_size, alignment, rank_work)
+            members, offsets, padded = place_whole(members, params, world_size, alignment, rank_work)
+        elif first.blocks is not None:
+            offsets, padded = place_blocked([params[i].numel for i in members], first.blocks, world_size, alignment)
         else:
             sizes = [params[i].numel for i in members]
             offsets = list(_end_to_end(sizes))
-            padded = _round_up(max(sum(sizes), 1), world_size * alignment)
+            padded = round_up(max(sum(sizes), 1), world_size * alignment)
         for index, offset in zip(members, offsets):
             slots[index] = ParamSlot(index, bucket_index, offset, params[index].numel)
         buckets.append(Bucket(
             index=bucket_index, group_index=first.group_index, dtype=first.dtype, param_indices=tuple(members),
             numel=sum(params[i].numel for i in members), padded_numel=padded, world_size=world_size,
-            offsets=tuple(offsets), whole=first.whole))
+            offsets=tuple(offsets), whole=first.whole, block=first.blocks.size if first.blocks else 0))
     return ShardLayout(world_size, alignment, tuple(buckets), tuple(slots))
-
-
-def _place_whole(members: list[int], params: Sequence[ParamSpec], world_size: int, alignment: int,
-                 rank_work: list[int]) -> tuple[list[int], list[int], int]:
-    """Members in buffer order, their offsets and the padded size of a whole-parameter bucket. The chunks are
-    handed to the ranks heaviest work first, each to the rank with the least work so far (``rank_work``,
-    updated)."""
-    chunks = pack_whole(members, params, world_size)
-    shard_numel = _round_up(max(1, max(sum(params[i].numel for i in chunk) for chunk in chunks)), alignment)
-    work = [sum(params[i].work for i in chunk) for chunk in chunks]
-    by_rank: list[list[int]] = [[] for _ in range(world_size)]
-    free = list(range(world_size))
-    for chunk_index in sorted(range(world_size), key=lambda c: (-work[c], c)):
-        rank = min(free, key=lambda r: (rank_work[r], r))
-        free.remove(rank)
-        by_rank[rank] = chunks[chunk_index]
-        rank_work[rank] += work[chunk_index]
-    ordered, offsets = [], []
-    for rank, chunk in enumerate(by_rank):
-        offset = rank * shard_numel
-        for index in chunk:
-            ordered.append(index)
-            offsets.append(offset)
-            offset += params[index].numel
-    return ordered, offsets, world_size * shard_numel

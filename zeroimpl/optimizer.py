@@ -112,8 +112,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every)
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
-        groups, step_works = optimizer_kinds.plan(params, optimizer_class, optimizer_kwargs, per_parameter,
-                                                  assume_elementwise)
+        groups, step_works, blocks = optimizer_kinds.plan(params, optimizer_class, optimizer_kwargs, per_parameter,
+                                                          assume_elementwise)
         classes = [group["optimizer"] for group in groups]
         validation.check_process_group(process_group)
         self.topology: Topology = resolve_topology(process_group, device_mesh)
@@ -129,7 +129,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.rank = self.topology.shard_rank
         self.world_size = self.topology.shard_size
 
-        trainable, specs = trainable_specs(self.param_groups, step_works)
+        trainable, specs = trainable_specs(self.param_groups, step_works, blocks)
         layout = build_layout(specs, self.world_size, bucket_numel, alignment)
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
         validation.check_params(trainable, self.topology, collective_timeout, layout.fingerprint())

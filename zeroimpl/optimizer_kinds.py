@@ -4,11 +4,13 @@
   AdamW, SGD, ...): every bucket is cut into equal chunks wherever the element boundaries fall.
 * **whole** -- optimizers that need a whole parameter (Muon's Newton-Schulz orthogonalisation of a matrix,
   Adafactor's factored second moments, and any class the user marks as per-parameter, e.g. Shampoo or SOAP):
-  each parameter belongs to exactly one rank, which steps it as the plain optimizer would. The low-bit
-  optimizers of bitsandbytes and torchao are recognised without flags and sharded whole too: they quantize
-  their state in blocks counted from a parameter's first element and choose 8-bit or fp32 state by the
-  parameter's size, so a flat shard boundary inside a block (or a piece smaller than the size threshold)
-  would step differently from the unsharded optimizer. Whole parameters step bitwise as it does.
+  each parameter belongs to exactly one rank, which steps it as the plain optimizer would.
+* **blocked** -- the low-bit optimizers of bitsandbytes and torchao, recognised without flags: elementwise
+  but for their state, quantized in blocks counted from a parameter's first element, and 8-bit (4-bit, fp8)
+  or fp32 by the tensor's size (:func:`blocks_of`). Flat shards whose cuts fall on block boundaries of
+  every parameter, each parameter placed so that its pieces keep its quantization
+  (:func:`zeroimpl.blocks.place_blocked`): every block and every fp32/8-bit choice is the unsharded
+  optimizer's. Their quantization maps are replicated in every piece's state.
 * Third-party classes checked against DDP (timm's Adan and Lamb, schedule-free's AdamW, SGD and RAdam) are
   recognised by name, flat or whole as :data:`THIRD_PARTY_SHARDING` says.
 * refused -- optimizers that need more than one parameter at a time (LBFGS's closure over the whole model)
@@ -17,12 +19,15 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable, Collection, Literal, Optional
 
 import torch
 
-Sharding = Literal["flat", "whole"]
+from .blocks import Blocks
+
+Sharding = Literal["flat", "whole", "blocked"]
 
 ELEMENTWISE_OPTIMIZERS = frozenset({
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -44,6 +49,8 @@ THIRD_PARTY_SHARDING: dict[str, "Sharding"] = {
 # packages whose optimizers quantize state blockwise (recognised by module, without importing them: the core
 # depends on torch alone)
 BLOCKWISE_PACKAGES = ("bitsandbytes.", "torchao.")
+BITSANDBYTES_BLOCK = 256  # bitsandbytes' 8-bit optimizers quantize in blocks of 256 (fixed in its kernels)
+TORCHAO_THRESHOLD = 4096  # torchao quantizes a tensor of at least 4096 elements that whole blocks divide
 REFUSED_OPTIMIZERS = {
     torch.optim.LBFGS: "its step re-evaluates a closure over the whole model and keeps a history of flattened "
                        "whole-model vectors, so no rank can step a shard of it",
@@ -77,9 +84,10 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
     if is_blockwise(optimizer_class):
         if assume_elementwise:
             raise ValueError(f"{optimizer_class.__name__} quantizes its state in blocks counted from each parameter's "
-                             "first element, so flat shards would cut blocks and train differently from the unsharded "
-                             "optimizer: leave assume_elementwise off (zeroimpl shards it by whole parameters, exactly)")
-        return "whole"
+                             "first element, so arbitrary flat shards would cut blocks and train differently from the "
+                             "unsharded optimizer: leave assume_elementwise off (zeroimpl cuts its shards on block "
+                             "boundaries, exactly)")
+        return "blocked"
     known = THIRD_PARTY_SHARDING.get(f"{optimizer_class.__module__}.{optimizer_class.__qualname__}")
     if known is not None:  # even under assume_elementwise, which is for the classes zeroimpl does not know
         return known
@@ -98,6 +106,18 @@ def is_blockwise(optimizer_class: type) -> bool:
     return any(cls.__module__.startswith(BLOCKWISE_PACKAGES) for cls in optimizer_class.__mro__)
 
 
+def blocks_of(optimizer_class: type, hyperparameters: dict) -> Blocks:
+    """How a bitsandbytes or torchao class quantizes a tensor's state under these hyperparameters: bitsandbytes'
+    8-bit classes in blocks of 256 from ``min_8bit_size`` elements on; torchao's in blocks of ``block_size``
+    (AdamW8bit/Fp8 256, AdamW4bit 128) for tensors of at least 4096 elements that the blocks divide. (Its
+    32-bit classes never quantize; the constraint then is needless but harmless.)"""
+    defaults = {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()}
+    settings = {**defaults, **hyperparameters}
+    if any(cls.__module__.startswith("torchao.") for cls in optimizer_class.__mro__):
+        return Blocks(int(settings["block_size"]), TORCHAO_THRESHOLD, whole_blocks=True)
+    return Blocks(BITSANDBYTES_BLOCK, int(settings.get("min_8bit_size", 4096)))
+
+
 def step_work(optimizer_class: type) -> Callable[[tuple], int]:
     """The relative cost of one step of a parameter of a given shape, which whole-parameter layouts balance
     across ranks: Newton-Schulz for Muon (``m * n * min(m, n)``), the element count otherwise."""
@@ -107,15 +127,19 @@ def step_work(optimizer_class: type) -> Callable[[tuple], int]:
 
 
 def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: Collection[type],
-         assume_elementwise: bool) -> tuple[list[dict], list[Optional[Callable[[tuple], int]]]]:
-    """The param groups with their classes (:func:`groups_with_classes`) and, per group, the step cost that a
-    whole-parameter layout balances (:func:`step_work`), or ``None`` for a flat group. Raises on a class
-    that cannot be sharded or cannot be told apart (:func:`sharding_of`)."""
+         assume_elementwise: bool) -> tuple[list[dict], list[Optional[Callable[[tuple], int]]], list[Optional[Blocks]]]:
+    """The param groups with their classes (:func:`groups_with_classes`); per group, the step cost that a
+    whole-parameter layout balances (:func:`step_work`), or ``None``; and per group, the quantization a
+    blocked layout keeps (:func:`blocks_of`), or ``None``. Raises on a class that cannot be sharded or cannot
+    be told apart (:func:`sharding_of`)."""
     check_class(optimizer_class)
     check_per_parameter(per_parameter)
     groups = groups_with_classes(params, optimizer_class, optimizer_kwargs)
-    kinds = {group["optimizer"]: sharding_of(group["optimizer"], per_parameter, assume_elementwise) for group in groups}
-    return groups, [step_work(group["optimizer"]) if kinds[group["optimizer"]] == "whole" else None for group in groups]
+    kinds = [sharding_of(group["optimizer"], per_parameter, assume_elementwise) for group in groups]
+    works = [step_work(group["optimizer"]) if kind == "whole" else None for group, kind in zip(groups, kinds)]
+    blocks = [blocks_of(group["optimizer"], {k: v for k, v in group.items() if k not in ("params", "optimizer")})
+              if kind == "blocked" else None for group, kind in zip(groups, kinds)]
+    return groups, works, blocks
 
 
 def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:

@@ -17,7 +17,9 @@ What a checkpoint holds (see :mod:`.files` for the directory and its crash safet
 
 A state value is per element (one entry per element of the parameter's piece), a scalar of the parameter,
 or -- for a parameter of a whole-parameter bucket -- any tensor of that parameter, which moves whole with it
-to its new owner; anything else is refused at save time.
+to its new owner; or -- for a piece of a blocked bucket (a low-bit optimizer) -- its scales, one per
+quantization block, which move with their blocks, and its quantization map; anything else is refused at save
+time.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from ..memory_format import flattened, same_order, shaped
 from ..optimizer import ShardedOptimizer
 from . import files
 from .files import EXTRAS, INDEX, CheckpointError, rank_file
-from .format import (FORMAT, READABLE_FORMATS, class_name, copy_scalars, describe_groups, file_keys, group_classes,
-                     key_offsets, merge_scalars, param_scalars, read_rank, saved_layout, saved_memory_order,
-                     split_state, state_dtypes)
+from .format import (FORMAT, READABLE_FORMATS, block_range, class_name, copy_scalars, describe_groups, file_keys,
+                     group_classes, is_per_block, key_offsets, merge_scalars, param_scalars, read_rank, saved_layout,
+                     saved_memory_order, split_state, state_dtypes)
 from .reshard import plan
 
 
@@ -60,7 +62,7 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     error: Optional[BaseException] = None
     entry = None
     try:
-        whole = [bucket.whole for bucket in optimizer.layout.buckets]
+        whole = [bucket.whole or bool(bucket.block) for bucket in optimizer.layout.buckets]
         split = [(piece, master, *split_state(state, tuple(master.shape), whole[piece.bucket_index], master.stride()))
                  for piece, master, state in optimizer.piece_states()]
         if topology.is_first:
@@ -268,7 +270,12 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
                 array = arrays[c.target_piece].setdefault(key, torch.zeros(piece.length, dtype=dtype))
                 array[c.target_piece_offset:c.target_piece_offset + c.length] = values[start:start + c.length]
             found = payload["whole_state"].get(piece.param_index)
-            if found:
+            saved_block = saved.buckets[saved.slots[piece.param_index].bucket_index].block
+            if found and saved_block:
+                _copy_blocks(found, saved_block, optimizer.layout.buckets[piece.bucket_index].block,
+                             source_pieces[c.source_piece].param_start + c.piece_offset, c.length,
+                             source_pieces[c.source_piece].param_start, piece, whole[c.target_piece])
+            elif found:
                 if not optimizer.layout.buckets[piece.bucket_index].whole:
                     raise CheckpointError(f"trainable parameter {piece.param_index} has whole-parameter optimizer "
                                           f"state ({', '.join(found)}), but this optimizer shards it flat; shard its "
@@ -283,6 +290,27 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
                              **{key: shaped(array, master.shape, master.stride()) for key, array in by_key.items()},
                              **{key: value.clone() for key, value in whole_state.items()}})
     return masters, piece_states, [g["hyperparameters"] for g in index["groups"]]
+
+
+def _copy_blocks(found: dict, block: int, target_block: int, start: int, length: int, source_start: int, piece,
+                 into: dict) -> None:
+    """Copy the low-bit state of elements ``[start, start + length)`` of a parameter (saved in a piece from
+    ``source_start``, ``found``) into a new piece's (``into``): the scales of the blocks they span, and the
+    quantization map, the same in every piece. Both layouts must cut the parameter on the same blocks."""
+    if target_block != block:
+        laid_out = f"in blocks of {target_block}" if target_block else "without blocks"
+        raise CheckpointError(f"parameter {piece.param_index}'s optimizer state is quantized in blocks of {block}, "
+                              f"but this optimizer lays it out {laid_out}; load it into the low-bit optimizer class "
+                              "it was saved with")
+    first, last = block_range(start, start + length, block)
+    source_first, target_first = block_range(source_start, source_start, block)[0], block_range(
+        piece.param_start, piece.param_start, block)[0]
+    for key, value in found.items():
+        if not is_per_block(key):
+            into.setdefault(key, value)
+            continue
+        blocks = into.setdefault(key, torch.zeros(-(-piece.length // block), dtype=value.dtype))
+        blocks[first - target_first:last - target_first] = value[first - source_first:last - source_first]
 
 
 # -- collective error handling ---------------------------------------------------------------------

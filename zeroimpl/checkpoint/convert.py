@@ -18,8 +18,8 @@ import torch
 from ..memory_format import flattened, shaped
 from ..optimizer import ShardedOptimizer
 from . import files
-from .format import (READABLE_FORMATS, describe_groups, file_keys, key_offsets, param_scalars, read_rank, saved_layout,
-                     saved_memory_order, split_state, state_dtypes)
+from .format import (READABLE_FORMATS, block_range, describe_groups, file_keys, is_per_block, key_offsets, param_scalars,
+                     read_rank, saved_layout, saved_memory_order, split_state, state_dtypes)
 from .files import EXTRAS, INDEX, CheckpointError
 
 
@@ -48,7 +48,13 @@ def _read_full(directory: str):
                 values, start = payload["state"][key], offsets[key][number]
                 dtype = dtypes_of[i].get(key, values.dtype)
                 states[i].setdefault(key, torch.empty(numels[i], dtype=dtype))[target] = values[start:start + piece.length]
-            states[i].update(payload["whole_state"].get(i, {}))
+            block = layout.buckets[piece.bucket_index].block
+            for key, value in payload["whole_state"].get(i, {}).items():
+                if block and is_per_block(key):  # a low-bit piece's scales: its blocks of the whole parameter's
+                    first, last = block_range(piece.param_start, piece.param_end, block)
+                    states[i].setdefault(key, torch.empty(-(-numels[i] // block), dtype=value.dtype))[first:last] = value
+                else:
+                    states[i][key] = value
             offset += piece.length
     return directory, index, layout, masters, states
 
@@ -133,10 +139,10 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
                     and (param.dim() > 0 or k in per_element) else v) for k, v in (saved or {}).items()}
         return split_state(flat, (param.numel(),), whole=True)
 
-    whole_buckets = [bucket.whole for bucket in optimizer.layout.buckets]
+    buckets = optimizer.layout.buckets
     for index, slot in enumerate(optimizer.layout.slots):  # every parameter, whichever rank owns it
         whole = split(index)[2]
-        if whole and not whole_buckets[slot.bucket_index]:
+        if whole and not buckets[slot.bucket_index].whole and not buckets[slot.bucket_index].block:
             raise CheckpointError(f"the state of parameter {number_of[index]} holds whole-parameter tensors "
                                   f"({', '.join(whole)}), but this optimizer shards it flat; shard its group by "
                                   "whole parameters (per_parameter=[its class])")
@@ -146,7 +152,10 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
         if elementwise is None:
             piece_states.append(None)
             continue
-        window = slice(piece.param_start, piece.param_end)
+        window, block = slice(piece.param_start, piece.param_end), buckets[piece.bucket_index].block
+        if block:  # a low-bit piece: the scales of its blocks, and the quantization map
+            first, last = block_range(piece.param_start, piece.param_end, block)
+            whole = {key: value[first:last].clone() if is_per_block(key) else value for key, value in whole.items()}
         piece_states.append({**scalars, **whole,
                              **{key: shaped(values[window].clone(), master.shape, master.stride())
                                 for key, values in elementwise.items()}})

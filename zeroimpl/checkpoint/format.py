@@ -20,14 +20,16 @@ READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", FORMAT)
 
 
 def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optional[tuple] = None):
-    """A piece's inner state -> (per-element tensors, flattened; scalars; whole-parameter tensors), or
+    """A piece's inner state -> (per-element tensors, flattened; scalars; piece-level tensors), or
     ``(None, None, None)`` for no state yet.
 
     Per element: a tensor of the piece's ``shape`` (1-D for a flat piece; the parameter's shape for a
-    ``whole`` piece -- a parameter of a whole-parameter bucket). Whole-parameter state (Adafactor's factored
-    ``row_var``/``col_var``, or a state of another shape) is any other tensor of a whole piece; it moves with
-    its parameter, never split. ``strides``: the piece's memory format (per-element tensors are flattened in
-    that order, the order of the flat buffers); ``None`` for 1-D pieces.
+    parameter of a whole-parameter bucket). Piece-level tensors are any other tensor of a piece that may hold
+    them (``whole``): of a whole-parameter bucket -- Adafactor's factored ``row_var``/``col_var``, which move
+    with their parameter, never split -- or of a blocked bucket -- a low-bit optimizer's scales, one per
+    block (:func:`is_per_block`), and its quantization map, the same in every piece. ``strides``: the piece's
+    memory format (per-element tensors are flattened in that order, the order of the flat buffers); ``None``
+    for 1-D pieces.
     """
     if not state:
         return None, None, None
@@ -47,6 +49,19 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
                                   "scalar, so it cannot be resharded; this optimizer is not elementwise (shard it "
                                   "by whole parameters: ShardedOptimizer(..., per_parameter=[its class]))")
     return elementwise, scalars, whole_state
+
+
+def is_per_block(key: str) -> bool:
+    """Whether a low-bit optimizer's piece-level state ``key`` holds one value per quantization block
+    (bitsandbytes' ``absmax1``/``absmax2``); its other piece-level state is the same in every piece."""
+    return key.startswith("absmax")
+
+
+def block_range(start: int, end: int, block: int) -> tuple[int, int]:
+    """The blocks ``[first, last)`` that elements ``[start, end)`` of a parameter span (``start`` on a block)."""
+    if start % block:
+        raise CheckpointError(f"element {start} is not on a quantization block of {block}: the layouts disagree")
+    return start // block, -(-end // block)
 
 
 def file_keys(index: dict, layout: ShardLayout) -> list[tuple[str, ...]]:
