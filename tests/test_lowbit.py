@@ -76,6 +76,8 @@ def _all(rank, world_size, directory):
     cases = {name: partial(_parity, rank, name) for name in CLASSES}
     if world_size == 2:
         cases["resume"] = partial(_resume, rank, world_size, directory)
+    else:  # the 2-rank launch (run first) saved it
+        cases["resharded"] = partial(_resharded, rank, directory)
     return run_cases(cases)
 
 
@@ -163,3 +165,42 @@ def test_low_bit_state_checkpoints_reshard_and_export_to_the_plain_optimizer(lau
     for resharded, exported in case_results(launches[2], "resume"):
         assert resharded, "resumed with another bucket size: not the uninterrupted run"
         assert exported, "the consolidated torch state, loaded into bitsandbytes' AdamW8bit, trains differently"
+
+
+def _resharded(rank, directory):
+    """The 2-rank AdamW8bit checkpoint continued on 3 or 4 ranks, where the largest matrix is cut elsewhere (its
+    blocks' scales move to other ranks): (a) through load_checkpoint, (b) through load_torch_optimizer_state of
+    the consolidated torch state; one step each (the same batch on every rank), bitwise as DDP + AdamW8bit
+    loaded from the consolidated state."""
+    from zeroimpl.checkpoint import consolidated_optimizer_state_dict, load_checkpoint, load_torch_optimizer_state
+    cls, kwargs = CLASSES["AdamW8bit"]
+    x = torch.randn(8, 131, generator=torch.Generator().manual_seed(7))
+
+    def step(model, optimizer, forward):
+        forward(x).backward()
+        optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    loaded_model = OddNet()
+    loaded = ShardedOptimizer(loaded_model.parameters(), cls, stage=2, bucket_numel=2048, **kwargs)
+    load_checkpoint(directory, loaded, loaded_model)
+    imported_model = OddNet()
+    imported_model.load_state_dict(loaded_model.state_dict())
+    imported = ShardedOptimizer(imported_model.parameters(), cls, stage=2, bucket_numel=2048, **kwargs)
+    load_torch_optimizer_state(imported, consolidated_optimizer_state_dict(directory))
+    reference_model = OddNet()
+    reference_model.load_state_dict(loaded_model.state_dict())
+    reference = cls(reference_model.parameters(), **kwargs)
+    reference.load_state_dict(consolidated_optimizer_state_dict(directory))
+    expected = step(reference_model, reference, DistributedDataParallel(reference_model))
+    cut = sum(any(p.param_index == 0 for p in loaded.layout.pieces(r)) for r in range(loaded.world_size))
+    return (cut, all(map(torch.equal, step(loaded_model, loaded, loaded_model), expected)),
+            all(map(torch.equal, step(imported_model, imported, imported_model), expected)))
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_low_bit_state_reshards_to_other_world_sizes(launches, world_size):
+    for cut, loaded, imported in case_results(launches[world_size], "resharded"):
+        assert cut > 1, "the largest matrix is not cut between ranks"
+        assert loaded, "resumed from the 2-rank checkpoint: not DDP + AdamW8bit from its consolidated state"
+        assert imported, "from the consolidated torch state: not DDP + AdamW8bit from it"
