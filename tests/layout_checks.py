@@ -1,6 +1,8 @@
 """Assertions shared by the layout tests (tests/test_layout.py, tests/test_layout_properties.py): the
 invariants every :class:`zeroimpl.layout.ShardLayout` must keep, checked element by element."""
 
+import math
+
 
 def check_layout_invariants(specs, layout):
     """Assert the invariants of zeroimpl/layout.py's docstring on ``layout``, built from ``specs``."""
@@ -24,6 +26,20 @@ def check_layout_invariants(specs, layout):
             fill = [sum(s.numel for s in slots if s.numel and s.offset // bucket.shard_numel == r)
                     for r in range(layout.world_size)]
             assert bucket.shard_numel - max(fill) < layout.alignment or bucket.numel == 0
+            assert len({specs[i].group_index for i in bucket.param_indices}) == 1
+            continue
+        if bucket.block:  # every member on a block, shards of whole blocks, pieces quantized as their parameter
+            blocks = specs[bucket.param_indices[0]].blocks
+            assert bucket.block == blocks.size and bucket.shard_numel % math.lcm(blocks.size, layout.alignment) == 0
+            assert all(layout.slots[i].offset % blocks.size == 0 for i in bucket.param_indices)
+            for rank in range(layout.world_size):
+                for piece in (p for p in layout.pieces(rank) if p.bucket_index == bucket.index):
+                    assert piece.param_start % blocks.size == 0
+                    numel = specs[piece.param_index].numel
+                    assert piece.length == numel or blocks.quantizes(piece.length) == blocks.quantizes(numel)
+            one_shard = sum(-(-specs[i].numel // blocks.size) * blocks.size for i in bucket.param_indices)
+            assert bucket.shard_numel <= max(1, -(-one_shard // math.lcm(blocks.size, layout.alignment))) * math.lcm(
+                blocks.size, layout.alignment)  # at most the shard that holds every member whole
             assert len({specs[i].group_index for i in bucket.param_indices}) == 1
             continue
         # the padding is less than one alignment unit per rank (a bucket of empty parameters still gets one)

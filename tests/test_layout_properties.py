@@ -5,8 +5,9 @@ Properties: every element of every parameter is owned by exactly one rank, at a 
 invariants of tests/test_layout.py); shards are balanced (every rank owns the same number of slots of each
 bucket, and its pieces cover exactly its slots up to the bucket's padding); the fingerprint round-trips;
 and real flat buffers give parameter views that hold the original values and shard views that hold
-exactly each rank's pieces. Param group 2 is sharded by whole parameters (as Muon's), so every property
-also holds for whole-parameter buckets and for layouts that mix both kinds.
+exactly each rank's pieces. Param group 2 is sharded by whole parameters (as Muon's) and groups 3 and 4 are
+blocked (a low-bit optimizer's, in blocks of 4 from 12 elements on; group 4 only for whole blocks, as
+torchao's), so every property also holds for whole-parameter and blocked buckets and layouts that mix them.
 """
 
 import math
@@ -17,17 +18,19 @@ from hypothesis import strategies as st
 
 from layout_checks import check_layout_invariants
 from zeroimpl.buffers import flatten_params
+from zeroimpl.blocks import Blocks
 from zeroimpl.layout import ParamSpec, ShardLayout, build_layout
 
 DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
 
 shapes = st.lists(st.integers(1, 7), min_size=0, max_size=3)  # () is a scalar parameter
-params = st.lists(st.tuples(st.integers(0, 2), st.sampled_from(sorted(DTYPES)), shapes), min_size=1, max_size=12)
+params = st.lists(st.tuples(st.integers(0, 4), st.sampled_from(sorted(DTYPES)), shapes), min_size=1, max_size=12)
+BLOCKS = {3: Blocks(4, 12), 4: Blocks(4, 12, whole_blocks=True)}
 settings_of_layout = st.tuples(st.integers(1, 8), st.integers(1, 300), st.sampled_from([1, 2, 4, 8, 16]))
 
 
 def _specs(drawn):
-    return [ParamSpec(group, dtype, math.prod(shape), whole=group == 2, work=math.prod(shape))
+    return [ParamSpec(group, dtype, math.prod(shape), whole=group == 2, work=math.prod(shape), blocks=BLOCKS.get(group))
             for group, dtype, shape in drawn]
 
 

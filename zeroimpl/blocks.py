@@ -35,15 +35,16 @@ def place_blocked(sizes: Sequence[int], blocks: Blocks, world_size: int, alignme
     (``blocks.quantizes`` of the piece's size equals that of the member's): bitsandbytes and torchao decide a
     tensor's state by its size, so a piece of a quantized member must not fall under the threshold, nor a
     piece of an fp32 one rise to it. The shard size grows from the least that holds the members (doubling
-    its slack, then bisecting) until every member finds such an offset; at the latest when one shard holds
-    them all, each in one piece. The padding this adds is at most a few thresholds per member.
+    its slack, then bisecting) until every member finds such an offset, and is at most one that holds them
+    all, each in one piece (a bucket of a few parameters under ``world_size`` thresholds: one rank owns each).
     """
     unit = math.lcm(blocks.size, alignment)
-    low = round_up(max(1, -(-sum(round_up(n, blocks.size) for n in sizes) // world_size)), unit)
+    one_shard = round_up(max(1, sum(round_up(n, blocks.size) for n in sizes)), unit)  # holds every member whole
+    low = round_up(-(-one_shard // world_size), unit)
     high, slack = low, 0
     while (offsets := _try_blocked(sizes, blocks, world_size, high)) is None:
         low, slack = high + unit, max(unit, 2 * slack)
-        high = low - unit + slack
+        high = min(low - unit + slack, one_shard)
     while low < high:  # the least shard size between the last that failed and one that fits, by bisection
         middle = low + (high - low) // unit // 2 * unit
         found = _try_blocked(sizes, blocks, world_size, middle)
