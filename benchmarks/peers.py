@@ -283,8 +283,10 @@ def lowbit_section(implementations, size: str, steps: int, device: str, out: str
     return [f"## 8-bit AdamW: gpt2 {size}, world size 2, {steps} steps ({steps - 2} timed), micro-batch 4, fp32, "
             "clip 1.0",
             f"bitsandbytes' AdamW8bit (lr {settings.lr}) in every row; the reference is DDP + AdamW8bit. zeroimpl "
-            "recognises it and shards by whole parameters (its blocks and its 8-bit size threshold count from a "
-            "parameter's first element), as PyTorch ZeRO and FairScale OSS partition whole parameters too. "
+            "recognises it and cuts its flat shards on quantization blocks, each parameter placed so that its "
+            "pieces keep its 8-bit or fp32 choice by size (blocks and the threshold count from a parameter's first "
+            "element), so its state per rank is half DDP's; PyTorch ZeRO and FairScale OSS partition whole "
+            "parameters. "
             "DeepSpeed has no 8-bit optimizer: it takes AdamW8bit as a client optimizer only with "
             "`zero_allow_untested_optimizer` (and `zero_force_ds_cpu_optimizer: false` with offload), and then "
             "steps its flat fp32 partition as one tensor, so blocks cross parameters: its verdict shows what that "
@@ -294,7 +296,7 @@ def lowbit_section(implementations, size: str, steps: int, device: str, out: str
             "AdamW: the main table), and 8-bit state turns such a last-bit difference into a different quantized "
             "value. Without clipping it is bitwise DDP's (`zeroimpl-compare --optimizer adamw8bit "
             "--max-grad-norm 0 --only \"zeroimpl stage 1\" \"zeroimpl stage 2 + offload\"`: both bitwise), as "
-            "tests/test_lowbit.py checks at world size 2 on odd sizes. Chart: `lowbit.png`.", markdown_table(rows)]
+            "tests/test_lowbit.py checks at world sizes 2, 3 and 4 on odd sizes. Chart: `lowbit.png`.", markdown_table(rows)]
 
 
 def main():

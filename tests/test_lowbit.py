@@ -76,6 +76,7 @@ def _all(rank, world_size, directory):
     cases = {name: partial(_parity, rank, name) for name in CLASSES}
     if world_size == 2:
         cases["resume"] = partial(_resume, rank, world_size, directory)
+        cases["overrides"] = _overrides
     else:  # the 2-rank launch (run first) saved it
         cases["resharded"] = partial(_resharded, rank, directory)
     return run_cases(cases)
@@ -204,3 +205,23 @@ def test_low_bit_state_reshards_to_other_world_sizes(launches, world_size):
         assert cut > 1, "the largest matrix is not cut between ranks"
         assert loaded, "resumed from the 2-rank checkpoint: not DDP + AdamW8bit from its consolidated state"
         assert imported, "from the consolidated torch state: not DDP + AdamW8bit from it"
+
+
+def _overrides():
+    """bitsandbytes' per-parameter overrides (GlobalOptimManager) name the model's parameters, which the inner
+    optimizer never sees (it steps pieces): refused at construction, on every rank."""
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    model = OddNet()
+    manager.override_config(model.first.weight, "optim_bits", 32)
+    try:
+        ShardedOptimizer(model.parameters(), bnb.optim.AdamW8bit, bucket_numel=2048, lr=1e-2)
+    except ValueError as error:
+        return str(error)
+    finally:
+        manager.initialize()  # (a process-wide singleton: the next case starts without the override)
+    return None
+
+
+def test_bitsandbytes_per_parameter_overrides_are_refused_on_every_rank(launches):
+    for message in case_results(launches[2], "overrides"):
+        assert message is not None and "override_config" in message, message

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import optimizer_kinds
 from .buffers import BucketStorage
 from .layout import ShardLayout, ShardPiece
 from .memory_format import shaped
@@ -116,6 +117,12 @@ class InnerOptimizers:
             self.report(outer_groups)
         return bool(switching)
 
+    def refuse_parameter_overrides(self, params: Sequence[torch.Tensor]) -> None:
+        """Raise where a class's per-parameter overrides name the model's parameters (bitsandbytes'
+        GlobalOptimManager), which the inner optimizers never see."""
+        for optimizer in self.optimizers.values():
+            optimizer_kinds.refuse_bitsandbytes_overrides(optimizer, params)
+
     def refuse_global_clipping(self) -> None:
         """Raise for an optimizer that clips by the norm of every gradient it steps (timm's Lamb,
         ``max_grad_norm``): sharded, it would see this rank's part of that norm only."""
@@ -183,13 +190,15 @@ class InnerOptimizers:
 
 
 def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs: dict[type, dict], topology,
-                        timeout: Optional[float]) -> InnerOptimizers:
-    """:class:`InnerOptimizers` over this rank's pieces; a constructor that refuses them (a class refusing a
-    shape that only this rank owns) raises the same error on every rank, never a later collective failure
-    or hang: one object all-gather of each rank's outcome (``topology``: the ranks that build together)."""
+                        timeout: Optional[float], params: Sequence[torch.Tensor]) -> InnerOptimizers:
+    """:class:`InnerOptimizers` over this rank's pieces (of the model's trainable ``params``); a constructor that
+    refuses them (a class refusing a shape that only this rank owns) raises the same error on every rank,
+    never a later collective failure or hang: one object all-gather of each rank's outcome (``topology``: the
+    ranks that build together)."""
     error, inner = None, None
     try:
         inner = InnerOptimizers(groups, classes, kwargs)
+        inner.refuse_parameter_overrides(params)
         if topology.shard_size > 1:
             inner.refuse_global_clipping()
     except Exception as exc:  # any refusal by a class's constructor: shared below, then raised everywhere

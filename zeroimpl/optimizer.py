@@ -147,7 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.pieces = PieceMasters(layout, layout.pieces(self.rank), self.storages, trainable)
         self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), classes,
                                          inner_kwargs(classes, optimizer_class, optimizer_kwargs, self.param_groups,
-                                                      self.offload), self.topology, collective_timeout)
+                                                      self.offload), self.topology, collective_timeout, trainable)
         self.inner.fill_defaults(self.param_groups)
         self.defaults = self.inner.defaults
 

@@ -176,3 +176,24 @@ def check_whole_groups(groups: list[dict], outer_only_keys: frozenset) -> None:
         if group["optimizer"] in WHOLE_PARAMETER_OPTIMIZERS and trainable:
             hyperparameters = {k: v for k, v in group.items() if k not in outer_only_keys}
             group["optimizer"]([{**hyperparameters, "params": [torch.empty_like(p, device="meta") for p in trainable]}])
+
+
+def refuse_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, params) -> None:
+    """Raise where bitsandbytes' per-parameter overrides (``GlobalOptimManager``: ``override_config``,
+    ``register_parameters``, ``register_module_override``) could reach this inner ``optimizer``: they name the
+    model's parameters ``params`` (or positions in the plain optimizer's groups), but the inner optimizer
+    steps pieces, so they would be ignored, or land on other pieces."""
+    manager = getattr(optimizer, "mng", None)  # bitsandbytes' 8-bit optimizers hold the process-wide manager
+    if manager is None or not is_blockwise(type(optimizer)):
+        return
+    ids = {id(p) for p in params}
+    named = ids & set(getattr(manager, "pid2config", {})) or any(
+        id(getattr(module, name, None)) in ids for module, name, _ in getattr(manager, "module_weight_config_triple", ()))
+    if named or getattr(manager, "index2config", None):
+        raise ValueError(f"bitsandbytes' per-parameter overrides (GlobalOptimManager.override_config, "
+                         f"register_parameters, register_module_override) are set, but {type(optimizer).__name__} "
+                         "under zeroimpl steps pieces of the parameters, not the parameters they name, so they would "
+                         "be ignored or land on other pieces: pass the setting to the optimizer for a whole param "
+                         "group instead (e.g. a group of its own with optim_bits=32 under a 32-bit class such as "
+                         "bitsandbytes.optim.AdamW), and clear the manager (GlobalOptimManager.get_instance()"
+                         ".initialize())")

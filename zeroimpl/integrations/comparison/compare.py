@@ -30,6 +30,7 @@ def predicted_model_state(implementation: Implementation, workload: Workload) ->
         model = build_model(workload.family, workload.size, dtype)
     report = estimate_memory(sharded_groups(model, workload.settings), workload.world_size,
                              implementation.stage, offload="cpu" if implementation.offload else None,
+                             optimizer_class=workload.settings.adamw_class(),
                              optimizer_kwargs=workload.settings.adamw_kwargs())
     return report.total - report.device.bucket_buffers - report.host.bucket_buffers
 
