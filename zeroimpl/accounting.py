@@ -59,13 +59,27 @@ class MemoryReport:
         return {"device": self.device.as_dict(), "host": self.host.as_dict(), "total": self.total}
 
 
+def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``tensor``'s memory: itself, or for a tensor subclass that wraps others (torch's
+    ``__tensor_flatten__`` protocol: torchao's quantized optimizer state keeps uint8 codes and per-block
+    scales in an fp32-looking tensor), the tensors it wraps, recursively."""
+    if not hasattr(type(tensor), "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [leaf for name in names for leaf in stored_tensors(getattr(tensor, name))]
+
+
 def tensor_bytes(tensors) -> int:
-    """Bytes of the distinct tensors in ``tensors`` (``None`` and non-tensors are skipped)."""
+    """Bytes of the distinct tensors in ``tensors``, each counted by what it stores (:func:`stored_tensors`;
+    ``None`` and non-tensors are skipped)."""
     seen, total = set(), 0
     for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
-            seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        for leaf in stored_tensors(tensor):
+            if id(leaf) not in seen:
+                seen.add(id(leaf))
+                total += leaf.numel() * leaf.element_size()
     return total
 
 

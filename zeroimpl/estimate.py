@@ -23,7 +23,7 @@ from typing import Collection, Iterable, Literal, Optional, Union
 import torch
 
 from . import optimizer_kinds, validation
-from .accounting import MemoryReport, StateBytes
+from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .layout import ParamSpec, build_layout, trainable_specs
 from .offload import OffloadOption, host_optimizer_kwargs, resolve_offload, staging_sizes
 
@@ -41,9 +41,9 @@ def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: 
     for value in optimizer.state[probe].values():
         if isinstance(value, torch.Tensor):
             if value.numel() == PROBE_NUMEL:
-                per_element += value.element_size()
+                per_element += tensor_bytes([value]) // PROBE_NUMEL
             else:
-                per_tensor += value.numel() * value.element_size()
+                per_tensor += tensor_bytes([value])
     return per_element, per_tensor
 
 
@@ -60,7 +60,7 @@ def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torc
             if device == "cpu":
                 raise
             continue
-        return sum(v.numel() * v.element_size() for v in optimizer.state[probe].values() if torch.is_tensor(v))
+        return sum(tensor_bytes([v]) for v in optimizer.state[probe].values())
     raise AssertionError("unreachable")
 
 
@@ -73,9 +73,7 @@ def shared_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: tor
     optimizer = optimizer_class(probes, **optimizer_kwargs)
     optimizer.step()
     first, second = (optimizer.state[probe] for probe in probes)
-    return {key: value.numel() * value.element_size() for key, value in first.items()
-            if torch.is_tensor(value) and torch.is_tensor(second.get(key))
-            and value.untyped_storage().data_ptr() == second[key].untyped_storage().data_ptr()}
+    return {key: tensor_bytes([value]) for key, value in first.items() if torch.is_tensor(value) and value is second.get(key)}
 
 
 def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int, optimizer_class: type,

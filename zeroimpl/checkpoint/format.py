@@ -35,6 +35,12 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
         return None, None, None
     elementwise, scalars, whole_state = {}, {}, {}
     for key, value in state.items():
+        if torch.is_tensor(value) and hasattr(type(value), "__tensor_flatten__"):
+            raise CheckpointError(f"optimizer state {key!r} is a {type(value).__name__} (a tensor subclass that stores "
+                                  "quantized state, as torchao's low-bit optimizers keep), which zeroimpl's sharded "
+                                  "checkpoints cannot reshard yet: save optimizer.state_dict() on every rank with "
+                                  "torch.save and load it at the same world size and layout, or use bitsandbytes' "
+                                  "8-bit classes, whose checkpoints reshard")
         if torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
             elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
         elif torch.is_tensor(value) and value.dim() == 0:
