@@ -144,11 +144,14 @@ def link_bytes(device: str) -> int:
 
 @contextlib.contextmanager
 def signals_raise():
-    """SIGTERM (and SIGHUP) raise SystemExit while inside, so that the Link's cleanup runs as on Ctrl-C."""
+    """SIGTERM (and SIGHUP) raise SystemExit while inside, so that the Link's cleanup runs as on Ctrl-C; and
+    Ctrl-C (SIGINT) raises KeyboardInterrupt even where it was inherited ignored (a shell starts background
+    jobs so): an interrupt always cleans up, never leaves the run going."""
     def stop(signum, frame):
         raise SystemExit(f"stopped by signal {signum}")
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:

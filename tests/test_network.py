@@ -81,8 +81,9 @@ def test_bytes_across_the_link_match_the_bytes_the_ranks_sent_to_the_other_node(
 
 
 def test_an_interrupted_run_leaves_no_namespace_and_no_rank_behind(tmp_path):
+    # far more steps than the test waits for: the run must end by the interrupt, never on its own
     run = subprocess.Popen([sys.executable, SCRIPT, "--sizes", "small", "--rates", "1gbit", "--only", "ddp",
-                            "--steps", "50", "--out", str(tmp_path)], env=ENV, stdout=subprocess.PIPE,
+                            "--steps", "100000", "--out", str(tmp_path)], env=ENV, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while not _namespaces(run) and time.monotonic() < deadline and run.poll() is None:
