@@ -172,3 +172,42 @@ def test_pairwise_reduce_scatter_sums_in_its_documented_order(world_size):
         other_way = summed(rank, [rank + k for k in range(1, world_size)])  # own, then r + 1, r + 2, ...
         assert torch.equal(output, documented), f"rank {rank}"
         assert not torch.equal(documented, other_way)  # the data tells the orders apart
+
+
+def _one_rank(rank, world_size):
+    """Stage 2 (and stage 1 with offload) at world size 1, with and without ZEROIMPL_COLLECTIVES_AT_ONE_RANK:
+    (the collectives issued per step, the parameters after 3 steps)."""
+    results = {}
+    for switch in ("", "1"):
+        for stage, offload in ((2, None), (1, "cpu")):
+            counter = CollectiveCounter().install()
+            try:
+                with _environment("ZEROIMPL_COLLECTIVES_AT_ONE_RANK", switch):
+                    model = build_model("gpt2", torch.float32)
+                    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, offload=offload,
+                                                 bucket_numel=4096, lr=1e-3)
+                    for step in range(3):
+                        optimizer.backward(model(**batch(rank, step, 0)).loss)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    optimizer.finish_param_gathers()
+                    calls = summarize(counter.take())
+            finally:
+                counter.uninstall()
+            results[(switch, stage)] = ({name: count for name, (count, _, _) in calls.items()},
+                                        [p.detach().clone() for p in model.parameters()], len(optimizer.layout.buckets))
+    return results
+
+
+def test_a_test_switch_issues_the_real_collectives_at_world_size_1():
+    """ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1: the backend's reduce-scatter and all-gather run at world size 1 (the
+    GPU kit's path on a one-GPU machine), once per bucket per step, and train bitwise as the copies do;
+    without it, none runs."""
+    (results,) = run_distributed(1, _one_rank)
+    for stage in (2, 1):
+        (plain, plain_params, buckets), (switched, switched_params, _) = results[("", stage)], results[("1", stage)]
+        assert "reduce_scatter_single" not in plain and "all_gather_single" not in plain, plain
+        # all-gathers: one per bucket per step, and the two of construction's object all-gather (sizes, bytes)
+        assert switched["reduce_scatter_single"] == 3 * buckets and switched["all_gather_single"] == 3 * buckets + 2, \
+            switched
+        assert all(map(torch.equal, plain_params, switched_params))

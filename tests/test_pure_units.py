@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zeroimpl import CPUOffload, estimate_memory
-from zeroimpl.host_memory import HostArena, device_tensor, to_device
+from zeroimpl.host_memory import HostArena, device_tensor, page_aligned_bytes, to_device
 from zeroimpl.layout import ParamSpec, build_layout
 from zeroimpl.memory_format import contiguous_strides, dense_strides, flattened, same_order, shaped
 from zeroimpl.offload import FUSED_CPU_OPTIMIZERS, host_buffers, host_optimizer_kwargs, resolve_offload, staging_sizes
@@ -200,6 +200,17 @@ def test_host_arena_is_exactly_its_slices_each_aligned_and_zeroed():
         if numel:  # (an empty tensor has no address)
             start = piece.data_ptr() - arena.start
             assert start % dtype.itemsize == 0 and 0 <= start and start + numel * dtype.itemsize <= arena.nbytes
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_page_aligned_bytes_start_on_a_page_and_hold_whole_pages(nbytes):
+    """What a pinned arena registers with cudaHostRegister. Catches: a range that starts inside a page or ends
+    inside one (two arenas could then share a page, which the second registration fails on), or that is
+    shorter than asked."""
+    page = 4096
+    block = page_aligned_bytes(nbytes, page)
+    assert block.data_ptr() % page == 0 and block.numel() % page == 0 and nbytes <= block.numel() < nbytes + page
+    assert block.dtype == torch.uint8 and not block.any()
 
 
 def test_host_arena_slices_do_not_overlap():
@@ -390,3 +401,13 @@ def test_node_count_counts_distinct_node_numbers_and_any_unknown_as_one_node():
     assert node_count([1, 1, 2, 2]) == 2 and node_count([1, 1, 1]) == 1 and node_count([3, 1, 2]) == 3
     assert node_count([1, 2, 1, 2, 2, 2]) == 2  # nodes with 2 and 4 ranks
     assert node_count([1, 0, 2]) == 1 and node_count([0, 0]) == 1
+
+
+def test_the_topology_carries_the_parameters_device_for_its_object_all_gathers():
+    """Catches: the checkpoint's and construction's agreements gathered on the current GPU (GPU 0 on every rank
+    of a script that never calls torch.cuda.set_device) instead of the parameters' (frozen ones do not count)."""
+    from zeroimpl.topology import resolve_topology
+
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    trainable = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    assert resolve_topology(None, None, [{"params": [frozen]}, {"params": [trainable]}]).device == torch.device("meta")

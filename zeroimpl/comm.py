@@ -24,7 +24,9 @@ that spans nodes (:func:`spans_nodes`: by torchrun's ``GROUP_RANK``, agreed by t
 (207-216 ms).
 
 ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors (read when the collective is
-issued; set it alike on every rank). Tensors on an accelerator always use ``native``. The
+issued; set it alike on every rank). ``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1`` (for tests) issues the backend's
+reduce-scatter and all-gather at world size 1 too, where they would be copies: NCCL and gloo take one-rank
+groups, so a machine with one GPU runs the collective path (tests/test_cuda.py). Tensors on an accelerator always use ``native``. The
 ``torch.distributed`` functions are looked up at call time, so that a test can wrap them to count traffic.
 
 Every wait goes through :class:`Pending`: a collective that fails (a peer died: gloo sees the connection
@@ -58,6 +60,11 @@ HOST_POLL_SECONDS = 5e-5  # Pending.wait_on_host's polling interval
 
 class CollectiveError(RuntimeError):
     """A collective of ShardedOptimizer failed or timed out: another rank has died, hangs, or diverged."""
+
+
+def _at_one_rank() -> bool:
+    """Whether to issue the backend's collectives at world size 1 too (``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1``)."""
+    return os.environ.get("ZEROIMPL_COLLECTIVES_AT_ONE_RANK") == "1"
 
 
 def _collective(new_name: str, old_name: str):
@@ -162,11 +169,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     reduce-scatters in flight at once (pairwise), one per bucket."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     name, timeout = "gradient reduce-scatter", _host_timeout(input, timeout)
-    if world == 1:  # nothing to sum: skip the backend's own copies (and any copy when output is input)
+    if world == 1 and not _at_one_rank():  # nothing to sum: skip the backend's copies (and any when output is input)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input[:output.numel()])
         return Pending([], name, timeout)
-    if algorithm(group, input) == "native":
+    if world == 1 or algorithm(group, input) == "native":
         launch = _collective("reduce_scatter_single", "reduce_scatter_tensor")
         lent = _aliases(output, input)
         return Pending([launch(*lent, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout, lent=lent)
@@ -186,7 +193,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
     """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     timeout = _host_timeout(output, timeout)
-    if world > 1 and algorithm(group, output, gather=True, timeout=timeout) == "native":
+    if (world == 1 and _at_one_rank()) or (world > 1 and algorithm(group, output, gather=True, timeout=timeout)
+                                           == "native"):
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
         return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent)
@@ -213,14 +221,20 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optiona
     return tensor
 
 
-def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
+def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather",
+                       device: Optional[torch.device] = None) -> list:
     """Every rank's ``value`` (anything picklable), in group-rank order, with the waits bounded by ``timeout``
     as every other collective here (``dist.all_gather_object`` waits up to the process group's timeout, 30
     minutes by default). Two all-gathers: the pickled sizes, then the pickles padded to the largest. On NCCL
-    the bytes travel on the current GPU."""
+    the bytes travel on ``device`` (the caller's GPU: the optimizer's parameters' -- a script that moves its
+    model with ``.to(f"cuda:{local_rank}")`` without ``torch.cuda.set_device`` has every rank's current GPU at
+    0, where NCCL would see one GPU twice), else on the current GPU."""
     world = dist.get_world_size(group)
     nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    if not nccl:
+        device = torch.device("cpu")
+    elif device is None or device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
     all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,

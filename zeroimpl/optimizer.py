@@ -116,7 +116,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                                           assume_elementwise)
         classes = [group["optimizer"] for group in groups]
         validation.check_process_group(process_group)
-        self.topology: Topology = resolve_topology(process_group, device_mesh)
+        self.topology: Topology = resolve_topology(process_group, device_mesh, groups)
         self.verify_every = verify_every
         self.overlap_param_gather = bool(overlap_param_gather)
         self._steps_taken = 0  # updates applied (skipped steps do not count)

@@ -13,7 +13,7 @@ runs the same update on the same all-reduced gradient shard.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -28,10 +28,12 @@ REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
 @dataclass(frozen=True)
 class Topology:
     """``shard``: the group whose ranks own the shards (``None``: the default group); ``replicate``: the group
-    of ranks that hold this rank's shard too (``None``: no replication)."""
+    of ranks that hold this rank's shard too (``None``: no replication); ``device``: the parameters' device,
+    where object all-gathers travel on NCCL (``None``: the current GPU)."""
 
     shard: Optional[dist.ProcessGroup] = None
     replicate: Optional[dist.ProcessGroup] = None
+    device: Optional[torch.device] = None
 
     @property
     def shard_rank(self) -> int:
@@ -80,14 +82,21 @@ class Topology:
     def all_gather_objects(self, value, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
         """Every rank's ``value``, replica by replica, each in shard-rank order: entry ``r * shard_size + s`` is
         shard rank ``s`` of replica ``r``."""
-        row = comm.all_gather_objects(value, self.shard, timeout, name)
+        row = comm.all_gather_objects(value, self.shard, timeout, name, self.device)
         if self.replicate is None:
             return row
-        return [item for rows in comm.all_gather_objects(row, self.replicate, timeout, name) for item in rows]
+        return [item for rows in comm.all_gather_objects(row, self.replicate, timeout, name, self.device)
+                for item in rows]
 
 
-def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh) -> Topology:
-    """The topology of ``ShardedOptimizer(process_group=..., device_mesh=...)`` (at most one of them)."""
+def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh, groups: list[dict]) -> Topology:
+    """The topology of ``ShardedOptimizer(process_group=..., device_mesh=...)`` (at most one of them), over the
+    param ``groups`` (its device is their first trainable parameter's)."""
+    device = next((p.device for group in groups for p in group["params"] if p.requires_grad), None)
+    return replace(_groups_of(process_group, device_mesh), device=device)
+
+
+def _groups_of(process_group: Optional[dist.ProcessGroup], device_mesh) -> Topology:
     if device_mesh is None:
         return Topology(process_group)
     if process_group is not None:
