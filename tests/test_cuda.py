@@ -220,3 +220,17 @@ def _checkpoint_without_set_device(rank, world_size, directory):
 def test_checkpoint_agreements_travel_on_the_optimizers_gpu(tmp_path):
     assert run_distributed(2, _checkpoint_without_set_device, str(tmp_path / "checkpoint"), backend="nccl",
                            timeout=600) == [True, True]
+
+
+def test_a_host_wait_for_a_stream_is_bounded():
+    """Offload's wait for its gradient copies (comm.wait_for_stream): a stream held up past the timeout raises
+    CollectiveError, where stream.synchronize() would wait as long as NCCL's watchdog lets a collective hang."""
+    from zeroimpl.comm import CollectiveError, wait_for_stream
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second or more of GPU time
+    with pytest.raises(CollectiveError, match="did not finish within collective_timeout=0.05"):
+        wait_for_stream(stream, 0.05, "test copies")
+    stream.synchronize()
+

@@ -32,9 +32,12 @@ groups, so a machine with one GPU runs the collective path (tests/test_cuda.py).
 Every wait goes through :class:`Pending`: a collective that fails (a peer died: gloo sees the connection
 drop) or does not finish within ``timeout`` seconds (a peer hangs) raises :class:`CollectiveError` on this
 rank instead of blocking forever. ``timeout=None`` leaves the bound to the process group's own timeout
-(``init_process_group(timeout=...)``). The timeout applies to CPU tensors (gloo) only: on CUDA, a wait with
-a timeout would block the host until the collective ends and lose the overlap with backward, so there
-NCCL's watchdog enforces the process group's timeout (it aborts the process).
+(``init_process_group(timeout=...)``). On CUDA most waits are the current stream's (the host goes on, and
+NCCL's watchdog enforces the process group's timeout: it aborts the process); the timeout bounds the waits
+where the host blocks anyway: a reduce-scatter beyond the in-flight window (:meth:`Pending.wait_on_host`),
+the step's check all-reduce, whose result the host reads (``all_reduce_(read_on_host=True)``), and
+offload's gradient copies to the host (:func:`wait_for_stream`). A collective that hangs while only
+streams wait for it raises at the next of these (every step has the check all-reduce).
 
 A collective that a gloo worker thread runs (all-reduce, native reduce-scatter and all-gather) gets fresh
 aliases of CPU tensors, which :class:`Pending` drops after its wait and hands to :mod:`zeroimpl.shutdown`, so
@@ -78,26 +81,31 @@ class Pending:
     given (:func:`_aliases`)."""
 
     def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
-                 buffers: tuple = (), lent: tuple = ()):
+                 buffers: tuple = (), lent: tuple = (), on_stream: bool = False):
         self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
         self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
         self.lent = lent
+        self.on_stream = on_stream  # an accelerator's collective: wait() makes the current stream wait
 
     def wait_on_host(self) -> None:
-        """For CUDA collectives: block this thread, not a device stream, until every work is done; then
-        :meth:`wait`. ``wait()`` alone makes the current stream wait for the collective, so every kernel
-        queued after it (the rest of backward) would stall behind the communication; waiting on the host
-        instead lets the GPU run what is already queued. Bounded by ``timeout`` when there is one (else
-        NCCL's watchdog ends a collective that hangs)."""
+        """Block this thread, not a device stream, until every work is done, bounded by ``timeout`` (then
+        :class:`CollectiveError`); then :meth:`wait`. For CUDA collectives ``wait()`` alone makes the current
+        stream wait, so every kernel queued after it (the rest of backward) would stall behind the
+        communication; waiting on the host instead lets the GPU run what is already queued. Also where the
+        host is about to read the result anyway (the step's verdict): the wait is then bounded, where a read
+        would block for as long as NCCL's watchdog lets the collective hang."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while self.works and not all(work.is_completed() for work in self.works):
             if deadline is not None and time.monotonic() > deadline:
-                break  # wait() raises the CollectiveError
+                raise CollectiveError(self._failure(f"did not finish within its timeout of {self.timeout} s"))
             time.sleep(HOST_POLL_SECONDS)
         self.wait()
 
     def wait(self) -> None:
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        """Wait for every work (on an accelerator, the current stream waits and the host goes on: unbounded
+        there, see :meth:`wait_on_host`), then run ``finish``."""
+        bounded = self.timeout is not None and not self.on_stream
+        deadline = time.monotonic() + self.timeout if bounded else None
         try:
             for work in self.works:
                 if deadline is None:
@@ -106,18 +114,19 @@ class Pending:
                     left = max(deadline - time.monotonic(), 1e-3)
                     work.wait(timeout=datetime.timedelta(seconds=left))
         except RuntimeError as error:
-            bound = (f"within its timeout of {self.timeout} s" if self.timeout
-                     else "within the process group's timeout")
-            raise CollectiveError(
-                f"ShardedOptimizer's {self.name} failed or did not finish {bound} ({error}). Another rank has "
-                "probably died, hangs, or runs a different number of backward passes or steps; this rank cannot "
-                "continue. Restart the job from the last checkpoint (zeroimpl.checkpoint.load_checkpoint)") from error
+            bound = f"within its timeout of {self.timeout} s" if bounded else "within the process group's timeout"
+            raise CollectiveError(self._failure(f"failed or did not finish {bound} ({error})")) from error
         self.works, self.buffers = [], ()
         shutdown.handed_to_gloo(*(t for t in self.lent if t.device.type == "cpu"))
         self.lent = ()
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
+
+    def _failure(self, what: str) -> str:
+        return (f"ShardedOptimizer's {self.name} {what}. Another rank has probably died, hangs, or runs a different "
+                "number of backward passes or steps; this rank cannot continue. Restart the job from the last "
+                "checkpoint (zeroimpl.checkpoint.load_checkpoint)")
 
 
 def algorithm(group, tensor: torch.Tensor, gather: bool = False, timeout: Optional[float] = None) -> str:
@@ -168,7 +177,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     ``input`` (``world_size * n`` elements) must stay untouched until the wait; ``tag`` tells apart
     reduce-scatters in flight at once (pairwise), one per bucket."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    name, timeout = "gradient reduce-scatter", _host_timeout(input, timeout)
+    name, on_stream = "gradient reduce-scatter", input.device.type != "cpu"
     if world == 1 and not _at_one_rank():  # nothing to sum: skip the backend's copies (and any when output is input)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input[:output.numel()])
@@ -176,7 +185,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     if world == 1 or algorithm(group, input) == "native":
         launch = _collective("reduce_scatter_single", "reduce_scatter_tensor")
         lent = _aliases(output, input)
-        return Pending([launch(*lent, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout, lent=lent)
+        return Pending([launch(*lent, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout, lent=lent,
+                       on_stream=on_stream)
     pieces = input.view(world, -1)
     received = torch.empty(world - 1, output.numel(), dtype=input.dtype, device=input.device)
     works = _exchange([pieces[(rank + k) % world] for k in range(1, world)], list(received), group, 2 * tag)
@@ -185,67 +195,59 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         torch.add(pieces[rank], received[0], out=output)
         for piece in received[1:]:
             output.add_(piece)
-    return Pending(works, name, timeout, add_pieces, buffers=(received,))
+    return Pending(works, name, timeout, add_pieces, buffers=(received,), on_stream=on_stream)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
                tag: int = 0, name: str = "parameter all-gather") -> Pending:
     """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    timeout = _host_timeout(output, timeout)
+    on_stream = output.device.type != "cpu"
     if (world == 1 and _at_one_rank()) or (world > 1 and algorithm(group, output, gather=True, timeout=timeout)
                                            == "native"):
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
-        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent)
+        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent, on_stream=on_stream)
     pieces = output.view(world, -1)
     if input.data_ptr() != pieces[rank].data_ptr():
         pieces[rank].copy_(input)
     works = _exchange([pieces[rank]] * (world - 1), [pieces[(rank - k) % world] for k in range(1, world)],
                       group, 2 * tag + 1)
-    return Pending(works, name, timeout)
+    return Pending(works, name, timeout, on_stream=on_stream)
+
+
+def wait_for_stream(stream, timeout: Optional[float], name: str) -> None:
+    """Block the host until ``stream`` (a CUDA stream) has run everything queued on it, bounded by ``timeout``
+    (then :class:`CollectiveError`): what it runs may wait for a collective that hangs (offload's copies of
+    reduced gradients), which ``stream.synchronize()`` would wait out for as long as NCCL's watchdog lets it."""
+    if timeout is None:
+        stream.synchronize()
+        return
+    event, deadline = stream.record_event(), time.monotonic() + timeout
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise CollectiveError(f"ShardedOptimizer's {name} did not finish within collective_timeout={timeout} s: "
+                                  "the collective they wait for probably hangs (another rank died or hangs); "
+                                  "restart the job from the last checkpoint (zeroimpl.checkpoint.load_checkpoint)")
+        time.sleep(HOST_POLL_SECONDS)
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
                name: str = "all-reduce") -> Pending:
     """Start reducing ``tensor`` in place across the group; it must stay untouched until the wait."""
     lent = _aliases(tensor)
-    return Pending([dist.all_reduce(*lent, op=op, group=group, async_op=True)], name, _host_timeout(tensor, timeout),
-                   lent=lent)
+    return Pending([dist.all_reduce(*lent, op=op, group=group, async_op=True)], name, timeout, lent=lent,
+                   on_stream=tensor.device.type != "cpu")
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
-                name: str = "all-reduce") -> torch.Tensor:
-    """Reduce ``tensor`` in place across the group and return it."""
-    all_reduce(tensor, op, group, timeout, name).wait()
+                name: str = "all-reduce", read_on_host: bool = False) -> torch.Tensor:
+    """Reduce ``tensor`` in place across the group and return it. ``read_on_host``: the caller reads the result
+    on the host next, so the host waits for it here, bounded by ``timeout`` (:meth:`Pending.wait_on_host`);
+    else, on an accelerator, the current stream waits."""
+    pending = all_reduce(tensor, op, group, timeout, name)
+    (pending.wait_on_host if read_on_host else pending.wait)()
     return tensor
-
-
-def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather",
-                       device: Optional[torch.device] = None) -> list:
-    """Every rank's ``value`` (anything picklable), in group-rank order, with the waits bounded by ``timeout``
-    as every other collective here (``dist.all_gather_object`` waits up to the process group's timeout, 30
-    minutes by default). Two all-gathers: the pickled sizes, then the pickles padded to the largest. On NCCL
-    the bytes travel on ``device`` (the caller's GPU: the optimizer's parameters' -- a script that moves its
-    model with ``.to(f"cuda:{local_rank}")`` without ``torch.cuda.set_device`` has every rank's current GPU at
-    0, where NCCL would see one GPU twice), else on the current GPU."""
-    world = dist.get_world_size(group)
-    nccl = dist.get_backend(group) == "nccl"
-    if not nccl:
-        device = torch.device("cpu")
-    elif device is None or device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,
-               name=name).wait()
-    longest = int(sizes.max())
-    gathered = torch.zeros(world * longest, dtype=torch.uint8, device=device)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:mine.numel()] = mine
-    all_gather(gathered, padded, group, timeout, name=name).wait()
-    rows = gathered.view(world, longest).cpu()
-    return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]
 
 
 def _aliases(*tensors: torch.Tensor) -> tuple:
@@ -269,7 +271,3 @@ def _peer(group, group_rank: int) -> int:
     group_rank %= dist.get_world_size(group)
     return group_rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
 
-
-def _host_timeout(tensor: torch.Tensor, timeout: Optional[float]) -> Optional[float]:
-    """The timeout for a wait on ``tensor``'s collective: none on CUDA (see the module docstring)."""
-    return timeout if tensor.device.type == "cpu" else None

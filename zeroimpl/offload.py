@@ -27,6 +27,7 @@ from typing import Literal, Optional, Union
 
 import torch
 
+from . import comm
 from .buffers import HALF_DTYPES, host_master_dtype
 from .grad_shards import DeviceGradientShards
 from .host_memory import HostArena
@@ -107,8 +108,9 @@ class HostGradientShards:
     Host syncs: :meth:`ready` waits once per step, whatever the number of buckets.
     """
 
-    def __init__(self, device: torch.device, shards: list[torch.Tensor]):
+    def __init__(self, device: torch.device, shards: list[torch.Tensor], timeout: Optional[float] = None):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream
+        self._timeout = timeout  # bounds the wait for the copies (which wait for the reduce-scatters)
         self.shards = shards  # per bucket: zeroed, shard-sized, in the master's dtype (page-locked on CUDA)
         self._fill = [ShardFill.EMPTY] * len(shards)  # per bucket: what the host shard holds
         self._device_sums: list[Optional[torch.Tensor]] = [None] * len(shards)  # device accumulators
@@ -143,7 +145,7 @@ class HostGradientShards:
     def wait_copies(self) -> None:
         """Block until no gradient copy to the host is in flight (the host shards may then be read or written)."""
         if self._stream is not None:
-            self._stream.synchronize()
+            comm.wait_for_stream(self._stream, self._timeout, "gradient copies to the host")
 
     def ready(self) -> list[Optional[torch.Tensor]]:
         """Every gradient on the host, every copy finished: the host shards, ``None`` where no gradient came."""
@@ -205,14 +207,16 @@ def host_buffers(layout, param_dtypes: list[torch.dtype], pin_device: Optional[t
     return arena, slices[:buckets], slices[buckets:2 * buckets], staged
 
 
-def gradient_store(policy: Optional[CPUOffload], layout, params: list[torch.nn.Parameter]):
+def gradient_store(policy: Optional[CPUOffload], layout, params: list[torch.nn.Parameter],
+                   timeout: Optional[float] = None):
     """Where the gradient shards live: ``(host arenas, host masters per bucket or None, the gradient store,
     staging buffers per 16-bit dtype)``; without ``policy`` nothing on the host and a
     :class:`~zeroimpl.grad_shards.DeviceGradientShards`, with it one arena holding masters, gradient shards
-    and staging (page-locked when the parameters are on CUDA) and a :class:`HostGradientShards`."""
+    and staging (page-locked when the parameters are on CUDA) and a :class:`HostGradientShards`, whose waits
+    for its copies ``timeout`` bounds."""
     device = params[0].device
     if policy is None:
         return [], None, DeviceGradientShards(len(layout.buckets)), {}
     pin = device if policy.pin_memory and device.type == "cuda" else None
     arena, masters, gradients, staging = host_buffers(layout, [p.dtype for p in params], pin)
-    return [arena], masters, HostGradientShards(device, gradients), staging
+    return [arena], masters, HostGradientShards(device, gradients, timeout), staging

@@ -82,8 +82,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear the gradients, skip the
             step and count it in ``skipped_steps``. Never an update with NaN.
         collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take before
-            it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs). Default ``None``: the process
-            group's own timeout. On CUDA, NCCL's watchdog enforces the process group's timeout.
+            it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs); on CUDA, the waits where the host
+            blocks anyway (:mod:`zeroimpl.comm`). Default ``None``: the process group's own timeout.
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
         overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()``
             (default ``True``): the first torch operation or module forward that touches one of its parameters
@@ -140,8 +140,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         self.layout: ShardLayout = layout
         self._device = trainable[0].device
-        # offload: masters, gradient shards and staging on the host, in one arena (page-locked on CUDA)
-        self.host_arenas, host_masters, self.gradients, staging = gradient_store(self.offload, layout, trainable)
+        self.host_arenas, host_masters, self.gradients, staging = gradient_store(self.offload, layout, trainable,
+                                                                                collective_timeout)
         self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank, host_masters)
         self.param_sync = ParamSync(self.storages, self.process_group, collective_timeout, staging)
         self.pieces = PieceMasters(layout, layout.pieces(self.rank), self.storages, trainable)

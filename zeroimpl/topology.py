@@ -66,17 +66,18 @@ class Topology:
         return [self.shard] + ([self.replicate] if self.replicate is not None else [])
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp, timeout: Optional[float] = None,
-                    name: str = "all-reduce") -> torch.Tensor:
-        """Reduce ``tensor`` in place across every rank (the shard group, then the replicate group)."""
+                    name: str = "all-reduce", read_on_host: bool = False) -> torch.Tensor:
+        """Reduce ``tensor`` in place across every rank (the shard group, then the replicate group);
+        ``read_on_host``: as :func:`comm.all_reduce_`'s."""
         for group in self.groups():
-            comm.all_reduce_(tensor, op, group, timeout, name)
+            comm.all_reduce_(tensor, op, group, timeout, name, read_on_host)
         return tensor
 
     def same_on_every_rank(self, values: torch.Tensor, timeout: Optional[float] = None,
                            name: str = "agreement all-reduce") -> torch.Tensor:
         """Elementwise, whether every rank holds the same ``values`` (1-D); identical on every rank."""
-        high, negated_low = self.all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, timeout,
-                                             name).chunk(2)
+        high, negated_low = self.all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, timeout, name,
+                                             read_on_host=True).chunk(2)
         return high == -negated_low
 
     def all_gather_objects(self, value, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
