@@ -14,7 +14,8 @@ Writes ``benchmarks/results/gpu/`` (``--out``):
    row's verdict against DDP. -> ``comparison.md`` (and .csv, .json, .png)
 2. ``knobs``: zeroimpl stage 2 on the same model, the parameter all-gather overlapped with the next forward
    (the default) or waited for in ``step()``, and the reduce-scatter window ``max_inflight_buckets`` 2 (the
-   default: the wait on reduce-scatter i-2 holds the compute stream), 8 and 64, against DDP under autocast;
+   default: the host waits for reduce-scatter i-2, polling, and the compute stream runs on), 8 and 64, against
+   DDP under autocast;
    median step time and CUDA peak. -> ``knobs.md``
 3. ``largest``: LLaMA configurations of growing size in bf16, micro-batch 1 of 512 tokens, two steps each,
    with stage 2 + CPU offload on one GPU, and DeepSpeed ZeRO-2 + offload the same way; a configuration

@@ -250,6 +250,33 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optiona
     return tensor
 
 
+def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather",
+                       device: Optional[torch.device] = None) -> list:
+    """Every rank's ``value`` (anything picklable), in group-rank order, with the waits bounded by ``timeout``
+    as every other collective here (``dist.all_gather_object`` waits up to the process group's timeout, 30
+    minutes by default). Two all-gathers: the pickled sizes, then the pickles padded to the largest. On NCCL
+    the bytes travel on ``device`` (the caller's GPU: the optimizer's parameters' -- a script that moves its
+    model with ``.to(f"cuda:{local_rank}")`` without ``torch.cuda.set_device`` has every rank's current GPU at
+    0, where NCCL would see one GPU twice), else on the current GPU."""
+    world = dist.get_world_size(group)
+    nccl = dist.get_backend(group) == "nccl"
+    if not nccl:
+        device = torch.device("cpu")
+    elif device is None or device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,
+               name=name).wait_on_host()  # (read on the host next: a bounded wait)
+    longest = int(sizes.max())
+    gathered = torch.zeros(world * longest, dtype=torch.uint8, device=device)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine
+    all_gather(gathered, padded, group, timeout, name=name).wait_on_host()
+    rows = gathered.view(world, longest).cpu()
+    return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]
+
+
 def _aliases(*tensors: torch.Tensor) -> tuple:
     """Fresh aliases (same memory, Python objects of their own) of ``tensors``, for a collective that a gloo
     worker thread runs: after :meth:`Pending.wait` only the work holds them (see :mod:`zeroimpl.shutdown`)."""
