@@ -234,3 +234,31 @@ def test_a_host_wait_for_a_stream_is_bounded():
         wait_for_stream(stream, 0.05, "test copies")
     stream.synchronize()
 
+
+
+def _side_stream_read(rank, world_size):
+    """After step(), an EMA-style read of the parameters on a side stream, then a copy of them on the default
+    stream, with rank 1's all-gathers held up behind a long GPU sleep: the copy must hold this step's values
+    (the default stream ordered after the side stream's wait), as with the gathers waited for in step()."""
+    results = []
+    for overlap in (True, False):
+        model = build_model("gpt2").cuda()
+        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-2,
+                                     overlap_param_gather=overlap)
+        optimizer.backward(model(**_batch(rank, 0)).loss)
+        torch.cuda._sleep(200_000_000 * rank)  # rank 1's gathers start late: rank 0's finish late
+        optimizer.step()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ema = [p.detach() * 0.5 for p in model.parameters()]  # the guard makes the side stream wait
+        copies = [p.detach().clone() for p in model.parameters()]  # default stream: no guard wait left
+        torch.cuda.synchronize()
+        del ema
+        results.append([c.cpu() for c in copies])
+    return all(map(torch.equal, *results))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (a late peer)")
+def test_a_side_stream_read_leaves_the_default_stream_ordered():
+    assert run_distributed(2, _side_stream_read, backend="nccl", timeout=600, env=ENV) == [True, True]

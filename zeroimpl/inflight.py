@@ -16,6 +16,11 @@ gathered.
   mode, as do kernels of C++ extensions and custom ``autograd.Function`` s, which the hook covers for the
   parameters of the module that calls them).
 
+On CUDA a wait is a stream's: the guard makes the stream of the read wait for the bucket, and the default
+stream (which runs the forward) after it, so a read on a side stream leaves no later default-stream read
+unordered; a third stream that reads the parameters later is not ordered (wait on its own with
+:meth:`InFlightGathers.finish` before the side read, or ``overlap_param_gather=False``).
+
 Not covered: tensor reads on another thread outside a module's forward, kernels reached around torch on
 parameters of a module that has not run its forward (a NumPy array or raw pointer taken before ``step()``,
 apex's multi-tensor kernels on the whole model): :meth:`InFlightGathers.finish` is the explicit wait, or
@@ -79,6 +84,7 @@ class InFlightGathers:
         self._guard: Optional[_Guard] = None
         self._hook = None
         self._thread: Optional[int] = None  # the thread whose mode stack holds the guard
+        self._device: Optional[torch.device] = None  # the parameter buffers' device
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -93,6 +99,7 @@ class InFlightGathers:
         if not guard:
             self.finish()
             return
+        self._device = next(iter(param_buffers.values())).device if param_buffers else None
         self._bucket_of_storage = {buffer.untyped_storage().data_ptr(): index
                                    for index, buffer in param_buffers.items()}
         self._bucket_of_param = {id(p): index for index, members in params.items() for p in members}
@@ -105,6 +112,12 @@ class InFlightGathers:
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
         for index in chosen:
             self._pending.pop(index).wait()
+        if chosen and self._device is not None and self._device.type == "cuda":
+            # on CUDA the wait is the current stream's; a read on a side stream (an EMA on its own stream) must
+            # order the default stream too, which runs the next forward and no longer waits for these buckets
+            current, default = torch.cuda.current_stream(self._device), torch.cuda.default_stream(self._device)
+            if current != default:
+                default.wait_stream(current)
         if not self._pending:
             self._remove_guards()
 
