@@ -214,33 +214,37 @@ def test_a_test_switch_issues_the_real_collectives_at_world_size_1():
 
 
 def _late_peer(rank, world_size):
-    """Rank 1 joins an all-reduce 3 s late; rank 0 waits for it on the host with a 1 s timeout, as the step's
-    check all-reduce is read (all_reduce_(read_on_host=True)) and as reduce-scatters beyond the window are
-    waited for on CUDA: it must raise CollectiveError naming the collective at about 1 s, not wait 3 s."""
+    """Rank 1 joins each of two all-reduces 1.5 s late; rank 0 waits for each on the host with a 0.5 s timeout:
+    the first as a CPU collective is waited for, the second polled as a CUDA one is (beyond the reduce-scatter
+    window, and the step's check all-reduce before its result is read: gloo's all-reduce reports completion as
+    NCCL's does). Each must raise CollectiveError naming the collective at about 0.5 s, not wait 1.5 s."""
     import time
 
     import torch.distributed as dist
 
-    from zeroimpl.comm import CollectiveError, all_reduce_
+    from zeroimpl.comm import CollectiveError, all_reduce, all_reduce_
 
     tensor = torch.ones(4)
-    if rank == 1:
-        time.sleep(3.0)
-        all_reduce_(tensor, dist.ReduceOp.SUM, None, None, "late all-reduce")
-        return None
-    started = time.monotonic()
-    try:
-        all_reduce_(tensor, dist.ReduceOp.SUM, None, 1.0, "late all-reduce", read_on_host=True)
-    except CollectiveError as error:
-        raised = (time.monotonic() - started, str(error))
-    else:
-        raised = None
-    time.sleep(3.0)  # (the late rank's all-reduce completes the collective before the ranks leave)
+    raised = []
+    for on_stream in (False, True):
+        if rank == 1:
+            time.sleep(1.5)
+            all_reduce_(tensor, dist.ReduceOp.SUM, None, None, "late all-reduce")
+            continue
+        started = time.monotonic()
+        pending = all_reduce(tensor, dist.ReduceOp.SUM, None, 0.5, "late all-reduce")
+        pending.on_stream = on_stream
+        try:
+            pending.wait_on_host()
+            raised.append(None)
+        except CollectiveError as error:
+            raised.append((time.monotonic() - started, str(error)))
+        time.sleep(1.6 - (time.monotonic() - started))  # the late rank completes this all-reduce first
     return raised
 
 
 def test_a_host_wait_for_a_collective_is_bounded_by_its_timeout():
-    raised = run_distributed(2, _late_peer)[0]
-    assert raised is not None, "the host wait did not raise"
-    seconds, message = raised
-    assert 1.0 <= seconds < 2.5 and "late all-reduce" in message and "timeout of 1.0 s" in message, raised
+    for raised in run_distributed(2, _late_peer)[0]:  # waited as a CPU collective, then polled as a CUDA one
+        assert raised is not None, "the host wait did not raise"
+        seconds, message = raised
+        assert 0.5 <= seconds < 1.4 and "late all-reduce" in message and "timeout of 0.5 s" in message, raised

@@ -95,7 +95,9 @@ class Pending:
         host is about to read the result anyway (the step's verdict): the wait is then bounded, where a read
         would block for as long as NCCL's watchdog lets the collective hang."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while self.works and not all(work.is_completed() for work in self.works):
+        # (a CPU collective's wait() blocks the host and is bounded already; gloo's point-to-point works do not
+        # report completion before it)
+        while self.on_stream and self.works and not all(work.is_completed() for work in self.works):
             if deadline is not None and time.monotonic() > deadline:
                 raise CollectiveError(self._failure(f"did not finish within its timeout of {self.timeout} s"))
             time.sleep(HOST_POLL_SECONDS)
