@@ -116,13 +116,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                                           assume_elementwise)
         classes = [group["optimizer"] for group in groups]
         validation.check_process_group(process_group)
-        self.topology: Topology = resolve_topology(process_group, device_mesh, groups)
         self.verify_every = verify_every
         self.overlap_param_gather = bool(overlap_param_gather)
         self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
         super().__init__(groups, {})  # refuses duplicates
         Joinable.__init__(self)  # under torch's Join: uneven inputs raise on every rank (zeroimpl/uneven.py)
+        self.topology: Topology = resolve_topology(process_group, device_mesh, self.param_groups)
 
         self.stage = stage
         self.process_group = self.topology.shard  # reduce-scatter and all-gather run here
