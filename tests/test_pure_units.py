@@ -411,3 +411,16 @@ def test_the_topology_carries_the_parameters_device_for_its_object_all_gathers()
     frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
     trainable = torch.nn.Parameter(torch.zeros(2, device="meta"))
     assert resolve_topology(None, None, [{"params": [frozen]}, {"params": [trainable]}]).device == torch.device("meta")
+
+
+@pytest.mark.parametrize("length", [1, 256, 4096])
+def test_a_low_bit_pieces_scales_and_map_are_piece_level_whatever_its_length(length):
+    """bitsandbytes' state of a piece of ``length`` elements: ``qmap1`` has 256 entries and ``absmax1`` one per
+    block of 256, so a 256-element piece's map (or a 1-element piece's scale) has the piece's shape. Catches:
+    either filed as per-element state (resharded element by element, its block structure lost)."""
+    from zeroimpl.checkpoint.format import split_state
+
+    state = {"step": torch.tensor(1.0), "state1": torch.zeros(length, dtype=torch.uint8),
+             "qmap1": torch.linspace(-1, 1, 256), "absmax1": torch.ones(-(-length // 256))}
+    elementwise, scalars, piece_level = split_state(state, (length,), whole=True)
+    assert set(elementwise) == {"state1"} and set(scalars) == {"step"} and set(piece_level) == {"qmap1", "absmax1"}

@@ -41,7 +41,9 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
                                   "checkpoints cannot reshard yet: save optimizer.state_dict() on every rank with "
                                   "torch.save and load it at the same world size and layout, or use bitsandbytes' "
                                   "8-bit classes, whose checkpoints reshard")
-        if torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
+        if torch.is_tensor(value) and whole and is_piece_level(key):  # (may have the piece's shape: a 256-element
+            whole_state[key] = value.detach().cpu().clone()  # piece's quantization map, a 1-element piece's scale)
+        elif torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
             elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
         elif torch.is_tensor(value) and value.dim() == 0:
             scalars[key] = value.detach().cpu().clone()
@@ -55,6 +57,12 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
                                   "scalar, so it cannot be resharded; this optimizer is not elementwise (shard it "
                                   "by whole parameters: ShardedOptimizer(..., per_parameter=[its class]))")
     return elementwise, scalars, whole_state
+
+
+def is_piece_level(key: str) -> bool:
+    """Whether a low-bit optimizer's state ``key`` is piece-level whatever its shape: bitsandbytes' per-block
+    scales (``absmax1``/``absmax2``) and quantization maps (``qmap1``/``qmap2``)."""
+    return is_per_block(key) or key.startswith("qmap")
 
 
 def is_per_block(key: str) -> bool:
