@@ -26,14 +26,18 @@ STEPS = 3
 
 
 class OddNet(torch.nn.Module):
-    """Parameters of odd sizes, two above bitsandbytes' 4096-element threshold for 8-bit state (12707, 5917
-    elements: blocks of 256 do not divide them; the first large enough to be cut in pieces of 8-bit state on
-    2, 3 and 4 ranks) and the rest below it (fp32 state)."""
+    """Three layers, ``inputs -> hidden -> 61 -> 5``. By default of odd sizes: two matrices above bitsandbytes'
+    4096-element threshold for 8-bit state (12707, 5917 elements: blocks of 256 do not divide them; the first
+    large enough to be cut in pieces of 8-bit state on 2, 3 and 4 ranks) and the rest below it (fp32 state).
+    ``OddNet(128, 96)`` is for torchao, which quantizes a tensor of at least 4096 elements that its blocks
+    (256; 128 for 4-bit) divide: a 128 x 96 matrix (quantized, cut between ranks), a 96 x 61 one (5856
+    elements, not whole blocks of 256: fp32 state, on one rank) and the small fp32 rest."""
 
-    def __init__(self):
+    def __init__(self, inputs: int = 131, hidden: int = 97):
         super().__init__()
         torch.manual_seed(0)
-        self.first, self.second, self.head = torch.nn.Linear(131, 97), torch.nn.Linear(97, 61), torch.nn.Linear(61, 5)
+        self.first, self.second = torch.nn.Linear(inputs, hidden), torch.nn.Linear(hidden, 61)
+        self.head = torch.nn.Linear(61, 5)
 
     def forward(self, x):
         return self.head(torch.tanh(self.second(torch.tanh(self.first(x))))).square().mean()
@@ -121,20 +125,6 @@ def test_torchao_low_bit_classes_are_recognised_and_sharded_on_blocks():
             sharding_of(cls, (), True)
 
 
-class WholeBlocksNet(torch.nn.Module):
-    """For torchao, which quantizes a tensor of at least 4096 elements that its blocks (256; 128 for 4-bit)
-    divide: a 128 x 96 matrix (quantized, cut between ranks), a 97 x 61 one (5917 elements: fp32 state, on one
-    rank) and small fp32 rest."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.first, self.second, self.head = torch.nn.Linear(128, 96), torch.nn.Linear(96, 61), torch.nn.Linear(61, 5)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.second(torch.tanh(self.first(x))))).square().mean()
-
-
 def _torchao(rank, world_size, directory):
     """Each torchao class: 3 steps (each rank its own batch at world size 2, the same batch at 3: see _train)
     against DDP + the same class; then the sharded checkpoint (refused, clearly) and the per-rank torch state
@@ -145,7 +135,7 @@ def _torchao(rank, world_size, directory):
     from zeroimpl.checkpoint import CheckpointError, save_checkpoint
 
     def train(cls, sharded):
-        model = WholeBlocksNet()
+        model = OddNet(128, 96)
         optimizer = (ShardedOptimizer(model.parameters(), cls, stage=2, bucket_numel=4096, lr=1e-2) if sharded
                      else cls(model.parameters(), lr=1e-2))
         forward = model if sharded else DistributedDataParallel(model)
@@ -164,7 +154,7 @@ def _torchao(rank, world_size, directory):
         reference, _ = train(cls, False)
         difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
         cut = sum(any(p.param_index == 0 for p in optimizer.layout.pieces(r)) for r in range(world_size))
-        estimate = estimate_memory(WholeBlocksNet().parameters(), world_size, 2, optimizer_class=cls,
+        estimate = estimate_memory(OddNet(128, 96).parameters(), world_size, 2, optimizer_class=cls,
                                    optimizer_kwargs={"lr": 1e-2}, bucket_numel=4096, rank=rank)
         exact = estimate.device.optimizer_state == optimizer.memory_report().device.optimizer_state
         quantized = any(hasattr(type(v), "__tensor_flatten__") for s in optimizer.inner.state.values() for v in s.values())
@@ -176,7 +166,7 @@ def _torchao(rank, world_size, directory):
         buffer = io.BytesIO()
         torch.save(optimizer.state_dict(), buffer)
         buffer.seek(0)
-        resumed_model = WholeBlocksNet()
+        resumed_model = OddNet(128, 96)
         resumed_model.load_state_dict(model.state_dict())
         resumed = ShardedOptimizer(resumed_model.parameters(), cls, stage=2, bucket_numel=4096, lr=1e-2)
         resumed.load_state_dict(torch.load(buffer, weights_only=False))
