@@ -112,7 +112,7 @@ def _blocks(group: dict, per_parameter: Collection[type]):
     """A blocked group's quantization (:func:`optimizer_kinds.blocks_of`); ``None`` for another group."""
     if _sharding(group["optimizer"], per_parameter) != "blocked":
         return None
-    return optimizer_kinds.blocks_of(group["optimizer"], {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS})
+    return optimizer_kinds.blocks_of(group)
 
 
 def _dtype(name: str) -> torch.dtype:

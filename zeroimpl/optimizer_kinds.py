@@ -106,13 +106,15 @@ def is_blockwise(optimizer_class: type) -> bool:
     return any(cls.__module__.startswith(BLOCKWISE_PACKAGES) for cls in optimizer_class.__mro__)
 
 
-def blocks_of(optimizer_class: type, hyperparameters: dict) -> Blocks:
-    """How a bitsandbytes or torchao class quantizes a tensor's state under these hyperparameters: bitsandbytes'
-    8-bit classes in blocks of 256 from ``min_8bit_size`` elements on; torchao's in blocks of ``block_size``
-    (AdamW8bit/Fp8 256, AdamW4bit 128) for tensors of at least 4096 elements that the blocks divide. (Its
-    32-bit classes never quantize; the constraint then is needless but harmless.)"""
+def blocks_of(group: dict) -> Blocks:
+    """How a param group's bitsandbytes or torchao class (``group["optimizer"]``) quantizes a tensor's state under
+    the group's hyperparameters: bitsandbytes' 8-bit classes in blocks of 256 from ``min_8bit_size`` elements on;
+    torchao's in blocks of ``block_size`` (AdamW8bit/Fp8 256, AdamW4bit 128) for tensors of at least 4096
+    elements that the blocks divide. (Its 32-bit classes never quantize; the constraint then is needless but
+    harmless.)"""
+    optimizer_class = group["optimizer"]
     defaults = {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()}
-    settings = {**defaults, **hyperparameters}
+    settings = {**defaults, **group}
     if any(cls.__module__.startswith("torchao.") for cls in optimizer_class.__mro__):
         return Blocks(int(settings["block_size"]), TORCHAO_THRESHOLD, whole_blocks=True)
     return Blocks(BITSANDBYTES_BLOCK, int(settings.get("min_8bit_size", 4096)))
@@ -137,8 +139,7 @@ def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: C
     groups = groups_with_classes(params, optimizer_class, optimizer_kwargs)
     kinds = [sharding_of(group["optimizer"], per_parameter, assume_elementwise) for group in groups]
     works = [step_work(group["optimizer"]) if kind == "whole" else None for group, kind in zip(groups, kinds)]
-    blocks = [blocks_of(group["optimizer"], {k: v for k, v in group.items() if k not in ("params", "optimizer")})
-              if kind == "blocked" else None for group, kind in zip(groups, kinds)]
+    blocks = [blocks_of(group) if kind == "blocked" else None for group, kind in zip(groups, kinds)]
     return groups, works, blocks
 
 
