@@ -19,6 +19,7 @@ import pytest
 
 import torch
 
+from distributed import run_distributed
 from zeroimpl.integrations.adapters import Implementation, TrainSettings, Zeroimpl, all_implementations
 from zeroimpl.integrations.adapters.zeroimpl_optimizer import ZeroimplRunner
 from zeroimpl.integrations.comparison.compare import compare
@@ -195,3 +196,34 @@ def test_model_state_bytes_count_each_byte_once_by_the_kind_that_holds_it():
                                 "master_weights": [arena[:4], flat[:4]], "buffers": [arena[8:]]})
     assert counts["parameters"] == 40 and counts["gradients"] == 16 and counts["master_weights"] == 16
     assert counts["buffers"] == 16 and counts["total"] == 88
+
+
+class _WatchedZeroimpl(Zeroimpl):
+    """zeroimpl stage 2 whose runner the test's step-boundary callback can see (Implementation.build's seam)."""
+
+    def build(self, model, settings, device):
+        self.runner = super().build(model, settings, device)
+        return self.runner
+
+
+def _gathers_in_flight_at_each_boundary(rank, world_size, parameters_path):
+    from zeroimpl.integrations.comparison.harness import train_rank
+
+    implementation, seen = _WatchedZeroimpl(stage=2), {}
+
+    def read(step: int) -> None:
+        seen[step] = implementation.runner.optimizer.param_gathers_in_flight
+
+    train_rank(rank, world_size, implementation, Workload("gpt2", "tiny", world_size, steps=4, warmup_steps=1),
+               parameters_path, step_boundary=read)
+    return seen
+
+
+def test_the_readings_that_bound_the_timed_steps_see_a_quiet_network(tmp_path):
+    """benchmarks/network.py counts the link's bytes between the step boundaries ``warmup_steps`` and ``steps``:
+    there no parameter all-gather may still be in flight (bytes of the warmup step crossing inside the window,
+    or the last step's outside it, made its byte test fail at random), while between them the steps keep
+    overlapping their all-gathers with the next forward, as zeroimpl trains by default."""
+    for seen in run_distributed(2, _gathers_in_flight_at_each_boundary, str(tmp_path / "parameters.pt")):
+        assert seen[0] == 0 and seen[1] == 0 and seen[4] == 0, seen
+        assert seen[2] > 0 and seen[3] > 0, seen

@@ -4,8 +4,11 @@ one torchrun agent each, 2 ranks per node) train GPT-2 small with zeroimpl stage
 * The bytes it reports across the link per step match what the ranks sent to the other node, counted by the
   collective counter at ``torch.distributed.isend``: with ``ZEROIMPL_COLLECTIVES=pairwise`` zeroimpl's
   reduce-scatter and all-gather are point-to-point exchanges whose peers the counter sees (by default the
-  all-gather across nodes is gloo's own ring, whose bytes it cannot attribute): at least that, at most 3% more (measured 0.5%: TCP/IP headers once per GSO segment of up to 64 KB,
-  ACKs, the step's 5-element all-reduce and the barriers that mark the step boundaries).
+  all-gather across nodes is gloo's own ring, whose bytes it cannot attribute): at least that, at most 3% more
+  (measured 0.3-0.5%: TCP/IP headers once per GSO segment of up to 64 KB, ACKs, the step's 5-element all-reduce
+  and the barriers that mark the step boundaries). The two readings come with no all-gather in flight
+  (``harness.train_rank`` settles them): before, a warmup step's all-gather still crossing after the first
+  reading added up to 3.5% at random (test_comparison's quiet-network test).
 * Interrupted (SIGINT, as Ctrl-C) while its ranks run, it leaves no namespace and no process behind.
 
 Skipped where namespaces cannot be made (not root, no iproute2, no CAP_NET_ADMIN), with the reason.

@@ -86,6 +86,10 @@ class Runner(ABC):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model by name, full (unsharded), on this rank. May be a collective."""
 
+    def settle(self) -> None:
+        """Wait for the communication :meth:`step` left in flight (none by default; zeroimpl's overlapped
+        parameter all-gathers): afterwards no byte of this step is still to cross the network."""
+
     def expose_collectives(self) -> None:
         """Make every collective go through ``torch.distributed``'s Python functions, where
         :class:`zeroimpl.integrations.collectives.CollectiveCounter` sees it (for communication counts only)."""

@@ -32,6 +32,9 @@ class ZeroimplRunner(WrapperLoopRunner):
     def run_backward(self, loss: torch.Tensor) -> None:
         self.optimizer.backward(loss)
 
+    def settle(self) -> None:
+        self.optimizer.finish_param_gathers()
+
     def clip(self, max_norm: float) -> None:
         self.optimizer.clip_grad_norm_(max_norm)
 

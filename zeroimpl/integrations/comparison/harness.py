@@ -96,7 +96,11 @@ def train_rank(rank: int, world_size: int, implementation: Implementation, workl
 
     ``step_boundary(k)``, if given, runs on every rank right after the barrier that starts step ``k``, and with
     ``k = workload.steps`` behind one more barrier after the last step, before anything else communicates
-    (benchmarks/network.py reads the link's byte counters there)."""
+    (benchmarks/network.py reads the link's byte counters there). The two calls that bound the timed steps
+    (``k = warmup_steps`` and ``k = steps``) come with the link quiet: every rank first waits for what its
+    previous step left in flight (:meth:`Runner.settle`; zeroimpl's parameter all-gathers), so the bytes between
+    them are exactly the timed steps'. The last timed step's time includes that wait; the first's does not
+    include the warmup step's."""
     device = torch.device(f"cuda:{rank}" if workload.device == "cuda" else "cpu")
     for module in ("transformers", *implementation.modules):
         importlib.import_module(module)  # imports are start-up, not training: before the peak is reset
@@ -111,6 +115,8 @@ def train_rank(rank: int, world_size: int, implementation: Implementation, workl
     after_backward = None
     for step in range(workload.steps):
         micro_batches = workload.micro_batches(rank, step)
+        if step_boundary is not None and step == workload.warmup_steps:
+            runner.settle()  # the warmup step's in-flight bytes are not the timed steps'
         dist.barrier()
         _synchronize(device)
         if step_boundary is not None:
@@ -133,6 +139,10 @@ def train_rank(rank: int, world_size: int, implementation: Implementation, workl
     if counter is not None:
         counter.uninstall()
     if step_boundary is not None:
+        settling = time.perf_counter()
+        runner.settle()  # the last step's in-flight bytes are the timed steps', and so is the wait for them
+        _synchronize(device)
+        times[-1] += time.perf_counter() - settling
         dist.barrier()
         step_boundary(workload.steps)
     after_step = model_state_bytes(runner.model_state())
