@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from zeroimpl.integrations.launch import run_distributed  # noqa: E402
+from zeroimpl.integrations.launch import run_distributed, start_ranks_from_forkserver  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "gpu")
 SECTIONS = ("comparison", "knobs", "largest")
@@ -282,6 +282,10 @@ def main() -> None:
     else:
         sys.exit("benchmarks/gpu.py needs a CUDA GPU (or --dry-run)")
     os.makedirs(args.out, exist_ok=True)
+    # gloo ranks (--dry-run) fork from one server that has imported these, not a new interpreter each (NCCL
+    # ranks are spawned whatever this says: launch.start_ranks_from_forkserver)
+    start_ranks_from_forkserver(["torch", "torch.distributed", "transformers",
+                                 "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"])
     for section in args.sections:
         started = time.monotonic()
         if section == "comparison":

@@ -10,4 +10,5 @@ from zeroimpl.integrations.launch import start_ranks_from_forkserver  # noqa: E4
 
 start_ranks_from_forkserver(["torch", "torch.distributed", "transformers",
                              "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
-                             "transformers.models.bert.modeling_bert", "transformers.models.t5.modeling_t5"])
+                             "transformers.models.bert.modeling_bert", "transformers.models.t5.modeling_t5",
+                             "transformers.trainer"])

@@ -1,7 +1,7 @@
 """A real two-node job on this machine: two torchrun agents (``--nnodes 2``, 2 ranks each, c10d rendezvous on
 localhost), as two machines would run it, train tests/fault_training.py (tiny GPT-2, stage 2, a checkpoint
-after every step) with hybrid sharding on a 2 x 2 mesh (each node one shard group, the nodes replicas), stop
-after step 3, and resume: on the two nodes again (bitwise equal to an uninterrupted run: same mesh, same
+after every step) with hybrid sharding on a 2 x 2 mesh (each node one shard group, the nodes replicas), and
+resume from its checkpoint of step 3: on the two nodes again (bitwise equal to an uninterrupted run: same mesh, same
 summation order), and on one node of 2 ranks, a flat world (within PARAM_ATOL = 1e-4, the parity tolerance:
 every rank trains on its slice of one global batch, so the averaged gradient is the same up to summation
 order).
@@ -64,12 +64,13 @@ def test_two_nodes_train_checkpoint_and_resume_on_the_mesh_or_a_flat_world(tmp_p
     assert sorted({node for found in placed for _, node in found}) == ["0", "1"]
     assert all(len(found) == 2 and len({node for _, node in found}) == 1 for found in placed)  # 2 ranks a node
 
-    two_nodes(tmp_path / "job", steps=3)
-    assert sorted(os.listdir(tmp_path / "job")) == ["final.pt", "step-1", "step-2", "step-3"]
-    assert sorted(n for n in os.listdir(tmp_path / "job" / "step-3") if n.startswith("rank-")) == [
+    assert sorted(os.listdir(tmp_path / "clean")) == ["final.pt", *(f"step-{step}" for step in range(1, 6))]
+    assert sorted(n for n in os.listdir(tmp_path / "clean" / "step-3") if n.startswith("rank-")) == [
         "rank-00000.pt", "rank-00001.pt"]  # one copy of each shard of the 2-rank shard group
-    os.makedirs(tmp_path / "flat")
-    shutil.copytree(tmp_path / "job" / "step-3", tmp_path / "flat" / "step-3")
+    # the job stopped after step 3: its newest checkpoint is the clean run's step 3 (a run of 3 steps writes it
+    # bit for bit: the same ranks, batches and summation order)
+    for resumed_in in ("job", "flat"):
+        shutil.copytree(tmp_path / "clean" / "step-3", tmp_path / resumed_in / "step-3")
 
     resumed = two_nodes(tmp_path / "job", steps=5)
     assert sum(output.count("resumed from step-3") for output in resumed) == 4

@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 
+from distributed import run_distributed
 from zeroimpl.integrations.collectives import Call, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,44 +34,73 @@ STEPS = 6
 SCHEDULE_FREE = ("--optim", "schedule_free_adamw")
 
 
-def torchrun(tmp_path, name, *flags, nproc=2, accum=2):
-    """Run examples/trainer.py under torchrun (--standalone: a free port, so concurrent runs never collide)."""
+TRAINER = os.path.join(ROOT, "examples", "trainer.py")
+
+
+def _run_script(rank, world_size, argv):
+    """One rank of examples/trainer.py run whole, as ``python trainer.py ARGV`` (a forked rank: see ``train``)."""
+    import contextlib
+    import io
+    import runpy
+
+    sys.argv = [TRAINER, *argv]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(TRAINER, run_name="__main__")
+    return printed.getvalue()
+
+
+def train(tmp_path, name, *flags, nproc=2, accum=2, torchrun=False):
+    """Run examples/trainer.py on ``nproc`` ranks; return what rank 0 dumped and what the ranks printed.
+
+    ``torchrun=True``: under ``python -m torch.distributed.run`` (--standalone: a free port, so concurrent runs
+    never collide), where Trainer initialises the process group itself from torchrun's environment. Otherwise
+    each rank is forked from the tests' server that has imported torch and transformers once
+    (``run_distributed``; RANK / LOCAL_RANK / WORLD_SIZE set as torchrun sets them, the process group already
+    initialised, which Trainer then uses): the same script, without a new interpreter's seconds of imports per
+    rank per run."""
     dump = str(tmp_path / f"{name}.pt")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               os.path.join(ROOT, "examples", "trainer.py"), "--steps", str(STEPS), "--accum", str(accum),
-               "--output-dir", str(tmp_path / name), "--dump", dump, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    return torch.load(dump, weights_only=True), completed.stdout
+    argv = ["--steps", str(STEPS), "--accum", str(accum), "--output-dir", str(tmp_path / name), "--dump", dump,
+            *flags]
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                   TRAINER, *argv]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
+        printed = completed.stdout
+    else:
+        printed = "".join(run_distributed(nproc, _run_script, argv, timeout=600))
+    return torch.load(dump, weights_only=True), printed
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("trainer")
-    results = {"ddp": torchrun(tmp_path, "ddp", "--plugin", "none")}
+    results = {"ddp": train(tmp_path, "ddp", "--plugin", "none")}
     for stage in (1, 2):
-        results[f"stage{stage}"] = torchrun(tmp_path, f"stage{stage}", "--stage", str(stage), "--save-steps", "3",
-                                            "--count-collectives")
-    results["stage2_offload"] = torchrun(tmp_path, "stage2_offload", "--stage", "2", "--offload")
-    results["ddp_bf16"] = torchrun(tmp_path, "ddp_bf16", "--plugin", "none", "--bf16")
-    results["stage2_bf16"] = torchrun(tmp_path, "stage2_bf16", "--stage", "2", "--bf16")
+        # stage 2 under torchrun itself, as users launch it; the other runs fork their ranks (see train)
+        results[f"stage{stage}"] = train(tmp_path, f"stage{stage}", "--stage", str(stage), "--save-steps", "3",
+                                         "--count-collectives", torchrun=stage == 2)
+    results["stage2_offload"] = train(tmp_path, "stage2_offload", "--stage", "2", "--offload")
+    results["ddp_bf16"] = train(tmp_path, "ddp_bf16", "--plugin", "none", "--bf16")
+    results["stage2_bf16"] = train(tmp_path, "stage2_bf16", "--stage", "2", "--bf16")
     checkpoint = str(tmp_path / "stage2" / "checkpoint-3")
-    results["resumed"] = torchrun(tmp_path, "resumed", "--stage", "2", "--resume", checkpoint)
+    results["resumed"] = train(tmp_path, "resumed", "--stage", "2", "--resume", checkpoint)
     # one rank with twice the accumulation: the same 16 sequences per optimizer step as 2 ranks
-    results["resumed_on_1"] = torchrun(tmp_path, "resumed_on_1", "--stage", "2", "--resume", checkpoint, nproc=1,
+    results["resumed_on_1"] = train(tmp_path, "resumed_on_1", "--stage", "2", "--resume", checkpoint, nproc=1,
                                        accum=4)
-    results["ddp_fp16"] = torchrun(tmp_path, "ddp_fp16", "--plugin", "none", *FP16)
-    results["stage2_fp16"] = torchrun(tmp_path, "stage2_fp16", "--stage", "2", "--save-steps", "3", *FP16)
-    results["resumed_fp16"] = torchrun(tmp_path, "resumed_fp16", "--stage", "2", *FP16, "--resume",
+    results["ddp_fp16"] = train(tmp_path, "ddp_fp16", "--plugin", "none", *FP16)
+    results["stage2_fp16"] = train(tmp_path, "stage2_fp16", "--stage", "2", "--save-steps", "3", *FP16)
+    results["resumed_fp16"] = train(tmp_path, "resumed_fp16", "--stage", "2", *FP16, "--resume",
                                        str(tmp_path / "stage2_fp16" / "checkpoint-3"))
     results["checkpoint_files"] = sorted(os.listdir(os.path.join(checkpoint, "zeroimpl")))
-    results["ddp_4"] = torchrun(tmp_path, "ddp_4", "--plugin", "none", nproc=4)
-    results["mesh_2x2"] = torchrun(tmp_path, "mesh_2x2", "--stage", "2", "--mesh", "2", nproc=4)
-    results["muon_stage2"] = torchrun(tmp_path, "muon_stage2", "--stage", "2", "--muon-lr", "0.02", accum=1)
+    results["ddp_4"] = train(tmp_path, "ddp_4", "--plugin", "none", nproc=4)
+    results["mesh_2x2"] = train(tmp_path, "mesh_2x2", "--stage", "2", "--mesh", "2", nproc=4)
+    results["muon_stage2"] = train(tmp_path, "muon_stage2", "--stage", "2", "--muon-lr", "0.02", accum=1)
     # schedule-free AdamW: Trainer switches optimizer.train() / .eval() around training and evaluation
-    results["ddp_schedule_free"] = torchrun(tmp_path, "ddp_schedule_free", "--plugin", "none", *SCHEDULE_FREE)
-    results["stage2_schedule_free"] = torchrun(tmp_path, "stage2_schedule_free", "--stage", "2", *SCHEDULE_FREE)
+    results["ddp_schedule_free"] = train(tmp_path, "ddp_schedule_free", "--plugin", "none", *SCHEDULE_FREE)
+    results["stage2_schedule_free"] = train(tmp_path, "stage2_schedule_free", "--stage", "2", *SCHEDULE_FREE)
     return results
 
 
@@ -154,9 +184,9 @@ def relative_distance(a, b):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_trainer_adds_no_gradient_communication(runs, stage):
     """Per optimizer step (2 micro-batches): stage 1 reduce-scatters the gradients once, stage 2 once per
-    micro-batch; one all-gather of the parameters (on gloo both as pairwise exchanges); the step's checks (NaN/Inf flag, clipping norm,
-    backward-pass counts, missing-gradient flag: 5 elements) and Trainer's logging gathers (scalars) -- no gradient all-reduce,
-    so no DDP underneath. Step 1 also holds start-up traffic, and step 4 the checkpoint saved after step 3
+    micro-batch; one all-gather of the parameters (on gloo both as pairwise exchanges); the step's checks
+    (NaN/Inf flag, clipping norm, backward-pass counts, missing-gradient flag: 5 elements) and Trainer's logging
+    gathers (scalars) -- no gradient all-reduce, so no DDP underneath. Step 1 also holds start-up traffic, and step 4 the checkpoint saved after step 3
     (object gathers): both are left out."""
     zero, _ = runs[f"stage{stage}"]
     buckets, padded = zero["layout"]["buckets"], zero["layout"]["padded"]

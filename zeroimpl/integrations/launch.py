@@ -53,8 +53,9 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, env: dict, pr
         dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank, world_size=world_size,
                                 **bound)
         result = fn(rank, world_size, *args)
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have torn the group down itself (a training script run whole does)
+            dist.barrier()
+            dist.destroy_process_group()
         torch.save({"ok": True, "result": result}, result_path)
     except BaseException:  # report every failure to the parent, including assertion errors
         torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
