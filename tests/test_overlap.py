@@ -152,6 +152,56 @@ def test_a_users_own_read_or_write_after_step_sees_the_new_parameters():
         assert results == {name: True for name in USER_READS}
 
 
+@torch.jit.script
+def _scripted_copy(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.clone() for p in params]
+
+
+def _through_dlpack(params):
+    return [torch.from_dlpack(torch.utils.dlpack.to_dlpack(p.data)).clone() for p in params]
+
+
+def _torch_function_disabled(params):
+    with torch._C.DisableTorchFunction():
+        return [p.clone() for p in params]
+
+
+UNSEEN_READS = {
+    "a @torch.jit.script function": _scripted_copy,
+    "torch.utils.dlpack.to_dlpack": _through_dlpack,
+    "under DisableTorchFunction": _torch_function_disabled,
+}
+
+
+def _unseen_reads(rank, world_size):
+    """After each step, a read the guard cannot see (docs/usage.md lists them): before
+    finish_param_gathers(), and after it. Rank 1 issues its all-gathers late, so rank 0's are surely in flight."""
+    issue_gathers_late_on_rank_1(rank)
+    models, optimizers = overlap_pair()
+    results = {}
+    for step, (name, read) in enumerate(UNSEEN_READS.items()):
+        for model, optimizer in zip(models, optimizers):
+            optimizer.backward(model(**batch(rank, step, 0)).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        plain, overlapped = (list(model.parameters()) for model in models)
+        expected, before = read(plain), read(overlapped)
+        optimizers[1].finish_param_gathers()
+        after = read(overlapped)
+        results[name] = (all(torch.equal(a, b) for a, b in zip(expected, before)),
+                         all(torch.equal(a, b) for a, b in zip(expected, after)))
+    return results
+
+
+def test_the_reads_the_guard_cannot_see_need_finish_param_gathers_first():
+    """The documented remedy works for each read below torch's Python dispatch; and on rank 0 (gathers surely in
+    flight) each one is stale without it, as the docs say: a read that became visible to the guard fails here,
+    and belongs in USER_READS instead."""
+    rank0, rank1 = run_distributed(2, _unseen_reads)
+    assert rank0 == {name: (False, True) for name in UNSEEN_READS}
+    assert all(after for _, after in rank1.values()), rank1
+
+
 class _KernelLinear(torch.autograd.Function):
     """A linear layer whose kernel runs below torch's Python dispatch, as a C++ extension's or Triton's does
     (torch function modes cannot see it)."""

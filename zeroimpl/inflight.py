@@ -23,8 +23,9 @@ unordered; a third stream that reads the parameters later is not ordered (wait o
 
 Not covered: tensor reads on another thread outside a module's forward, kernels reached around torch on
 parameters of a module that has not run its forward (a NumPy array or raw pointer taken before ``step()``,
-apex's multi-tensor kernels on the whole model): :meth:`InFlightGathers.finish` is the explicit wait, or
-``overlap_param_gather=False``.
+apex's multi-tensor kernels on the whole model), a ``@torch.jit.script`` function called on the parameters,
+``torch.utils.dlpack.to_dlpack``, code under ``torch._C.DisableTorchFunction()``: :meth:`InFlightGathers.finish`
+is the explicit wait, or ``overlap_param_gather=False``.
 
 The mode and the hook are removed once nothing is in flight. A wait from inside the mode's own handler
 cannot take the mode off the stack (torch holds it off while the handler runs and puts it back): it stays
