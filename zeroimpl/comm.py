@@ -81,11 +81,17 @@ class Pending:
     given (:func:`_aliases`)."""
 
     def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
-                 buffers: tuple = (), lent: tuple = (), on_stream: bool = False):
+                 buffers: tuple = (), lent: tuple = (), on_stream: bool = False, reports_completion: bool = False):
         self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
         self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
         self.lent = lent
         self.on_stream = on_stream  # an accelerator's collective: wait() makes the current stream wait
+        self.reports_completion = reports_completion  # its works' is_completed() says so before any wait()
+
+    def arrived(self) -> bool:
+        """Whether every work has finished, as far as the backend tells without a wait: a collective's work
+        does (NCCL's, gloo's), gloo's point-to-point works do not (False until :meth:`wait`)."""
+        return not self.works or (self.reports_completion and all(work.is_completed() for work in self.works))
 
     def wait_on_host(self) -> None:
         """Block this thread, not a device stream, until every work is done, bounded by ``timeout`` (then
@@ -209,7 +215,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
                                            == "native"):
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
-        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent, on_stream=on_stream)
+        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent, on_stream=on_stream,
+                       reports_completion=True)
     pieces = output.view(world, -1)
     if input.data_ptr() != pieces[rank].data_ptr():
         pieces[rank].copy_(input)

@@ -27,7 +27,10 @@ apex's multi-tensor kernels on the whole model), a ``@torch.jit.script`` functio
 ``torch.utils.dlpack.to_dlpack``, code under ``torch._C.DisableTorchFunction()``: :meth:`InFlightGathers.finish`
 is the explicit wait, or ``overlap_param_gather=False``.
 
-The mode and the hook are removed once nothing is in flight. A wait from inside the mode's own handler
+The mode and the hook are removed once nothing is in flight: before each module's forward, the buckets whose
+all-gather has arrived are finished without a wait (where the backend tells: NCCL's and gloo's collectives, not
+gloo's point-to-point exchanges, ``comm.algorithm``'s default on one CPU node), so that the guards' cost per
+operation stops as soon as the last gather lands. A wait from inside the mode's own handler
 cannot take the mode off the stack (torch holds it off while the handler runs and puts it back): it stays
 inert and the hook, :meth:`InFlightGathers.finish` or :meth:`InFlightGathers.start` removes it. A gloo
 collective issued while a guard is on the stack (the user's own too) keeps a reference to it: a guard taken
@@ -141,7 +144,10 @@ class InFlightGathers:
         if type(module).__name__ in _WHOLE_MODULES:
             self.finish()
         elif self._pending:
-            self.finish({self._bucket_of_param.get(id(p)) for p in module.parameters(recurse=False)} - {None})
+            # the buckets this module reads, and every one that has arrived meanwhile: once none is left in
+            # flight the guards leave, and the rest of the forward runs at full speed
+            self.finish({self._bucket_of_param.get(id(p)) for p in module.parameters(recurse=False)} - {None}
+                        | {index for index, pending in self._pending.items() if pending.arrived()})
         else:
             self._remove_guards()  # only an inert mode was left: it can go now
 
