@@ -229,6 +229,44 @@ def test_the_guards_leave_once_every_gather_has_landed(collectives):
         assert (left, modes) == ((0, 0) if collectives == "native" else (started, 1))
 
 
+def _compiled_step(rank, world_size):
+    """A compiled training-step function (fullgraph), the recipe of docs/usage.md: finish_param_gathers() just
+    before it. Returns the graphs dynamo made over 4 steps, and whether the parameters equal those of the same
+    model trained without overlap, uncompiled. (A plain torch model: transformers' GPT-2 logs from its forward,
+    which fullgraph refuses on its own.)"""
+    models, optimizers, graphs = [], [], []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)))
+        optimizers.append(ShardedOptimizer(models[-1].parameters(), torch.optim.AdamW, stage=2, bucket_numel=512,
+                                           lr=1e-2, overlap_param_gather=overlap))
+    plain, overlapped = models
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    @torch.compile(fullgraph=True, backend=counting_backend)
+    def loss_of(inputs):
+        return overlapped(inputs).pow(2).mean()
+
+    for step in range(4):
+        inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * rank + step))
+        optimizers[1].finish_param_gathers()
+        optimizers[1].backward(loss_of(inputs))
+        optimizers[0].backward(plain(inputs).pow(2).mean())
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    optimizers[1].finish_param_gathers()
+    return len(graphs), all(torch.equal(a, b) for a, b in zip(plain.parameters(), overlapped.parameters()))
+
+
+def test_a_compiled_training_step_stays_one_graph_after_finish_param_gathers():
+    for graphs, same in run_distributed(2, _compiled_step):
+        assert graphs == 1 and same
+
+
 class _KernelLinear(torch.autograd.Function):
     """A linear layer whose kernel runs below torch's Python dispatch, as a C++ extension's or Triton's does
     (torch function modes cannot see it)."""
