@@ -112,5 +112,5 @@ def held_tensors(optimizer: "ShardedOptimizer") -> dict[str, list[torch.Tensor]]
         "master_weights": [s.master for s in optimizer.storages if s.has_separate_master],
         "optimizer_state": [v for state in optimizer.inner.state.values() for v in state.values()
                             if torch.is_tensor(v)],
-        "bucket_buffers": optimizer.reducer.live_buffers(),
+        "bucket_buffers": optimizer.reducer.live_buffers() + optimizer.param_sync.live_buffers(),
     }

@@ -9,8 +9,8 @@ Tensors named here (all 1-D unless said otherwise):
 * ``shard`` -- this rank's ``bucket.shard_numel`` elements of ``param_buffer`` (a view).
 * ``master`` -- the tensor the inner optimizer updates (fp32, or fp64 for fp64 models). Without offload,
   for fp32 (or wider) models it *is* ``shard``: the model's own parameters are the master weights, no
-  copy. For 16-bit models it is an fp32 copy of ``shard`` that only this rank holds; with CPU offload that
-  copy is always made, in host memory.
+  copy. For 16-bit models (and with a quantized all-gather, for any) it is an fp32 copy of ``shard`` that
+  only this rank holds; with CPU offload that copy is always made, in host memory.
 """
 
 from __future__ import annotations
@@ -99,12 +99,14 @@ class BucketStorage:
 
 
 def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int,
-                   host_masters: Optional[list[torch.Tensor]] = None) -> list[BucketStorage]:
+                   host_masters: Optional[list[torch.Tensor]] = None,
+                   separate_master: bool = False) -> list[BucketStorage]:
     """Move ``params`` (indexed as in ``layout``) into flat bucket buffers and rebind ``param.data`` to views.
 
     Values are preserved exactly; padding is zero. ``host_masters``: per bucket, a host tensor of the
     shard's size (fp32, fp64 for fp64 models: :func:`host_master_dtype`) that becomes the master, whatever
-    the model's dtype (CPU offload).
+    the model's dtype (CPU offload). ``separate_master``: a master of its own also for fp32 (or wider) models
+    (the parameters then hold what the all-gather delivers, not the master: a quantized all-gather).
     """
     storages = []
     for bucket in layout.buckets:
@@ -120,8 +122,8 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         shard = param_buffer[start:end]
         if host_masters is not None:
             master = host_masters[bucket.index].copy_(shard)
-        elif first.dtype in HALF_DTYPES:
-            master = shard.to(torch.float32, copy=True)
+        elif first.dtype in HALF_DTYPES or separate_master:
+            master = shard.to(host_master_dtype(first.dtype), copy=True)
         else:
             master = shard
         storage = BucketStorage(bucket, members, param_buffer, shard, master)

@@ -207,22 +207,24 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
-               tag: int = 0, name: str = "parameter all-gather") -> Pending:
-    """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``."""
+               tag: int = 0, name: str = "parameter all-gather",
+               then: Optional[Callable[[], None]] = None) -> Pending:
+    """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``.
+    ``then``: run once the gather has landed, as the wait's last act."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     on_stream = output.device.type != "cpu"
     if (world == 1 and _at_one_rank()) or (world > 1 and algorithm(group, output, gather=True, timeout=timeout)
                                            == "native"):
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
-        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, lent=lent, on_stream=on_stream,
-                       reports_completion=True)
+        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, then, lent=lent,
+                       on_stream=on_stream, reports_completion=True)
     pieces = output.view(world, -1)
     if input.data_ptr() != pieces[rank].data_ptr():
         pieces[rank].copy_(input)
     works = _exchange([pieces[rank]] * (world - 1), [pieces[(rank - k) % world] for k in range(1, world)],
                       group, 2 * tag + 1)
-    return Pending(works, name, timeout, on_stream=on_stream)
+    return Pending(works, name, timeout, then, on_stream=on_stream)
 
 
 def wait_for_stream(stream, timeout: Optional[float], name: str) -> None:

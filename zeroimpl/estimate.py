@@ -128,7 +128,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     optimizer_class: type = torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None,
                     reduce_dtype: Optional[torch.dtype] = None, bucket_numel: int = 2 ** 22,
                     alignment: int = 8, rank: Optional[int] = None,
-                    per_parameter: Collection[type] = ()) -> MemoryReport:
+                    per_parameter: Collection[type] = (), quantize_param_gather: bool = False) -> MemoryReport:
     """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
 
     ``world_size``: the ranks that share the shards -- with hybrid sharding (a 2-D ``device_mesh``), the
@@ -185,7 +185,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
         master_dtype = torch.promote_types(param_dtype, torch.float32)
         parameters += _size(param_dtype) * bucket.padded_numel
         full_gradients += _size(param_dtype) * bucket.numel if stage == 1 else 0
-        if policy is not None or master_dtype != param_dtype:
+        if policy is not None or master_dtype != param_dtype or quantize_param_gather:
             masters += _size(master_dtype) * bucket.shard_numel
         shard_dtype = master_dtype if policy is not None else (reduce_dtype or master_dtype)
         shards += _size(shard_dtype) * bucket.shard_numel

@@ -64,8 +64,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             shard across replicas, all-gather in the shard group, so that the traffic between replicas is Ψ/n
             per rank (n: shard-group size) instead of DDP's 2Ψ. ``rank`` and ``world_size`` then describe the
             shard group; ``topology`` describes both.
-        bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32). Larger buckets
-            mean fewer, larger collectives; smaller ones more overlap and smaller transient buffers.
+        bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32): larger, fewer
+            collectives; smaller, more overlap and smaller transient buffers.
         max_inflight_buckets: reduce-scatters (and, hybrid, replica all-reduces) in flight before backward waits
             for the oldest (default 2): bounds the buffers alive during backward; 0 waits for each at once.
         reduce_dtype: dtype in which gradients are reduced and the gradient shard is kept. Default: fp32 (fp64
@@ -89,6 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             (default ``True``): the first torch operation or module forward that touches one of its parameters
             waits for it (see :mod:`zeroimpl.inflight`, and for the reads it cannot see
             :meth:`finish_param_gathers` or ``False``). Results are bitwise those of ``False``.
+        quantize_param_gather: all-gather the parameters in int8 (:mod:`zeroimpl.quantized_gather`): every rank
+            holds the dequantized values; each keeps an exact fp32 master of its shard, from which it steps.
         assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update every
             element from its own parameter, gradient and state.
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
@@ -108,7 +110,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                  nonfinite: Literal["raise", "skip"] = "raise",
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
                  per_parameter: Collection[type] = (), verify_every: Optional[int] = None,
-                 overlap_param_gather: bool = True, **optimizer_kwargs):
+                 overlap_param_gather: bool = True, quantize_param_gather: bool = False, **optimizer_kwargs):
         validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every)
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
@@ -142,8 +144,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._device = trainable[0].device
         self.host_arenas, host_masters, self.gradients, staging = gradient_store(self.offload, layout, trainable,
                                                                                 collective_timeout)
-        self.storages: list[BucketStorage] = flatten_params(self.layout, trainable, self.rank, host_masters)
-        self.param_sync = ParamSync(self.storages, self.process_group, collective_timeout, staging)
+        self.storages: list[BucketStorage] = flatten_params(layout, trainable, self.rank, host_masters,
+                                                            quantize_param_gather)
+        self.param_sync = ParamSync(self.storages, self.process_group, collective_timeout, staging,
+                                    quantized=quantize_param_gather)
         self.pieces = PieceMasters(layout, layout.pieces(self.rank), self.storages, trainable)
         self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), classes,
                                          inner_kwargs(classes, optimizer_class, optimizer_kwargs, self.param_groups,
@@ -198,9 +202,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.scale_loss(loss).backward(**backward_kwargs)
 
     def accumulating(self) -> ContextManager[None]:
-        """Mark the backward passes inside as non-final micro-batches of gradient accumulation. Only offload in
-        stage 2 uses the hint: their reductions sum on the device and cross to the host once per step (without
-        it, each crosses and sums there). Forgetting to leave it is harmless: ``step()`` moves any device sum."""
+        """Mark the backward passes inside as non-final micro-batches. Only offload in stage 2 uses the hint: their
+        reductions sum on the device and cross to the host once per step. Leaving it late is harmless."""
         return accumulating(self.gradients)
 
     # -- torch.distributed.algorithms.Join ---------------------------------------------------------
@@ -219,9 +222,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- gradients --------------------------------------------------------------------------------
     def _agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """The step's agreement all-reduce (:meth:`StepChecks.agree`), unless its verdict stands and no norm is
-        asked for; raises on every rank when the ranks ran different numbers of backward passes (after
-        clearing the gradients). Call after ``grad_views.prepare``."""
+        """The step's agreement all-reduce (:meth:`StepChecks.agree`) unless its verdict stands and no norm is asked
+        for; raises on every rank (gradients cleared) when ranks ran different numbers of backward passes."""
         if self._step_state.verdict is not None and norm_type is None:
             return None
         total = self.checks.agree(norm_type)
@@ -232,9 +234,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return total
 
     def found_nonfinite(self) -> bool:
-        """Whether this step's averaged (unscaled) gradients hold NaN or Inf on any rank, so that ``step()`` will
-        skip the update (or raise, see ``nonfinite``). Identical on every rank; collective: the step's small
-        all-reduce, whose answer ``step()`` then reuses (until a new gradient arrives)."""
+        """Whether this step's averaged gradients hold NaN or Inf on any rank, so that ``step()`` will skip (or raise:
+        ``nonfinite``). Same on every rank; collective: the step's small all-reduce, which ``step()`` reuses."""
         with torch.no_grad():
             if not self.grad_views.prepare():
                 return False
@@ -243,10 +244,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm: equal to
-        ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, computed from the shards with one
-        all-reduce of five elements (with the checks ``step()`` reuses), identical on every rank. Gradients with
-        NaN or Inf are left unclipped: the norm is then NaN or Inf, and ``step()`` will skip or raise."""
+        """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm, as
+        ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, from the shards with the step's one
+        small all-reduce, identical on every rank. NaN/Inf gradients stay unclipped (``step()`` skips or raises)."""
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
