@@ -9,8 +9,9 @@
   exactly the dequantized payload of its master, so the quantization error never compounds: the master is
   stepped exact. Each step's loss stays within QUANTIZED_LOSS_RTOL of the same run unquantized (measured at
   most 1.5e-3 at 2 ranks, 3.0e-3 at 3). The parameters' relative L2 distance to that run is nonzero and within
-  QUANTIZED_REL_L2 (measured 3.8e-2 and 4.2e-2: AdamW at lr 1e-2 moves an element with a near-zero gradient by about lr
-  whichever its sign, so any perturbation -- quantization here -- spreads to that size within a few steps).
+  QUANTIZED_REL_L2 (measured 3.8e-2 and 4.2e-2: AdamW at lr 1e-2 moves an element with a near-zero gradient
+  by about lr whichever its sign, so any perturbation -- quantization here -- spreads to that size within a
+  few steps).
 * The parameter all-gather moves (1 + 4/256) / 4 of fp32's bytes (the collective counter at ``isend``).
 * With CPU offload (unfused step, as without offload) the run is bitwise the device run; a checkpoint saved
   at step 3 resumes bitwise to the uninterrupted run (the exact masters are saved, not the parameters);
