@@ -1,5 +1,5 @@
-"""Two nodes on one machine, joined by a link of known speed: what DDP, DeepSpeed ZeRO-2 and zeroimpl (flat and
-hybrid) cost when the link between machines is slow (issue 29).
+"""Two nodes on one machine, joined by a link of known speed: what DDP, DeepSpeed ZeRO-2 and zeroimpl (flat,
+hybrid, and flat with the parameter all-gather in int8) cost when the link between machines is slow (issue 29).
 
     python benchmarks/network.py                          # GPT-2 small and base at 1 and 10 Gbit/s (~15 min)
     python benchmarks/network.py --sizes small --rates 1gbit --only ddp zeroimpl-2   # one cell
@@ -50,16 +50,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES, RANKS_PER_NODE = 2, 2
 SUBNET = "10.77.0"  # node i has address SUBNET.(i + 1)
 MASTER_PORT = 29517
-IMPLEMENTATIONS = ("ddp", "deepspeed-2", "zeroimpl-2", "zeroimpl-2-hybrid")
+IMPLEMENTATIONS = ("ddp", "deepspeed-2", "zeroimpl-2", "zeroimpl-2-hybrid", "zeroimpl-2-int8")
 
 
 def implementation(key: str):
     """The comparison's row for ``key`` (one of IMPLEMENTATIONS); the hybrid one shards within a node and
-    replicates across the NODES nodes."""
+    replicates across the NODES nodes; the int8 one is flat with ``quantize_param_gather``."""
     from zeroimpl.integrations.adapters import DDP, DeepSpeed, Zeroimpl
 
     return {"ddp": lambda: DDP(), "deepspeed-2": lambda: DeepSpeed(2), "zeroimpl-2": lambda: Zeroimpl(2),
-            "zeroimpl-2-hybrid": lambda: Zeroimpl(2, replicas=NODES)}[key]()
+            "zeroimpl-2-hybrid": lambda: Zeroimpl(2, replicas=NODES),
+            "zeroimpl-2-int8": lambda: Zeroimpl(2, quantize=True)}[key]()
 
 
 # -- the link ------------------------------------------------------------------------------------------------

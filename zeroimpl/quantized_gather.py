@@ -11,7 +11,7 @@ Shapes, for a shard of ``n`` elements (``n`` a multiple of the layout's alignmen
 * gathered -- ``(world_size * payload_bytes(n),)`` uint8: rank r's payload at ``r * payload_bytes(n)``;
 * parameters -- ``(world_size * n,)``: the bucket's parameter buffer, rank r's shard at ``r * n``.
 
-Quantization is symmetric per block: ``scale = absmax / 127``, ``code = round(x / scale)`` in [-127, 127]
+Quantization is symmetric per block: ``scale = absmax / 127``, ``code = round(x * (1 / scale))`` in [-127, 127]
 (a block of zeros: scale 0, codes 0); the value is ``code * scale`` in fp32, then the parameter's dtype. So an
 element is off by at most half a step of its block, ``absmax / 254`` (before the cast to a 16-bit dtype).
 """
@@ -50,8 +50,8 @@ def encode(master: torch.Tensor) -> torch.Tensor:
     first = 0
     for block_codes, values in zip(codes, _blocks(master.float())):
         scale = values.abs().amax(dim=1, keepdim=True) / _LEVELS
-        steps = torch.where(scale > 0, values / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-        block_codes.copy_(steps.round_().clamp_(-_LEVELS, _LEVELS))
+        inverse = torch.where(scale > 0, 1 / scale, 0.0)  # (a block of zeros: codes 0)
+        block_codes.copy_(torch.mul(values, inverse).round_().clamp_(-_LEVELS, _LEVELS))
         scales[first:first + len(scale)] = scale.view(-1)
         first += len(scale)
     return payload
@@ -65,5 +65,5 @@ def decode(gathered: torch.Tensor, world_size: int, out: torch.Tensor) -> None:
         scales = payload[n:].clone().view(torch.float32)  # (a copy: a view of bytes must start 4-byte aligned)
         first = 0
         for codes, values in zip(_blocks(payload[:n].view(torch.int8)), _blocks(shard)):
-            values.copy_(codes.float() * scales[first:first + len(codes), None])
+            torch.mul(codes, scales[first:first + len(codes), None], out=values)
             first += len(codes)

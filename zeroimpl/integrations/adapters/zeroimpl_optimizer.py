@@ -64,11 +64,13 @@ def hybrid_mesh(replicas: int, device: torch.device):
 class Zeroimpl(Implementation):
     modules = ()
 
-    def __init__(self, stage: int, offload: bool = False, replicas: Optional[int] = None):
-        """``replicas``: hybrid sharding over that many replicas of the shards (None: flat, one shard group)."""
-        self.stage, self.offload, self.replicas = stage, offload, replicas
+    def __init__(self, stage: int, offload: bool = False, replicas: Optional[int] = None, quantize: bool = False):
+        """``replicas``: hybrid sharding over that many replicas of the shards (None: flat, one shard group);
+        ``quantize``: the parameter all-gather in int8 (``quantize_param_gather``)."""
+        self.stage, self.offload, self.replicas, self.quantize = stage, offload, replicas, quantize
         self.name = (f"zeroimpl stage {stage}" + (" + offload" if offload else "")
-                     + (f" hybrid ({replicas} replicas)" if replicas else ""))
+                     + (f" hybrid ({replicas} replicas)" if replicas else "")
+                     + (", int8 all-gather" if quantize else ""))
 
     def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
         if settings.precision == "bf16":
@@ -76,5 +78,5 @@ class Zeroimpl(Implementation):
         optimizer = ShardedOptimizer(sharded_groups(model, settings), settings.adamw_class(),
                                      stage=self.stage, offload="cpu" if self.offload else None,
                                      device_mesh=hybrid_mesh(self.replicas, device) if self.replicas else None,
-                                     **settings.adamw_kwargs())
+                                     quantize_param_gather=self.quantize, **settings.adamw_kwargs())
         return ZeroimplRunner(model, model, optimizer, settings, device)
