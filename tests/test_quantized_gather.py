@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import case_results, run_cases, run_distributed
 from workloads import batch, build_model, param_groups, relative_l2
 from zeroimpl import CPUOffload, ShardedOptimizer, estimate_memory, quantized_gather
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
@@ -36,15 +36,20 @@ QUANTIZED_REL_L2 = 0.1
 STEPS = 6
 
 
+def _codec(boundaries, shard_numel, world_size):
+    return [quantized_gather.ShardBlocks.of(boundaries, shard_numel, world_size, rank) for rank in range(world_size)]
+
+
 @pytest.mark.parametrize("numel", [4, 256, 264, 1000])
 def test_every_element_is_within_half_a_step_of_its_block(numel):
     torch.manual_seed(numel)
     shards = [torch.randn(numel) * 10 ** rank for rank in range(3)]
     shards[1][:min(numel, 256)] = 0.0  # a block of zeros stays exactly zero
-    gathered = torch.cat([quantized_gather.encode(shard) for shard in shards])
-    assert gathered.numel() == 3 * quantized_gather.payload_bytes(numel) == 3 * (numel + 4 * -(-numel // 256))
+    codecs = _codec([0, 3 * numel], numel, 3)  # one parameter across the three shards
+    gathered = torch.cat([codec.encode(shard) for codec, shard in zip(codecs, shards)])
+    assert gathered.numel() == 3 * codecs[0].payload_bytes == 3 * (numel + 4 * -(-numel // 256))
     out = torch.empty(3 * numel, dtype=torch.float32)
-    quantized_gather.decode(gathered, 3, out)
+    codecs[0].decode(gathered, out)
     for shard, values in zip(shards, out.view(3, numel)):
         for start in range(0, numel, 256):
             block, decoded = shard[start:start + 256], values[start:start + 256]
@@ -52,9 +57,30 @@ def test_every_element_is_within_half_a_step_of_its_block(numel):
     assert torch.equal(out[numel:numel + min(numel, 256)], torch.zeros(min(numel, 256)))
 
 
-def test_a_shard_that_is_not_a_multiple_of_four_is_refused():
+def test_blocks_start_at_every_parameter():
+    """A LayerNorm weight near 1 beside a bias near 1e-3 in one shard: each keeps its own scale (a shared block
+    would round the whole bias to zero). Rank 1's shard has more segments, so more scales: every payload has
+    room for the most."""
+    weight, bias, rest = torch.ones(100), torch.full((100,), 1e-3), torch.randn(312)
+    codecs = _codec([0, 100, 200, 700, 1024], 512, 2)  # rank 0: weight, bias, a piece; rank 1: two pieces
+    assert [len(c.segments[c.rank]) for c in codecs] == [3, 2]
+    assert codecs[0].payload_bytes == codecs[1].payload_bytes == 512 + 4 * 4
+    shards = [torch.cat([weight, bias, rest]), torch.randn(512)]
+    out = torch.empty(1024)
+    codecs[0].decode(torch.cat([c.encode(x) for c, x in zip(codecs, shards)]), out)
+    assert (out[100:200] - bias).abs().max() <= 1e-3 / 254 * (1 + 1e-6)
+    assert torch.equal(out[:100], weight)
+    assert torch.equal(codecs[0].dequantized(shards[0]), out[:512])
+
+
+def test_tiny_blocks_are_sent_as_zeros_and_an_alignment_it_cannot_use_is_refused():
+    (codec,) = _codec([0, 256], 256, 1)
+    out = torch.empty(256)
+    codec.decode(codec.encode(torch.linspace(-1e-37, 1e-37, 256)), out)
+    assert torch.equal(out, torch.zeros(256))
     with pytest.raises(ValueError, match="multiple of 4"):
-        quantized_gather.encode(torch.ones(6))
+        ShardedOptimizer([torch.nn.Parameter(torch.ones(3))], torch.optim.AdamW, alignment=2,
+                         quantize_param_gather=True)
 
 
 def _train(rank, world_size, quantize, offload=False, checkpoint=None, resume=None, dtype=torch.float32):
@@ -80,10 +106,8 @@ def _train(rank, world_size, quantize, offload=False, checkpoint=None, resume=No
         counter.uninstall()
         sent.append(sum(c.numel * c.dtype.itemsize for c in counter.take() if c.name == "isend"))
         for storage in optimizer.storages:
-            dequantized = torch.empty_like(storage.shard)
-            quantized_gather.decode(quantized_gather.encode(storage.master), 1, dequantized)
-            exact &= torch.equal(storage.shard, dequantized) if quantize else torch.equal(storage.shard,
-                                                                                         storage.master)
+            expected = storage.blocks.dequantized(storage.master) if quantize else storage.master
+            exact &= torch.equal(storage.shard, expected.to(storage.shard.dtype))
         optimizer.zero_grad()
         if checkpoint is not None and step == 2:
             save_checkpoint(checkpoint, optimizer, model)
@@ -163,3 +187,92 @@ def _estimated_and_measured(rank, world_size):
 def test_the_estimate_counts_the_master_it_adds():
     for estimated, measured in run_distributed(2, _estimated_and_measured):
         assert estimated == measured and measured["device"]["master_weights"] > 0
+
+
+def _small(quantize, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 1))
+    return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2,
+                                   quantize_param_gather=quantize, **options)
+
+
+def _step(model, optimizer, rank, step):
+    inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+    optimizer.backward(model(inputs).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.finish_param_gathers()
+
+
+def _edits_keep_the_exact_master(rank):
+    """In-place edits between steps: one that changes nothing (a clamp within range), and one that changes a
+    single element. Only that element's master takes the edited value; every other keeps its exact master
+    (comparing against the dequantized master, not the master)."""
+    runs = {}
+    for edit in ("none", "no-op clamp"):
+        model, optimizer = _small(True)
+        for step in range(4):
+            _step(model, optimizer, rank, step)
+            if edit != "none":
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.clamp_(-1e6, 1e6)
+        runs[edit] = [s.master.clone() for s in optimizer.storages]
+    same = all(torch.equal(a, b) for a, b in zip(runs["none"], runs["no-op clamp"]))
+    model, optimizer = _small(True)
+    _step(model, optimizer, rank, 0)
+    before = [s.master.clone() for s in optimizer.storages]
+    with torch.no_grad():
+        model[0].weight.view(-1)[rank * 256 + 3] = 0.125  # an element of this rank's shard
+    optimizer.sync_masters()
+    changed = torch.cat([(s.master != b).nonzero().view(-1) for s, b in zip(optimizer.storages, before)])
+    new_values = torch.cat([s.master[s.master != b] for s, b in zip(optimizer.storages, before)])
+    return same, changed.numel(), new_values.tolist()
+
+
+def _a_state_dict_across_the_option_is_refused(rank):
+    model, optimizer = _small(True)
+    _step(model, optimizer, rank, 0)
+    saved = optimizer.state_dict()
+    other_model, other = _small(False)
+    other_model.load_state_dict(model.state_dict())
+    try:
+        other.load_state_dict(saved)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _ranks_that_differ_in_the_option(rank):
+    try:
+        _small(rank == 0)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _misuse(rank, world_size):
+    return run_cases({"edits": lambda: _edits_keep_the_exact_master(rank),
+                      "state dict": lambda: _a_state_dict_across_the_option_is_refused(rank),
+                      "mismatch": lambda: _ranks_that_differ_in_the_option(rank)})
+
+
+@pytest.fixture(scope="module")
+def misuse():
+    return run_distributed(2, _misuse)
+
+
+def test_an_edit_between_steps_moves_only_the_elements_it_changed(misuse):
+    for same, changed, values in case_results(misuse, "edits"):
+        assert same, "a no-op clamp after each step changed the masters"
+        assert (changed, values) == (1, [0.125])
+
+
+def test_a_state_dict_saved_with_the_other_setting_is_refused_on_every_rank(misuse):
+    for message in case_results(misuse, "state dict"):
+        assert message is not None and "quantize_param_gather=True" in message and "save_checkpoint" in message
+
+
+def test_ranks_that_differ_in_the_option_fail_at_construction(misuse):
+    for message in case_results(misuse, "mismatch"):
+        assert message is not None and "quantize_param_gather" in message

@@ -22,6 +22,7 @@ import torch
 
 from .layout import Bucket, ShardLayout, overlap
 from .memory_format import dense_strides, shaped
+from .quantized_gather import ShardBlocks
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -35,6 +36,7 @@ class BucketStorage:
     param_buffer: torch.Tensor  # (padded_numel,), model dtype
     shard: torch.Tensor  # (shard_numel,), view of param_buffer
     master: torch.Tensor  # (shard_numel,), fp32 copy (16-bit model or offload), else the same tensor as shard
+    blocks: Optional[ShardBlocks] = None  # quantized all-gather: the shard holds the dequantized master
     _versions: tuple = field(default=(), repr=False)  # params' version counters when master was last in sync
     _addresses: dict = field(default_factory=dict, repr=False)  # parameter index -> data_ptr of its view
 
@@ -87,26 +89,35 @@ class BucketStorage:
         if versions == self._versions:
             return
         shard_start = self.shard.storage_offset() - self.param_buffer.storage_offset()
+        published = None
         for param, offset, now, then in zip(self.params, self.bucket.offsets, versions, self._versions):
             common = overlap(offset, offset + param.numel(), shard_start, shard_start + self.shard.numel())
             if now == then or common is None:
                 continue
-            low, high = common
-            master, shard = self.master[low - shard_start:high - shard_start], self.shard[low - shard_start:high - shard_start]
-            if not torch.equal(master.to(shard.device, shard.dtype), shard):
-                master.copy_(shard)
+            if published is None:
+                published = self.published()
+            low, high = common[0] - shard_start, common[1] - shard_start
+            master, shard = self.master[low:high], self.shard[low:high]
+            edited = shard != published[low:high]  # only these: an unedited element keeps its exact master
+            master[edited] = shard[edited].to(master.device, master.dtype)
         self._versions = versions
+
+    def published(self) -> torch.Tensor:
+        """What this rank's shard of the parameters holds when nothing edited it: the master in the parameters'
+        dtype, or with a quantized all-gather its dequantized values."""
+        values = self.master if self.blocks is None else self.blocks.dequantized(self.master)
+        return values.to(self.shard.device, self.shard.dtype)
 
 
 def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int,
                    host_masters: Optional[list[torch.Tensor]] = None,
-                   separate_master: bool = False) -> list[BucketStorage]:
+                   quantized: bool = False) -> list[BucketStorage]:
     """Move ``params`` (indexed as in ``layout``) into flat bucket buffers and rebind ``param.data`` to views.
 
     Values are preserved exactly; padding is zero. ``host_masters``: per bucket, a host tensor of the
     shard's size (fp32, fp64 for fp64 models: :func:`host_master_dtype`) that becomes the master, whatever
-    the model's dtype (CPU offload). ``separate_master``: a master of its own also for fp32 (or wider) models
-    (the parameters then hold what the all-gather delivers, not the master: a quantized all-gather).
+    the model's dtype (CPU offload). ``quantized``: the all-gather sends int8 (:mod:`zeroimpl.quantized_gather`):
+    each storage gets its blocks, and a master of its own also for fp32 (or wider) models.
     """
     storages = []
     for bucket in layout.buckets:
@@ -122,11 +133,15 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         shard = param_buffer[start:end]
         if host_masters is not None:
             master = host_masters[bucket.index].copy_(shard)
-        elif first.dtype in HALF_DTYPES or separate_master:
+        elif first.dtype in HALF_DTYPES or quantized:
             master = shard.to(host_master_dtype(first.dtype), copy=True)
         else:
             master = shard
-        storage = BucketStorage(bucket, members, param_buffer, shard, master)
+        blocks = None
+        if quantized:
+            boundaries = [edge for i in bucket.param_indices for edge in (layout.slots[i].offset, layout.slots[i].end)]
+            blocks = ShardBlocks.of(boundaries, bucket.shard_numel, layout.world_size, rank)
+        storage = BucketStorage(bucket, members, param_buffer, shard, master, blocks)
         storage.mark_master_in_sync()
         storages.append(storage)
     return storages

@@ -111,15 +111,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
                  per_parameter: Collection[type] = (), verify_every: Optional[int] = None,
                  overlap_param_gather: bool = True, quantize_param_gather: bool = False, **optimizer_kwargs):
-        validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every)
+        validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
+                                 alignment, quantize_param_gather)
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
         groups, step_works, blocks = optimizer_kinds.plan(params, optimizer_class, optimizer_kwargs, per_parameter,
                                                           assume_elementwise)
         classes = [group["optimizer"] for group in groups]
         validation.check_process_group(process_group)
-        self.verify_every = verify_every
-        self.overlap_param_gather = bool(overlap_param_gather)
+        self.verify_every, self.overlap_param_gather = verify_every, bool(overlap_param_gather)
         self._steps_taken = 0  # updates applied (skipped steps do not count)
         self._constructed = False
         super().__init__(groups, {})  # refuses duplicates
@@ -134,7 +134,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         trainable, specs = trainable_specs(self.param_groups, step_works, blocks)
         layout = build_layout(specs, self.world_size, bucket_numel, alignment)
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
-        validation.check_params(trainable, self.topology, collective_timeout, layout.fingerprint())
+        validation.check_params(trainable, self.topology, collective_timeout,
+                                {**layout.fingerprint(), "quantize_param_gather": quantize_param_gather})
         optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
         # before the parameters move into this optimizer's buffers (a frozen member stays out of the layout)
         self.ownership = Ownership(trainable, [p for g in self.param_groups for p in g["params"] if not p.requires_grad])
@@ -146,8 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                                                                 collective_timeout)
         self.storages: list[BucketStorage] = flatten_params(layout, trainable, self.rank, host_masters,
                                                             quantize_param_gather)
-        self.param_sync = ParamSync(self.storages, self.process_group, collective_timeout, staging,
-                                    quantized=quantize_param_gather)
+        self.param_sync = ParamSync(self.storages, self.process_group, collective_timeout, staging)
         self.pieces = PieceMasters(layout, layout.pieces(self.rank), self.storages, trainable)
         self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), classes,
                                          inner_kwargs(classes, optimizer_class, optimizer_kwargs, self.param_groups,

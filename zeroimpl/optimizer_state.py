@@ -31,10 +31,10 @@ OLD_STATE_FORMAT = "zeroimpl.sharded_optimizer/1"
 
 
 def load_problem(state_dict, rank: int, world_size: int, layout_fingerprint: dict, params: list[torch.Tensor],
-                 num_groups: int, loss_scaling: bool) -> Optional[str]:
+                 num_groups: int, loss_scaling: bool, quantized: bool = False) -> Optional[str]:
     """Why this rank cannot load ``state_dict`` into an optimizer of shard rank ``rank`` of ``world_size``, with
-    this layout, these trainable parameters, ``num_groups`` param groups and loss scaling on or off; None if
-    it can. Local."""
+    this layout, these trainable parameters, ``num_groups`` param groups, loss scaling on or off and a quantized
+    all-gather or not; None if it can. Local."""
     if isinstance(state_dict, dict) and state_dict.get("format") == OLD_STATE_FORMAT:
         return ("this state was saved by an older zeroimpl, whose optimizer state was per bucket; it cannot be "
                 "loaded with load_state_dict. Resume from a checkpoint written by zeroimpl.checkpoint.save_checkpoint "
@@ -62,6 +62,11 @@ def load_problem(state_dict, rank: int, world_size: int, layout_fingerprint: dic
         return "the state has a different number of param groups"
     if (state_dict["loss_scaler"] is None) == loss_scaling:
         return "the state's loss scaler does not match this optimizer (loss scaling on in one, off in the other)"
+    if state_dict.get("quantize_param_gather", False) != quantized:
+        return (f"the state was saved with quantize_param_gather={not quantized} and this optimizer has {quantized}: "
+                "the model's saved parameters are the dequantized masters in one and the masters in the other, so "
+                "the ranks would hold different parameters; switch through zeroimpl.checkpoint "
+                "(save_checkpoint / load_checkpoint), which all-gathers the parameters from the saved masters")
     return None
 
 
@@ -93,6 +98,7 @@ def state_dict(rank: int, layout: ShardLayout, params: list[torch.Tensor], inner
         "param_groups": [{k: v for k, v in g.items() if k not in ("params", "optimizer")} for g in outer_groups],
         "master_weights": [s.master for s in storages] if separate else None,
         "loss_scaler": loss_scaler.state_dict() if loss_scaler else None,
+        "quantize_param_gather": any(s.blocks is not None for s in storages),
     }
 
 
@@ -146,7 +152,8 @@ def load(optimizer: "ShardedOptimizer", state_dict: dict) -> None:
     """``optimizer.load_state_dict(state_dict)``: check it on every rank (:func:`agree_to_load`), then install it.
     Collective."""
     problem = load_problem(state_dict, optimizer.rank, optimizer.world_size, optimizer.layout.fingerprint(),
-                           optimizer.trainable_params, len(optimizer.param_groups), optimizer.loss_scaler is not None)
+                           optimizer.trainable_params, len(optimizer.param_groups), optimizer.loss_scaler is not None,
+                           any(s.blocks is not None for s in optimizer.storages))
     agree_to_load(problem, optimizer.topology, optimizer.collective_timeout)
     _install_into(optimizer, state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
                   state_dict["loss_scaler"])

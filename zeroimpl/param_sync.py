@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import comm, quantized_gather
+from . import comm
 from .buffers import BucketStorage
 from .inflight import InFlightGathers
 
@@ -35,8 +35,6 @@ class ParamSync:
         group, timeout: the shard group (the all-gathers run there) and the collectives' timeout.
         staging: offload of a 16-bit model: per 16-bit dtype, two host buffers of that dtype's largest shard
             (:func:`zeroimpl.offload.host_buffers`); empty otherwise.
-        quantized: all-gather int8 payloads of the masters (:mod:`zeroimpl.quantized_gather`) instead of the
-            parameter shards; every rank's parameters get the dequantized values when the gather lands.
 
     Invariant: between :meth:`begin` and :meth:`end` every published bucket's all-gather is queued; after
     :meth:`finish` the parameters hold the published values; after :meth:`wait_copies` no copy reads the
@@ -44,9 +42,8 @@ class ParamSync:
     """
 
     def __init__(self, storages: list[BucketStorage], group, timeout: Optional[float],
-                 staging: dict[torch.dtype, list[torch.Tensor]], quantized: bool = False):
+                 staging: dict[torch.dtype, list[torch.Tensor]]):
         self.storages, self.group, self.timeout, self.staging = storages, group, timeout, staging
-        self.quantized = quantized
         self._payloads: dict[int, torch.Tensor] = {}  # quantized: bucket index -> its gathered payloads in flight
         device = storages[0].param_buffer.device
         self._cuda = device if device.type == "cuda" else None  # copies to CUDA are asynchronous: track them
@@ -67,7 +64,7 @@ class ParamSync:
 
     def publish(self, storage: BucketStorage) -> None:
         """Write the bucket's master into its shard of the parameters and queue its all-gather."""
-        if self.quantized:
+        if storage.blocks is not None:  # quantized: int8 payloads of the masters (zeroimpl.quantized_gather)
             self._pending[storage.bucket.index] = self._gather_quantized(storage)
             return
         buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None
@@ -90,16 +87,16 @@ class ParamSync:
         """Queue the all-gather of every rank's int8 payload of its master shard; when it lands, every rank's
         shard of the parameters holds its dequantized values (written past the parameters' version counters,
         as a gather's own write is: :meth:`end` counts it)."""
-        world, rank = torch.distributed.get_world_size(self.group), torch.distributed.get_rank(self.group)
-        size, index = quantized_gather.payload_bytes(storage.shard.numel()), storage.bucket.index
-        gathered = torch.empty(world * size, dtype=torch.uint8, device=storage.param_buffer.device)
-        own = gathered[rank * size:(rank + 1) * size]
-        own.copy_(quantized_gather.encode(storage.master))  # on the master's device (the host, with offload)
+        blocks, index = storage.blocks, storage.bucket.index
+        size = blocks.payload_bytes
+        gathered = torch.empty(len(blocks.segments) * size, dtype=torch.uint8, device=storage.param_buffer.device)
+        own = gathered[blocks.rank * size:(blocks.rank + 1) * size]
+        own.copy_(blocks.encode(storage.master))  # on the master's device (the host, with offload)
         self._payloads[index] = gathered
         parameters = storage.param_buffer.data
 
         def land() -> None:
-            quantized_gather.decode(self._payloads.pop(index), world, parameters)
+            blocks.decode(self._payloads.pop(index), parameters)
         return comm.all_gather(gathered, own, self.group, self.timeout, tag=index, then=land)
 
     def live_buffers(self) -> list[torch.Tensor]:

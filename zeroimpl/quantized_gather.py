@@ -1,69 +1,118 @@
 """The parameter all-gather in int8 (``ShardedOptimizer(..., quantize_param_gather=True)``).
 
-Each rank sends its shard of a bucket as int8 codes with one fp32 scale per block of :data:`BLOCK` elements,
-about a quarter of fp32's bytes (half of bf16's), and every rank -- the owner too -- writes the dequantized
-values into the parameters, so that all ranks hold the same model. The owner keeps its exact master for the
-update: quantization errors do not accumulate over steps (each step quantizes the exact master afresh).
+Each rank sends its shard of a bucket as int8 codes with one fp32 scale per block of at most :data:`BLOCK`
+elements, about a quarter of fp32's bytes (half of bf16's), and every rank -- the owner too -- writes the
+dequantized values into the parameters, so that all ranks hold the same model. The owner keeps its exact master
+for the update: quantization errors do not accumulate over steps (each step quantizes the exact master afresh).
 
-Shapes, for a shard of ``n`` elements (``n`` a multiple of the layout's alignment: 4-byte aligned scales):
+Blocks never mix two parameters: a shard is cut where a parameter starts or ends (a LayerNorm weight near 1 and
+a bias near 1e-3 side by side keep their own scales), and each cut segment into blocks of :data:`BLOCK` from
+its start, the last one shorter. Shapes, for one bucket whose shards have ``n`` elements:
 
-* payload -- ``(payload_bytes(n),)`` uint8: the ``n`` codes (int8), then ``ceil(n / BLOCK)`` fp32 scales;
-* gathered -- ``(world_size * payload_bytes(n),)`` uint8: rank r's payload at ``r * payload_bytes(n)``;
+* payload -- ``(ShardBlocks.payload_bytes,)`` uint8, the same size on every rank: the ``n`` codes (int8), then
+  one fp32 scale per block of that rank's shard, then zeros up to the size of the shard with the most blocks;
+* gathered -- ``(world_size * payload_bytes,)`` uint8: rank r's payload at ``r * payload_bytes``;
 * parameters -- ``(world_size * n,)``: the bucket's parameter buffer, rank r's shard at ``r * n``.
 
-Quantization is symmetric per block: ``scale = absmax / 127``, ``code = round(x * (1 / scale))`` in [-127, 127]
-(a block of zeros: scale 0, codes 0); the value is ``code * scale`` in fp32, then the parameter's dtype. So an
-element is off by at most half a step of its block, ``absmax / 254`` (before the cast to a 16-bit dtype).
+Quantization is symmetric per block: ``scale = absmax / 127``, ``code = round(x * (1 / scale))`` in
+[-127, 127]; the value is ``code * scale`` in fp32, then the parameter's dtype. So an element is off by at most
+half a step of its block, ``absmax / 254`` (before the cast to a 16-bit dtype). A block whose absmax is below
+``127 * torch.finfo(torch.float32).tiny`` (about 1.5e-36) is sent as zeros. A NaN or an Inf (or an fp64 value
+beyond fp32's range) makes its whole block NaN: the next step's NaN check stops training, as it would without
+quantization.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 BLOCK = 256
 _LEVELS = 127.0
+_TINY = torch.finfo(torch.float32).tiny
 
 
-def payload_bytes(shard_numel: int) -> int:
-    """Bytes one rank sends for a shard of ``shard_numel`` elements."""
-    return shard_numel + 4 * math.ceil(shard_numel / BLOCK)
+def _blocks_of(lengths: list[int]) -> int:
+    return sum(math.ceil(length / BLOCK) for length in lengths)
 
 
-def _blocks(values: torch.Tensor) -> list[torch.Tensor]:
-    """``values`` (1-D) as its whole blocks ``(k, BLOCK)`` and, if any, the last partial block ``(1, rest)``."""
-    whole = values.numel() // BLOCK * BLOCK
-    parts = [values[:whole].view(-1, BLOCK)]
-    if whole < values.numel():
-        parts.append(values[whole:].view(1, -1))
-    return parts
+@dataclass(frozen=True)
+class ShardBlocks:
+    """The quantization blocks of every rank's shard of one bucket, for ``rank``'s encoding and everyone's
+    decoding. ``segments[r]``: rank r's shard cut at its parameters' boundaries (lengths, summing to
+    ``shard_numel``)."""
 
+    rank: int
+    shard_numel: int
+    segments: tuple[tuple[int, ...], ...]
 
-def encode(master: torch.Tensor) -> torch.Tensor:
-    """The payload of ``master`` (1-D, fp32 or fp64): a new uint8 tensor on its device."""
-    n = master.numel()
-    if n % 4:
-        raise ValueError(f"a quantized shard needs a multiple of 4 elements, got {n} (the layout's alignment)")
-    payload = torch.empty(payload_bytes(n), dtype=torch.uint8, device=master.device)
-    codes, scales = _blocks(payload[:n].view(torch.int8)), payload[n:].view(torch.float32)
-    first = 0
-    for block_codes, values in zip(codes, _blocks(master.float())):
+    @staticmethod
+    def of(boundaries: list[int], shard_numel: int, world_size: int, rank: int) -> "ShardBlocks":
+        """From the bucket's parameter boundaries (every slot's start and end offset in the bucket buffer)."""
+        segments = []
+        for r in range(world_size):
+            start, end = r * shard_numel, (r + 1) * shard_numel
+            cuts = sorted({start, end, *(b for b in boundaries if start < b < end)})
+            segments.append(tuple(high - low for low, high in zip(cuts, cuts[1:])))
+        return ShardBlocks(rank, shard_numel, tuple(segments))
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes each rank sends: its codes, and room for the scales of the shard with the most blocks."""
+        if self.shard_numel % 4:
+            raise ValueError(f"a quantized shard needs a multiple of 4 elements, got {self.shard_numel}")
+        return self.shard_numel + 4 * max(_blocks_of(list(lengths)) for lengths in self.segments)
+
+    def _padded(self, rank: int) -> list[int]:
+        """Rank's segments, each rounded up to whole blocks."""
+        return [math.ceil(length / BLOCK) * BLOCK for length in self.segments[rank]]
+
+    def encode(self, master: torch.Tensor) -> torch.Tensor:
+        """This rank's payload of ``master`` (its shard, 1-D, fp32 or fp64): a new uint8 tensor on its device."""
+        n, lengths = self.shard_numel, self.segments[self.rank]
+        zeros = torch.zeros(BLOCK, dtype=torch.float32, device=master.device)
+        pieces, first = [], 0
+        for length, padded in zip(lengths, self._padded(self.rank)):
+            pieces += [master[first:first + length].float(), zeros[:padded - length]]
+            first += length
+        values = torch.cat(pieces).view(-1, BLOCK)  # every segment from a block's start
         scale = values.abs().amax(dim=1, keepdim=True) / _LEVELS
-        inverse = torch.where(scale > 0, 1 / scale, 0.0)  # (a block of zeros: codes 0)
-        block_codes.copy_(torch.mul(values, inverse).round_().clamp_(-_LEVELS, _LEVELS))
-        scales[first:first + len(scale)] = scale.view(-1)
-        first += len(scale)
-    return payload
+        inverse = torch.where(scale >= _TINY, 1 / scale, 0.0)  # a block of zeros (or nearly): codes 0
+        codes = torch.mul(values, inverse).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8).view(-1)
+        payload = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=master.device)
+        payload[n:n + 4 * len(scale)].view(torch.float32).copy_(torch.where(scale >= _TINY, scale, 0.0).view(-1))
+        payload[:n].view(torch.int8).copy_(torch.cat(_unpadded(codes, lengths, self._padded(self.rank))))
+        return payload
+
+    def decode(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """Write every rank's dequantized shard from ``gathered`` into ``out`` (the bucket's parameter buffer)."""
+        n = self.shard_numel
+        for rank, (payload, shard) in enumerate(zip(gathered.view(-1, self.payload_bytes), out.view(-1, n))):
+            shard.copy_(self._values(rank, payload))
+
+    def dequantized(self, master: torch.Tensor) -> torch.Tensor:
+        """What this rank's shard of the parameters holds after publishing ``master``: fp32, 1-D."""
+        return self._values(self.rank, self.encode(master))
+
+    def _values(self, rank: int, payload: torch.Tensor) -> torch.Tensor:
+        n, lengths, padded = self.shard_numel, self.segments[rank], self._padded(rank)
+        blocks = sum(padded) // BLOCK
+        scales = payload[n:n + 4 * blocks].clone().view(torch.float32)  # (a copy: 4-byte aligned)
+        codes, first = [], 0
+        for length, rounded in zip(lengths, padded):
+            codes += [payload[first:first + length].view(torch.int8),
+                      torch.zeros(rounded - length, dtype=torch.int8, device=payload.device)]
+            first += length
+        values = torch.mul(torch.cat(codes).view(-1, BLOCK), scales[:, None]).view(-1)
+        return torch.cat(_unpadded(values, lengths, padded))
 
 
-def decode(gathered: torch.Tensor, world_size: int, out: torch.Tensor) -> None:
-    """Write every rank's dequantized shard from ``gathered`` into ``out`` (the parameter buffer), one shard at a
-    time (a temporary of one shard in fp32)."""
-    n = out.numel() // world_size
-    for payload, shard in zip(gathered.view(world_size, payload_bytes(n)), out.view(world_size, n)):
-        scales = payload[n:].clone().view(torch.float32)  # (a copy: a view of bytes must start 4-byte aligned)
-        first = 0
-        for codes, values in zip(_blocks(payload[:n].view(torch.int8)), _blocks(shard)):
-            torch.mul(codes, scales[first:first + len(codes), None], out=values)
-            first += len(codes)
+def _unpadded(values: torch.Tensor, lengths: list[int], padded: list[int]) -> list[torch.Tensor]:
+    """The segments of ``values`` (laid out padded to whole blocks), without their padding."""
+    pieces, first = [], 0
+    for length, rounded in zip(lengths, padded):
+        pieces.append(values[first:first + length])
+        first += rounded
+    return pieces

@@ -12,8 +12,12 @@ from .memory_format import dense_strides
 from .precision import LossScaleConfig
 
 
-def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every) -> None:
+def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
+                  alignment: int = 8, quantize_param_gather: bool = False) -> None:
     """Refuse a ShardedOptimizer option out of range, naming it and what it accepts."""
+    if quantize_param_gather and alignment % 4:
+        raise ValueError(f"quantize_param_gather needs an alignment that is a multiple of 4 (its payloads hold fp32 "
+                         f"scales after the int8 codes of a shard), got alignment={alignment}; use 8, the default")
     check_stage(stage)
     check_loss_scale(loss_scale)
     check_nonfinite(nonfinite)
@@ -118,7 +122,8 @@ def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch
                           dtype=torch.float64, device=device)
     _raise_if_ranks_differ(shapes, topology, "the number, shapes or memory formats (strides: channels_last, a "
                            "transposed weight) of the trainable parameters, or the shard "
-                           "layout (param groups, their optimizer classes, per_parameter, bucket_numel, alignment)",
+                           "layout (param groups, their optimizer classes, per_parameter, bucket_numel, alignment, "
+                           "quantize_param_gather)",
                            timeout)
     with torch.no_grad():
         sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
