@@ -116,7 +116,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
 
     Values are preserved exactly; padding is zero. ``host_masters``: per bucket, a host tensor of the
     shard's size (fp32, fp64 for fp64 models: :func:`host_master_dtype`) that becomes the master, whatever
-    the model's dtype (CPU offload). ``quantized``: the all-gather sends int8 (:mod:`zeroimpl.quantized_gather`):
+    the model's dtype (CPU offload). ``quantized``: the all-gather sends 8 bits (:mod:`zeroimpl.quantized_gather`):
     each storage gets its blocks, and a master of its own also for fp32 (or wider) models.
     """
     storages = []

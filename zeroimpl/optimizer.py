@@ -89,7 +89,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             (default ``True``): the first torch operation or module forward that touches one of its parameters
             waits for it (see :mod:`zeroimpl.inflight`, and for the reads it cannot see
             :meth:`finish_param_gathers` or ``False``). Results are bitwise those of ``False``.
-        quantize_param_gather: all-gather the parameters in int8 (:mod:`zeroimpl.quantized_gather`): every rank
+        quantize_param_gather: all-gather the parameters in 8 bits (:mod:`zeroimpl.quantized_gather`): every rank
             holds the dequantized values; each keeps an exact fp32 master of its shard, from which it steps.
         assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update every
             element from its own parameter, gradient and state.

@@ -64,7 +64,7 @@ class ParamSync:
 
     def publish(self, storage: BucketStorage) -> None:
         """Write the bucket's master into its shard of the parameters and queue its all-gather."""
-        if storage.blocks is not None:  # quantized: int8 payloads of the masters (zeroimpl.quantized_gather)
+        if storage.blocks is not None:  # quantized: 8-bit payloads of the masters (zeroimpl.quantized_gather)
             self._pending[storage.bucket.index] = self._gather_quantized(storage)
             return
         buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None
@@ -84,7 +84,7 @@ class ParamSync:
                                                               self.timeout, tag=storage.bucket.index)
 
     def _gather_quantized(self, storage: BucketStorage) -> comm.Pending:
-        """Queue the all-gather of every rank's int8 payload of its master shard; when it lands, every rank's
+        """Queue the all-gather of every rank's 8-bit payload of its master shard; when it lands, every rank's
         shard of the parameters holds its dequantized values (written past the parameters' version counters,
         as a gather's own write is: :meth:`end` counts it)."""
         blocks, index = storage.blocks, storage.bucket.index

@@ -1,7 +1,7 @@
-"""The parameter all-gather in int8 (``ShardedOptimizer(..., quantize_param_gather=True)``).
+"""The parameter all-gather in 8 bits (``ShardedOptimizer(..., quantize_param_gather=True)``).
 
-Each rank sends its shard of a bucket as int8 codes with one fp32 scale per block of at most :data:`BLOCK`
-elements, about a quarter of fp32's bytes (half of bf16's), and every rank -- the owner too -- writes the
+Each rank sends its shard of a bucket as 8-bit codes with an fp32 minimum and step per block of at most
+:data:`BLOCK` elements, about a quarter of fp32's bytes (half of bf16's), and every rank -- the owner too -- writes the
 dequantized values into the parameters, so that all ranks hold the same model. The owner keeps its exact master
 for the update: quantization errors do not accumulate over steps (each step quantizes the exact master afresh).
 
@@ -9,17 +9,19 @@ Blocks never mix two parameters: a shard is cut where a parameter starts or ends
 a bias near 1e-3 side by side keep their own scales), and each cut segment into blocks of :data:`BLOCK` from
 its start, the last one shorter. Shapes, for one bucket whose shards have ``n`` elements:
 
-* payload -- ``(ShardBlocks.payload_bytes,)`` uint8, the same size on every rank: the ``n`` codes (int8), then
-  one fp32 scale per block of that rank's shard, then zeros up to the size of the shard with the most blocks;
+* payload -- ``(ShardBlocks.payload_bytes,)`` uint8, the same size on every rank: the ``n`` codes, then per
+  block of that rank's shard its minimum and its step (fp32 pairs), then zeros up to the size of the shard with
+  the most blocks;
 * gathered -- ``(world_size * payload_bytes,)`` uint8: rank r's payload at ``r * payload_bytes``;
 * parameters -- ``(world_size * n,)``: the bucket's parameter buffer, rank r's shard at ``r * n``.
 
-Quantization is symmetric per block: ``scale = absmax / 127``, ``code = round(x * (1 / scale))`` in
-[-127, 127]; the value is ``code * scale`` in fp32, then the parameter's dtype. So an element is off by at most
-half a step of its block, ``absmax / 254`` (before the cast to a 16-bit dtype). A block whose absmax is below
-``127 * torch.finfo(torch.float32).tiny`` (about 1.5e-36) is sent as zeros. A NaN or an Inf (or an fp64 value
-beyond fp32's range) makes its whole block NaN: the next step's NaN check stops training, as it would without
-quantization.
+Quantization is affine per block, over the block's own range: ``step = (max - min) / 255``, ``code =
+round((x - min) * (1 / step))`` in [0, 255], the value ``min + code * step`` in fp32, then the parameter's
+dtype. So an element is off by at most half a step of its block, ``(max - min) / 510`` (before the cast to a
+16-bit dtype): values clustered away from zero (a LayerNorm weight near 1) keep a fine resolution, which a
+scale of ``absmax / 127`` would not give them. A constant block is exact; a block whose range is below
+``255 * torch.finfo(torch.float32).tiny`` comes back as its minimum. A NaN or an Inf (or an fp64 value beyond
+fp32's range) makes its whole block NaN: the next step's NaN check stops training, as it would unquantized.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 256
-_LEVELS = 127.0
+_LEVELS = 255.0
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -60,10 +62,10 @@ class ShardBlocks:
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes each rank sends: its codes, and room for the scales of the shard with the most blocks."""
+        """Bytes each rank sends: its codes, and room for the ranges of the shard with the most blocks."""
         if self.shard_numel % 4:
             raise ValueError(f"a quantized shard needs a multiple of 4 elements, got {self.shard_numel}")
-        return self.shard_numel + 4 * max(_blocks_of(list(lengths)) for lengths in self.segments)
+        return self.shard_numel + 8 * max(_blocks_of(list(lengths)) for lengths in self.segments)
 
     def _padded(self, rank: int) -> list[int]:
         """Rank's segments, each rounded up to whole blocks."""
@@ -72,18 +74,19 @@ class ShardBlocks:
     def encode(self, master: torch.Tensor) -> torch.Tensor:
         """This rank's payload of ``master`` (its shard, 1-D, fp32 or fp64): a new uint8 tensor on its device."""
         n, lengths = self.shard_numel, self.segments[self.rank]
-        zeros = torch.zeros(BLOCK, dtype=torch.float32, device=master.device)
         pieces, first = [], 0
         for length, padded in zip(lengths, self._padded(self.rank)):
-            pieces += [master[first:first + length].float(), zeros[:padded - length]]
+            segment = master[first:first + length].float()
+            pieces += [segment, segment[-1:].expand(padded - length)]  # (padding that leaves the range alone)
             first += length
         values = torch.cat(pieces).view(-1, BLOCK)  # every segment from a block's start
-        scale = values.abs().amax(dim=1, keepdim=True) / _LEVELS
-        inverse = torch.where(scale >= _TINY, 1 / scale, 0.0)  # a block of zeros (or nearly): codes 0
-        codes = torch.mul(values, inverse).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8).view(-1)
+        low, high = values.amin(dim=1, keepdim=True), values.amax(dim=1, keepdim=True)
+        step = (high - low) / _LEVELS
+        inverse = torch.where(step >= _TINY, 1 / step, 0.0)  # a constant block (or nearly): codes 0
+        codes = torch.mul(values - low, inverse).round_().clamp_(0, _LEVELS).to(torch.uint8).view(-1)
         payload = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=master.device)
-        payload[n:n + 4 * len(scale)].view(torch.float32).copy_(torch.where(scale >= _TINY, scale, 0.0).view(-1))
-        payload[:n].view(torch.int8).copy_(torch.cat(_unpadded(codes, lengths, self._padded(self.rank))))
+        payload[n:n + 8 * len(step)].view(torch.float32).view(-1, 2).copy_(torch.cat([low, step], dim=1))
+        payload[:n].copy_(torch.cat(_unpadded(codes, lengths, self._padded(self.rank))))
         return payload
 
     def decode(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
@@ -99,13 +102,13 @@ class ShardBlocks:
     def _values(self, rank: int, payload: torch.Tensor) -> torch.Tensor:
         n, lengths, padded = self.shard_numel, self.segments[rank], self._padded(rank)
         blocks = sum(padded) // BLOCK
-        scales = payload[n:n + 4 * blocks].clone().view(torch.float32)  # (a copy: 4-byte aligned)
+        ranges = payload[n:n + 8 * blocks].clone().view(torch.float32).view(-1, 2)  # (a copy: 4-byte aligned)
         codes, first = [], 0
         for length, rounded in zip(lengths, padded):
-            codes += [payload[first:first + length].view(torch.int8),
-                      torch.zeros(rounded - length, dtype=torch.int8, device=payload.device)]
+            codes += [payload[first:first + length],
+                      torch.zeros(rounded - length, dtype=torch.uint8, device=payload.device)]
             first += length
-        values = torch.mul(torch.cat(codes).view(-1, BLOCK), scales[:, None]).view(-1)
+        values = torch.addcmul(ranges[:, :1], torch.cat(codes).view(-1, BLOCK).float(), ranges[:, 1:]).view(-1)
         return torch.cat(_unpadded(values, lengths, padded))
 
 
