@@ -98,8 +98,12 @@ class BucketStorage:
                 published = self.published()
             low, high = common[0] - shard_start, common[1] - shard_start
             master, shard = self.master[low:high], self.shard[low:high]
-            edited = shard != published[low:high]  # only these: an unedited element keeps its exact master
-            master[edited] = shard[edited].to(master.device, master.dtype)
+            if self.blocks is None:  # the edited parameter's slice, whole (as model.load_state_dict expects)
+                if not torch.equal(published[low:high], shard):
+                    master.copy_(shard)
+            else:  # quantized: only the elements edited; the others keep their exact masters
+                edited = shard != published[low:high]
+                master[edited] = shard[edited].to(master.device, master.dtype)
         self._versions = versions
 
     def published(self) -> torch.Tensor:
