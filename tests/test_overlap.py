@@ -124,6 +124,14 @@ USER_READS = {
 }
 
 
+def _step_both(models, optimizers, rank: int, step: int) -> None:
+    """One training step of each model of an :func:`overlap_pair`, on the same batch."""
+    for model, optimizer in zip(models, optimizers):
+        optimizer.backward(model(**batch(rank, step, 0)).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _user_reads(rank, world_size):
     """After each step, a read or write of the parameters in user code, with no call to finish_param_gathers.
     Rank 1 issues its all-gathers late, so rank 0's are surely still in flight when it reads."""
@@ -131,10 +139,7 @@ def _user_reads(rank, world_size):
     models, optimizers = overlap_pair()
     results = {}
     for step, (name, read) in enumerate(USER_READS.items()):
-        for model, optimizer in zip(models, optimizers):
-            optimizer.backward(model(**batch(rank, step, 0)).loss)
-            optimizer.step()
-            optimizer.zero_grad()
+        _step_both(models, optimizers, rank, step)
         if rank == 0:
             assert optimizers[1].param_gathers_in_flight, "rank 0's all-gathers should still be in flight"
         plain, overlapped = (read(list(model.parameters())) for model in models)
@@ -181,10 +186,7 @@ def _unseen_reads(rank, world_size):
     models, optimizers = overlap_pair()
     results = {}
     for step, (name, read) in enumerate(UNSEEN_READS.items()):
-        for model, optimizer in zip(models, optimizers):
-            optimizer.backward(model(**batch(rank, step, 0)).loss)
-            optimizer.step()
-            optimizer.zero_grad()
+        _step_both(models, optimizers, rank, step)
         plain, overlapped = (list(model.parameters()) for model in models)
         expected, before = read(plain), read(overlapped)
         optimizers[1].finish_param_gathers()

@@ -49,23 +49,20 @@ class ShardBlocks:
     rank: int
     shard_numel: int
     segments: tuple[tuple[int, ...], ...]
+    payload_bytes: int  # what each rank sends: its codes, and room for the ranges of the shard with the most blocks
 
     @staticmethod
     def of(boundaries: list[int], shard_numel: int, world_size: int, rank: int) -> "ShardBlocks":
         """From the bucket's parameter boundaries (every slot's start and end offset in the bucket buffer)."""
+        if shard_numel % 4:
+            raise ValueError(f"a quantized shard needs a multiple of 4 elements, got {shard_numel}")
         segments = []
         for r in range(world_size):
             start, end = r * shard_numel, (r + 1) * shard_numel
             cuts = sorted({start, end, *(b for b in boundaries if start < b < end)})
             segments.append(tuple(high - low for low, high in zip(cuts, cuts[1:])))
-        return ShardBlocks(rank, shard_numel, tuple(segments))
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes each rank sends: its codes, and room for the ranges of the shard with the most blocks."""
-        if self.shard_numel % 4:
-            raise ValueError(f"a quantized shard needs a multiple of 4 elements, got {self.shard_numel}")
-        return self.shard_numel + 8 * max(_blocks_of(list(lengths)) for lengths in self.segments)
+        payload = shard_numel + 8 * max(_blocks_of(list(lengths)) for lengths in segments)
+        return ShardBlocks(rank, shard_numel, tuple(segments), payload)
 
     def _padded(self, rank: int) -> list[int]:
         """Rank's segments, each rounded up to whole blocks."""

@@ -66,11 +66,11 @@ class Zeroimpl(Implementation):
 
     def __init__(self, stage: int, offload: bool = False, replicas: Optional[int] = None, quantize: bool = False):
         """``replicas``: hybrid sharding over that many replicas of the shards (None: flat, one shard group);
-        ``quantize``: the parameter all-gather in int8 (``quantize_param_gather``)."""
+        ``quantize``: the parameter all-gather in 8 bits (``quantize_param_gather``)."""
         self.stage, self.offload, self.replicas, self.quantize = stage, offload, replicas, quantize
         self.name = (f"zeroimpl stage {stage}" + (" + offload" if offload else "")
                      + (f" hybrid ({replicas} replicas)" if replicas else "")
-                     + (", int8 all-gather" if quantize else ""))
+                     + (", 8-bit all-gather" if quantize else ""))
 
     def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
         if settings.precision == "bf16":
