@@ -213,11 +213,16 @@ def test_a_test_switch_issues_the_real_collectives_at_world_size_1():
         assert all(map(torch.equal, plain_params, switched_params))
 
 
+LATE_PEER_TIMEOUT = 0.5
+
+
 def _late_peer(rank, world_size):
     """Rank 1 joins each of two all-reduces 1.5 s late; rank 0 waits for each on the host with a 0.5 s timeout:
     the first as a CPU collective is waited for, the second polled as a CUDA one is (beyond the reduce-scatter
     window, and the step's check all-reduce before its result is read: gloo's all-reduce reports completion as
-    NCCL's does). Each must raise CollectiveError naming the collective at about 0.5 s, not wait 1.5 s."""
+    NCCL's does). Each must raise CollectiveError naming the collective once the timeout has passed, not before it
+    (gloo's wait takes whole milliseconds: a bound rounded down raises early) and not after 1.5 s. The time is
+    the wait's own, from its call to its error."""
     import time
 
     import torch.distributed as dist
@@ -231,15 +236,16 @@ def _late_peer(rank, world_size):
             time.sleep(1.5)
             all_reduce_(tensor, dist.ReduceOp.SUM, None, None, "late all-reduce")
             continue
-        started = time.monotonic()
-        pending = all_reduce(tensor, dist.ReduceOp.SUM, None, 0.5, "late all-reduce")
+        launched = time.monotonic()
+        pending = all_reduce(tensor, dist.ReduceOp.SUM, None, LATE_PEER_TIMEOUT, "late all-reduce")
         pending.on_stream = on_stream
+        started = time.monotonic()
         try:
             pending.wait_on_host()
             raised.append(None)
         except CollectiveError as error:
             raised.append((time.monotonic() - started, str(error)))
-        time.sleep(1.6 - (time.monotonic() - started))  # the late rank completes this all-reduce first
+        time.sleep(1.6 - (time.monotonic() - launched))  # the late rank completes this all-reduce first
     return raised
 
 
@@ -247,4 +253,5 @@ def test_a_host_wait_for_a_collective_is_bounded_by_its_timeout():
     for raised in run_distributed(2, _late_peer)[0]:  # waited as a CPU collective, then polled as a CUDA one
         assert raised is not None, "the host wait did not raise"
         seconds, message = raised
-        assert 0.5 <= seconds < 1.4 and "late all-reduce" in message and "timeout of 0.5 s" in message, raised
+        assert LATE_PEER_TIMEOUT <= seconds < 1.4, raised
+        assert "late all-reduce" in message and f"timeout of {LATE_PEER_TIMEOUT} s" in message, raised

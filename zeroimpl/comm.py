@@ -47,6 +47,7 @@ that the process can wait at exit for gloo to let go of them.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import time
@@ -119,8 +120,9 @@ class Pending:
                 if deadline is None:
                     work.wait()
                 else:
-                    left = max(deadline - time.monotonic(), 1e-3)
-                    work.wait(timeout=datetime.timedelta(seconds=left))
+                    # the work's wait takes whole milliseconds and rounds down: round up, or it raises early
+                    left_ms = max(math.ceil((deadline - time.monotonic()) * 1000), 1)
+                    work.wait(timeout=datetime.timedelta(milliseconds=left_ms))
         except RuntimeError as error:
             bound = f"within its timeout of {self.timeout} s" if bounded else "within the process group's timeout"
             raise CollectiveError(self._failure(f"failed or did not finish {bound} ({error})")) from error
