@@ -22,7 +22,7 @@ import torch
 
 from .layout import Bucket, ShardLayout, overlap
 from .memory_format import dense_strides, shaped
-from .quantized_gather import ShardBlocks
+from .quantized_comm import ShardBlocks
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -120,7 +120,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
 
     Values are preserved exactly; padding is zero. ``host_masters``: per bucket, a host tensor of the
     shard's size (fp32, fp64 for fp64 models: :func:`host_master_dtype`) that becomes the master, whatever
-    the model's dtype (CPU offload). ``quantized``: the all-gather sends 8 bits (:mod:`zeroimpl.quantized_gather`):
+    the model's dtype (CPU offload). ``quantized``: the all-gather sends 8 bits (:mod:`zeroimpl.quantized_comm`):
     each storage gets its blocks, and a master of its own also for fp32 (or wider) models.
     """
     storages = []
@@ -143,8 +143,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
             master = shard
         blocks = None
         if quantized:
-            boundaries = [edge for i in bucket.param_indices for edge in (layout.slots[i].offset, layout.slots[i].end)]
-            blocks = ShardBlocks.of(boundaries, bucket.shard_numel, layout.world_size, rank)
+            blocks = ShardBlocks.of(layout.edges(bucket.index), bucket.shard_numel, layout.world_size, rank)
         storage = BucketStorage(bucket, members, param_buffer, shard, master, blocks)
         storage.mark_master_in_sync()
         storages.append(storage)

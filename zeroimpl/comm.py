@@ -13,6 +13,9 @@ all-gather, the ring minimum):
   0.85x and 0.5x (``benchmarks/results/collectives-gloo.md``). A pairwise reduce-scatter holds a receive
   buffer of ``(N - 1) / N`` of its bucket until its wait.
 
+:func:`reduce_scatter_quantized` sends 8-bit payloads instead (``quantize_grad_reduce=True``): an all-to-all,
+``all_to_all_single`` natively, else the same pairwise exchange, each rank summing what it received in fp32.
+
 Which ranks exchange matters once a group spans machines: a pairwise exchange sends ``1 / N`` of the tensor
 between *every* two ranks, so with ``L`` ranks per node ``(N - L) / N`` of each rank's bytes cross between
 nodes, where a ring (gloo's native all-gather; node-contiguous ranks, as torchrun numbers them) crosses the
@@ -51,12 +54,15 @@ import math
 import os
 import pickle
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import shutdown
+
+if TYPE_CHECKING:
+    from .quantized_comm import ShardBlocks
 
 ALGORITHMS = ("native", "pairwise")
 HOST_POLL_SECONDS = 5e-5  # Pending.wait_on_host's polling interval
@@ -206,6 +212,39 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         for piece in received[1:]:
             output.add_(piece)
     return Pending(works, name, timeout, add_pieces, buffers=(received,), on_stream=on_stream)
+
+
+def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: ShardBlocks, group,
+                             timeout: Optional[float] = None, tag: int = 0) -> Pending:
+    """Start ``output`` = this rank's piece of ``input`` plus every other rank's, each sent to its owner as an
+    8-bit payload on the owner's ``blocks`` (:mod:`zeroimpl.quantized_comm`), dequantized and summed in fp32
+    (then ``output``'s dtype) on the owner: an all-to-all of payloads, about a quarter of the fp32 bytes of
+    :func:`reduce_scatter`. Shapes and ``tag`` as there; this rank's own piece is exact."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    name, on_stream = "gradient reduce-scatter (8-bit)", input.device.type != "cpu"
+    if world == 1:  # nothing crosses a link: nothing to quantize
+        return reduce_scatter(output, input, group, timeout, tag)
+    pieces = input.view(world, -1)
+    sent = torch.zeros(world, blocks.payload_bytes, dtype=torch.uint8, device=input.device)
+    for owner in range(world):
+        if owner != rank:
+            sent[owner] = blocks.encode(pieces[owner], owner)
+    received = torch.empty_like(sent)
+    if algorithm(group, input) == "native":
+        lent = _aliases(received, sent)
+        works = [dist.all_to_all_single(*lent, group=group, async_op=True)]
+    else:
+        lent = ()
+        works = _exchange([sent[(rank + k) % world] for k in range(1, world)],
+                          [received[(rank - k) % world] for k in range(1, world)], group, 2 * tag)
+
+    def add_pieces():
+        total = pieces[rank].float()
+        for sender in range(world):
+            if sender != rank:
+                total.add_(blocks.decoded(received[sender]))
+        output.copy_(total)
+    return Pending(works, name, timeout, add_pieces, buffers=(sent, received), lent=lent, on_stream=on_stream)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,

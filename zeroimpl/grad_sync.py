@@ -49,6 +49,7 @@ from .backward_round import BackwardRound, LaunchOrder, under_compiled_autograd
 from .buffers import BucketStorage
 from .layout import ShardLayout
 from .memory_format import shaped
+from .quantized_comm import ShardBlocks
 from .ownership import rebound_message
 from .step_state import StepState
 from .topology import Topology
@@ -75,7 +76,7 @@ class GradientReducer:
     def __init__(self, layout: ShardLayout, storages: list[BucketStorage], topology: Topology,
                  stage: int, reduce_dtype: Optional[torch.dtype], max_inflight: int,
                  gradients: Union[DeviceGradientShards, HostGradientShards], step_state: StepState,
-                 uneven: "UnevenInputs", timeout: Optional[float] = None):
+                 uneven: "UnevenInputs", timeout: Optional[float] = None, quantized: bool = False):
         self.layout = layout
         self.timeout = timeout  # seconds a reduce-scatter may take before CollectiveError (None: the group's)
         self.storages = storages
@@ -101,6 +102,9 @@ class GradientReducer:
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
         self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
         self._order = LaunchOrder([bucket.param_indices for bucket in layout.buckets])
+        # quantized: per bucket, the blocks its 8-bit reduce-scatter sends on (zeroimpl.quantized_comm)
+        self._blocks = [ShardBlocks.of(layout.edges(b.index), b.shard_numel, layout.world_size, topology.shard_rank,
+                                       signed=True) for b in layout.buckets] if quantized and layout.world_size > 1 else None
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
@@ -216,9 +220,12 @@ class GradientReducer:
             output = buffer
         else:
             output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
-        self._inflight.append(_Reduction(bucket_index, buffer, output,
-                                         comm.reduce_scatter(output, buffer, self.group, self.timeout,
-                                                             tag=bucket_index)))
+        if self._blocks is None:
+            work = comm.reduce_scatter(output, buffer, self.group, self.timeout, tag=bucket_index)
+        else:
+            work = comm.reduce_scatter_quantized(output, buffer, self._blocks[bucket_index], self.group,
+                                                 self.timeout, tag=bucket_index)
+        self._inflight.append(_Reduction(bucket_index, buffer, output, work))
         while len(self._inflight) > self.max_inflight:  # bound the buffers: wait for the oldest on the host
             if buffer.is_cuda:
                 self._inflight[0].work.wait_on_host()

@@ -182,6 +182,11 @@ class ShardLayout:
             position = slot.end
         return gaps + ([(position, bucket.padded_numel)] if position < bucket.padded_numel else [])
 
+    def edges(self, bucket_index: int) -> list[int]:
+        """Where each parameter of a bucket starts and where it ends in the bucket's buffer (offsets)."""
+        slots = [self.slots[i] for i in self.buckets[bucket_index].param_indices]
+        return [edge for slot in slots for edge in (slot.offset, slot.end)]
+
     def pieces(self, rank: int) -> list[ShardPiece]:
         """Every parameter piece owned by ``rank``, in bucket then buffer order."""
         pieces = []

@@ -89,8 +89,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             (default ``True``): the first torch operation or module forward that touches one of its parameters
             waits for it (see :mod:`zeroimpl.inflight`, and for the reads it cannot see
             :meth:`finish_param_gathers` or ``False``). Results are bitwise those of ``False``.
-        quantize_param_gather: all-gather the parameters in 8 bits (:mod:`zeroimpl.quantized_gather`): every rank
+        quantize_param_gather: all-gather the parameters in 8 bits (:mod:`zeroimpl.quantized_comm`): every rank
             holds the dequantized values; each keeps an exact fp32 master of its shard, from which it steps.
+        quantize_grad_reduce: reduce-scatter the gradients in 8 bits: each rank's pieces of the others' shards
+            cross as 8-bit payloads, dequantized and summed in fp32 by their owner.
         assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update every
             element from its own parameter, gradient and state.
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
@@ -110,9 +112,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                  nonfinite: Literal["raise", "skip"] = "raise",
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
                  per_parameter: Collection[type] = (), verify_every: Optional[int] = None,
-                 overlap_param_gather: bool = True, quantize_param_gather: bool = False, **optimizer_kwargs):
+                 overlap_param_gather: bool = True, quantize_param_gather: bool = False,
+                 quantize_grad_reduce: bool = False, **optimizer_kwargs):
+        quantized = {"quantize_param_gather": bool(quantize_param_gather),
+                     "quantize_grad_reduce": bool(quantize_grad_reduce)}
         validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
-                                 alignment, quantize_param_gather)
+                                 alignment, quantized)
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
         groups, step_works, blocks = optimizer_kinds.plan(params, optimizer_class, optimizer_kwargs, per_parameter,
@@ -120,22 +125,18 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         classes = [group["optimizer"] for group in groups]
         validation.check_process_group(process_group)
         self.verify_every, self.overlap_param_gather = verify_every, bool(overlap_param_gather)
-        self._steps_taken = 0  # updates applied (skipped steps do not count)
-        self._constructed = False
+        self._steps_taken, self._constructed = 0, False  # updates applied (skipped steps do not count)
         super().__init__(groups, {})  # refuses duplicates
         Joinable.__init__(self)  # under torch's Join: uneven inputs raise on every rank (zeroimpl/uneven.py)
         self.topology: Topology = resolve_topology(process_group, device_mesh, self.param_groups)
 
-        self.stage = stage
-        self.process_group = self.topology.shard  # reduce-scatter and all-gather run here
-        self.rank = self.topology.shard_rank
-        self.world_size = self.topology.shard_size
+        self.stage, self.process_group = stage, self.topology.shard  # reduce-scatter and all-gather run here
+        self.rank, self.world_size = self.topology.shard_rank, self.topology.shard_size
 
         trainable, specs = trainable_specs(self.param_groups, step_works, blocks)
         layout = build_layout(specs, self.world_size, bucket_numel, alignment)
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
-        validation.check_params(trainable, self.topology, collective_timeout,
-                                {**layout.fingerprint(), "quantize_param_gather": quantize_param_gather})
+        validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized})
         optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
         # before the parameters move into this optimizer's buffers (a frozen member stays out of the layout)
         self.ownership = Ownership(trainable, [p for g in self.param_groups for p in g["params"] if not p.requires_grad])
@@ -156,14 +157,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.defaults = self.inner.defaults
 
         self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler.resolve(loss_scale, trainable)
-        self.nonfinite = nonfinite
-        self._skipped_without_scaler = 0
+        self.nonfinite, self._skipped_without_scaler = nonfinite, 0
         self._step_state = StepState(loss_scaling=self.loss_scaler is not None)
         self.uneven = uneven.UnevenInputs(self, self.join_device, self.join_process_group)
 
         self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtype,
                                        max_inflight_buckets, self.gradients, self._step_state, self.uneven,
-                                       collective_timeout)
+                                       collective_timeout, quantize_grad_reduce)
         self.checks = StepChecks(self.reducer, self.gradients, self.param_sync, self.ownership, self.storages,
                                  self.pieces.pieces, self._step_state, self.uneven, self.loss_scaler, self.topology,
                                  collective_timeout, self._device)

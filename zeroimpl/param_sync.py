@@ -64,7 +64,7 @@ class ParamSync:
 
     def publish(self, storage: BucketStorage) -> None:
         """Write the bucket's master into its shard of the parameters and queue its all-gather."""
-        if storage.blocks is not None:  # quantized: 8-bit payloads of the masters (zeroimpl.quantized_gather)
+        if storage.blocks is not None:  # quantized: 8-bit payloads of the masters (zeroimpl.quantized_comm)
             self._pending[storage.bucket.index] = self._gather_quantized(storage)
             return
         buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None

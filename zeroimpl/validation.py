@@ -13,11 +13,13 @@ from .precision import LossScaleConfig
 
 
 def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
-                  alignment: int = 8, quantize_param_gather: bool = False) -> None:
-    """Refuse a ShardedOptimizer option out of range, naming it and what it accepts."""
-    if quantize_param_gather and alignment % 4:
-        raise ValueError(f"quantize_param_gather needs an alignment that is a multiple of 4 (its payloads hold fp32 "
-                         f"scales after the int8 codes of a shard), got alignment={alignment}; use 8, the default")
+                  alignment: int = 8, quantized: Optional[dict] = None) -> None:
+    """Refuse a ShardedOptimizer option out of range, naming it and what it accepts. ``quantized``: the
+    ``quantize_*`` options by name."""
+    for option, on in (quantized or {}).items():
+        if on and alignment % 4:
+            raise ValueError(f"{option} needs an alignment that is a multiple of 4 (its payloads hold fp32 scales "
+                             f"after the 8-bit codes of a shard), got alignment={alignment}; use 8, the default")
     check_stage(stage)
     check_loss_scale(loss_scale)
     check_nonfinite(nonfinite)
@@ -123,7 +125,7 @@ def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch
     _raise_if_ranks_differ(shapes, topology, "the number, shapes or memory formats (strides: channels_last, a "
                            "transposed weight) of the trainable parameters, or the shard "
                            "layout (param groups, their optimizer classes, per_parameter, bucket_numel, alignment, "
-                           "quantize_param_gather)",
+                           "quantize_param_gather, quantize_grad_reduce)",
                            timeout)
     with torch.no_grad():
         sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])

@@ -1,5 +1,5 @@
 """``quantize_param_gather=True``: the parameter all-gather in 8 bits with an fp32 range per block of at most 256
-elements, blocks starting at every parameter (zeroimpl/quantized_gather.py), on real gloo ranks.
+elements, blocks starting at every parameter (zeroimpl/quantized_comm.py), on real gloo ranks.
 
 * The codec: every element within half a quantization step of its block ((max - min) / 510), constant blocks
   exact, a partial last block, blocks that start at parameter boundaries, the payload's size.
@@ -29,17 +29,19 @@ import torch
 
 from distributed import case_results, run_cases, run_distributed
 from workloads import batch, build_model, param_groups, relative_l2
-from zeroimpl import CPUOffload, ShardedOptimizer, estimate_memory, quantized_gather
+from zeroimpl import CPUOffload, ShardedOptimizer, estimate_memory, quantized_comm
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 from zeroimpl.integrations.collectives import CollectiveCounter
 
 QUANTIZED_LOSS_RTOL = 1e-3
 QUANTIZED_REL_L2 = 2e-2
+GRADS_LOSS_RTOL = 1e-2
+GRADS_REL_L2 = 0.2
 STEPS = 6
 
 
 def _codec(boundaries, shard_numel, world_size):
-    return [quantized_gather.ShardBlocks.of(boundaries, shard_numel, world_size, rank) for rank in range(world_size)]
+    return [quantized_comm.ShardBlocks.of(boundaries, shard_numel, world_size, rank) for rank in range(world_size)]
 
 
 @pytest.mark.parametrize("numel", [4, 256, 264, 1000])
@@ -82,29 +84,82 @@ def test_a_block_of_a_tiny_range_comes_back_as_its_minimum_and_an_unusable_align
     assert torch.equal(out, torch.ones(256))
     codec.decode(codec.encode(torch.linspace(0, 1e-37, 256)), out)  # a range below 255 * fp32's tiny
     assert torch.equal(out, torch.zeros(256))
-    with pytest.raises(ValueError, match="multiple of 4"):
-        ShardedOptimizer([torch.nn.Parameter(torch.ones(3))], torch.optim.AdamW, alignment=2,
-                         quantize_param_gather=True)
+    for option in ("quantize_param_gather", "quantize_grad_reduce"):
+        with pytest.raises(ValueError, match=f"{option} needs an alignment that is a multiple of 4"):
+            ShardedOptimizer([torch.nn.Parameter(torch.ones(3))], torch.optim.AdamW, alignment=2, **{option: True})
 
 
-def _train(rank, world_size, quantize, offload=False, checkpoint=None, resume=None, dtype=torch.float32):
-    """GPT-2 tiny, stage 2, clipped to 1.0: the losses, the final parameters, whether each rank's parameter shard
-    was its dequantized master after every step, and the bytes the parameter all-gathers sent per step."""
+PARAMS, GRADS = {"quantize_param_gather": True}, {"quantize_grad_reduce": True}
+
+
+def test_signed_blocks_keep_zero_and_every_sign_and_each_element_within_half_a_step():
+    """The reduce-scatter's symmetric codes: a step of absmax / 127 per block, zero exact (a parameter without a
+    gradient in a bucket stays exactly without one), an element off by at most half a step."""
+    torch.manual_seed(0)
+    (codec,) = [quantized_comm.ShardBlocks.of([0, 300, 600], 600, 1, 0, signed=True)]
+    values = torch.randn(600) * torch.logspace(-6, 2, 600)
+    values[100:130] = 0.0
+    assert codec.payload_bytes == 600 + 4 * 4  # two parameters of two blocks each: a step per block
+    decoded = codec.decoded(codec.encode(values))
+    assert torch.equal(decoded[100:130], torch.zeros(30))
+    for start, end in ((0, 256), (256, 300), (300, 556), (556, 600)):
+        block, back = values[start:end], decoded[start:end]
+        half_step = block.abs().max() / 254
+        assert (back - block).abs().max() <= half_step * (1 + 1e-5)
+        assert torch.all((back.sign() == block.sign()) | (block.abs() <= half_step * (1 + 1e-5)))
+
+
+def _quantized_reduce_scatter(rank, world_size, algorithm):
+    """Every rank's input known to every rank (seeded by rank): the output must be this rank's own piece plus
+    each other rank's piece as its payload decodes, summed in fp32 in sender order, and within the sum of the
+    senders' half steps of the exact sum."""
+    from zeroimpl import comm
+
+    os.environ["ZEROIMPL_COLLECTIVES"] = algorithm
+    n = 300
+    edges = [0, 7, 7, 500, 500, world_size * n]  # a parameter of 7 elements, one across a shard boundary
+    blocks = quantized_comm.ShardBlocks.of(edges, n, world_size, rank, signed=True)
+    inputs = [torch.randn(world_size * n, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    output = torch.empty(n)
+    comm.reduce_scatter_quantized(output, inputs[rank], blocks, None).wait()
+    mine = slice(rank * n, (rank + 1) * n)
+    expected, exact, bound = inputs[rank][mine].clone(), inputs[rank][mine].clone(), torch.zeros(n)
+    for sender in range(world_size):
+        if sender != rank:
+            piece = inputs[sender][mine]
+            expected += blocks.decoded(blocks.encode(piece, rank))
+            exact += piece
+            bound += (blocks.decoded(blocks.encode(piece, rank)) - piece).abs()
+    return torch.equal(output, expected), bool(((output - exact).abs() <= bound * (1 + 1e-5) + 1e-6).all())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("algorithm", ["pairwise", "native"])
+def test_the_quantized_reduce_scatter_sums_the_decoded_pieces_in_fp32(world_size, algorithm):
+    for same, within in run_distributed(world_size, _quantized_reduce_scatter, algorithm):
+        assert same and within
+
+
+def _train(rank, world_size, options, stage=2, offload=False, checkpoint=None, resume=None, dtype=torch.float32):
+    """GPT-2 tiny, clipped to 1.0, with the ShardedOptimizer ``options``: the losses, the final parameters,
+    whether each rank's parameter shard was its dequantized master (or its master) after every step, and the
+    bytes the gradient reduce-scatters and the parameter all-gathers sent per step."""
     model = build_model("gpt2", dtype)
-    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096, lr=1e-2,
-                                 quantize_param_gather=quantize, verify_every=1,
-                                 offload=CPUOffload(fused_step=False) if offload else None)
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=4096, lr=1e-2,
+                                 verify_every=1, offload=CPUOffload(fused_step=False) if offload else None, **options)
+    quantize = options.get("quantize_param_gather", False)
     first = 0
     if resume is not None:
         load_checkpoint(resume, optimizer, model)
         first = 3
-    losses, exact, sent = [], True, []
+    losses, exact, reduced, sent = [], True, [], []
     for step in range(first, STEPS):
         loss = model(**batch(rank, step, 0)).loss
         losses.append(loss.item())
-        optimizer.backward(loss)
-        optimizer.clip_grad_norm_(1.0)
         counter = CollectiveCounter().install()
+        optimizer.backward(loss)
+        optimizer.clip_grad_norm_(1.0)  # (stage 1 reduces here)
+        reduced.append(sum(c.numel * c.dtype.itemsize for c in counter.take() if c.name == "isend"))
         optimizer.step()
         optimizer.finish_param_gathers()
         counter.uninstall()
@@ -116,15 +171,18 @@ def _train(rank, world_size, quantize, offload=False, checkpoint=None, resume=No
         if checkpoint is not None and step == 2:
             save_checkpoint(checkpoint, optimizer, model)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "exact": exact, "sent": sent}
+    return {"losses": losses, "params": params, "exact": exact, "reduced": reduced, "sent": sent}
 
 
 def _runs(rank, world_size, directory):
-    return {"plain": _train(rank, world_size, False),
-            "quantized": _train(rank, world_size, True, checkpoint=os.path.join(directory, "step-3")),
-            "offload": _train(rank, world_size, True, offload=True),
-            "resumed": _train(rank, world_size, True, resume=os.path.join(directory, "step-3")),
-            "bf16": _train(rank, world_size, True, dtype=torch.bfloat16)}
+    return {"plain": _train(rank, world_size, {}),
+            "quantized": _train(rank, world_size, PARAMS),
+            "bf16": _train(rank, world_size, PARAMS, dtype=torch.bfloat16),
+            "grads": _train(rank, world_size, GRADS),
+            "grads stage 1": _train(rank, world_size, GRADS, stage=1),
+            "both": _train(rank, world_size, {**PARAMS, **GRADS}, checkpoint=os.path.join(directory, "step-3")),
+            "offload": _train(rank, world_size, {**PARAMS, **GRADS}, offload=True),
+            "resumed": _train(rank, world_size, {**PARAMS, **GRADS}, resume=os.path.join(directory, "step-3"))}
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -134,7 +192,7 @@ def runs(request, tmp_path_factory):
 
 def test_ranks_agree_and_the_parameters_are_the_dequantized_masters(runs):
     _, by_rank = runs
-    for kind in ("quantized", "bf16"):
+    for kind in ("quantized", "bf16", "grads", "both"):
         for rank_runs in by_rank:
             assert rank_runs[kind]["exact"] and rank_runs["plain"]["exact"], kind
         first = by_rank[0][kind]["params"]
@@ -142,28 +200,46 @@ def test_ranks_agree_and_the_parameters_are_the_dequantized_masters(runs):
             assert all(torch.equal(first[name], value) for name, value in rank_runs[kind]["params"].items())
 
 
-def test_training_tracks_the_unquantized_run(runs):
+@pytest.mark.parametrize("kind, loss_rtol, rel_l2", [("quantized", QUANTIZED_LOSS_RTOL, QUANTIZED_REL_L2),
+                                                     ("grads", GRADS_LOSS_RTOL, GRADS_REL_L2),
+                                                     ("both", GRADS_LOSS_RTOL, GRADS_REL_L2)])
+def test_training_tracks_the_unquantized_run(runs, kind, loss_rtol, rel_l2):
     _, by_rank = runs
     for rank_runs in by_rank:
-        plain, quantized = rank_runs["plain"], rank_runs["quantized"]
-        assert plain["losses"][0] == quantized["losses"][0]  # the same model until the first gather
+        plain, quantized = rank_runs["plain"], rank_runs[kind]
+        assert plain["losses"][0] == quantized["losses"][0]  # the same model until the first update
         for a, b in zip(plain["losses"], quantized["losses"]):
-            assert abs(a - b) <= QUANTIZED_LOSS_RTOL * abs(a)
+            assert abs(a - b) <= loss_rtol * abs(a), (a, b)
         distance = relative_l2(quantized["params"], plain["params"])
-        assert 0 < distance <= QUANTIZED_REL_L2  # it did quantize
+        assert 0 < distance <= rel_l2, distance  # it did quantize
 
 
-def test_the_parameter_gather_sends_about_a_quarter_of_the_bytes(runs):
+def test_the_gradient_reduce_scatter_runs_the_same_in_stage_1_and_2(runs):
+    """The same bucket buffers, so the same payloads: stage 1's one reduction per step is bitwise stage 2's."""
     _, by_rank = runs
     for rank_runs in by_rank:
-        for plain, quantized in zip(rank_runs["plain"]["sent"], rank_runs["quantized"]["sent"]):
-            assert quantized / plain == pytest.approx((1 + 8 / 256) / 4, rel=0.02), (plain, quantized)
+        stage1, stage2 = rank_runs["grads stage 1"], rank_runs["grads"]
+        assert stage1["losses"] == stage2["losses"]
+        assert all(torch.equal(stage2["params"][n], v) for n, v in stage1["params"].items())
+
+
+def test_each_quantized_collective_sends_about_a_quarter_of_the_bytes(runs):
+    """All-gather: codes and an fp32 minimum and step per block; reduce-scatter: codes and an fp32 step."""
+    _, by_rank = runs
+    for rank_runs in by_rank:
+        plain = rank_runs["plain"]
+        gathered, reduced = (1 + 8 / 256) / 4, (1 + 4 / 256) / 4
+        for kind, collective, ratio in (("quantized", "sent", gathered), ("grads", "reduced", reduced),
+                                        ("both", "sent", gathered), ("both", "reduced", reduced)):
+            for exact, quantized in zip(plain[collective], rank_runs[kind][collective]):
+                assert quantized / exact == pytest.approx(ratio, rel=0.02), (kind, collective, exact, quantized)
+        assert rank_runs["quantized"]["reduced"] == plain["reduced"] and rank_runs["grads"]["sent"] == plain["sent"]
 
 
 def test_offload_and_resuming_are_bitwise(runs):
     _, by_rank = runs
     for rank_runs in by_rank:
-        quantized = rank_runs["quantized"]
+        quantized = rank_runs["both"]
         for other in (rank_runs["offload"], rank_runs["resumed"]):
             assert quantized["losses"][-len(other["losses"]):] == other["losses"]
             assert all(torch.equal(quantized["params"][n], v) for n, v in other["params"].items())
@@ -174,7 +250,7 @@ def _estimated_and_measured(rank, world_size):
     groups = param_groups(model)
     estimated = estimate_memory(groups, world_size, 2, rank=rank, bucket_numel=4096, quantize_param_gather=True)
     optimizer = ShardedOptimizer(groups, torch.optim.AdamW, stage=2, bucket_numel=4096, lr=1e-2,
-                                 quantize_param_gather=True)
+                                 quantize_param_gather=True, quantize_grad_reduce=True)  # (no memory of its own)
     for step in range(2):
         optimizer.zero_grad()
         optimizer.backward(model(**batch(rank, step, 0)).loss)
@@ -192,7 +268,7 @@ def _small(quantize, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 1))
     return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2,
-                                   quantize_param_gather=quantize, **options)
+                                   **{"quantize_param_gather": quantize, **options})
 
 
 def _step(model, optimizer, rank, step):
@@ -243,11 +319,14 @@ def _a_state_dict_across_the_option_is_refused(rank):
 
 
 def _ranks_that_differ_in_the_option(rank):
-    try:
-        _small(rank == 0)
-    except RuntimeError as error:
-        return str(error)
-    return None
+    messages = []
+    for option in ("quantize_param_gather", "quantize_grad_reduce"):
+        try:
+            _small(False, **{option: rank == 0})
+            messages.append(None)
+        except RuntimeError as error:
+            messages.append(str(error))
+    return messages
 
 
 def _misuse(rank, world_size):
@@ -272,6 +351,6 @@ def test_a_state_dict_saved_with_the_other_setting_is_refused_on_every_rank(misu
         assert message is not None and "quantize_param_gather=True" in message and "save_checkpoint" in message
 
 
-def test_ranks_that_differ_in_the_option_fail_at_construction(misuse):
-    for message in case_results(misuse, "mismatch"):
-        assert message is not None and "quantize_param_gather" in message
+def test_ranks_that_differ_in_either_option_fail_at_construction(misuse):
+    for messages in case_results(misuse, "mismatch"):
+        assert all(m is not None and "quantize_param_gather, quantize_grad_reduce" in m for m in messages), messages
