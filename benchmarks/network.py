@@ -55,7 +55,8 @@ IMPLEMENTATIONS = ("ddp", "deepspeed-2", "zeroimpl-2", "zeroimpl-2-hybrid", "zer
 
 def implementation(key: str):
     """The comparison's row for ``key`` (one of IMPLEMENTATIONS); the hybrid one shards within a node and
-    replicates across the NODES nodes; the int8 one is flat with ``quantize_param_gather``."""
+    replicates across the NODES nodes; the int8 one is flat with ``quantize_param_gather`` and
+    ``quantize_grad_reduce``."""
     from zeroimpl.integrations.adapters import DDP, DeepSpeed, Zeroimpl
 
     return {"ddp": lambda: DDP(), "deepspeed-2": lambda: DeepSpeed(2), "zeroimpl-2": lambda: Zeroimpl(2),

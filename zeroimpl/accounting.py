@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 class StateBytes:
     """Bytes of one memory (the device or the host), by kind. Each tensor is counted once, by what it is.
 
-    * ``parameters`` -- the flat buffers behind the trainable parameters (padding included).
+    * ``parameters`` -- the flat buffers behind the trainable parameters (padding included); with
+      ``quantize_param_gather`` also the copy of this rank's shard as the last all-gather left it.
     * ``gradients`` -- full-size ``param.grad`` tensors of trainable parameters that exist right now
       (stage 1 between backward and step; always 0 in stage 2 outside backward).
     * ``gradient_shard`` -- this rank's averaged gradient shard (reduce dtype on the device; fp32 on the
@@ -104,7 +105,8 @@ def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryR
 def held_tensors(optimizer: "ShardedOptimizer") -> dict[str, list[torch.Tensor]]:
     """``optimizer.held_tensors()``: the tensors it holds on this rank now, by kind (see :class:`StateBytes`)."""
     return {
-        "parameters": [s.param_buffer for s in optimizer.storages],
+        "parameters": [s.param_buffer for s in optimizer.storages]
+        + [s.published for s in optimizer.storages if s.published is not None],
         "gradients": optimizer.grad_views.full_gradients(),
         "gradient_shard": optimizer.gradients.device_tensors(),
         "host_gradient_shard": optimizer.gradients.host_tensors(),

@@ -11,6 +11,8 @@ Tensors named here (all 1-D unless said otherwise):
   for fp32 (or wider) models it *is* ``shard``: the model's own parameters are the master weights, no
   copy. For 16-bit models (and with a quantized all-gather, for any) it is an fp32 copy of ``shard`` that
   only this rank holds; with CPU offload that copy is always made, in host memory.
+* ``published`` -- with a quantized all-gather only: a copy of ``shard`` as the last all-gather left it (the
+  model's dtype and device), what the next step's 8-bit delta starts from and what an edit is told apart by.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class BucketStorage:
     param_buffer: torch.Tensor  # (padded_numel,), model dtype
     shard: torch.Tensor  # (shard_numel,), view of param_buffer
     master: torch.Tensor  # (shard_numel,), fp32 copy (16-bit model or offload), else the same tensor as shard
-    blocks: Optional[ShardBlocks] = None  # quantized all-gather: the shard holds the dequantized master
+    blocks: Optional[ShardBlocks] = None  # quantized all-gather: its blocks (zeroimpl.quantized_comm)
+    published: Optional[torch.Tensor] = None  # quantized all-gather: the shard as the last all-gather left it
     _versions: tuple = field(default=(), repr=False)  # params' version counters when master was last in sync
     _addresses: dict = field(default_factory=dict, repr=False)  # parameter index -> data_ptr of its view
 
@@ -95,7 +98,7 @@ class BucketStorage:
             if now == then or common is None:
                 continue
             if published is None:
-                published = self.published()
+                published = self.published_values()
             low, high = common[0] - shard_start, common[1] - shard_start
             master, shard = self.master[low:high], self.shard[low:high]
             if self.blocks is None:  # the edited parameter's slice, whole (as model.load_state_dict expects)
@@ -104,13 +107,20 @@ class BucketStorage:
             else:  # quantized: only the elements edited; the others keep their exact masters
                 edited = shard != published[low:high]
                 master[edited] = shard[edited].to(master.device, master.dtype)
+                self.published[low:high][edited] = shard[edited]
         self._versions = versions
 
-    def published(self) -> torch.Tensor:
+    def published_values(self) -> torch.Tensor:
         """What this rank's shard of the parameters holds when nothing edited it: the master in the parameters'
-        dtype, or with a quantized all-gather its dequantized values."""
-        values = self.master if self.blocks is None else self.blocks.dequantized(self.master)
-        return values.to(self.shard.device, self.shard.dtype)
+        dtype, or with a quantized all-gather what the last one left there."""
+        if self.published is not None:
+            return self.published
+        return self.master.to(self.shard.device, self.shard.dtype)
+
+    def mark_published(self) -> None:
+        """Record the shard as an all-gather has just left it (quantized all-gather only)."""
+        if self.published is not None:
+            self.published.copy_(self.shard)
 
 
 def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int,
@@ -121,7 +131,8 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
     Values are preserved exactly; padding is zero. ``host_masters``: per bucket, a host tensor of the
     shard's size (fp32, fp64 for fp64 models: :func:`host_master_dtype`) that becomes the master, whatever
     the model's dtype (CPU offload). ``quantized``: the all-gather sends 8 bits (:mod:`zeroimpl.quantized_comm`):
-    each storage gets its blocks, and a master of its own also for fp32 (or wider) models.
+    each storage gets its blocks, a copy of its published shard, and a master of its own also for fp32 (or wider)
+    models.
     """
     storages = []
     for bucket in layout.buckets:
@@ -141,10 +152,11 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
             master = shard.to(host_master_dtype(first.dtype), copy=True)
         else:
             master = shard
-        blocks = None
+        blocks = published = None
         if quantized:
             blocks = ShardBlocks.of(layout.edges(bucket.index), bucket.shard_numel, layout.world_size, rank)
-        storage = BucketStorage(bucket, members, param_buffer, shard, master, blocks)
+            published = shard.clone()
+        storage = BucketStorage(bucket, members, param_buffer, shard, master, blocks, published)
         storage.mark_master_in_sync()
         storages.append(storage)
     return storages

@@ -239,7 +239,7 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: 
                           [received[(rank - k) % world] for k in range(1, world)], group, 2 * tag)
 
     def add_pieces():
-        total = pieces[rank].float()
+        total = pieces[rank].to(torch.float32, copy=True)  # (input stays untouched)
         for sender in range(world):
             if sender != rank:
                 total.add_(blocks.decoded(received[sender]))

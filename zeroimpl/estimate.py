@@ -183,7 +183,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     for bucket in layout.buckets:
         param_dtype = _dtype(bucket.dtype)
         master_dtype = torch.promote_types(param_dtype, torch.float32)
-        parameters += _size(param_dtype) * bucket.padded_numel
+        parameters += _size(param_dtype) * (bucket.padded_numel + (bucket.shard_numel if quantize_param_gather else 0))
         full_gradients += _size(param_dtype) * bucket.numel if stage == 1 else 0
         if policy is not None or master_dtype != param_dtype or quantize_param_gather:
             masters += _size(master_dtype) * bucket.shard_numel

@@ -13,6 +13,10 @@ Tensors named here (all 1-D):
   (:mod:`zeroimpl.grad_shards`), which sums the reductions since the last ``zero_grad()`` on the device
   or, with offload, on the host.
 
+With ``quantize_grad_reduce`` each reduce-scatter sends 8-bit payloads instead
+(:func:`zeroimpl.comm.reduce_scatter_quantized`, blocks of :mod:`zeroimpl.quantized_comm`): the same buffers,
+the same order, ``reduced`` summed in fp32 by its owner.
+
 Stage 1 keeps gradients in ``param.grad`` during backward and reduces all buckets once, when the optimizer
 needs them (``finalize()``): one reduce-scatter per step however many micro-batches were accumulated.
 

@@ -89,10 +89,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             (default ``True``): the first torch operation or module forward that touches one of its parameters
             waits for it (see :mod:`zeroimpl.inflight`, and for the reads it cannot see
             :meth:`finish_param_gathers` or ``False``). Results are bitwise those of ``False``.
-        quantize_param_gather: all-gather the parameters in 8 bits (:mod:`zeroimpl.quantized_comm`): every rank
-            holds the dequantized values; each keeps an exact fp32 master of its shard, from which it steps.
-        quantize_grad_reduce: reduce-scatter the gradients in 8 bits: each rank's pieces of the others' shards
-            cross as 8-bit payloads, dequantized and summed in fp32 by their owner.
+        quantize_param_gather: all-gather each step's change of the parameters in 8 bits (every rank adds the same
+            dequantized change; each keeps an exact fp32 master of its shard): :mod:`zeroimpl.quantized_comm`.
+        quantize_grad_reduce: reduce-scatter the gradients in 8 bits (each owner sums the pieces in fp32).
         assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update every
             element from its own parameter, gradient and state.
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
@@ -381,18 +380,19 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return self.pieces.states(self.inner)
 
     def restore_state(self, piece_states: list[Optional[dict]], hyperparameters: list[dict],
-                      masters: Optional[list[torch.Tensor]] = None, loss_scaler: Optional[dict] = None) -> None:
+                      masters: Optional[list[torch.Tensor]] = None, loss_scaler: Optional[dict] = None,
+                      published: Optional[list[torch.Tensor]] = None) -> None:
         """Install optimizer state read from a checkpoint or converted from torch's format. ``piece_states``: the
         inner state per piece, in :meth:`piece_states` order (``None``: not stepped yet); ``hyperparameters``:
         each param group's. With ``masters`` (per bucket, this rank's master shard) the parameters are
-        all-gathered from them: collective. Without, the masters follow the parameters, which the caller loads
-        (local). ``loss_scaler``: a ``LossScaler.state_dict()`` (``None``: keep the current one)."""
-        optimizer_state.restore(self, piece_states, hyperparameters, masters, loss_scaler)
+        all-gathered, unquantized, from them or from ``published`` (per bucket, this rank's shard of the
+        parameters as saved: a quantized all-gather's): collective. Without, the masters follow the parameters,
+        which the caller loads (local). ``loss_scaler``: a ``LossScaler.state_dict()`` (``None``: keep it)."""
+        optimizer_state.restore(self, piece_states, hyperparameters, masters, loss_scaler, published)
 
     # -- introspection ----------------------------------------------------------------------------
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds for training right now, by kind (the kinds of :class:`zeroimpl.StateBytes`,
-        host ones apart): what :meth:`memory_report` counts, for tools that count storage themselves."""
+        """The tensors this rank holds now, by kind (:class:`zeroimpl.StateBytes`'s): what :meth:`memory_report` counts."""
         return held_tensors(self)
 
     def memory_report(self) -> MemoryReport:

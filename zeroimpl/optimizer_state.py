@@ -99,6 +99,7 @@ def state_dict(rank: int, layout: ShardLayout, params: list[torch.Tensor], inner
         "master_weights": [s.master for s in storages] if separate else None,
         "loss_scaler": loss_scaler.state_dict() if loss_scaler else None,
         "quantize_param_gather": any(s.blocks is not None for s in storages),
+        "published_shards": [s.published for s in storages] if any(s.blocks is not None for s in storages) else None,
     }
 
 
@@ -157,16 +158,21 @@ def load(optimizer: "ShardedOptimizer", state_dict: dict) -> None:
     agree_to_load(problem, optimizer.topology, optimizer.collective_timeout)
     _install_into(optimizer, state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
                   state_dict["loss_scaler"])
+    # a quantized all-gather's next step starts from the parameters as saved: the model loads them, before or after
+    for storage, published in zip(optimizer.storages, state_dict.get("published_shards") or []):
+        storage.published.copy_(published)
 
 
 def restore(optimizer: "ShardedOptimizer", piece_states: list[Optional[dict]], hyperparameters: list[dict],
-            masters: Optional[list[torch.Tensor]], loss_scaler_state: Optional[dict]) -> None:
+            masters: Optional[list[torch.Tensor]], loss_scaler_state: Optional[dict],
+            published: Optional[list[torch.Tensor]] = None) -> None:
     """``optimizer.restore_state(...)``: install a state per piece; with ``masters``, all-gather the parameters
-    from them (collective)."""
+    exactly from them, or from ``published`` where the all-gather is quantized (collective)."""
     inner_state = inner_state_dict(optimizer.inner, optimizer.pieces.masters, piece_states, hyperparameters)
     _install_into(optimizer, inner_state, hyperparameters, masters, loss_scaler_state)
     if masters is not None:
-        optimizer.param_sync.publish_all()
+        quantized = any(s.blocks is not None for s in optimizer.storages)
+        optimizer.param_sync.publish_exactly(published if quantized else None)
 
 
 def _install_into(optimizer: "ShardedOptimizer", inner_state: dict, hyperparameters: list[dict],

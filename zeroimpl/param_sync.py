@@ -84,19 +84,21 @@ class ParamSync:
                                                               self.timeout, tag=storage.bucket.index)
 
     def _gather_quantized(self, storage: BucketStorage) -> comm.Pending:
-        """Queue the all-gather of every rank's 8-bit payload of its master shard; when it lands, every rank's
-        shard of the parameters holds its dequantized values (written past the parameters' version counters,
-        as a gather's own write is: :meth:`end` counts it)."""
-        blocks, index = storage.blocks, storage.bucket.index
+        """Queue the all-gather of every rank's 8-bit payload of the step from its published shard to its master;
+        when it lands, every rank adds each rank's decoded step to that rank's shard of the parameters (written
+        past the parameters' version counters, as a gather's own write is: :meth:`end` counts it)."""
+        blocks, index, master = storage.blocks, storage.bucket.index, storage.master
         size = blocks.payload_bytes
         gathered = torch.empty(len(blocks.segments) * size, dtype=torch.uint8, device=storage.param_buffer.device)
         own = gathered[blocks.rank * size:(blocks.rank + 1) * size]
-        own.copy_(blocks.encode(storage.master))  # on the master's device (the host, with offload)
+        # on the master's device (the host, with offload)
+        own.copy_(blocks.encode(master - storage.published.to(master.device, master.dtype)))
         self._payloads[index] = gathered
         parameters = storage.param_buffer.data
 
         def land() -> None:
-            blocks.decode(self._payloads.pop(index), parameters)
+            blocks.add_decoded(self._payloads.pop(index), parameters)
+            storage.mark_published()
         return comm.all_gather(gathered, own, self.group, self.timeout, tag=index, then=land)
 
     def live_buffers(self) -> list[torch.Tensor]:
@@ -123,6 +125,21 @@ class ParamSync:
         for storage in self.storages:
             self.publish(storage)
         self.end(defer)
+
+    def publish_exactly(self, shards: Optional[list[torch.Tensor]] = None) -> None:
+        """Every bucket all-gathered unquantized (a checkpoint restores the parameters exactly): from ``shards``
+        (per bucket, this rank's shard of the parameters as saved) or else from the masters. Waits."""
+        self.begin()
+        for index, storage in enumerate(self.storages):
+            if shards is not None:
+                storage.shard.copy_(shards[index])
+            else:
+                storage.publish_master()
+            self._pending[storage.bucket.index] = comm.all_gather(storage.param_buffer, storage.shard, self.group,
+                                                                  self.timeout, tag=storage.bucket.index)
+        self.end(defer=False)
+        for storage in self.storages:
+            storage.mark_published()
 
     def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the all-gathers still in flight: of ``buckets``, or of every bucket."""

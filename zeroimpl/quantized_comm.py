@@ -105,15 +105,12 @@ class ShardBlocks:
         payload[:n].copy_(torch.cat(_unpadded(codes, lengths, self._padded(rank))))
         return payload
 
-    def decode(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
-        """Write every rank's dequantized shard from ``gathered`` into ``out`` (the bucket's parameter buffer)."""
-        n = self.shard_numel
+    def add_decoded(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """Add every rank's decoded payload in ``gathered`` to its shard of ``out`` (the bucket's parameter
+        buffer), in fp32 (or ``out``'s wider dtype), then ``out``'s dtype."""
+        n, dtype = self.shard_numel, torch.promote_types(out.dtype, torch.float32)
         for rank, (payload, shard) in enumerate(zip(gathered.view(-1, self.payload_bytes), out.view(-1, n))):
-            shard.copy_(self.decoded(payload, rank))
-
-    def dequantized(self, master: torch.Tensor) -> torch.Tensor:
-        """What this rank's shard of the parameters holds after publishing ``master``: fp32, 1-D."""
-        return self.decoded(self.encode(master))
+            shard.copy_(shard.to(dtype) + self.decoded(payload, rank))
 
     def decoded(self, payload: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor:
         """The values of ``payload``, encoded on ``rank``'s blocks (default: this rank's): fp32, 1-D."""

@@ -7,8 +7,10 @@ What a checkpoint holds (see :mod:`.files` for the directory and its crash safet
   order, ``master`` (the fp32 master weights; for fp32 models without offload, the parameters themselves)
   and ``state[key]`` for every per-element state tensor of the inner optimizers (``exp_avg``,
   ``momentum_buffer``, ...), over the pieces whose parameter has that key; ``whole_state`` maps a
-  parameter index to its whole-parameter state tensors (Adafactor's ``row_var``/``col_var``). Padding is
-  never saved.
+  parameter index to its whole-parameter state tensors (Adafactor's ``row_var``/``col_var``); with
+  ``quantize_param_gather``, ``published``: the parameters as the last 8-bit all-gather left them (within a
+  quantization step of the masters), which a load all-gathers exactly, so that training resumes bitwise.
+  Padding is never saved.
 * ``index.pt``: the saved layout, every trainable parameter's shape, dtype and state-dict names, the param
   groups (hyperparameters, members and optimizer class), the scalar state and per-element state keys of
   every parameter (``None`` for a parameter not stepped yet), the loss-scaler state and the files'
@@ -114,7 +116,7 @@ def _rank_payload(optimizer: ShardedOptimizer, split: list) -> dict:
         return torch.cat([flattened(t.detach(), t.stride()).cpu() for t in tensors]) if tensors else torch.zeros(0)
 
     keys = sorted({key for _, _, elementwise, _, _ in split for key in elementwise or ()})
-    return {
+    payload = {
         "format": FORMAT,
         "rank": optimizer.rank,
         "pieces": torch.tensor([(p.param_index, p.param_start, p.param_end) for p, _, _, _, _ in split],
@@ -123,6 +125,11 @@ def _rank_payload(optimizer: ShardedOptimizer, split: list) -> dict:
         "state": {key: gather([e[key] for _, _, e, _, _ in split if e and key in e]) for key in keys},
         "whole_state": {p.param_index: w for p, _, _, _, w in split if w},
     }
+    storages = optimizer.storages
+    if any(s.published is not None for s in storages):  # a quantized all-gather: the parameters as published
+        payload["published"] = gather([storages[p.bucket_index].published[p.shard_offset:p.shard_offset + p.length]
+                                       for p, _, _, _, _ in split])
+    return payload
 
 
 def _param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
@@ -195,9 +202,9 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         error = caught
     _agree(error, optimizer, timeout, "loading the checkpoint")
 
-    masters, piece_states, hyperparameters = restored
+    masters, piece_states, hyperparameters, published = restored
     optimizer.zero_grad(set_to_none=True)
-    optimizer.restore_state(piece_states, hyperparameters, masters, index["loss_scaler"])
+    optimizer.restore_state(piece_states, hyperparameters, masters, index["loss_scaler"], published)
     with torch.no_grad():
         state = model.state_dict()
         for name, tensor in extras.items():
@@ -246,10 +253,13 @@ def _check_extras(extras: dict, model: torch.nn.Module) -> None:
 
 
 def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
-    """Read this rank's new shard: (masters per bucket, the inner state per piece, hyperparameters)."""
+    """Read this rank's new shard: (masters per bucket, the inner state per piece, hyperparameters, and per bucket
+    the parameters as published where every file read holds them, else None)."""
     saved = saved_layout(index)
     scalars, keys_of, dtypes_of = param_scalars(index, saved), file_keys(index, saved), state_dtypes(index)
     masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in optimizer.storages]
+    published = [torch.zeros(s.shard.numel(), dtype=s.shard.dtype) for s in optimizer.storages]
+    has_published = True  # every file read holds the parameters as published (saved with a quantized all-gather)
     targets = optimizer.piece_states()
     arrays: list[dict[str, torch.Tensor]] = [{} for _ in targets]  # per new piece: per-element state by key
     whole: list[dict] = [{} for _ in targets]  # per new piece: whole-parameter state
@@ -262,6 +272,9 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
         for c in (c for c in copies if c.source_rank == source):
             src, dst = slice(c.source_offset, c.source_offset + c.length), slice(c.target_offset, c.target_offset + c.length)
             masters[c.target_bucket][dst] = payload["master"][src]
+            has_published &= "published" in payload
+            if has_published:
+                published[c.target_bucket][dst] = payload["published"][src]
             piece, master, _ = targets[c.target_piece]
             for key in keys_of[piece.param_index]:
                 start = offsets[key][c.source_piece] + c.piece_offset
@@ -289,7 +302,7 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
                             {**copy_scalars(found),
                              **{key: shaped(array, master.shape, master.stride()) for key, array in by_key.items()},
                              **{key: value.clone() for key, value in whole_state.items()}})
-    return masters, piece_states, [g["hyperparameters"] for g in index["groups"]]
+    return masters, piece_states, [g["hyperparameters"] for g in index["groups"]], published if has_published else None
 
 
 def _copy_blocks(found: dict, block: int, target_block: int, start: int, length: int, source_start: int, piece,

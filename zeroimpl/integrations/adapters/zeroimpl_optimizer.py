@@ -66,11 +66,12 @@ class Zeroimpl(Implementation):
 
     def __init__(self, stage: int, offload: bool = False, replicas: Optional[int] = None, quantize: bool = False):
         """``replicas``: hybrid sharding over that many replicas of the shards (None: flat, one shard group);
-        ``quantize``: the parameter all-gather in 8 bits (``quantize_param_gather``)."""
+        ``quantize``: the parameter all-gather and the gradient reduce-scatter in 8 bits (``quantize_param_gather``,
+        ``quantize_grad_reduce``)."""
         self.stage, self.offload, self.replicas, self.quantize = stage, offload, replicas, quantize
         self.name = (f"zeroimpl stage {stage}" + (" + offload" if offload else "")
                      + (f" hybrid ({replicas} replicas)" if replicas else "")
-                     + (", 8-bit all-gather" if quantize else ""))
+                     + (", 8-bit collectives" if quantize else ""))
 
     def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
         if settings.precision == "bf16":
@@ -78,5 +79,6 @@ class Zeroimpl(Implementation):
         optimizer = ShardedOptimizer(sharded_groups(model, settings), settings.adamw_class(),
                                      stage=self.stage, offload="cpu" if self.offload else None,
                                      device_mesh=hybrid_mesh(self.replicas, device) if self.replicas else None,
-                                     quantize_param_gather=self.quantize, **settings.adamw_kwargs())
+                                     quantize_param_gather=self.quantize, quantize_grad_reduce=self.quantize,
+                                     **settings.adamw_kwargs())
         return ZeroimplRunner(model, model, optimizer, settings, device)
