@@ -25,7 +25,8 @@ parameter.
   at step 3 resumes bitwise to the uninterrupted run (the exact masters are saved, not the parameters);
   ``estimate_memory`` counts the fp32 master it adds for fp32 models, exactly.
 * Misuse: an in-place edit between steps moves only the elements it changed into the master (a no-op clamp
-  after every step leaves the masters bitwise); an ``optimizer.state_dict()`` saved with the other setting,
+  after every step leaves the masters bitwise), and one made on one rank only is overruled by the owner's values
+  at the next step, so that the ranks agree again; an ``optimizer.state_dict()`` saved with the other setting,
   and ranks that differ in it, are refused on every rank; an alignment the payload cannot use, at construction.
 """
 
@@ -336,6 +337,28 @@ def _a_state_dict_across_the_option_is_refused(rank):
     return None
 
 
+def _an_edit_on_one_rank_is_overruled_by_the_owner(rank):
+    """Rank 1 alone overwrites the LayerNorm's weight (owned by one of the two ranks) between two steps: after
+    the next step every rank holds the same parameters again, the owner's (as with an unquantized all-gather),
+    where adding each step's change to every rank's own copy would carry the difference on for good."""
+    from zeroimpl import DivergenceError
+
+    model, optimizer = _small(True)
+    _step(model, optimizer, rank, 0)
+    if rank == 1:
+        with torch.no_grad():
+            model[1].weight.fill_(3.0)
+    agreed = []
+    for step in (1, 2):
+        _step(model, optimizer, rank, step)
+        try:
+            optimizer.verify_ranks_agree()
+            agreed.append(True)
+        except DivergenceError:
+            agreed.append(False)
+    return agreed
+
+
 def _state_dicts_resume_bitwise(rank):
     """``optimizer.state_dict()`` and ``model.state_dict()`` after 2 steps, loaded into a fresh pair in either
     order: 2 more steps give the uninterrupted run's parameters bitwise (the state holds the shards as
@@ -360,6 +383,13 @@ def _state_dicts_resume_bitwise(rank):
         for step in range(2, 4):
             _step(resumed, resumed_optimizer, rank, step)
         results.append(all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())))
+    # a state without the shards as published (zeroimpl before it sent changes published the dequantized masters)
+    resumed, resumed_optimizer = _small(True)
+    resumed.load_state_dict(saved[0])
+    resumed_optimizer.load_state_dict({k: v for k, v in copy.deepcopy(saved[1]).items() if k != "published_shards"})
+    for step in range(2, 4):
+        _step(resumed, resumed_optimizer, rank, step)
+    results.append(max((a - b).abs().max().item() for a, b in zip(model.parameters(), resumed.parameters())))
     return results
 
 
@@ -377,6 +407,7 @@ def _ranks_that_differ_in_the_option(rank):
 def _misuse(rank, world_size):
     return run_cases({"edits": lambda: _edits_keep_the_exact_master(rank),
                       "state dict resume": lambda: _state_dicts_resume_bitwise(rank),
+                      "one rank's edit": lambda: _an_edit_on_one_rank_is_overruled_by_the_owner(rank),
                       "state dict": lambda: _a_state_dict_across_the_option_is_refused(rank),
                       "mismatch": lambda: _ranks_that_differ_in_the_option(rank)})
 
@@ -392,9 +423,15 @@ def test_an_edit_between_steps_moves_only_the_elements_it_changed(misuse):
         assert (changed, values) == (1, [0.125])
 
 
+def test_an_edit_made_on_one_rank_only_is_overruled_by_the_owner(misuse):
+    for agreed in case_results(misuse, "one rank's edit"):
+        assert agreed == [True, True]
+
+
 def test_optimizer_and_model_state_dicts_resume_bitwise_loaded_in_either_order(misuse):
-    for model_first, optimizer_first in case_results(misuse, "state dict resume"):
+    for model_first, optimizer_first, without_published in case_results(misuse, "state dict resume"):
         assert model_first and optimizer_first
+        assert 0 < without_published < 1e-3, without_published  # starts from the dequantized masters
 
 
 def test_a_state_dict_saved_with_the_other_setting_is_refused_on_every_rank(misuse):

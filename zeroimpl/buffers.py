@@ -40,6 +40,7 @@ class BucketStorage:
     master: torch.Tensor  # (shard_numel,), fp32 copy (16-bit model or offload), else the same tensor as shard
     blocks: Optional[ShardBlocks] = None  # quantized all-gather: its blocks (zeroimpl.quantized_comm)
     published: Optional[torch.Tensor] = None  # quantized all-gather: the shard as the last all-gather left it
+    edited: bool = False  # quantized all-gather: a member was written outside the optimizer since the last step
     _versions: tuple = field(default=(), repr=False)  # params' version counters when master was last in sync
     _addresses: dict = field(default_factory=dict, repr=False)  # parameter index -> data_ptr of its view
 
@@ -91,6 +92,7 @@ class BucketStorage:
         versions = tuple(p._version for p in self.params)
         if versions == self._versions:
             return
+        self.edited = True
         shard_start = self.shard.storage_offset() - self.param_buffer.storage_offset()
         published = None
         for param, offset, now, then in zip(self.params, self.bucket.offsets, versions, self._versions):
@@ -106,7 +108,7 @@ class BucketStorage:
                     master.copy_(shard)
             else:  # quantized: only the elements edited; the others keep their exact masters
                 edited = shard != published[low:high]
-                master[edited] = shard[edited].to(master.device, master.dtype)
+                master[edited.to(master.device)] = shard[edited].to(master.device, master.dtype)
                 self.published[low:high][edited] = shard[edited]
         self._versions = versions
 
@@ -148,12 +150,12 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         shard = param_buffer[start:end]
         if host_masters is not None:
             master = host_masters[bucket.index].copy_(shard)
-        elif first.dtype in HALF_DTYPES or quantized:
+        elif first.dtype in HALF_DTYPES or (quantized and layout.world_size > 1):
             master = shard.to(host_master_dtype(first.dtype), copy=True)
         else:
             master = shard
         blocks = published = None
-        if quantized:
+        if quantized and layout.world_size > 1:  # (at one rank nothing crosses a link)
             blocks = ShardBlocks.of(layout.edges(bucket.index), bucket.shard_numel, layout.world_size, rank)
             published = shard.clone()
         storage = BucketStorage(bucket, members, param_buffer, shard, master, blocks, published)

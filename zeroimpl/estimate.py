@@ -128,7 +128,8 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     optimizer_class: type = torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None,
                     reduce_dtype: Optional[torch.dtype] = None, bucket_numel: int = 2 ** 22,
                     alignment: int = 8, rank: Optional[int] = None,
-                    per_parameter: Collection[type] = (), quantize_param_gather: bool = False) -> MemoryReport:
+                    per_parameter: Collection[type] = (), quantize_param_gather: bool = False,
+                    quantize_grad_reduce: bool = False) -> MemoryReport:
     """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
 
     ``world_size``: the ranks that share the shards -- with hybrid sharding (a 2-D ``device_mesh``), the
@@ -138,7 +139,9 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     to predict (default: the one holding the most). The other arguments are ShardedOptimizer's
     (``optimizer_kwargs`` are its ``**optimizer_kwargs``). Ranks differ in optimizer state: padding has none,
     each piece of a flat parameter has its own scalars (Adam's ``step``), and whole parameters differ in size.
+    ``quantize_grad_reduce`` holds nothing between steps (taken for the symmetry of the arguments).
     """
+    quantize_param_gather = quantize_param_gather and world_size > 1  # (at one rank nothing is quantized)
     validation.check_stage(stage)
     policy = resolve_offload(offload)
     groups, trainable, specs = _groups_and_specs(params, dtype, bucket_numel, optimizer_class,

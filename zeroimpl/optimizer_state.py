@@ -64,7 +64,8 @@ def load_problem(state_dict, rank: int, world_size: int, layout_fingerprint: dic
         return "the state's loss scaler does not match this optimizer (loss scaling on in one, off in the other)"
     if state_dict.get("quantize_param_gather", False) != quantized:
         return (f"the state was saved with quantize_param_gather={not quantized} and this optimizer has {quantized}: "
-                "the model's saved parameters are the dequantized masters in one and the masters in the other, so "
+                "the model's saved parameters are within a quantization step of the masters in one and the masters "
+                "in the other, so "
                 "the ranks would hold different parameters; switch through zeroimpl.checkpoint "
                 "(save_checkpoint / load_checkpoint), which all-gathers the parameters from the saved masters")
     return None
@@ -159,8 +160,11 @@ def load(optimizer: "ShardedOptimizer", state_dict: dict) -> None:
     _install_into(optimizer, state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
                   state_dict["loss_scaler"])
     # a quantized all-gather's next step starts from the parameters as saved: the model loads them, before or after
-    for storage, published in zip(optimizer.storages, state_dict.get("published_shards") or []):
-        storage.published.copy_(published)
+    # (a state without them, from before zeroimpl sent changes, published the dequantized masters)
+    for storage in (s for s in optimizer.storages if s.blocks is not None):
+        saved = state_dict.get("published_shards")
+        storage.published.copy_(saved[storage.bucket.index] if saved else
+                                storage.blocks.decoded(storage.blocks.encode(storage.master)))
 
 
 def restore(optimizer: "ShardedOptimizer", piece_states: list[Optional[dict]], hyperparameters: list[dict],

@@ -61,6 +61,26 @@ class ParamSync:
         self.wait_copies()
         self._pending = {}
         self._turns = dict.fromkeys(self.staging, 0)
+        self._overrule_edits()
+
+    def _overrule_edits(self) -> None:
+        """With a quantized all-gather, before its steps are sent: where any rank has seen a member of a bucket
+        written outside the optimizer (``BucketStorage.edited``), every rank takes every owner's shard of that
+        bucket exactly (each owner's master has taken the edits of its own shard), so that an edit made on some
+        ranks only -- which the next step's change, added on every rank, would carry on -- is overruled by the
+        owner's values, as an unquantized all-gather overrules it. Collective: one small all-reduce per step."""
+        quantized = [s for s in self.storages if s.blocks is not None]
+        if not quantized:
+            return
+        edited = torch.tensor([float(s.edited) for s in quantized], device=quantized[0].param_buffer.device)
+        comm.all_reduce_(edited, torch.distributed.ReduceOp.MAX, self.group, self.timeout, "edit agreement",
+                         read_on_host=True)
+        for storage, flag in zip(quantized, edited.tolist()):
+            if flag:
+                comm.all_gather(storage.param_buffer, storage.shard, self.group, self.timeout,
+                                tag=storage.bucket.index).wait()
+                storage.mark_published()
+            storage.edited = False
 
     def publish(self, storage: BucketStorage) -> None:
         """Write the bucket's master into its shard of the parameters and queue its all-gather."""

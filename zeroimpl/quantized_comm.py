@@ -1,33 +1,36 @@
 """8-bit payloads for the collectives over slow links: the parameter all-gather (``quantize_param_gather=True``)
 and the gradient reduce-scatter (``quantize_grad_reduce=True``).
 
-All-gather: each rank sends its shard of a bucket as 8-bit codes with an fp32 minimum and step per block of at
-most :data:`BLOCK` elements, about a quarter of fp32's bytes (half of bf16's), and every rank -- the owner too --
-writes the dequantized values into the parameters, so that all ranks hold the same model. The owner keeps its
-exact master for the update: quantization errors do not accumulate over steps (each step quantizes the exact
-master afresh).
+All-gather: each rank sends the step from its shard of a bucket's parameters, as the last all-gather left them
+(``published``), to its exact master -- ``master - published`` -- as 8-bit codes with an fp32 minimum and step
+per block of at most :data:`BLOCK` elements, about a quarter of fp32's bytes (half of bf16's), and every rank --
+the owner too -- adds every rank's decoded step to that rank's shard, so that all ranks hold the same model. The
+error is that of one step's change, not of the weights (each element within half a step of its block of the
+change), and it never compounds: the owner steps its exact master, and each all-gather sends everything that
+separates the parameters from it, last step's rounding included.
 
 Reduce-scatter (as an all-to-all, :func:`zeroimpl.comm.reduce_scatter_quantized`): each rank sends every other
 rank its piece of that rank's gradient shard as a payload on the receiver's blocks; the receiver dequantizes each
 piece and sums them in fp32 with its own piece, which never leaves it and stays exact.
 
-Blocks never mix two parameters: a shard is cut where a parameter starts or ends (a LayerNorm weight near 1 and
-a bias near 1e-3 side by side keep their own scales), and each cut segment into blocks of :data:`BLOCK` from
-its start, the last one shorter. Shapes, for one bucket whose shards have ``n`` elements:
+Blocks never mix two parameters: a shard is cut where a parameter starts or ends (a LayerNorm weight's change
+and a bias's side by side keep their own scales), and each cut segment into blocks of :data:`BLOCK` from its
+start, the last one shorter. Shapes, for one bucket whose shards have ``n`` elements:
 
 * payload -- ``(ShardBlocks.payload_bytes,)`` uint8, the same size for every rank's blocks: the ``n`` codes,
-  then per block of that rank's shard its minimum and its step (fp32 pairs), then zeros up to the size of the
-  shard with the most blocks;
+  then per block of that rank's shard its range (all-gather: minimum and step, fp32 pairs; reduce-scatter: the
+  step, one fp32), then zeros up to the size of the shard with the most blocks;
 * gathered (all-gather) -- ``(world_size * payload_bytes,)`` uint8: rank r's payload at ``r * payload_bytes``;
 * parameters -- ``(world_size * n,)``: the bucket's parameter buffer, rank r's shard at ``r * n``.
 
-Quantization is affine per block, over the block's own range: ``step = (max - min) / 255``, ``code =
-round((x - min) * (1 / step))`` in [0, 255], the value ``min + code * step`` in fp32, then the parameter's
-dtype. So an element is off by at most half a step of its block, ``(max - min) / 510`` (before the cast to a
-16-bit dtype): values clustered away from zero (a LayerNorm weight near 1) keep a fine resolution, which a
-scale of ``absmax / 127`` would not give them. A constant block is exact; a block whose range is below
-``255 * torch.finfo(torch.float32).tiny`` comes back as its minimum. A NaN or an Inf (or an fp64 value beyond
-fp32's range) makes its whole block NaN: the next step's NaN check stops training, as it would unquantized.
+The all-gather's codes are affine per block, over the block's own range: ``step = (max - min) / 255``, ``code =
+round((x - min) * (1 / step))`` in [0, 255], the value ``min + code * step`` in fp32. So an element is off by at
+most half a step of its block, ``(max - min) / 510``. The reduce-scatter's are symmetric (``signed``): ``step =
+absmax / 127``, ``code = round(x / step)`` in [-127, 127], the value ``code * step``: zero and every sign come
+back exact (a parameter without a gradient stays without one), an element off by at most ``absmax / 254``. A
+constant block is exact; a block whose step is below ``torch.finfo(torch.float32).tiny`` comes back as its
+minimum (symmetric: as zeros). A NaN or an Inf (or an fp64 value beyond fp32's range) makes its whole block NaN: the next step's
+NaN check stops training, as it would unquantized.
 """
 
 from __future__ import annotations
