@@ -1,5 +1,6 @@
 """Two nodes on one machine, joined by a link of known speed: what DDP, DeepSpeed ZeRO-2 and zeroimpl (flat,
-hybrid, and flat with the parameter all-gather in int8) cost when the link between machines is slow (issue 29).
+hybrid, and each with its collectives across the link in 8 bits) cost when the link between machines is slow
+(issue 29).
 
     python benchmarks/network.py                          # GPT-2 small and base at 1 and 10 Gbit/s (~15 min)
     python benchmarks/network.py --sizes small --rates 1gbit --only ddp zeroimpl-2   # one cell
@@ -50,18 +51,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES, RANKS_PER_NODE = 2, 2
 SUBNET = "10.77.0"  # node i has address SUBNET.(i + 1)
 MASTER_PORT = 29517
-IMPLEMENTATIONS = ("ddp", "deepspeed-2", "zeroimpl-2", "zeroimpl-2-hybrid", "zeroimpl-2-int8")
+IMPLEMENTATIONS = ("ddp", "deepspeed-2", "zeroimpl-2", "zeroimpl-2-hybrid", "zeroimpl-2-int8",
+                   "zeroimpl-2-hybrid-int8")
 
 
 def implementation(key: str):
     """The comparison's row for ``key`` (one of IMPLEMENTATIONS); the hybrid one shards within a node and
     replicates across the NODES nodes; the int8 one is flat with ``quantize_param_gather`` and
-    ``quantize_grad_reduce``."""
+    ``quantize_grad_reduce``; the hybrid int8 one quantizes the gradients' all-reduce across the nodes."""
     from zeroimpl.integrations.adapters import DDP, DeepSpeed, Zeroimpl
 
     return {"ddp": lambda: DDP(), "deepspeed-2": lambda: DeepSpeed(2), "zeroimpl-2": lambda: Zeroimpl(2),
             "zeroimpl-2-hybrid": lambda: Zeroimpl(2, replicas=NODES),
-            "zeroimpl-2-int8": lambda: Zeroimpl(2, quantize=True)}[key]()
+            "zeroimpl-2-int8": lambda: Zeroimpl(2, quantize=True),
+            "zeroimpl-2-hybrid-int8": lambda: Zeroimpl(2, replicas=NODES, quantize="replicas")}[key]()
 
 
 # -- the link ------------------------------------------------------------------------------------------------

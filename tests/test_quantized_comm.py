@@ -97,6 +97,8 @@ def test_a_block_of_a_tiny_range_comes_back_as_its_minimum_and_an_unusable_align
     for option in ("quantize_param_gather", "quantize_grad_reduce"):
         with pytest.raises(ValueError, match=f"{option} needs an alignment that is a multiple of 4"):
             ShardedOptimizer([torch.nn.Parameter(torch.ones(3))], torch.optim.AdamW, alignment=2, **{option: True})
+    with pytest.raises(ValueError, match="quantize_grad_reduce must be False, True or 'replicas', got 'nodes'"):
+        ShardedOptimizer([torch.nn.Parameter(torch.ones(4))], torch.optim.AdamW, quantize_grad_reduce="nodes")
 
 
 PARAMS, GRADS = {"quantize_param_gather": True}, {"quantize_grad_reduce": True}
@@ -190,7 +192,8 @@ def _train(rank, world_size, options, stage=2, offload=False, checkpoint=None, r
         if checkpoint is not None and step == 2:
             save_checkpoint(checkpoint, optimizer, model)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "exact": exact, "reduced": reduced, "sent": sent}
+    return {"losses": losses, "params": params, "exact": exact, "reduced": reduced, "sent": sent,
+            "shard_numel": sum(bucket.shard_numel for bucket in optimizer.layout.buckets)}
 
 
 def _runs(rank, world_size, directory):
@@ -262,6 +265,42 @@ def test_offload_and_resuming_are_bitwise(runs):
         for other in (rank_runs["offload"], rank_runs["resumed"]):
             assert quantized["losses"][-len(other["losses"]):] == other["losses"]
             assert all(torch.equal(quantized["params"][n], v) for n, v in other["params"].items())
+
+
+def _hybrid(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return {kind: _train(rank, world_size, {"device_mesh": mesh, **options})
+            for kind, options in (("plain", {}), ("replicas", {"quantize_grad_reduce": "replicas"}),
+                                  ("both", {**PARAMS, **GRADS}))}
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return run_distributed(4, _hybrid)
+
+
+def test_on_a_mesh_the_all_reduce_across_replicas_is_quantized(hybrid):
+    """A 2 x 2 mesh: ``"replicas"`` quantizes only the gradient shards' all-reduce across the replicas (a
+    quantized reduce-scatter between the replicas, then an all-gather of each sum in 8 bits that every replica
+    decodes alike), ``True`` the reduce-scatter in the shard group too (and ``quantize_param_gather`` the
+    all-gather there). Every rank holds the same parameters (verify_every=1 on the mesh), and training tracks
+    the unquantized mesh run as flat (GRADS_LOSS_RTOL, GRADS_REL_L2). Across the replicas each rank sends
+    about (1 + 4/256) / 4 of the fp32 bytes that gloo's all-reduce of its shard moves between 2 replicas
+    (each element once each way: 4 bytes per element)."""
+    first = hybrid[0]
+    for rank_runs in hybrid:
+        plain = rank_runs["plain"]
+        for kind in ("replicas", "both"):
+            assert rank_runs[kind]["exact"] and all(torch.equal(first[kind]["params"][n], v)
+                                                    for n, v in rank_runs[kind]["params"].items())
+            for a, b in zip(plain["losses"], rank_runs[kind]["losses"]):
+                assert abs(a - b) <= GRADS_LOSS_RTOL * abs(a), (kind, a, b)
+            assert 0 < relative_l2(rank_runs[kind]["params"], plain["params"]) <= GRADS_REL_L2
+        across = [q - p for q, p in zip(rank_runs["replicas"]["reduced"], plain["reduced"])]
+        for sent in across:  # the shard group's reduce-scatter is the same in both: the rest crossed replicas
+            assert sent / (4 * plain["shard_numel"]) == pytest.approx((1 + 4 / 256) / 4, rel=0.05), sent
 
 
 def _estimated_and_measured(rank, world_size):
@@ -393,6 +432,14 @@ def _state_dicts_resume_bitwise(rank):
     return results
 
 
+def _replicas_without_a_mesh(rank):
+    try:
+        _small(False, quantize_grad_reduce="replicas")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _ranks_that_differ_in_the_option(rank):
     messages = []
     for option in ("quantize_param_gather", "quantize_grad_reduce"):
@@ -408,6 +455,7 @@ def _misuse(rank, world_size):
     return run_cases({"edits": lambda: _edits_keep_the_exact_master(rank),
                       "state dict resume": lambda: _state_dicts_resume_bitwise(rank),
                       "one rank's edit": lambda: _an_edit_on_one_rank_is_overruled_by_the_owner(rank),
+                      "replicas without a mesh": lambda: _replicas_without_a_mesh(rank),
                       "state dict": lambda: _a_state_dict_across_the_option_is_refused(rank),
                       "mismatch": lambda: _ranks_that_differ_in_the_option(rank)})
 
@@ -421,6 +469,11 @@ def test_an_edit_between_steps_moves_only_the_elements_it_changed(misuse):
     for same, changed, values in case_results(misuse, "edits"):
         assert same, "a no-op clamp after each step changed the masters"
         assert (changed, values) == (1, [0.125])
+
+
+def test_quantizing_across_replicas_without_a_mesh_is_refused(misuse):
+    for message in case_results(misuse, "replicas without a mesh"):
+        assert message is not None and "2-D device_mesh" in message
 
 
 def test_an_edit_made_on_one_rank_only_is_overruled_by_the_owner(misuse):

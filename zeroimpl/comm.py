@@ -247,6 +247,35 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: 
     return Pending(works, name, timeout, add_pieces, buffers=(sent, received), lent=lent, on_stream=on_stream)
 
 
+def all_reduce_quantized(tensor: torch.Tensor, blocks: ShardBlocks, group, timeout: Optional[float] = None,
+                         tag: int = 0) -> Pending:
+    """Start ``tensor`` = its sum over the group's ranks, in 8 bits both ways: a quantized reduce-scatter of its
+    pieces (:func:`reduce_scatter_quantized`, ``blocks.shard_numel`` elements each, ``tensor`` zero-padded to
+    ``world_size`` of them), then an all-gather of each owner's fp32 sum as a payload on its ``blocks``, which
+    every rank -- the owner too -- decodes into ``tensor``, so that all ranks hold the same values."""
+    world, rank, n = dist.get_world_size(group), dist.get_rank(group), blocks.shard_numel
+    name = "gradient shard all-reduce across replicas (8-bit)"
+    if world == 1:  # the sum is the tensor
+        return Pending([], name, timeout)
+    padded = torch.zeros(world * n, dtype=torch.float32, device=tensor.device)
+    padded[:tensor.numel()].copy_(tensor)
+    summed = torch.empty(n, dtype=torch.float32, device=tensor.device)
+    pending = reduce_scatter_quantized(summed, padded, blocks, group, timeout, tag)
+    add_pieces = pending.finish
+
+    def gather_sums():
+        add_pieces()
+        size = blocks.payload_bytes
+        gathered = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
+        own = gathered[rank * size:(rank + 1) * size]
+        own.copy_(blocks.encode(summed))
+        all_gather(gathered, own, group, timeout, tag, name).wait()
+        values = torch.cat([blocks.decoded(gathered[r * size:(r + 1) * size], r) for r in range(world)])
+        tensor.copy_(values[:tensor.numel()])
+    pending.name, pending.finish, pending.buffers = name, gather_sums, (padded, summed, *pending.buffers)
+    return pending
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
                tag: int = 0, name: str = "parameter all-gather",
                then: Optional[Callable[[], None]] = None) -> Pending:

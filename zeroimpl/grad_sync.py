@@ -80,7 +80,7 @@ class GradientReducer:
     def __init__(self, layout: ShardLayout, storages: list[BucketStorage], topology: Topology,
                  stage: int, reduce_dtype: Optional[torch.dtype], max_inflight: int,
                  gradients: Union[DeviceGradientShards, HostGradientShards], step_state: StepState,
-                 uneven: "UnevenInputs", timeout: Optional[float] = None, quantized: bool = False):
+                 uneven: "UnevenInputs", timeout: Optional[float] = None, quantized: Union[bool, str] = False):
         self.layout = layout
         self.timeout = timeout  # seconds a reduce-scatter may take before CollectiveError (None: the group's)
         self.storages = storages
@@ -106,9 +106,17 @@ class GradientReducer:
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
         self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
         self._order = LaunchOrder([bucket.param_indices for bucket in layout.buckets])
-        # quantized: per bucket, the blocks its 8-bit reduce-scatter sends on (zeroimpl.quantized_comm)
+        # quantized: per bucket, the blocks its 8-bit reduce-scatter sends on (zeroimpl.quantized_comm), and the
+        # blocks of its shard's 8-bit all-reduce across replicas (also with quantized="replicas")
+        if quantized == "replicas" and self.replicate is None:
+            raise ValueError("quantize_grad_reduce='replicas' quantizes the all-reduce across the replicas of a 2-D "
+                             "device_mesh, and this optimizer has none: pass a (replicate, shard) device_mesh, or "
+                             "quantize_grad_reduce=True for the reduce-scatter")
+        shard_blocks = quantized is True and layout.world_size > 1
         self._blocks = [ShardBlocks.of(layout.edges(b.index), b.shard_numel, layout.world_size, topology.shard_rank,
-                                       signed=True) for b in layout.buckets] if quantized and layout.world_size > 1 else None
+                                       signed=True) for b in layout.buckets] if shard_blocks else None
+        self._replica_blocks = [_replica_blocks(layout, b.index, topology) for b in layout.buckets] \
+            if quantized and self.replicate is not None else None
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
@@ -243,8 +251,12 @@ class GradientReducer:
         if self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
             return
-        work = comm.all_reduce(reduction.output, torch.distributed.ReduceOp.SUM, self.replicate, self.timeout,
-                               "gradient shard all-reduce across replicas")
+        if self._replica_blocks is None:
+            work = comm.all_reduce(reduction.output, torch.distributed.ReduceOp.SUM, self.replicate, self.timeout,
+                                   "gradient shard all-reduce across replicas")
+        else:
+            work = comm.all_reduce_quantized(reduction.output, self._replica_blocks[reduction.bucket_index],
+                                             self.replicate, self.timeout, tag=reduction.bucket_index)
         self._replicating.append(_Reduction(reduction.bucket_index, None, reduction.output, work))
         while len(self._replicating) > self.max_inflight:
             self._complete_replicated()
@@ -323,7 +335,7 @@ class GradientReducer:
         live = [b for b in self._buffers if b is not None]
         for reduction in self._inflight:
             live += [reduction.buffer, reduction.output, *reduction.work.buffers]
-        return live + [reduction.output for reduction in self._replicating]
+        return live + [t for reduction in self._replicating for t in (reduction.output, *reduction.work.buffers)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: ``set_to_none`` forgets the gradients; otherwise every parameter that had a gradient
@@ -343,6 +355,17 @@ class GradientReducer:
             self.grad_exists = [now or then for now, then in zip(self.grad_exists, self._consumed)]
         self._consumed = [False] * len(self._consumed)
         self.gradients.clear(set_to_none)
+
+
+def _replica_blocks(layout: ShardLayout, bucket_index: int, topology: Topology) -> ShardBlocks:
+    """The blocks of this rank's gradient shard of a bucket for its 8-bit all-reduce across the replicas: the
+    shard cut into one piece per replica (a multiple of 4 elements each, the last one padded), blocks starting at
+    every parameter and at the padding."""
+    bucket, replicas = layout.buckets[bucket_index], topology.replicate_size
+    start = bucket.shard_range(topology.shard_rank)[0]
+    piece = -(-bucket.shard_numel // (4 * replicas)) * 4
+    edges = [edge - start for edge in layout.edges(bucket_index) if 0 < edge - start < bucket.shard_numel]
+    return ShardBlocks.of(edges + [bucket.shard_numel], piece, replicas, topology.replicate_rank, signed=True)
 
 
 def _weakly_end_of_backward(reducer_ref):

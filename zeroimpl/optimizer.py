@@ -91,7 +91,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             :meth:`finish_param_gathers` or ``False``). Results are bitwise those of ``False``.
         quantize_param_gather: all-gather each step's change of the parameters in 8 bits (every rank adds the same
             dequantized change; each keeps an exact fp32 master of its shard): :mod:`zeroimpl.quantized_comm`.
-        quantize_grad_reduce: reduce-scatter the gradients in 8 bits (each owner sums the pieces in fp32).
+        quantize_grad_reduce: reduce the gradients in 8 bits, summed in fp32 (``"replicas"``: only across replicas).
         assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update every
             element from its own parameter, gradient and state.
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
@@ -112,9 +112,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
                  per_parameter: Collection[type] = (), verify_every: Optional[int] = None,
                  overlap_param_gather: bool = True, quantize_param_gather: bool = False,
-                 quantize_grad_reduce: bool = False, **optimizer_kwargs):
-        quantized = {"quantize_param_gather": bool(quantize_param_gather),
-                     "quantize_grad_reduce": bool(quantize_grad_reduce)}
+                 quantize_grad_reduce: Union[bool, Literal["replicas"]] = False, **optimizer_kwargs):
+        quantized = {"quantize_param_gather": bool(quantize_param_gather), "quantize_grad_reduce": quantize_grad_reduce}
         validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
                                  alignment, quantized)
         self.collective_timeout = collective_timeout
@@ -392,7 +391,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- introspection ----------------------------------------------------------------------------
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds now, by kind (:class:`zeroimpl.StateBytes`'s): what :meth:`memory_report` counts."""
+        """This rank's tensors now, by :class:`zeroimpl.StateBytes`'s kinds: what :meth:`memory_report` counts."""
         return held_tensors(self)
 
     def memory_report(self) -> MemoryReport:

@@ -4,7 +4,7 @@ device mesh), on the bare model (no DDP)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -64,14 +64,15 @@ def hybrid_mesh(replicas: int, device: torch.device):
 class Zeroimpl(Implementation):
     modules = ()
 
-    def __init__(self, stage: int, offload: bool = False, replicas: Optional[int] = None, quantize: bool = False):
+    def __init__(self, stage: int, offload: bool = False, replicas: Optional[int] = None,
+                 quantize: Union[bool, str] = False):
         """``replicas``: hybrid sharding over that many replicas of the shards (None: flat, one shard group);
         ``quantize``: the parameter all-gather and the gradient reduce-scatter in 8 bits (``quantize_param_gather``,
-        ``quantize_grad_reduce``)."""
+        ``quantize_grad_reduce``); ``"replicas"``: only the gradients' all-reduce across the replicas."""
         self.stage, self.offload, self.replicas, self.quantize = stage, offload, replicas, quantize
         self.name = (f"zeroimpl stage {stage}" + (" + offload" if offload else "")
                      + (f" hybrid ({replicas} replicas)" if replicas else "")
-                     + (", 8-bit collectives" if quantize else ""))
+                     + {False: "", True: ", 8-bit collectives", "replicas": ", 8-bit across replicas"}[quantize])
 
     def build(self, model, settings: TrainSettings, device) -> ZeroimplRunner:
         if settings.precision == "bf16":
@@ -79,6 +80,6 @@ class Zeroimpl(Implementation):
         optimizer = ShardedOptimizer(sharded_groups(model, settings), settings.adamw_class(),
                                      stage=self.stage, offload="cpu" if self.offload else None,
                                      device_mesh=hybrid_mesh(self.replicas, device) if self.replicas else None,
-                                     quantize_param_gather=self.quantize, quantize_grad_reduce=self.quantize,
+                                     quantize_param_gather=self.quantize is True, quantize_grad_reduce=self.quantize,
                                      **settings.adamw_kwargs())
         return ZeroimplRunner(model, model, optimizer, settings, device)
