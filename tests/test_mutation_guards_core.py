@@ -92,8 +92,8 @@ def test_sync_master_with_params_compares_an_edited_parameter_once():
     with torch.no_grad():
         params[0].mul_(2)  # an edit under no_grad: its version counter moves
     compared = []
-    original = BucketStorage.published  # what the shard holds unedited: each comparison starts there
-    BucketStorage.published = lambda self: compared.append(1) or original(self)
+    original = BucketStorage.published_values  # what the shard holds unedited: each comparison starts there
+    BucketStorage.published_values = lambda self: compared.append(1) or original(self)
     try:
         for storage in storages:
             storage.sync_master_with_params()
@@ -104,7 +104,7 @@ def test_sync_master_with_params_compares_an_edited_parameter_once():
             storage.sync_master_with_params()
         assert compared == [], "a sync with no edit since the last one compared the shard again"
     finally:
-        BucketStorage.published = original
+        BucketStorage.published_values = original
 
 
 def test_launch_order_sees_every_parameter_of_a_launched_bucket():
