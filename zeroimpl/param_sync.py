@@ -107,12 +107,13 @@ class ParamSync:
         """Queue the all-gather of every rank's 8-bit payload of the step from its published shard to its master;
         when it lands, every rank adds each rank's decoded step to that rank's shard of the parameters (written
         past the parameters' version counters, as a gather's own write is: :meth:`end` counts it)."""
-        blocks, index, master = storage.blocks, storage.bucket.index, storage.master
+        blocks, index = storage.blocks, storage.bucket.index
         size = blocks.payload_bytes
         gathered = torch.empty(len(blocks.segments) * size, dtype=torch.uint8, device=storage.param_buffer.device)
         own = gathered[blocks.rank * size:(blocks.rank + 1) * size]
-        # on the master's device (the host, with offload)
-        own.copy_(blocks.encode(master - storage.published.to(master.device, master.dtype)))
+        # on the parameters' device: a host master (offload) crosses as it would unquantized, queued on the stream
+        master = storage.master.to(storage.published.device, non_blocking=True)
+        own.copy_(blocks.encode(master - storage.published.to(master.dtype)))
         self._payloads[index] = gathered
         parameters = storage.param_buffer.data
 
