@@ -109,7 +109,7 @@ class BucketStorage:
             else:  # quantized: only the elements edited; the others keep their exact masters
                 edited = shard != published[low:high]
                 master[edited.to(master.device)] = shard[edited].to(master.device, master.dtype)
-                self.published[low:high][edited] = shard[edited]
+                published[low:high][edited] = shard[edited]  # (the copy itself: what the shard now holds)
         self._versions = versions
 
     def published_values(self) -> torch.Tensor:

@@ -90,6 +90,7 @@ def state_dict(rank: int, layout: ShardLayout, params: list[torch.Tensor], inner
     over the pieces, each group's hyperparameters, the master shards when they are separate from the
     parameters, and the loss scaler's state. Local; the masters must be in sync with the parameters."""
     separate = any(s.has_separate_master for s in storages)
+    quantized = any(s.blocks is not None for s in storages)
     return {
         "format": STATE_FORMAT,
         "rank": rank,
@@ -99,8 +100,8 @@ def state_dict(rank: int, layout: ShardLayout, params: list[torch.Tensor], inner
         "param_groups": [{k: v for k, v in g.items() if k not in ("params", "optimizer")} for g in outer_groups],
         "master_weights": [s.master for s in storages] if separate else None,
         "loss_scaler": loss_scaler.state_dict() if loss_scaler else None,
-        "quantize_param_gather": any(s.blocks is not None for s in storages),
-        "published_shards": [s.published for s in storages] if any(s.blocks is not None for s in storages) else None,
+        "quantize_param_gather": quantized,
+        "published_shards": [s.published for s in storages] if quantized else None,
     }
 
 
@@ -175,8 +176,7 @@ def restore(optimizer: "ShardedOptimizer", piece_states: list[Optional[dict]], h
     inner_state = inner_state_dict(optimizer.inner, optimizer.pieces.masters, piece_states, hyperparameters)
     _install_into(optimizer, inner_state, hyperparameters, masters, loss_scaler_state)
     if masters is not None:
-        quantized = any(s.blocks is not None for s in optimizer.storages)
-        optimizer.param_sync.publish_exactly(published if quantized else None)
+        optimizer.param_sync.publish_exactly(published)
 
 
 def _install_into(optimizer: "ShardedOptimizer", inner_state: dict, hyperparameters: list[dict],

@@ -54,14 +54,16 @@ class ParamSync:
         self._published: Optional[torch.cuda.Event] = None  # after the last copy of masters to the device
         weakref.finalize(self, self.gathers.finish)  # no gather outlives its optimizer unfinished, no guard stays
 
-    def begin(self) -> None:
+    def begin(self, overrule_edits: bool = True) -> None:
         """Before the first bucket (and before the masters are stepped): the previous step's gathers and copies
-        must have finished with the parameters and the masters."""
+        must have finished with the parameters and the masters. ``overrule_edits``: see :meth:`_overrule_edits`
+        (an exact publish of every bucket overrules them anyway)."""
         self.finish()
         self.wait_copies()
         self._pending = {}
         self._turns = dict.fromkeys(self.staging, 0)
-        self._overrule_edits()
+        if overrule_edits:
+            self._overrule_edits()
 
     def _overrule_edits(self) -> None:
         """With a quantized all-gather, before its steps are sent: where any rank has seen a member of a bucket
@@ -77,8 +79,7 @@ class ParamSync:
                          read_on_host=True)
         for storage, flag in zip(quantized, edited.tolist()):
             if flag:
-                comm.all_gather(storage.param_buffer, storage.shard, self.group, self.timeout,
-                                tag=storage.bucket.index).wait()
+                self._gather_exactly(storage).wait()
                 storage.mark_published()
             storage.edited = False
 
@@ -87,6 +88,11 @@ class ParamSync:
         if storage.blocks is not None:  # quantized: 8-bit payloads of the masters (zeroimpl.quantized_comm)
             self._pending[storage.bucket.index] = self._gather_quantized(storage)
             return
+        self._publish_master(storage)
+        self._pending[storage.bucket.index] = self._gather_exactly(storage)
+
+    def _publish_master(self, storage: BucketStorage) -> None:
+        """Write the bucket's master into its shard of the parameters, through a staging buffer where there is one."""
         buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None
         if buffers is None:
             storage.publish_master()
@@ -100,8 +106,10 @@ class ParamSync:
             if self._cuda is not None:
                 self._staged[key] = torch.cuda.Event()
                 self._staged[key].record(torch.cuda.current_stream(self._cuda))
-        self._pending[storage.bucket.index] = comm.all_gather(storage.param_buffer, storage.shard, self.group,
-                                                              self.timeout, tag=storage.bucket.index)
+
+    def _gather_exactly(self, storage: BucketStorage) -> comm.Pending:
+        """Queue the unquantized all-gather of every rank's shard of the bucket's parameters."""
+        return comm.all_gather(storage.param_buffer, storage.shard, self.group, self.timeout, tag=storage.bucket.index)
 
     def _gather_quantized(self, storage: BucketStorage) -> comm.Pending:
         """Queue the all-gather of every rank's 8-bit payload of the step from its published shard to its master;
@@ -148,19 +156,20 @@ class ParamSync:
         self.end(defer)
 
     def publish_exactly(self, shards: Optional[list[torch.Tensor]] = None) -> None:
-        """Every bucket all-gathered unquantized (a checkpoint restores the parameters exactly): from ``shards``
-        (per bucket, this rank's shard of the parameters as saved) or else from the masters. Waits."""
-        self.begin()
+        """Every bucket all-gathered unquantized (a checkpoint restores the parameters exactly): where the
+        all-gather is quantized, from ``shards`` (per bucket, this rank's shard of the parameters as saved) when
+        given; else from the masters. Waits."""
+        self.begin(overrule_edits=False)
         for index, storage in enumerate(self.storages):
-            if shards is not None:
+            if shards is not None and storage.blocks is not None:
                 storage.shard.copy_(shards[index])
             else:
-                storage.publish_master()
-            self._pending[storage.bucket.index] = comm.all_gather(storage.param_buffer, storage.shard, self.group,
-                                                                  self.timeout, tag=storage.bucket.index)
+                self._publish_master(storage)
+            self._pending[storage.bucket.index] = self._gather_exactly(storage)
         self.end(defer=False)
         for storage in self.storages:
             storage.mark_published()
+            storage.edited = False
 
     def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the all-gathers still in flight: of ``buckets``, or of every bucket."""

@@ -268,11 +268,11 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
     for source in sorted({c.source_rank for c in copies}):
         payload = read_rank(directory, index, saved, source, keys_of)
         source_pieces = saved.pieces(source)
+        has_published &= "published" in payload
         offsets = key_offsets(source_pieces, keys_of)
         for c in (c for c in copies if c.source_rank == source):
             src, dst = slice(c.source_offset, c.source_offset + c.length), slice(c.target_offset, c.target_offset + c.length)
             masters[c.target_bucket][dst] = payload["master"][src]
-            has_published &= "published" in payload
             if has_published:
                 published[c.target_bucket][dst] = payload["published"][src]
             piece, master, _ = targets[c.target_piece]
