@@ -4,7 +4,8 @@ Per configuration (stage 1, stage 2, stage 2 with offload; accumulation 2 and cl
 tiny GPT-2 for WARMUP + STEPS optimizer steps. Measured after WARMUP, half-way and at the end: the number
 of live tensors and of all gc-tracked Python objects, the hooks on the parameters, zeroimpl's
 parameter-owner registry, and the resident set size (after malloc_trim). A leak of even one small tensor
-or object per step would add STEPS of them: the counts must not move at all. RSS settles during the first
+or object per step would add STEPS // 2 of them over the second half: the counts must not move at all there
+(the hooks and owners not at all after WARMUP). RSS settles during the first
 half (the allocator's pools fill: about +2.3 MiB measured); over the second half it may move by
 RSS_SLACK_MIB at most (measured +0.01 to +0.13 MiB; 1.1 MiB once without malloc_trim on a loaded machine),
 which a leak of 18 KiB per step would exceed.
@@ -79,6 +80,8 @@ def test_hundreds_of_steps_hold_steady(stage, offload):
     for samples in run_distributed(2, _long_run, stage, offload):
         before, middle, after = samples[WARMUP], samples[WARMUP + STEPS // 2], samples["end"]
         print(f"stage {stage} offload {offload}: {before} -> {middle} -> {after}")
-        assert after["tensors"] == before["tensors"] and after["objects"] == before["objects"]
+        # counted from half-way: a leak of one per step adds STEPS // 2 there, while something an installed package
+        # makes once, lazily, after WARMUP (torchao, which transformers imports when installed: one object) does not
+        assert after["tensors"] == middle["tensors"] and after["objects"] == middle["objects"]
         assert after["hooks"] == before["hooks"] > 0 and after["owners"] == before["owners"]
         assert after["rss"] - middle["rss"] <= RSS_SLACK_MIB

@@ -28,10 +28,7 @@ STEPS = 3
 class OddNet(torch.nn.Module):
     """Three layers, ``inputs -> hidden -> 61 -> 5``. By default of odd sizes: two matrices above bitsandbytes'
     4096-element threshold for 8-bit state (12707, 5917 elements: blocks of 256 do not divide them; the first
-    large enough to be cut in pieces of 8-bit state on 2, 3 and 4 ranks) and the rest below it (fp32 state).
-    ``OddNet(128, 96)`` is for torchao, which quantizes a tensor of at least 4096 elements that its blocks
-    (256; 128 for 4-bit) divide: a 128 x 96 matrix (quantized, cut between ranks), a 96 x 61 one (5856
-    elements, not whole blocks of 256: fp32 state, on one rank) and the small fp32 rest."""
+    large enough to be cut in pieces of 8-bit state on 2, 3 and 4 ranks) and the rest below it (fp32 state)."""
 
     def __init__(self, inputs: int = 131, hidden: int = 97):
         super().__init__()
@@ -115,82 +112,6 @@ def test_low_bit_classes_are_sharded_on_blocks_and_refuse_assume_elementwise(nam
     assert sharding_of(cls, (), False) == "blocked"
     with pytest.raises(ValueError, match="quantizes its state in blocks.*leave assume_elementwise off"):
         sharding_of(cls, (), True)
-
-
-def test_torchao_low_bit_classes_are_recognised_and_sharded_on_blocks():
-    ao = pytest.importorskip("torchao.optim", reason="pip install torchao (kept out of the test environment: see pyproject.toml)")
-    for cls in (ao.AdamW8bit, ao.AdamW4bit, ao.AdamWFp8):
-        assert sharding_of(cls, (), False) == "blocked"
-        with pytest.raises(ValueError, match="quantizes its state in blocks"):
-            sharding_of(cls, (), True)
-
-
-def _torchao(rank, world_size, directory):
-    """Each torchao class: 3 steps (each rank its own batch at world size 2, the same batch at 3: see _train)
-    against DDP + the same class; then the sharded checkpoint (refused, clearly) and the per-rank torch state
-    (torch.save, then one more step, bitwise the uninterrupted optimizer)."""
-    import io
-
-    import torchao.optim as ao
-    from zeroimpl.checkpoint import CheckpointError, save_checkpoint
-
-    def train(cls, sharded):
-        model = OddNet(128, 96)
-        optimizer = (ShardedOptimizer(model.parameters(), cls, stage=2, bucket_numel=4096, lr=1e-2) if sharded
-                     else cls(model.parameters(), lr=1e-2))
-        forward = model if sharded else DistributedDataParallel(model)
-        for step in range(STEPS):
-            x = torch.randn(8, 128, generator=torch.Generator().manual_seed(100 * step + (rank if world_size == 2 else 0)))
-            forward(x).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        if sharded:
-            optimizer.finish_param_gathers()  # (torchao's compiled step must not run under the in-flight guard)
-        return model, optimizer
-
-    results = {}
-    for cls in (ao.AdamW8bit, ao.AdamW4bit, ao.AdamWFp8):
-        model, optimizer = train(cls, True)
-        reference, _ = train(cls, False)
-        difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-        cut = sum(any(p.param_index == 0 for p in optimizer.layout.pieces(r)) for r in range(world_size))
-        estimate = estimate_memory(OddNet(128, 96).parameters(), world_size, 2, optimizer_class=cls,
-                                   optimizer_kwargs={"lr": 1e-2}, bucket_numel=4096, rank=rank)
-        exact = estimate.device.optimizer_state == optimizer.memory_report().device.optimizer_state
-        quantized = any(hasattr(type(v), "__tensor_flatten__") for s in optimizer.inner.state.values() for v in s.values())
-        try:
-            save_checkpoint(f"{directory}-{cls.__name__}", optimizer, model)
-            refused = False
-        except CheckpointError as error:
-            refused = "cannot reshard yet" in str(error)
-        buffer = io.BytesIO()
-        torch.save(optimizer.state_dict(), buffer)
-        buffer.seek(0)
-        resumed_model = OddNet(128, 96)
-        resumed_model.load_state_dict(model.state_dict())
-        resumed = ShardedOptimizer(resumed_model.parameters(), cls, stage=2, bucket_numel=4096, lr=1e-2)
-        resumed.load_state_dict(torch.load(buffer, weights_only=False))
-        x = torch.randn(8, 128, generator=torch.Generator().manual_seed(999))
-        for m, o in ((model, optimizer), (resumed_model, resumed)):
-            m(x).backward()
-            o.step()
-            o.finish_param_gathers()
-        same = all(map(torch.equal, model.parameters(), resumed_model.parameters()))
-        results[cls.__name__] = (difference, cut, exact, quantized, refused, same)
-    return results
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_torchao_low_bit_classes_train_bitwise_as_under_ddp(world_size, tmp_path):
-    """About a minute (torchao compiles its step in every process); skipped without torchao."""
-    pytest.importorskip("torchao.optim", reason="pip install torchao (kept out of the test environment: see pyproject.toml)")
-    for per_class in run_distributed(world_size, _torchao, str(tmp_path / "checkpoint"), timeout=600):
-        for name, (difference, cut, exact, quantized, refused, same) in per_class.items():
-            assert difference == 0.0, (name, difference)
-            assert cut > 1 and quantized, f"{name}: the 128 x 96 matrix is not cut between ranks in quantized pieces"
-            assert exact, f"{name}: estimate_memory is not the optimizer's state"
-            assert refused, f"{name}: save_checkpoint does not refuse its quantized state clearly"
-            assert same, f"{name}: resumed from its torch.save'd state_dict(), not the uninterrupted run"
 
 
 def _resume(rank, world_size, directory):

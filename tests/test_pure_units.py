@@ -424,3 +424,21 @@ def test_a_low_bit_pieces_scales_and_map_are_piece_level_whatever_its_length(len
              "qmap1": torch.linspace(-1, 1, 256), "absmax1": torch.ones(-(-length // 256))}
     elementwise, scalars, piece_level = split_state(state, (length,), whole=True)
     assert set(elementwise) == {"state1"} and set(scalars) == {"step"} and set(piece_level) == {"qmap1", "absmax1"}
+
+
+class _OtherSubclass(torch.Tensor):
+    """A tensor subclass of unknown layout (it declares the flatten protocol, as torchao's states do)."""
+
+    def __tensor_flatten__(self):
+        return [], None
+
+
+def test_optimizer_state_of_an_unknown_tensor_subclass_is_refused_by_name():
+    """Checkpoints store torchao's three quantized state classes part by part; any other subclass's layout is
+    unknown, so splitting it into per-element and per-block parts would be a guess: refused, naming it."""
+    from zeroimpl.checkpoint import CheckpointError
+    from zeroimpl.checkpoint.format import split_state
+
+    state = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(8).as_subclass(_OtherSubclass)}
+    with pytest.raises(CheckpointError, match="'exp_avg' is a _OtherSubclass .*cannot reshard"):
+        split_state(state, (8,), whole=True)

@@ -1,6 +1,7 @@
 """Sharded checkpoints of a ShardedOptimizer: save per rank, load on any world size, convert to torch formats.
 
 See :mod:`.files` (directory layout, crash safety, safe loading), :mod:`.reshard` (the arithmetic),
+:mod:`.subclass_state` (torchao's quantized state as plain tensors),
 :mod:`.api` (save / load) and :mod:`.convert` (torch formats, offline export).
 """
 

@@ -20,7 +20,8 @@ What a checkpoint holds (see :mod:`.files` for the directory and its crash safet
 A state value is per element (one entry per element of the parameter's piece), a scalar of the parameter,
 or -- for a parameter of a whole-parameter bucket -- any tensor of that parameter, which moves whole with it
 to its new owner; or -- for a piece of a blocked bucket (a low-bit optimizer) -- its scales, one per
-quantization block, which move with their blocks, and its quantization map; anything else is refused at save
+quantization block, which move with their blocks, and its quantization map (torchao's quantized state, kept
+as tensor subclasses, is stored as such parts: :mod:`.subclass_state`); anything else is refused at save
 time.
 """
 
@@ -40,6 +41,7 @@ from .format import (FORMAT, READABLE_FORMATS, block_range, class_name, copy_sca
                      group_classes, is_per_block, key_offsets, merge_scalars, param_scalars, read_rank, saved_layout,
                      saved_memory_order, split_state, state_dtypes)
 from .reshard import plan
+from .subclass_state import joined
 
 
 # -- save ---------------------------------------------------------------------------------------------
@@ -298,10 +300,9 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
     piece_states = []
     for (piece, master, _), by_key, whole_state in zip(targets, arrays, whole):
         found = scalars[piece.param_index]
-        piece_states.append(None if found is None else
-                            {**copy_scalars(found),
-                             **{key: shaped(array, master.shape, master.stride()) for key, array in by_key.items()},
-                             **{key: value.clone() for key, value in whole_state.items()}})
+        piece_states.append(None if found is None else joined(
+            {**copy_scalars(found), **{key: shaped(array, master.shape, master.stride()) for key, array in by_key.items()},
+             **{key: value.clone() for key, value in whole_state.items()}}, tuple(master.shape)))
     return masters, piece_states, [g["hyperparameters"] for g in index["groups"]], published if has_published else None
 
 

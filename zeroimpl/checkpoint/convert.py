@@ -21,6 +21,7 @@ from . import files
 from .format import (READABLE_FORMATS, block_range, describe_groups, file_keys, is_per_block, key_offsets, param_scalars,
                      read_rank, saved_layout, saved_memory_order, split_state, state_dtypes)
 from .files import EXTRAS, INDEX, CheckpointError
+from .subclass_state import joined, plain_parts
 
 
 def _read_full(directory: str):
@@ -97,10 +98,10 @@ def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[
                 if scalars is not None:
                     entry = index["params"][member]
                     strides = saved_memory_order(entry)
-                    state[number] = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
-                                     **{key: shaped(value, entry["shape"], strides) if value.numel() == numels[member]
-                                        else value
-                                        for key, value in states[member].items()}}
+                    state[number] = joined(
+                        {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
+                         **{key: shaped(value, entry["shape"], strides) if value.numel() == numels[member] else value
+                            for key, value in states[member].items()}}, tuple(entry["shape"]))
             numbers.append(number)
             number += 1
         param_groups.append({**group["hyperparameters"], "params": numbers})
@@ -134,7 +135,7 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
 
     def split(index: int):
         """Parameter ``index``'s saved state split (per element, flattened; scalars; whole), or Nones."""
-        param, saved = params[index], saved_state.get(number_of[index])
+        param, saved = params[index], plain_parts(saved_state.get(number_of[index]))
         flat = {k: (flattened(v, param.stride()) if torch.is_tensor(v) and v.shape == param.shape
                     and (param.dim() > 0 or k in per_element) else v) for k, v in (saved or {}).items()}
         return split_state(flat, (param.numel(),), whole=True)
@@ -156,7 +157,6 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
         if block:  # a low-bit piece: the scales of its blocks, and the quantization map
             first, last = block_range(piece.param_start, piece.param_end, block)
             whole = {key: value[first:last].clone() if is_per_block(key) else value for key, value in whole.items()}
-        piece_states.append({**scalars, **whole,
-                             **{key: shaped(values[window].clone(), master.shape, master.stride())
-                                for key, values in elementwise.items()}})
+        piece_states.append(joined({**scalars, **whole, **{key: shaped(values[window].clone(), master.shape, master.stride())
+                                                           for key, values in elementwise.items()}}, tuple(master.shape)))
     optimizer.restore_state(piece_states, saved_groups)

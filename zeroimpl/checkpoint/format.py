@@ -14,6 +14,7 @@ from ..layout import ShardLayout
 from ..memory_format import contiguous_strides, flattened
 from . import files
 from .files import CheckpointError, rank_file
+from .subclass_state import RECIPE, is_part, plain_parts
 
 FORMAT = "zeroimpl.checkpoint/3"
 READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", FORMAT)
@@ -27,27 +28,22 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
     parameter of a whole-parameter bucket). Piece-level tensors are any other tensor of a piece that may hold
     them (``whole``): of a whole-parameter bucket -- Adafactor's factored ``row_var``/``col_var``, which move
     with their parameter, never split -- or of a blocked bucket -- a low-bit optimizer's scales, one per
-    block (:func:`is_per_block`), and its quantization map, the same in every piece. ``strides``: the piece's
+    block (:func:`is_per_block`), and its quantization map, the same in every piece. Quantized state kept as a
+    tensor subclass (torchao's) is split into such plain parts first (:mod:`.subclass_state`). ``strides``: the piece's
     memory format (per-element tensors are flattened in that order, the order of the flat buffers); ``None``
     for 1-D pieces.
     """
     if not state:
         return None, None, None
     elementwise, scalars, whole_state = {}, {}, {}
-    for key, value in state.items():
-        if torch.is_tensor(value) and hasattr(type(value), "__tensor_flatten__"):
-            raise CheckpointError(f"optimizer state {key!r} is a {type(value).__name__} (a tensor subclass that stores "
-                                  "quantized state, as torchao's low-bit optimizers keep), which zeroimpl's sharded "
-                                  "checkpoints cannot reshard yet: save optimizer.state_dict() on every rank with "
-                                  "torch.save and load it at the same world size and layout, or use bitsandbytes' "
-                                  "8-bit classes, whose checkpoints reshard")
+    for key, value in plain_parts(state).items():
         if torch.is_tensor(value) and whole and is_piece_level(key):  # (may have the piece's shape: a 256-element
             whole_state[key] = value.detach().cpu().clone()  # piece's quantization map, a 1-element piece's scale)
         elif torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
             elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
         elif torch.is_tensor(value) and value.dim() == 0:
             scalars[key] = value.detach().cpu().clone()
-        elif value is None or isinstance(value, (bool, int, float)):
+        elif value is None or isinstance(value, (bool, int, float)) or is_part(key, RECIPE):
             scalars[key] = value
         elif torch.is_tensor(value) and whole:
             whole_state[key] = value.detach().cpu().clone()
@@ -60,15 +56,16 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
 
 
 def is_piece_level(key: str) -> bool:
-    """Whether a low-bit optimizer's state ``key`` is piece-level whatever its shape: bitsandbytes' per-block
-    scales (``absmax1``/``absmax2``) and quantization maps (``qmap1``/``qmap2``)."""
-    return is_per_block(key) or key.startswith("qmap")
+    """Whether a low-bit optimizer's state ``key`` is piece-level whatever its shape: per-block scales
+    (:func:`is_per_block`) and quantization maps (bitsandbytes' ``qmap1``/``qmap2``, torchao's ``.../qmap``)."""
+    return is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")
 
 
 def is_per_block(key: str) -> bool:
     """Whether a low-bit optimizer's piece-level state ``key`` holds one value per quantization block
-    (bitsandbytes' ``absmax1``/``absmax2``); its other piece-level state is the same in every piece."""
-    return key.startswith("absmax")
+    (bitsandbytes' ``absmax1``/``absmax2``, torchao's ``.../scale``); its other piece-level state is the same
+    in every piece."""
+    return key.startswith("absmax") or is_part(key, "scale")
 
 
 def block_range(start: int, end: int, block: int) -> tuple[int, int]:

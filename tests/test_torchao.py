@@ -1,0 +1,201 @@
+"""torchao's low-bit optimizers (AdamW8bit, AdamW4bit, AdamWFp8) sharded exactly: recognised without flags, cut
+into flat shards on their quantization blocks (256 elements; 128 for 4-bit), and checkpointed with each block's
+codes and scale moving together. Reference: DDP + the same torchao class, bitwise, at world sizes 2, 3 and 4 on
+:class:`TwoMatrices`.
+
+One launch per world size (torchao compiles its step in every process: about a minute for the first launch
+on 2 cores, with a cold inductor cache); the 2-rank launch saves a checkpoint per class, which the 3- and
+4-rank launches continue from."""
+
+from __future__ import annotations
+
+import io
+from functools import partial
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from distributed import case_results, run_cases, run_distributed
+from zeroimpl import ShardedOptimizer, estimate_memory
+from zeroimpl.optimizer_kinds import sharding_of
+
+ao = pytest.importorskip("torchao.optim", reason="pip install torchao (kept out of the test environment: see pyproject.toml)")
+CLASSES = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
+STEPS, LR = 3, 1e-2
+WORLD_SIZES = [2, 3, 4]
+
+
+class TwoMatrices(torch.nn.Module):
+    """``128 -> 96 -> 61``, no biases: a 96 x 128 matrix whose state torchao quantizes (at least 4096 elements,
+    whole blocks of 256 and of 128), cut between ranks, and a 61 x 96 one (5856 elements, not whole blocks:
+    fp32 state) on one rank. Two shapes only: torchao compiles its step once per shape, in every process."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(128, 96, bias=False), torch.nn.Linear(96, 61, bias=False)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x))).square().mean()
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    """At world size 2 each rank its own batch; at 3 and 4 the same on every rank (so that the gradient average
+    is exact in any summation order, as in tests/test_lowbit.py: what is left to differ is the sharding)."""
+    data_rank = rank if torch.distributed.get_world_size() == 2 else 0
+    return torch.randn(8, 128, generator=torch.Generator().manual_seed(100 * step + data_rank))
+
+
+def _steps(model, optimizer, forward, first: int, count: int, rank: int) -> None:
+    for step in range(first, first + count):
+        forward(_batch(step, rank)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.finish_param_gathers()  # (torchao's compiled step must not run under the in-flight guard)
+
+
+def _sharded(cls):
+    model = TwoMatrices()
+    return model, ShardedOptimizer(model.parameters(), cls, stage=2, bucket_numel=4096, lr=LR)
+
+
+def _plain(cls):
+    model = TwoMatrices()
+    return model, cls(model.parameters(), lr=LR)
+
+
+def _parameters(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _parity(rank, name, directory):
+    """STEPS steps against DDP + the same class; at world size 2 the checkpoint the larger launches continue
+    from. (difference, ranks holding a piece of the 128 x 96 matrix, estimate_memory exact, state quantized)."""
+    from zeroimpl.checkpoint import save_checkpoint
+    cls = getattr(ao, name)
+    model, optimizer = _sharded(cls)
+    _steps(model, optimizer, model, 0, STEPS, rank)
+    reference, plain = _plain(cls)
+    _steps(reference, plain, DistributedDataParallel(reference), 0, STEPS, rank)
+    if torch.distributed.get_world_size() == 2:
+        save_checkpoint(f"{directory}-{name}", optimizer, model)
+    difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    world = optimizer.world_size
+    cut = sum(any(p.param_index == 0 for p in optimizer.layout.pieces(r)) for r in range(world))
+    estimate = estimate_memory(TwoMatrices().parameters(), world, 2, optimizer_class=cls,
+                               optimizer_kwargs={"lr": LR}, bucket_numel=4096, rank=rank)
+    exact = estimate.device.optimizer_state == optimizer.memory_report().device.optimizer_state
+    quantized = any(hasattr(type(v), "__tensor_flatten__") for s in optimizer.inner.state.values() for v in s.values())
+    return difference, cut, exact, quantized
+
+
+def _resume(rank, name, directory):
+    """World size 2: after STEPS steps (as saved by _parity), one more step (a) from load_checkpoint, (b) from the per-rank torch.save'd state_dict(), (c) with plain DDP + the
+    class from the consolidated torch state: each bitwise the uninterrupted run of its kind."""
+    from zeroimpl.checkpoint import consolidated_optimizer_state_dict, load_checkpoint
+    cls, saved = getattr(ao, name), f"{directory}-{name}"
+    model, optimizer = _sharded(cls)
+    _steps(model, optimizer, model, 0, STEPS, rank)
+    buffer, weights = io.BytesIO(), {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(optimizer.state_dict(), buffer)
+    _steps(model, optimizer, model, STEPS, 1, rank)
+    loaded_model, loaded = _sharded(cls)
+    load_checkpoint(saved, loaded, loaded_model)
+    _steps(loaded_model, loaded, loaded_model, STEPS, 1, rank)
+    restored_model, restored = _sharded(cls)
+    restored_model.load_state_dict(weights)
+    buffer.seek(0)
+    restored.load_state_dict(torch.load(buffer, weights_only=False))
+    _steps(restored_model, restored, restored_model, STEPS, 1, rank)
+
+    reference, plain = _plain(cls)
+    ddp = DistributedDataParallel(reference)
+    _steps(reference, plain, ddp, 0, STEPS, rank)
+    exported_model, exported = _plain(cls)
+    exported_model.load_state_dict(reference.state_dict())
+    exported.load_state_dict(consolidated_optimizer_state_dict(saved))
+    _steps(exported_model, exported, DistributedDataParallel(exported_model), STEPS, 1, rank)
+    _steps(reference, plain, ddp, STEPS, 1, rank)
+    uninterrupted = _parameters(model)
+    return (all(map(torch.equal, _parameters(loaded_model), uninterrupted)),
+            all(map(torch.equal, _parameters(restored_model), uninterrupted)),
+            all(map(torch.equal, _parameters(exported_model), _parameters(reference))))
+
+
+def _resharded(rank, name, directory):
+    """World sizes 3 and 4: the 2-rank checkpoint continued (its blocks' codes and scales move to other ranks)
+    (a) through load_checkpoint, (b) through load_torch_optimizer_state of the consolidated torch state; one
+    step each, bitwise DDP + the class loaded from the consolidated state. (ranks holding a piece of the
+    128 x 96 matrix, (a), (b))."""
+    from zeroimpl.checkpoint import consolidated_optimizer_state_dict, load_checkpoint, load_torch_optimizer_state
+    cls, saved = getattr(ao, name), f"{directory}-{name}"
+    loaded_model, loaded = _sharded(cls)
+    load_checkpoint(saved, loaded, loaded_model)
+    imported_model, imported = _sharded(cls)
+    imported_model.load_state_dict(loaded_model.state_dict())
+    load_torch_optimizer_state(imported, consolidated_optimizer_state_dict(saved))
+    reference, plain = _plain(cls)
+    reference.load_state_dict(loaded_model.state_dict())
+    plain.load_state_dict(consolidated_optimizer_state_dict(saved))
+    _steps(reference, plain, DistributedDataParallel(reference), STEPS, 1, rank)
+    _steps(loaded_model, loaded, loaded_model, STEPS, 1, rank)
+    _steps(imported_model, imported, imported_model, STEPS, 1, rank)
+    expected = _parameters(reference)
+    cut = sum(any(p.param_index == 0 for p in loaded.layout.pieces(r)) for r in range(loaded.world_size))
+    return (cut, all(map(torch.equal, _parameters(loaded_model), expected)),
+            all(map(torch.equal, _parameters(imported_model), expected)))
+
+
+def _all(rank, world_size, directory):
+    cases = {}
+    for name in CLASSES:
+        cases[name] = partial(_parity, rank, name, directory)
+        if world_size == 2:
+            cases[(name, "resume")] = partial(_resume, rank, name, directory)
+        else:  # the 2-rank launch (run first) saved it
+            cases[(name, "resharded")] = partial(_resharded, rank, name, directory)
+    return run_cases(cases)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """World size -> every rank's run_cases results."""
+    directory = str(tmp_path_factory.mktemp("torchao") / "checkpoint")
+    return {world_size: run_distributed(world_size, _all, directory, timeout=600) for world_size in WORLD_SIZES}
+
+
+def test_torchao_classes_are_recognised_and_sharded_on_blocks():
+    for name in CLASSES:
+        assert sharding_of(getattr(ao, name), (), False) == "blocked"
+        with pytest.raises(ValueError, match="quantizes its state in blocks"):
+            sharding_of(getattr(ao, name), (), True)
+
+
+@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_torchao_classes_train_bitwise_as_under_ddp(launches, world_size, name):
+    outcomes = case_results(launches[world_size], name)
+    for difference, cut, exact, _ in outcomes:
+        assert difference == 0.0, difference
+        assert cut > 1, "the 128 x 96 matrix is not cut between ranks"
+        assert exact, "estimate_memory is not the optimizer's state"
+    assert sum(quantized for _, _, _, quantized in outcomes) > 1, "the matrix's pieces do not keep quantized state"
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_torchao_checkpoints_resume_and_export_to_the_plain_optimizer(launches, name):
+    for loaded, restored, exported in case_results(launches[2], (name, "resume")):
+        assert loaded, "resumed from the sharded checkpoint: not the uninterrupted run"
+        assert restored, "resumed from its torch.save'd state_dict(): not the uninterrupted run"
+        assert exported, "the consolidated torch state, loaded into the plain torchao class, trains differently"
+
+
+@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_torchao_checkpoints_reshard_to_other_world_sizes(launches, world_size, name):
+    for cut, loaded, imported in case_results(launches[world_size], (name, "resharded")):
+        assert cut > 1, "the 128 x 96 matrix is not cut between ranks"
+        assert loaded, "resumed from the 2-rank checkpoint: not DDP + the class from its consolidated state"
+        assert imported, "from the consolidated torch state: not DDP + the class from it"

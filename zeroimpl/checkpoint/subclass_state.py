@@ -1,0 +1,87 @@
+"""Quantized optimizer state kept as tensor subclasses -- torchao's ``OptimState8bit``, ``OptimState4bit`` and
+``OptimStateFp8`` -- as plain tensors, and back: what a checkpoint stores of them, so that they reshard and
+export as bitsandbytes' 8-bit state does.
+
+A state value ``key`` of one of these classes, over ``n`` elements (a piece, or a whole parameter) with
+blocks of ``b``, is stored as
+
+* ``key/codes``: one uint8 per element, of the value's shape (4-bit codes unpacked from their two per byte,
+  fp8 codes reinterpreted as bytes), so that it reshards as per-element state;
+* ``key/scale``: ``n / b`` fp32 scales, one per quantization block, which move with their blocks;
+* ``key/qmap``: the quantization map (8-bit and 4-bit only), the same in every piece;
+* ``key/tensor``: a scalar recipe ``(class name, signed, dtype)`` that rebuilds the value around them.
+
+Rebuilding reads the class from torchao itself (only these three are accepted), so a checkpoint of torchao
+state loads where torchao is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from .files import CheckpointError
+
+CLASSES = {"OptimState8bit": "torchao.optim.subclass_8bit", "OptimState4bit": "torchao.optim.subclass_4bit",
+           "OptimStateFp8": "torchao.optim.subclass_fp8"}
+PARTS = ("codes", "scale", "qmap")
+RECIPE = "tensor"
+
+
+def is_part(key: str, part: str) -> bool:
+    """Whether state ``key`` is the ``part`` (``"scale"``, ``"qmap"``, ...) of a stored subclass value."""
+    return key.endswith("/" + part)
+
+
+def plain_parts(state: Optional[dict]) -> Optional[dict]:
+    """``state`` with every quantized subclass value replaced by its plain parts; another tensor subclass is
+    refused (its layout is unknown, so it could not be resharded)."""
+    if not state:
+        return state
+    plain = {}
+    for key, value in state.items():
+        if not (torch.is_tensor(value) and hasattr(type(value), "__tensor_flatten__")):
+            plain[key] = value
+            continue
+        name = type(value).__name__
+        if CLASSES.get(name) != type(value).__module__:
+            raise CheckpointError(f"optimizer state {key!r} is a {name} (a tensor subclass), which zeroimpl's sharded "
+                                  "checkpoints cannot reshard: they store torchao's OptimState8bit, OptimState4bit and "
+                                  "OptimStateFp8 and bitsandbytes' 8-bit state. Save optimizer.state_dict() on every "
+                                  "rank with torch.save and load it at the same world size and layout")
+        codes = value.codes
+        if name == "OptimState4bit":  # two codes per byte, the first element's in the high nibble
+            codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1)
+        plain[f"{key}/codes"] = codes.view(torch.uint8).reshape(value.shape)
+        plain[f"{key}/scale"] = value.scale
+        if hasattr(value, "qmap"):
+            plain[f"{key}/qmap"] = value.qmap
+        plain[f"{key}/{RECIPE}"] = (name, getattr(value, "signed", None), str(value.dtype))
+    return plain
+
+
+def joined(state: Optional[dict], shape: tuple) -> Optional[dict]:
+    """The reverse of :func:`plain_parts` for a value of ``shape`` (the piece's, or the parameter's)."""
+    if not state:
+        return state
+    recipes = [key for key in state if is_part(key, RECIPE)]
+    whole = {key: value for key, value in state.items()
+             if not any(key.startswith(recipe[:-len(RECIPE)]) for recipe in recipes)}
+    for recipe in recipes:
+        key = recipe[:-len(RECIPE) - 1]
+        name, signed, dtype = state[recipe]
+        if name not in CLASSES:
+            raise CheckpointError(f"optimizer state {key!r} names an unknown tensor subclass {name!r}")
+        cls = getattr(importlib.import_module(CLASSES[name]), name)
+        codes, scale, dtype = state[f"{key}/codes"].contiguous(), state[f"{key}/scale"], getattr(torch, dtype[6:])
+        if name == "OptimState4bit":
+            flat = codes.reshape(-1)
+            whole[key] = cls((flat[::2] << 4) | flat[1::2], scale, state[f"{key}/qmap"], signed, torch.Size(shape),
+                             dtype=dtype)
+        elif name == "OptimStateFp8":
+            whole[key] = cls(codes.view(torch.float8_e4m3fn).reshape(shape), scale, dtype=dtype)
+        else:
+            whole[key] = cls(codes.reshape(shape), scale, state[f"{key}/qmap"], signed, dtype=dtype)
+    return whole
