@@ -442,3 +442,14 @@ def test_optimizer_state_of_an_unknown_tensor_subclass_is_refused_by_name():
     state = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(8).as_subclass(_OtherSubclass)}
     with pytest.raises(CheckpointError, match="'exp_avg' is a _OtherSubclass .*cannot reshard"):
         split_state(state, (8,), whole=True)
+
+
+def test_a_state_key_that_merely_ends_like_a_stored_part_is_not_taken_for_one():
+    """A stored torchao value's recipe is ``key/tensor`` holding (class name, signed, dtype); a user's own state
+    under such a key name, of another kind, is checked as any state (a string is neither per element nor a
+    scalar: refused at save time, not mistaken for a recipe that fails on load)."""
+    from zeroimpl.checkpoint import CheckpointError
+    from zeroimpl.checkpoint.format import split_state
+
+    with pytest.raises(CheckpointError, match="'foo/tensor'.*neither one value per element nor a scalar"):
+        split_state({"step": torch.tensor(1.0), "foo/tensor": "abc"}, (8,), whole=False)

@@ -199,3 +199,38 @@ def test_torchao_checkpoints_reshard_to_other_world_sizes(launches, world_size, 
         assert cut > 1, "the 128 x 96 matrix is not cut between ranks"
         assert loaded, "resumed from the 2-rank checkpoint: not DDP + the class from its consolidated state"
         assert imported, "from the consolidated torch state: not DDP + the class from it"
+
+
+@pytest.mark.parametrize("name", ["OptimState8bit", "OptimState4bit", "OptimStateFp8"])
+def test_stored_codes_are_one_per_element_in_order_and_rebuild_the_same_state(name):
+    """In one process, no step: a quantized state's stored parts, read element by element (code -> map or fp8
+    value, times its block's scale), are torchao's own dequantized values, so every element keeps its code
+    wherever a reshard moves it (4-bit: the first element of a byte is its high nibble); and the rebuilt state
+    is the original, code for code."""
+    import importlib
+
+    from zeroimpl.checkpoint.subclass_state import CLASSES as MODULES, joined, plain_parts
+    cls = getattr(importlib.import_module(MODULES[name]), name)
+    values = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    state = cls.zeros(values.shape, block_size=128) if name == "OptimStateFp8" else cls.zeros(values.shape, True, 128)
+    state.copy_(values)
+    parts = plain_parts({"exp_avg": state, "step": torch.tensor(3.0)})
+    codes, scale = parts["exp_avg/codes"], parts["exp_avg/scale"].repeat_interleave(128).view(64, 128)
+    assert codes.dtype == torch.uint8 and codes.shape == values.shape and parts["step"] == 3.0
+    decoded = (codes.view(torch.float8_e4m3fn).float() if name == "OptimStateFp8" else parts["exp_avg/qmap"][codes.long()])
+    assert torch.equal(decoded * scale, state.dequantize())
+    rebuilt = joined(parts, (64, 128))["exp_avg"]
+    assert type(rebuilt) is cls and torch.equal(rebuilt.scale, state.scale)
+    assert torch.equal(rebuilt.codes.view(torch.uint8), state.codes.view(torch.uint8))
+
+
+def test_export_or_import_of_a_non_contiguous_quantized_parameter_is_refused():
+    """zeroimpl's blocks follow a parameter's memory order, the plain class's its logical order: a channels-last
+    weight's state would land its scales on other elements, so it is refused (a sharded resume stays exact)."""
+    from zeroimpl.checkpoint import CheckpointError
+    from zeroimpl.checkpoint.subclass_state import plain_parts, require_logical_order
+    from torchao.optim.subclass_8bit import OptimState8bit
+    parts = plain_parts({"exp_avg": OptimState8bit.zeros((16, 64, 2, 2), True, 256)})
+    require_logical_order(parts, (16, 64, 2, 2), (256, 4, 2, 1), 0)  # contiguous: fine
+    with pytest.raises(CheckpointError, match="memory order.*logical order.*load_checkpoint"):
+        require_logical_order(parts, (16, 64, 2, 2), (256, 1, 128, 64), 0)  # channels last

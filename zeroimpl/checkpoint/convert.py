@@ -21,7 +21,7 @@ from . import files
 from .format import (READABLE_FORMATS, block_range, describe_groups, file_keys, is_per_block, key_offsets, param_scalars,
                      read_rank, saved_layout, saved_memory_order, split_state, state_dtypes)
 from .files import EXTRAS, INDEX, CheckpointError
-from .subclass_state import joined, plain_parts
+from .subclass_state import joined, plain_parts, require_logical_order
 
 
 def _read_full(directory: str):
@@ -98,10 +98,11 @@ def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[
                 if scalars is not None:
                     entry = index["params"][member]
                     strides = saved_memory_order(entry)
-                    state[number] = joined(
-                        {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
-                         **{key: shaped(value, entry["shape"], strides) if value.numel() == numels[member] else value
-                            for key, value in states[member].items()}}, tuple(entry["shape"]))
+                    parts = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
+                             **{key: shaped(value, entry["shape"], strides) if value.numel() == numels[member] else value
+                                for key, value in states[member].items()}}
+                    require_logical_order(parts, entry["shape"], strides, member)
+                    state[number] = joined(parts, tuple(entry["shape"]))
             numbers.append(number)
             number += 1
         param_groups.append({**group["hyperparameters"], "params": numbers})
@@ -136,6 +137,7 @@ def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) ->
     def split(index: int):
         """Parameter ``index``'s saved state split (per element, flattened; scalars; whole), or Nones."""
         param, saved = params[index], plain_parts(saved_state.get(number_of[index]))
+        require_logical_order(saved, param.shape, param.stride(), index)
         flat = {k: (flattened(v, param.stride()) if torch.is_tensor(v) and v.shape == param.shape
                     and (param.dim() > 0 or k in per_element) else v) for k, v in (saved or {}).items()}
         return split_state(flat, (param.numel(),), whole=True)

@@ -14,10 +14,10 @@ from ..layout import ShardLayout
 from ..memory_format import contiguous_strides, flattened
 from . import files
 from .files import CheckpointError, rank_file
-from .subclass_state import RECIPE, is_part, plain_parts
+from .subclass_state import is_part, is_recipe, plain_parts
 
-FORMAT = "zeroimpl.checkpoint/3"
-READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", FORMAT)
+FORMAT = "zeroimpl.checkpoint/4"  # /4 may hold torchao's state as parts (subclass_state), which /3 readers misread
+READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", "zeroimpl.checkpoint/3", FORMAT)
 
 
 def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optional[tuple] = None):
@@ -43,7 +43,7 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
             elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
         elif torch.is_tensor(value) and value.dim() == 0:
             scalars[key] = value.detach().cpu().clone()
-        elif value is None or isinstance(value, (bool, int, float)) or is_part(key, RECIPE):
+        elif value is None or isinstance(value, (bool, int, float)) or is_recipe(key, value):
             scalars[key] = value
         elif torch.is_tensor(value) and whole:
             whole_state[key] = value.detach().cpu().clone()
@@ -77,7 +77,7 @@ def block_range(start: int, end: int, block: int) -> tuple[int, int]:
 
 def file_keys(index: dict, layout: ShardLayout) -> list[tuple[str, ...]]:
     """By parameter index, the per-element state keys whose arrays in the rank files hold that parameter's
-    pieces. Format 3 writes a parameter's pieces only under the keys of its state (none if never stepped);
+    pieces. Formats 3 and 4 write a parameter's pieces only under the keys of its state (none if never stepped);
     formats 1 and 2 wrote every piece under every key (zeros where not stepped)."""
     if "param_state_keys" in index:
         return [tuple(keys or ()) for keys in index["param_state_keys"]]

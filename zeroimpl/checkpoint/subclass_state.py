@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..memory_format import contiguous_strides, same_order
 from .files import CheckpointError
 
 CLASSES = {"OptimState8bit": "torchao.optim.subclass_8bit", "OptimState4bit": "torchao.optim.subclass_4bit",
@@ -33,6 +34,16 @@ RECIPE = "tensor"
 def is_part(key: str, part: str) -> bool:
     """Whether state ``key`` is the ``part`` (``"scale"``, ``"qmap"``, ...) of a stored subclass value."""
     return key.endswith("/" + part)
+
+
+def is_recipe(key: str, value) -> bool:
+    """Whether ``key: value`` is the recipe of a stored subclass value (not a user's key that merely ends so)."""
+    return is_part(key, RECIPE) and isinstance(value, tuple) and len(value) == 3 and value[0] in CLASSES
+
+
+def has_subclass_state(state: Optional[dict]) -> bool:
+    """Whether a (plain-parts) state holds a stored subclass value."""
+    return any(is_recipe(key, value) for key, value in (state or {}).items())
 
 
 def plain_parts(state: Optional[dict]) -> Optional[dict]:
@@ -62,19 +73,38 @@ def plain_parts(state: Optional[dict]) -> Optional[dict]:
     return plain
 
 
+def require_logical_order(state: Optional[dict], shape: tuple, strides: tuple, index: int) -> None:
+    """Refuse to move a stored subclass value of trainable parameter ``index`` between zeroimpl and the plain
+    class when the parameter is not contiguous: zeroimpl's blocks follow the parameter's memory order (its flat
+    shards do), the plain class's its logical order, so the scales would fall on other elements."""
+    if has_subclass_state(state) and not same_order(tuple(shape), tuple(strides), contiguous_strides(tuple(shape))):
+        raise CheckpointError(f"trainable parameter {index} {tuple(shape)} has strides {tuple(strides)}: zeroimpl "
+                              "quantizes its torchao state in blocks of its memory order and the plain torchao class in "
+                              "blocks of its logical order, so the state cannot be exported to or imported from the "
+                              "plain class; resume through zeroimpl.checkpoint.load_checkpoint (exact at any world "
+                              "size), or make the parameter contiguous before building the optimizer")
+
+
 def joined(state: Optional[dict], shape: tuple) -> Optional[dict]:
     """The reverse of :func:`plain_parts` for a value of ``shape`` (the piece's, or the parameter's)."""
     if not state:
         return state
-    recipes = [key for key in state if is_part(key, RECIPE)]
+    recipes = [key for key, value in state.items() if is_recipe(key, value)]
     whole = {key: value for key, value in state.items()
              if not any(key.startswith(recipe[:-len(RECIPE)]) for recipe in recipes)}
     for recipe in recipes:
         key = recipe[:-len(RECIPE) - 1]
         name, signed, dtype = state[recipe]
-        if name not in CLASSES:
-            raise CheckpointError(f"optimizer state {key!r} names an unknown tensor subclass {name!r}")
-        cls = getattr(importlib.import_module(CLASSES[name]), name)
+        try:
+            cls = getattr(importlib.import_module(CLASSES[name]), name)
+        except ImportError as error:
+            raise CheckpointError(f"optimizer state {key!r} is torchao's {name}: install torchao to load it "
+                                  f"({error})") from error
+        missing = [part for part in ("codes", "scale") + (("qmap",) if name != "OptimStateFp8" else ())
+                   if f"{key}/{part}" not in state]
+        if missing:
+            raise CheckpointError(f"optimizer state {key!r} ({name}) lacks its {', '.join(missing)}: the checkpoint is "
+                                  "damaged")
         codes, scale, dtype = state[f"{key}/codes"].contiguous(), state[f"{key}/scale"], getattr(torch, dtype[6:])
         if name == "OptimState4bit":
             flat = codes.reshape(-1)
