@@ -27,7 +27,6 @@ from .files import CheckpointError
 
 CLASSES = {"OptimState8bit": "torchao.optim.subclass_8bit", "OptimState4bit": "torchao.optim.subclass_4bit",
            "OptimStateFp8": "torchao.optim.subclass_fp8"}
-PARTS = ("codes", "scale", "qmap")
 RECIPE = "tensor"
 
 
