@@ -228,7 +228,7 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: 
     sent = torch.zeros(world, blocks.payload_bytes, dtype=torch.uint8, device=input.device)
     for owner in range(world):
         if owner != rank:
-            sent[owner] = blocks.encode(pieces[owner], owner)
+            blocks.encode(pieces[owner], owner, out=sent[owner])
     received = torch.empty_like(sent)
     if algorithm(group, input) == "native":
         lent = _aliases(received, sent)
@@ -267,8 +267,7 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: ShardBlocks, group, timeo
         add_pieces()
         size = blocks.payload_bytes
         gathered = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
-        own = gathered[rank * size:(rank + 1) * size]
-        own.copy_(blocks.encode(summed))
+        own = blocks.encode(summed, out=gathered[rank * size:(rank + 1) * size])
         all_gather(gathered, own, group, timeout, tag, name).wait()
         values = torch.cat([blocks.decoded(gathered[r * size:(r + 1) * size], r) for r in range(world)])
         tensor.copy_(values[:tensor.numel()])

@@ -118,10 +118,10 @@ class ParamSync:
         blocks, index = storage.blocks, storage.bucket.index
         size = blocks.payload_bytes
         gathered = torch.empty(len(blocks.segments) * size, dtype=torch.uint8, device=storage.param_buffer.device)
-        own = gathered[blocks.rank * size:(blocks.rank + 1) * size]
         # on the parameters' device: a host master (offload) crosses as it would unquantized, queued on the stream
         master = storage.master.to(storage.published.device, non_blocking=True)
-        own.copy_(blocks.encode(master - storage.published.to(master.dtype)))
+        own = blocks.encode(master - storage.published.to(master.dtype),
+                            out=gathered[blocks.rank * size:(blocks.rank + 1) * size])
         self._payloads[index] = gathered
         parameters = storage.param_buffer.data
 

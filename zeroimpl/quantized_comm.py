@@ -82,10 +82,12 @@ class ShardBlocks:
         """Rank's segments, each rounded up to whole blocks."""
         return [math.ceil(length / BLOCK) * BLOCK for length in self.segments[rank]]
 
-    def encode(self, values: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor:
+    def encode(self, values: torch.Tensor, rank: Optional[int] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The payload of ``values`` (1-D, ``shard_numel`` elements of any float dtype) on ``rank``'s blocks
         (default: this rank's): its master shard for the all-gather, or its piece of rank r's gradient shard for
-        the reduce-scatter. A new uint8 tensor on ``values``' device."""
+        the reduce-scatter. Written into ``out`` (``payload_bytes`` uint8, e.g. this rank's slice of a gather's
+        buffer), or a new uint8 tensor on ``values``' device."""
         rank = self.rank if rank is None else rank
         n, lengths = self.shard_numel, self.segments[rank]
         pieces, first = [], 0
@@ -103,7 +105,8 @@ class ShardBlocks:
             ranges, (least, most), dtype = torch.cat([low, step], dim=1), (0, _LEVELS), torch.uint8
         inverse = torch.where(step >= _TINY, 1 / step, 0.0)  # a constant block (or nearly): one code
         codes = torch.mul(values - low, inverse).round_().clamp_(least, most).to(dtype).view(torch.uint8).view(-1)
-        payload = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=values.device)
+        payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=values.device) if out is None else out
+        payload[n + 4 * ranges.numel():].zero_()  # (alignment bytes: sent, never read)
         payload[n:n + 4 * ranges.numel()].view(torch.float32).copy_(ranges.view(-1))
         payload[:n].copy_(torch.cat(_unpadded(codes, lengths, self._padded(rank))))
         return payload

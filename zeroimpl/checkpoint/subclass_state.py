@@ -88,12 +88,10 @@ def joined(state: Optional[dict], shape: tuple) -> Optional[dict]:
     """The reverse of :func:`plain_parts` for a value of ``shape`` (the piece's, or the parameter's)."""
     if not state:
         return state
-    recipes = [key for key, value in state.items() if is_recipe(key, value)]
-    whole = {key: value for key, value in state.items()
-             if not any(key.startswith(recipe[:-len(RECIPE)]) for recipe in recipes)}
-    for recipe in recipes:
-        key = recipe[:-len(RECIPE) - 1]
-        name, signed, dtype = state[recipe]
+    stored = [key[:-len(RECIPE) - 1] for key, value in state.items() if is_recipe(key, value)]
+    whole = {key: value for key, value in state.items() if not any(key.startswith(f"{base}/") for base in stored)}
+    for key in stored:
+        name, signed, dtype = state[f"{key}/{RECIPE}"]
         try:
             cls = getattr(importlib.import_module(CLASSES[name]), name)
         except ImportError as error:
