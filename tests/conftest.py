@@ -12,3 +12,18 @@ start_ranks_from_forkserver(["torch", "torch.distributed", "transformers",
                              "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
                              "transformers.models.bert.modeling_bert", "transformers.models.t5.modeling_t5",
                              "transformers.trainer"])
+
+# The README runs the suite on two pytest-xdist workers, a test module to a worker (--dist loadfile), handed out
+# in collection order (--no-loadscope-reorder). These modules take 20 s or more each on 2 cores (pytest --durations
+# under xdist), so they are collected first, longest first: started last, one of them would leave the other worker
+# idle at the end. (Only the order depends on this list: a module missing from it still runs, after these.)
+LONGEST_FIRST = ("test_comparison", "test_torchao", "test_trainer", "test_clean_exit", "test_faults",
+                 "test_training_loops", "test_long_run", "test_drop_in_loops", "test_offload", "test_multinode",
+                 "test_network", "test_checkpoint", "test_lowbit", "test_overlap", "test_quantized_comm",
+                 "test_gpu_kit", "test_loop_misuse", "test_optimizers_and_clipping", "test_third_party_optimizers",
+                 "test_optimizer_semantics")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(LONGEST_FIRST)))  # stable: a module's own order stays
