@@ -26,7 +26,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 WORLD_SIZE = min(torch.cuda.device_count(), 2)
 # deterministic cuBLAS (with torch.use_deterministic_algorithms in the ranks); real collectives on one GPU
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **({"ZEROIMPL_COLLECTIVES_AT_ONE_RANK": "1"} if WORLD_SIZE == 1 else {})}
-OFFLOAD_TOLERANCE = 1e-6  # the host's AdamW against DDP's CUDA kernel: last-bit differences, over 3 steps
+# the host's AdamW against the CUDA kernel, fp32: last-bit differences, which Adam at lr 1e-2 can turn into
+# steps of up to lr on near-zero gradients (measured on an H100, torch 2.11: 2.8e-5 against DDP, 4.2e-5 in
+# the delayed-copy test, the same with no delay at all)
+OFFLOAD_TOLERANCE = 1e-4
 
 CASES = {
     "DDP": RunConfig("gpt2", None, device="cuda"),
@@ -111,8 +114,11 @@ def _offload_under_delayed_copies(rank, world_size, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_offload_side_stream_waits_for_delayed_copies(dtype):
-    assert run_distributed(WORLD_SIZE, _offload_under_delayed_copies, dtype, backend="nccl",
-                           timeout=600, env=ENV) == [0.0] * WORLD_SIZE
+    """A missing wait moves parameters by about lr (1e-2); fp32 differs by the host step's last bits (bf16: 0)."""
+    bound = OFFLOAD_TOLERANCE if dtype == torch.float32 else 0.0
+    for difference in run_distributed(WORLD_SIZE, _offload_under_delayed_copies, dtype, backend="nccl", timeout=600,
+                                      env=ENV):
+        assert difference <= bound, difference
 
 
 def _host_syncs_per_step(rank, world_size, offload):
@@ -142,7 +148,9 @@ def test_one_host_sync_per_step():
 
 
 def _memory(rank, world_size):
-    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")  # cuBLAS's workspace: not counted below
+    # cuBLAS's workspaces, not counted below: one per handle, and backward runs on autograd's own device thread
+    warm = torch.ones(8, 8, device="cuda", requires_grad=True)
+    (warm @ warm).sum().backward()
     before = torch.cuda.memory_allocated()
     model = build_model("gpt2").cuda()
     groups = param_groups(model)
