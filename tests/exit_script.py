@@ -1,6 +1,7 @@
-"""A training job that ends as a user's script does, for tests/test_clean_exit.py: tiny GPT-2, ZeRO stage 2,
-6 steps, rank 0 saves the parameters with ``torch.save``, then ``dist.barrier()``,
-``dist.destroy_process_group()`` and a plain return (no ``os._exit``).
+"""A training job that ends as a user's script does, for tests/test_clean_exit.py: a small MLP, ZeRO stage 2,
+6 steps (the last one's parameter all-gathers still in flight when the loop ends), rank 0 saves the parameters
+with ``torch.save`` (which waits for them), then ``dist.barrier()``, ``dist.destroy_process_group()`` and a plain
+return (no ``os._exit``).
 
     torchrun --nproc_per_node 2 tests/exit_script.py OUT [--keep]
 
@@ -13,7 +14,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import transformers
 
 from zeroimpl import ShardedOptimizer
 
@@ -28,16 +28,15 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 8))
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
     if args.keep:
         KEPT.append(optimizer)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(6):
-        ids = torch.randint(0, 256, (4, 32), generator=generator)
-        model(input_ids=ids, labels=ids).loss.backward()
+        inputs = torch.randn(4, 32, generator=generator)
+        model(inputs).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
     if rank == 0:

@@ -1,8 +1,12 @@
 """A job that ends normally exits 0: no "terminate called without an active exception" (SIGABRT) at
-interpreter exit from gloo's worker threads dropping zeroimpl's Python objects (zeroimpl/shutdown.py).
+interpreter exit from a gloo worker thread letting go of a Python object after finalization has begun
+(zeroimpl/shutdown.py).
 
-The abort is a race at exit, so each case runs tests/exit_script.py under torchrun several times (2 CPU
-ranks, gloo). Before the fix, the two cases aborted in about 1 run in 5 and 1 run in 3 (2 cores).
+In a real job that is a race: it aborted in about 1 exit in 30 (a plain Trainer + DDP run at 4 ranks) before the
+exit wait, and too rarely for a test to see at 2 ranks today. ``tests/late_release_script.py`` makes it
+certain instead: the last all-gather completes while the main thread holds the GIL, and nothing releases the
+GIL until the interpreter finalizes. The same script without zeroimpl must abort, or the reproduction has lost
+its power and this test says so.
 """
 
 import os
@@ -13,22 +17,47 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "exit_script.py")
-RUNS = 3
+TRAINING_JOB = os.path.join(ROOT, "tests", "exit_script.py")
+LATE_RELEASE = os.path.join(ROOT, "tests", "late_release_script.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def run_late_release(tmp_path, with_zeroimpl: bool) -> list:
+    """Both ranks of tests/late_release_script.py, run to their end: (exit status, standard error) each."""
+    rendezvous = tmp_path / ("zeroimpl" if with_zeroimpl else "plain")
+    ranks = [subprocess.Popen([sys.executable, LATE_RELEASE, str(rendezvous), str(rank)]
+                              + (["--zeroimpl"] if with_zeroimpl else []),
+                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    stderrs = [rank.communicate(timeout=120)[1] for rank in ranks]
+    return [(rank.returncode, stderr) for rank, stderr in zip(ranks, stderrs)]
+
+
+def test_a_gloo_worker_that_lets_go_after_main_returns_aborts_without_zeroimpl(tmp_path):
+    """The reproduction's power: rank 0, whose main thread held the GIL, aborts at exit."""
+    status, stderr = run_late_release(tmp_path, with_zeroimpl=False)[0]
+    assert status != 0 and "terminate called" in stderr, (
+        "tests/late_release_script.py no longer aborts without zeroimpl's exit wait (torch or Python changed how "
+        f"a late gloo worker ends?): rebuild the reproduction before trusting the test beside this one.\n"
+        f"exit status {status}\n{stderr[-2000:]}")
+
+
+def test_importing_zeroimpl_lets_a_late_gloo_worker_go_before_the_interpreter_finalizes(tmp_path):
+    for rank, (status, stderr) in enumerate(run_late_release(tmp_path, with_zeroimpl=True)):
+        assert "terminate called" not in stderr, f"rank {rank}:\n{stderr[-3000:]}"
+        assert status == 0, f"rank {rank}, exit status {status}:\n{stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["freed-when-main-returns", "alive-until-exit"])
-def test_a_finished_job_exits_cleanly(tmp_path, keep):
-    for run in range(RUNS):
-        out = tmp_path / str(run)
-        out.mkdir()
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   SCRIPT, str(out)] + (["--keep"] if keep else [])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-        assert "terminate called" not in completed.stderr, f"run {run}:\n{completed.stderr[-3000:]}"
-        assert completed.returncode == 0, f"run {run}:\n{completed.stderr[-3000:]}"
-        assert torch.load(out / "final.pt").keys()
+def test_a_finished_training_job_exits_cleanly(tmp_path, keep):
+    """The whole path a user's job takes at its end, under torchrun: the optimizer's own finalizer (gathers
+    still in flight), then zeroimpl's exit wait."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               TRAINING_JOB, str(tmp_path)] + (["--keep"] if keep else [])
+    completed = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=120)
+    assert "terminate called" not in completed.stderr, completed.stderr[-3000:]
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert torch.load(tmp_path / "final.pt").keys()
 
 
 def test_exit_lets_other_threads_take_the_gil_even_when_zeroimpl_holds_nothing(tmp_path):
