@@ -1,5 +1,6 @@
-"""A training job for the fault tests, run under torchrun: tiny GPT-2, ZeRO stage 2, a checkpoint after
-every step, resume from the newest complete checkpoint on start.
+"""A training job for the fault and multi-node tests, run under torchrun: a small language model in plain torch
+(``workloads.PlainLanguageModel``: no transformers to import in every rank), ZeRO stage 2, a checkpoint after every
+step, resume from the newest complete checkpoint on start.
 
     torchrun --nproc_per_node 2 tests/fault_training.py OUT --steps 5 [--fault kill|hang --fault-step 3]
                                                         [--mesh REPLICAS] [--global-batch]
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import batch, build_model, local_batch, param_groups  # noqa: E402
+from workloads import PlainLanguageModel, batch, local_batch, param_groups  # noqa: E402
 from zeroimpl import ShardedOptimizer  # noqa: E402
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
@@ -60,7 +61,7 @@ def main():
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (args.mesh, world_size // args.mesh), mesh_dim_names=("replicate", "shard"))
-    model = build_model("gpt2")
+    model = PlainLanguageModel()
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-2, bucket_numel=4096,
                                  collective_timeout=args.collective_timeout, device_mesh=mesh)
     os.makedirs(args.out, exist_ok=True)

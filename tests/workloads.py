@@ -12,6 +12,7 @@ import contextlib
 import time
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -79,6 +80,33 @@ FROZEN = {  # one frozen parameter per model, as fine-tuning recipes have
     "llama": "model.layers.0.input_layernorm.weight",
     "bert": "bert.embeddings.token_type_embeddings.weight",
 }
+
+
+class PlainLanguageModel(torch.nn.Module):
+    """A causal language model in plain torch, for the jobs the tests start with torchrun (a fresh interpreter per
+    rank, where importing transformers would take about 4 s of the 6): the tiny GPT-2's vocabulary, width and
+    sequence length, learned positions (frozen, as :data:`FROZEN` freezes GPT-2's), two pre-norm MLP blocks and a
+    head tied to the token embedding. ``forward(input_ids, labels)`` returns an object with the next-token
+    cross-entropy as ``.loss``, as a Hugging Face model does; about 21K parameters, several buckets of 4096."""
+
+    def __init__(self, hidden: int = 32, blocks: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = torch.nn.Embedding(VOCAB, hidden)
+        self.positions = torch.nn.Embedding(SEQUENCE_LENGTH, hidden)
+        self.positions.weight.requires_grad_(False)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                torch.nn.Linear(4 * hidden, hidden)) for _ in range(blocks))
+        self.norm = torch.nn.LayerNorm(hidden)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        hidden = self.tokens(input_ids) + self.positions(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        logits = self.norm(hidden) @ self.tokens.weight.T
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return SimpleNamespace(loss=loss)
 
 
 def build_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
