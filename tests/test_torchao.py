@@ -23,7 +23,7 @@ from distributed import case_results, run_cases, run_distributed
 from zeroimpl import ShardedOptimizer, estimate_memory
 from zeroimpl.optimizer_kinds import sharding_of
 
-ao = pytest.importorskip("torchao.optim", reason="pip install torchao (kept out of the test environment: see pyproject.toml)")
+ao = pytest.importorskip("torchao.optim", reason="pip install 'zeroimpl[lowbit]' (torchao)")
 CLASSES = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
 STEPS, LR = 3, 1e-2
 WORLD_SIZES = [2, 3, 4]

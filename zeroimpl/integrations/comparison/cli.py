@@ -4,6 +4,7 @@
                      [--world-size 2] [--steps 6] [--accum 1] [--optimizer adamw|muon|adamw8bit]
                      [--max-grad-norm 1.0] [--only NAME ...]
                      [--out runs/comparison]
+    zeroimpl-compare --build-deepspeed-ops
 
 Each implementation trains the same model (same initial weights), on the same data, with the same AdamW
 settings (or, with --optimizer muon, torch.optim.Muon on the hidden matrices and AdamW on the rest; with
@@ -60,11 +61,22 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
                         help="run only implementations whose name contains one of these (DDP always runs)")
     parser.add_argument("--out", default="runs/comparison", help="folder for the table, CSV, JSON and chart")
+    parser.add_argument("--build-deepspeed-ops", action="store_true",
+                        help="only build the ops DeepSpeed's CPU runs load (CPU Adam, shared-memory collectives), "
+                        "which its first run would otherwise build (about 1.5 min on 2 cores), and exit")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser().parse_args(argv)
+    if args.build_deepspeed_ops:
+        if importlib.util.find_spec("deepspeed") is None:
+            parser().error("--build-deepspeed-ops needs DeepSpeed: pip install --no-build-isolation deepspeed==0.19.8")
+        from ..adapters.deepspeed_zero import build_cpu_ops
+
+        build_cpu_ops()
+        print("DeepSpeed's CPU ops are built")
+        return
     if args.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
         parser().error("--optimizer adamw8bit needs bitsandbytes: pip install 'zeroimpl[lowbit]'")
     from tqdm import tqdm
