@@ -19,10 +19,10 @@ it holds: a worker that is letting go of any Python object -- DDP's bucket tenso
 kept alive by a later barrier's reference to their work (a core dump of a plain Trainer + DDP run at 4 ranks
 showed ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref`` -> ``pthread_exit``) -- takes it then.
 Before this wait was unconditional, such a run aborted in about 1 exit in 30. ``tests/test_clean_exit.py`` makes
-the race certain: a gloo all-gather completes while the main thread holds the GIL up to the interpreter's exit. The objects zeroimpl itself hands
-to gloo it drops after the wait (a fresh alias of a tensor for each collective, :func:`zeroimpl.comm._aliases`)
-or when taking a guard off the stack; :func:`handed_to_gloo` registers them then, and the exit waits on until
-they are freed (at most ``EXIT_WAIT_SECONDS``).
+the race certain: a gloo all-gather completes while the main thread holds the GIL up to the interpreter's exit.
+The objects zeroimpl itself hands to gloo it drops after the wait (a fresh alias of a tensor for each
+collective, :func:`zeroimpl.comm._aliases`) or when taking a guard off the stack; :func:`handed_to_gloo`
+registers them then, and the exit waits on until they are freed (at most ``EXIT_WAIT_SECONDS``).
 """
 
 from __future__ import annotations
