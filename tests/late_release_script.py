@@ -16,6 +16,7 @@ returned, for tests/test_clean_exit.py. Deterministic, where a real job's exit i
 
 import argparse
 import ctypes
+import datetime
 import sys
 import time
 
@@ -54,7 +55,8 @@ def main():
     args = parser.parse_args()
     if args.zeroimpl:
         import zeroimpl  # noqa: F401
-    dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=args.rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=args.rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
     dist.barrier()
     if args.rank == 1:
         time.sleep(LATE_SECONDS)

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINING_JOB = os.path.join(ROOT, "tests", "exit_script.py")
 LATE_RELEASE = os.path.join(ROOT, "tests", "late_release_script.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+ABORT = "terminate called without an active exception"
 
 
 def run_late_release(tmp_path, with_zeroimpl: bool) -> list:
@@ -29,14 +30,20 @@ def run_late_release(tmp_path, with_zeroimpl: bool) -> list:
                               + (["--zeroimpl"] if with_zeroimpl else []),
                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
-    stderrs = [rank.communicate(timeout=120)[1] for rank in ranks]
+    try:
+        stderrs = [rank.communicate(timeout=120)[1] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()  # (no-op for a rank that has exited)
     return [(rank.returncode, stderr) for rank, stderr in zip(ranks, stderrs)]
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="from Python 3.14 a thread that takes the GIL while the "
+                    "interpreter finalizes blocks instead of calling pthread_exit (CPython gh-87135): no abort")
 def test_a_gloo_worker_that_lets_go_after_main_returns_aborts_without_zeroimpl(tmp_path):
     """The reproduction's power: rank 0, whose main thread held the GIL, aborts at exit."""
     status, stderr = run_late_release(tmp_path, with_zeroimpl=False)[0]
-    assert status != 0 and "terminate called" in stderr, (
+    assert status != 0 and ABORT in stderr, (
         "tests/late_release_script.py no longer aborts without zeroimpl's exit wait (torch or Python changed how "
         f"a late gloo worker ends?): rebuild the reproduction before trusting the test beside this one.\n"
         f"exit status {status}\n{stderr[-2000:]}")
@@ -44,7 +51,7 @@ def test_a_gloo_worker_that_lets_go_after_main_returns_aborts_without_zeroimpl(t
 
 def test_importing_zeroimpl_lets_a_late_gloo_worker_go_before_the_interpreter_finalizes(tmp_path):
     for rank, (status, stderr) in enumerate(run_late_release(tmp_path, with_zeroimpl=True)):
-        assert "terminate called" not in stderr, f"rank {rank}:\n{stderr[-3000:]}"
+        assert ABORT not in stderr, f"rank {rank}:\n{stderr[-3000:]}"
         assert status == 0, f"rank {rank}, exit status {status}:\n{stderr[-3000:]}"
 
 
@@ -55,7 +62,7 @@ def test_a_finished_training_job_exits_cleanly(tmp_path, keep):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                TRAINING_JOB, str(tmp_path)] + (["--keep"] if keep else [])
     completed = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=120)
-    assert "terminate called" not in completed.stderr, completed.stderr[-3000:]
+    assert ABORT not in completed.stderr, completed.stderr[-3000:]
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert torch.load(tmp_path / "final.pt").keys()
 

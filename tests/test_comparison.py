@@ -227,3 +227,17 @@ def test_the_readings_that_bound_the_timed_steps_see_a_quiet_network(tmp_path):
     for seen in run_distributed(2, _gathers_in_flight_at_each_boundary, str(tmp_path / "parameters.pt")):
         assert seen[0] == 0 and seen[1] == 0 and seen[4] == 0, seen
         assert seen[2] > 0 and seen[3] > 0, seen
+
+
+def test_build_deepspeed_ops_builds_the_cpu_adam_and_the_shared_memory_collectives():
+    """``zeroimpl-compare --build-deepspeed-ops`` (the README's setup runs it), in a fresh process, builds (or finds
+    built) the ops that DeepSpeed 0.19's CPU runs load: the CPU Adam of offload and the shared-memory collectives
+    its CPU accelerator sets up in every run."""
+    pytest.importorskip("deepspeed", reason="pip install --no-build-isolation deepspeed==0.19.8")
+    import subprocess
+    import sys
+
+    completed = subprocess.run([sys.executable, "-m", "zeroimpl.integrations.comparison.cli", "--build-deepspeed-ops"],
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "DeepSpeed's CPU ops are built: cpu_adam, deepspeed_shm_comm" in completed.stdout, completed.stdout

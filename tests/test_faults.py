@@ -1,9 +1,9 @@
 """A rank that dies or hangs mid-step stops the job in bounded time, and the job started again resumes it.
 
 Jobs run tests/fault_training.py under torchrun (2 CPU ranks, gloo): a small plain-torch language model, stage 2,
-a checkpoint after every step. Bounds: the hung rank's peers must stop within the collective timeout (3 s) plus process start and
-teardown, so the whole job must end within HANG_JOB_LIMIT seconds (without the timeout it would wait out the
-hung rank's 600 s sleep). The restarted job must end bitwise where an uninterrupted one does.
+a checkpoint after every step. Bounds: the hung rank's peers must stop within the collective timeout (3 s) plus
+process start and teardown, so the whole job must end within HANG_JOB_LIMIT seconds (without the timeout it would
+wait out the hung rank's 600 s sleep). The restarted job must end bitwise where an uninterrupted one does.
 """
 
 import os

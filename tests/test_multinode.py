@@ -1,10 +1,10 @@
 """A real two-node job on this machine: two torchrun agents (``--nnodes 2``, 2 ranks each, c10d rendezvous on
 localhost), as two machines would run it, train tests/fault_training.py (a small plain-torch language model,
-stage 2, a checkpoint after every step) with hybrid sharding on a 2 x 2 mesh (each node one shard group, the nodes replicas), and
-resume from its checkpoint of step 3: on the two nodes again (bitwise equal to an uninterrupted run: same mesh, same
-summation order), and on one node of 2 ranks, a flat world (within PARAM_ATOL = 1e-4, the parity tolerance:
-every rank trains on its slice of one global batch, so the averaged gradient is the same up to summation
-order).
+stage 2, a checkpoint after every step) with hybrid sharding on a 2 x 2 mesh (each node one shard group, the nodes
+replicas), and resume from its checkpoint of step 3: on the two nodes again (bitwise equal to an uninterrupted run:
+same mesh, same summation order), and on one node of 2 ranks, a flat world (within PARAM_ATOL = 1e-4, the parity
+tolerance: every rank trains on its slice of one global batch, so the averaged gradient is the same up to
+summation order).
 """
 
 import os

@@ -85,20 +85,24 @@ FROZEN = {  # one frozen parameter per model, as fine-tuning recipes have
 class PlainLanguageModel(torch.nn.Module):
     """A causal language model in plain torch, for the jobs the tests start with torchrun (a fresh interpreter per
     rank, where importing transformers would take about 4 s of the 6): the tiny GPT-2's vocabulary, width and
-    sequence length, learned positions (frozen, as :data:`FROZEN` freezes GPT-2's), two pre-norm MLP blocks and a
-    head tied to the token embedding. ``forward(input_ids, labels)`` returns an object with the next-token
-    cross-entropy as ``.loss``, as a Hugging Face model does; about 21K parameters, several buckets of 4096."""
+    sequence length, learned positions (frozen, as :data:`FROZEN` freezes GPT-2's), two pre-norm MLP blocks (2x
+    wide: two 2048-element matrices fill one bucket of 4096, so buckets hold several parameters, as GPT-2's do) and
+    a head tied to the token embedding, initialised as GPT-2 is (normal, std 0.02). ``forward(input_ids, labels)``
+    returns an object with the next-token cross-entropy as ``.loss``, as a Hugging Face model does."""
 
     def __init__(self, hidden: int = 32, blocks: int = 2):
         super().__init__()
         torch.manual_seed(0)
         self.tokens = torch.nn.Embedding(VOCAB, hidden)
         self.positions = torch.nn.Embedding(SEQUENCE_LENGTH, hidden)
-        self.positions.weight.requires_grad_(False)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                torch.nn.Linear(4 * hidden, hidden)) for _ in range(blocks))
+            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                                torch.nn.Linear(2 * hidden, hidden)) for _ in range(blocks))
         self.norm = torch.nn.LayerNorm(hidden)
+        for module in self.modules():
+            if isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
+                torch.nn.init.normal_(module.weight, std=0.02)
+        self.positions.weight.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
         hidden = self.tokens(input_ids) + self.positions(torch.arange(input_ids.shape[1]))

@@ -125,15 +125,31 @@ class DeepSpeed(Implementation):
 CPU_OPS = ("CPUAdamBuilder", "ShareMemCommBuilder")  # offload's DeepSpeedCPUAdam; the CPU accelerator's collectives
 
 
-def build_cpu_ops() -> None:
-    """Build the ops DeepSpeed's CPU runs load (``CPU_OPS``) into torch's extension cache now
-    (``zeroimpl-compare --build-deepspeed-ops``), as ``DS_BUILD_OPS=1`` would at install (which here took 3.5 min
-    against 1.4 for this, 2 cores), rather than inside the first comparison that needs them. Later runs find them
-    built: the cache is per user, Python and torch."""
+def build_cpu_ops() -> list[str]:
+    """Build the ops DeepSpeed's CPU runs load (``CPU_OPS``, those this machine can build, as DeepSpeed itself
+    skips an incompatible one) into torch's extension cache now (``zeroimpl-compare --build-deepspeed-ops``), as
+    ``DS_BUILD_OPS=1`` would at install (which here took 3.5 min against 1.4 for this, 2 cores), rather than
+    inside the first comparison that needs them. Later runs find them built: the cache is per user, Python version
+    and torch build (CPU or CUDA). Needs a C++ compiler and ninja, as DeepSpeed's own first run does. Returns the
+    names of the ops built."""
     import os
 
-    os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed's first import: the builders of the CPU accelerator
-    from deepspeed.accelerator import get_accelerator
+    previous = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"  # read once, at deepspeed's first get_accelerator()
+    try:
+        from deepspeed.accelerator import get_accelerator
 
-    for name in CPU_OPS:
-        get_accelerator().create_op_builder(name).load()
+        accelerator = get_accelerator()
+    finally:
+        if previous is None:
+            del os.environ["DS_ACCELERATOR"]
+        else:
+            os.environ["DS_ACCELERATOR"] = previous
+    if accelerator.device_name() != "cpu":
+        raise RuntimeError(f"DeepSpeed's accelerator in this process is already {accelerator.device_name()!r}: build "
+                           "its CPU ops in a fresh process (zeroimpl-compare --build-deepspeed-ops)")
+    builders = [accelerator.create_op_builder(name) for name in CPU_OPS]
+    built = [builder for builder in builders if builder is not None and builder.is_compatible(verbose=False)]
+    for builder in built:
+        builder.load()
+    return [builder.NAME for builder in built]

@@ -74,8 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             parser().error("--build-deepspeed-ops needs DeepSpeed: pip install --no-build-isolation deepspeed==0.19.8")
         from ..adapters.deepspeed_zero import build_cpu_ops
 
-        build_cpu_ops()
-        print("DeepSpeed's CPU ops are built")
+        print(f"DeepSpeed's CPU ops are built: {', '.join(build_cpu_ops())}")
         return
     if args.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
         parser().error("--optimizer adamw8bit needs bitsandbytes: pip install 'zeroimpl[lowbit]'")
