@@ -233,7 +233,9 @@ def test_build_deepspeed_ops_builds_the_cpu_adam_and_the_shared_memory_collectiv
     """``zeroimpl-compare --build-deepspeed-ops`` (the README's setup runs it), in a fresh process, builds (or finds
     built) the ops that DeepSpeed 0.19's CPU runs load: the CPU Adam of offload and the shared-memory collectives
     its CPU accelerator sets up in every run."""
-    pytest.importorskip("deepspeed", reason="pip install --no-build-isolation deepspeed==0.19.8")
+    from zeroimpl.integrations.adapters import DeepSpeed
+
+    pytest.importorskip("deepspeed", reason=DeepSpeed.install_hint)
     import subprocess
     import sys
 

@@ -70,9 +70,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser().parse_args(argv)
     if args.build_deepspeed_ops:
-        if importlib.util.find_spec("deepspeed") is None:
-            parser().error("--build-deepspeed-ops needs DeepSpeed: pip install --no-build-isolation deepspeed==0.19.8")
-        from ..adapters.deepspeed_zero import build_cpu_ops
+        from ..adapters.deepspeed_zero import DeepSpeed, build_cpu_ops
+
+        missing = DeepSpeed(stage=2).unavailable()
+        if missing:
+            parser().error(f"--build-deepspeed-ops needs DeepSpeed: {missing}")
 
         print(f"DeepSpeed's CPU ops are built: {', '.join(build_cpu_ops())}")
         return
