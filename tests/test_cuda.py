@@ -207,7 +207,31 @@ def test_arenas_side_by_side_are_each_registered_and_leave_no_cuda_error():
         warnings.simplefilter("error")
         arenas = [HostArena([(5, torch.float32), (3, torch.bfloat16)], torch.device("cuda")) for _ in range(2)]
     assert all(a.pinned and a.start % mmap.PAGESIZE == 0 for a in arenas)
+    assert all(piece.is_pinned() for a in arenas for piece in a.slices)
     assert torch.ones(4, device="cuda").sum().item() == 4.0
+
+
+def test_a_copy_into_an_arena_does_not_block_the_host():
+    """A device-to-host copy into an arena's slice, queued behind a kernel of about half a second, returns with
+    the stream still busy; into pageable memory (the control) the same call returns only once the copy has
+    run. Catches: arena memory copied as pageable (unregistered: an arena collected while its slices live;
+    or registered where torch and the driver do not see it), which makes offload's copies block the host."""
+    from zeroimpl.host_memory import HostArena
+
+    numel = 1 << 22
+    source = torch.arange(numel, device="cuda", dtype=torch.float32)
+
+    def busy_after_the_call(target: torch.Tensor) -> bool:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # clock cycles: about 0.5 s
+        target.copy_(source, non_blocking=True)
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        return busy
+
+    arena = HostArena([(numel, torch.float32)], torch.device("cuda"))
+    assert busy_after_the_call(arena.slices[0]) and torch.equal(arena.slices[0], source.cpu())
+    assert not busy_after_the_call(torch.empty(numel))
 
 
 def _checkpoint_without_set_device(rank, world_size, directory):

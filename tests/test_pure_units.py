@@ -8,13 +8,15 @@ multiple of ``world_size * alignment``, buckets filled in reverse parameter orde
 bytes of the ZeRO paper (arXiv 1910.02054; docs/design.md's table), never a figure read from the code's output.
 """
 
+import gc
 import math
+import mmap
 
 import pytest
 import torch
 
 from zeroimpl import CPUOffload, estimate_memory
-from zeroimpl.host_memory import HostArena, device_tensor, page_aligned_bytes, to_device
+from zeroimpl.host_memory import HostArena, device_tensor, to_device, whole_pages
 from zeroimpl.layout import ParamSpec, build_layout
 from zeroimpl.memory_format import contiguous_strides, dense_strides, flattened, same_order, shaped
 from zeroimpl.offload import FUSED_CPU_OPTIMIZERS, host_buffers, host_optimizer_kwargs, resolve_offload, staging_sizes
@@ -203,14 +205,32 @@ def test_host_arena_is_exactly_its_slices_each_aligned_and_zeroed():
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
-def test_page_aligned_bytes_start_on_a_page_and_hold_whole_pages(nbytes):
+def test_whole_pages_are_a_storage_of_their_own(nbytes):
     """What a pinned arena registers with cudaHostRegister. Catches: a range that starts inside a page or ends
     inside one (two arenas could then share a page, which the second registration fails on), or that is
-    shorter than asked."""
-    page = 4096
-    block = page_aligned_bytes(nbytes, page)
+    shorter than asked; a storage that starts before the range (``Tensor.is_pinned`` asks about the storage's
+    first byte: a registered range inside a larger allocation reads as not pinned, measured on an H100)."""
+    page = mmap.PAGESIZE
+    block = whole_pages(nbytes)
     assert block.data_ptr() % page == 0 and block.numel() % page == 0 and nbytes <= block.numel() < nbytes + page
     assert block.dtype == torch.uint8 and not block.any()
+    assert block.untyped_storage().nbytes() == block.numel()
+    if nbytes:
+        assert block.untyped_storage().data_ptr() == block.data_ptr()
+
+
+def test_whole_pages_outlive_every_name_but_a_view():
+    """The mapping stays while a view of it lives, and is private to this process. Catches: a mapping
+    unmapped under a live slice (a crash or garbage), a shared mapping (a forked child, as a DataLoader worker,
+    would write into the parent's masters)."""
+    view = whole_pages(3 * mmap.PAGESIZE)[mmap.PAGESIZE:].view(torch.float32)
+    gc.collect()
+    view.fill_(2.0)
+    assert view.sum().item() == 2.0 * view.numel()
+    start = view.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        permissions = [line.split()[1] for line in maps if int(line.split("-")[0], 16) == start]
+    assert permissions == ["rw-p"]
 
 
 def test_host_arena_slices_do_not_overlap():

@@ -33,13 +33,15 @@ class HostArena:
     """Host tensors of several dtypes carved out of one allocation, page-locked as one exact range on a GPU.
 
     ``pin_memory=True`` takes page-locked memory from torch's caching host allocator, which rounds every
-    block up to a power of two: per-bucket buffers could cost up to twice their bytes. Here one ordinary
-    allocation is registered with ``cudaHostRegister`` (portable: every device's copies see it as
-    page-locked), so the page-locked bytes are :attr:`nbytes`: the sum of the slices, rounded up to whole
-    pages when pinned (the registered range starts on a page and shares none with any other allocation, which
-    ``cudaHostRegister`` could refuse as registered already). Slices are laid out widest dtype first, so that
-    each starts aligned to its element size with no gap between them. Unregistered (after the device has
-    finished every queued copy) when the arena is garbage collected.
+    block up to a power of two: per-bucket buffers could cost up to twice their bytes. Here one allocation of
+    whole pages of its own (:func:`whole_pages`) is registered with ``cudaHostRegister`` (portable: every
+    device's copies see it as page-locked), so the page-locked bytes are :attr:`nbytes`: the sum of the
+    slices rounded up to whole pages. Invariant when :attr:`pinned`: every slice is ``is_pinned()`` (torch
+    asks about a tensor's storage, which starts on the registered range's first byte); where the
+    registration fails or torch does not see it, the arena falls back to torch's allocator and warns. Slices
+    are laid out widest dtype first, so that each starts aligned to its element size with no gap between
+    them. Unregistered (after the device has finished every queued copy) when the arena is garbage
+    collected: the owner keeps the arena as long as it copies through the slices.
     """
 
     def __init__(self, sizes: list[tuple[int, torch.dtype]], pin_device: Optional[torch.device]):
@@ -48,17 +50,9 @@ class HostArena:
             offsets[index] = total
             total += sizes[index][0] * sizes[index][1].itemsize
         self.pinned = pin_device is not None and total > 0
-        self._block = page_aligned_bytes(total, mmap.PAGESIZE if self.pinned else 1)
+        self._block = whole_pages(total) if self.pinned else torch.zeros(total, dtype=torch.uint8)
         if self.pinned:
-            try:
-                _register(self._block, pin_device)
-                weakref.finalize(self, _unregister, self._block, pin_device)
-            except (RuntimeError, AttributeError) as error:  # no cudaHostRegister here (a sandbox, another build)
-                _clear_cuda_error(pin_device)
-                warnings.warn(f"zeroimpl: cudaHostRegister failed ({error}); the offloaded host buffers are "
-                              "page-locked by torch's caching host allocator instead, which may round them up to "
-                              "a power of two", RuntimeWarning, stacklevel=3)
-                self._block = self._block.pin_memory()
+            self._block = _page_locked(self._block, pin_device, owner=self)
         self.slices: list[torch.Tensor] = [
             self._block[offsets[i]:offsets[i] + numel * dtype.itemsize].view(dtype)
             for i, (numel, dtype) in enumerate(sizes)]
@@ -73,13 +67,35 @@ class HostArena:
         return self._block.data_ptr()
 
 
-def page_aligned_bytes(nbytes: int, page: int) -> torch.Tensor:
-    """Zeroed host bytes, ``nbytes`` rounded up to whole ``page`` s, starting on a page: a view into a larger
-    allocation of its own, so that no other allocation shares its pages."""
-    length = -(-nbytes // page) * page
-    allocation = torch.zeros(length + page - 1, dtype=torch.uint8)
-    skip = -allocation.data_ptr() % page
-    return allocation[skip:skip + length]
+def whole_pages(nbytes: int) -> torch.Tensor:
+    """Zeroed host bytes, ``nbytes`` rounded up to whole pages, from an anonymous private mapping: the
+    tensor's storage starts on a page (where ``Tensor.is_pinned`` looks) and no other allocation shares its
+    pages (``cudaHostRegister`` refuses a page registered already). The tensor keeps the mapping alive."""
+    length = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    if length == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # (Windows: always private)
+    return torch.frombuffer(mmap.mmap(-1, length, **private), dtype=torch.uint8)
+
+
+def _page_locked(block: torch.Tensor, device: torch.device, owner: object) -> torch.Tensor:
+    """``block`` registered with ``cudaHostRegister`` (unregistered when ``owner`` is collected), or, where
+    that fails or torch does not count the registration as pinned, a copy from torch's pinned allocator,
+    with a warning. Either way ``is_pinned()`` holds for the result and every view of it."""
+    try:
+        _register(block, device)
+    except (RuntimeError, AttributeError) as error:  # no cudaHostRegister here (a sandbox, another build)
+        _clear_cuda_error(device)
+        reason = f"cudaHostRegister failed ({error})"
+    else:
+        if block.is_pinned():
+            weakref.finalize(owner, _unregister, block, device)
+            return block
+        _unregister(block, device)
+        reason = "this torch does not count memory registered with cudaHostRegister as pinned"
+    warnings.warn(f"zeroimpl: {reason}; the offloaded host buffers are page-locked by torch's caching host "
+                  "allocator instead, which may round them up to a power of two", RuntimeWarning, stacklevel=4)
+    return block.pin_memory()
 
 
 def _clear_cuda_error(device: torch.device) -> None:
