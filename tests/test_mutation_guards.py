@@ -496,7 +496,7 @@ def test_host_arena_slices_of_mixed_dtypes_are_aligned_and_disjoint():
     sizes = [(3, torch.float32), (5, torch.float64), (3, torch.bfloat16), (2, torch.float64), (7, torch.float16),
              (1, torch.float32)]
     arena = HostArena(sizes, None)
-    assert arena.nbytes == sum(n * d.itemsize for n, d in sizes)
+    assert sum(n * d.itemsize for n, d in sizes) <= arena.nbytes < sum(n * d.itemsize for n, d in sizes) + 4096
     spans = []
     for (numel, dtype), piece in zip(sizes, arena.slices):
         assert piece.dtype == dtype and piece.numel() == numel

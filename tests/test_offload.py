@@ -13,6 +13,7 @@ tolerance KERNEL_ATOL = 1e-4 (Adam turns a last-bit difference in a near-zero gr
 in bf16 the kernels are not compared (a last-bit master difference can flip a rounding of the weights).
 """
 
+import mmap
 from functools import partial
 
 import pytest
@@ -173,9 +174,11 @@ def test_staging_buffers_of_each_dtype_take_turns(world_size_2):
 
 
 def test_host_buffers_share_one_exact_arena(world_size_2):
-    """One allocation (page-locked on CUDA) holds them all, and it is exactly what memory_report counts."""
+    """One allocation (page-locked on CUDA) holds them all, and it is what memory_report counts rounded up to
+    whole pages."""
     for arena_bytes, reported, inside, staging in case_results(world_size_2, "host_arena"):
-        assert arena_bytes == reported > 0 and inside and staging == 2
+        assert 0 < reported <= arena_bytes < reported + mmap.PAGESIZE and arena_bytes % mmap.PAGESIZE == 0
+        assert inside and staging == 2
 
 
 def test_accumulating_sums_on_the_device_and_crosses_once(world_size_2):

@@ -1,5 +1,5 @@
 """Host memory next to a GPU: copies to the device that do not block the host, and page-locked buffers
-that cost exactly their bytes.
+that cost their bytes up to a page.
 
 On CUDA, a copy from pageable host memory (``torch.tensor(values, device="cuda")``, ``cpu_tensor.to("cuda")``)
 makes the host wait for the device; staged through page-locked memory and issued with ``non_blocking=True``
@@ -30,18 +30,23 @@ def device_tensor(values: list, device: torch.device, dtype: torch.dtype) -> tor
 
 
 class HostArena:
-    """Host tensors of several dtypes carved out of one allocation, page-locked as one exact range on a GPU.
+    """Host tensors of several dtypes carved out of one allocation of whole pages, page-locked as one range on
+    a GPU.
 
     ``pin_memory=True`` takes page-locked memory from torch's caching host allocator, which rounds every
-    block up to a power of two: per-bucket buffers could cost up to twice their bytes. Here one allocation of
-    whole pages of its own (:func:`whole_pages`) is registered with ``cudaHostRegister`` (portable: every
-    device's copies see it as page-locked), so the page-locked bytes are :attr:`nbytes`: the sum of the
-    slices rounded up to whole pages. Invariant when :attr:`pinned`: every slice is ``is_pinned()`` (torch
-    asks about a tensor's storage, which starts on the registered range's first byte); where the
-    registration fails or torch does not see it, the arena falls back to torch's allocator and warns. Slices
-    are laid out widest dtype first, so that each starts aligned to its element size with no gap between
-    them. Unregistered (after the device has finished every queued copy) when the arena is garbage
-    collected: the owner keeps the arena as long as it copies through the slices.
+    block up to a power of two: per-bucket buffers could cost up to twice their bytes. Here one anonymous
+    private mapping (:func:`whole_pages`: zeroed, of its own pages) holds every slice, and on a GPU it is
+    registered with ``cudaHostRegister`` (portable: every device's copies see it as page-locked), so the
+    page-locked bytes are :attr:`nbytes`: the slices' bytes rounded up to whole pages. Slices are laid out
+    widest dtype first, so that each starts aligned to its element size with no gap between them.
+
+    Invariants: each slice is a storage of its own over the mapping (``torch.save`` of one writes its bytes,
+    not the arena's; ``is_pinned()`` asks about the slice's own first byte), and each keeps the mapping
+    alive. When :attr:`pinned`, every slice is ``is_pinned()``: where the registration fails, or torch does
+    not count it, each slice is copied into torch's pinned allocator instead, with a warning
+    (:attr:`registered` is False then). The range is unregistered, after the device has finished every
+    queued copy, when the arena is garbage collected: its owner keeps it as long as it copies through the
+    slices.
     """
 
     def __init__(self, sizes: list[tuple[int, torch.dtype]], pin_device: Optional[torch.device]):
@@ -49,53 +54,60 @@ class HostArena:
         for index in sorted(range(len(sizes)), key=lambda i: -sizes[i][1].itemsize):
             offsets[index] = total
             total += sizes[index][0] * sizes[index][1].itemsize
+        pages = whole_pages(total)
+        self.start: Optional[int] = _address(pages)
+        """The mapping's first byte (None after the fallback below: the slices are separate allocations)."""
+        self.nbytes = len(pages)
+        """The bytes the arena holds: the mapping's (after the fallback, the slices' before torch rounds them)."""
+        self.slices: list[torch.Tensor] = [_view(pages, offsets[i], numel, dtype)
+                                           for i, (numel, dtype) in enumerate(sizes)]
         self.pinned = pin_device is not None and total > 0
-        self._block = whole_pages(total) if self.pinned else torch.zeros(total, dtype=torch.uint8)
-        if self.pinned:
-            self._block = _page_locked(self._block, pin_device, owner=self)
-        self.slices: list[torch.Tensor] = [
-            self._block[offsets[i]:offsets[i] + numel * dtype.itemsize].view(dtype)
-            for i, (numel, dtype) in enumerate(sizes)]
-
-    @property
-    def nbytes(self) -> int:
-        return self._block.numel()
-
-    @property
-    def start(self) -> int:
-        """The address of the first byte."""
-        return self._block.data_ptr()
+        self.registered = self.pinned and _registered(self, pages, pin_device)
+        if self.pinned and not self.registered:  # the mapping goes with the slices that held it
+            self.slices = [piece.pin_memory() for piece in self.slices]
+            self.start, self.nbytes = None, total
 
 
-def whole_pages(nbytes: int) -> torch.Tensor:
-    """Zeroed host bytes, ``nbytes`` rounded up to whole pages, from an anonymous private mapping: the
-    tensor's storage starts on a page (where ``Tensor.is_pinned`` looks) and no other allocation shares its
-    pages (``cudaHostRegister`` refuses a page registered already). The tensor keeps the mapping alive."""
-    length = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    if length == 0:
-        return torch.zeros(0, dtype=torch.uint8)
+def whole_pages(nbytes: int) -> mmap.mmap:
+    """Zeroed host bytes, ``nbytes`` rounded up to whole pages (at least one), from an anonymous private
+    mapping: it starts on a page and no other allocation shares its pages (``cudaHostRegister`` refuses a
+    page registered already); a forked child writes into its own copy."""
+    length = max(1, -(-nbytes // mmap.PAGESIZE)) * mmap.PAGESIZE
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # (Windows: always private)
-    return torch.frombuffer(mmap.mmap(-1, length, **private), dtype=torch.uint8)
+    return mmap.mmap(-1, length, **private)
 
 
-def _page_locked(block: torch.Tensor, device: torch.device, owner: object) -> torch.Tensor:
-    """``block`` registered with ``cudaHostRegister`` (unregistered when ``owner`` is collected), or, where
-    that fails or torch does not count the registration as pinned, a copy from torch's pinned allocator,
-    with a warning. Either way ``is_pinned()`` holds for the result and every view of it."""
+def _address(pages: mmap.mmap) -> int:
+    return torch.frombuffer(pages, dtype=torch.uint8).data_ptr()
+
+
+def _view(pages: mmap.mmap, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at byte ``offset`` of ``pages``, as a storage of their own that keeps
+    ``pages`` alive."""
+    if numel == 0:
+        return torch.zeros(0, dtype=dtype)
+    return torch.frombuffer(pages, dtype=dtype, count=numel, offset=offset)
+
+
+def _registered(arena: HostArena, pages: mmap.mmap, device: torch.device) -> bool:
+    """Whether ``arena``'s ``pages`` are now registered with ``cudaHostRegister`` and torch counts its slices as
+    pinned (then unregistered when ``arena`` is collected); if not, the registration is undone, the CUDA
+    error a failure leaves is consumed, and a warning says why."""
     try:
-        _register(block, device)
+        _register(arena.start, arena.nbytes, device)
     except (RuntimeError, AttributeError) as error:  # no cudaHostRegister here (a sandbox, another build)
         _clear_cuda_error(device)
         reason = f"cudaHostRegister failed ({error})"
     else:
-        if block.is_pinned():
-            weakref.finalize(owner, _unregister, block, device)
-            return block
-        _unregister(block, device)
+        unregister = weakref.finalize(arena, _unregister, pages, arena.start, device)
+        if all(piece.is_pinned() for piece in arena.slices if piece.numel()):
+            return True
+        unregister()
         reason = "this torch does not count memory registered with cudaHostRegister as pinned"
     warnings.warn(f"zeroimpl: {reason}; the offloaded host buffers are page-locked by torch's caching host "
-                  "allocator instead, which may round them up to a power of two", RuntimeWarning, stacklevel=4)
-    return block.pin_memory()
+                  "allocator instead, which rounds each up to a power of two",
+                  RuntimeWarning, stacklevel=6)  # (the user's ShardedOptimizer(...) line)
+    return False
 
 
 def _clear_cuda_error(device: torch.device) -> None:
@@ -112,12 +124,12 @@ def _clear_cuda_error(device: torch.device) -> None:
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
-def _register(block: torch.Tensor, device: torch.device) -> None:
+def _register(address: int, nbytes: int, device: torch.device) -> None:
     with torch.cuda.device(device):
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(),
-                                                                    _HOST_REGISTER_PORTABLE))
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
 
 
-def _unregister(block: torch.Tensor, device: torch.device) -> None:
+def _unregister(pages: mmap.mmap, address: int, device: torch.device) -> None:
+    """(``pages``: held until here, so that the range stays mapped while registered.)"""
     torch.cuda.synchronize(device)  # no copy may still read or write the range
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(block.data_ptr()))
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))

@@ -42,9 +42,10 @@ class CPUOffload:
 
     pin_memory: bool = True
     """Page-locked host buffers, so that copies to and from a CUDA device are asynchronous: the host masters,
-    gradient shards and staging buffers are one allocation, registered with ``cudaHostRegister`` as one
-    range of whole pages (torch's ``pin_memory=True`` would round each buffer up to a power of two; it is the
-    fallback, with a warning, where the registration fails). Ignored when the parameters are on the CPU."""
+    gradient shards and staging buffers are slices of one allocation, registered with ``cudaHostRegister``
+    as one range of whole pages (torch's ``pin_memory=True`` would round each buffer up to a power of two; it
+    is the fallback, with a warning, where the registration fails or torch does not count it). Ignored when
+    the parameters are on the CPU."""
 
     fused_step: bool = True
     """Step with the optimizer's fused CPU kernel when it has one (Adam, AdamW, SGD, Adagrad) and the user
