@@ -174,15 +174,34 @@ def test_pairwise_reduce_scatter_sums_in_its_documented_order(world_size):
         assert not torch.equal(documented, other_way)  # the data tells the orders apart
 
 
+@contextlib.contextmanager
+def _reduce_scatters_into_their_input(seen: list):
+    """While inside, ``seen`` gets, per ``dist.reduce_scatter_single(output, input)`` call, whether ``output``
+    lies inside ``input`` (in place: NCCL's one-rank collective then moves no data)."""
+    original = torch.distributed.reduce_scatter_single
+
+    def recorded(output, input, *args, **kwargs):
+        low = input.data_ptr()
+        seen.append(low <= output.data_ptr() < low + input.numel() * input.element_size())
+        return original(output, input, *args, **kwargs)
+    torch.distributed.reduce_scatter_single = recorded
+    try:
+        yield
+    finally:
+        torch.distributed.reduce_scatter_single = original
+
+
 def _one_rank(rank, world_size):
     """Stage 2 (and stage 1 with offload) at world size 1, with and without ZEROIMPL_COLLECTIVES_AT_ONE_RANK:
-    (the collectives issued per step, the parameters after 3 steps)."""
+    (the collectives issued per step, the parameters after 3 steps, whether each reduce-scatter wrote into
+    its own input)."""
     results = {}
     for switch in ("", "1"):
         for stage, offload in ((2, None), (1, "cpu")):
-            counter = CollectiveCounter().install()
+            counter, in_place = CollectiveCounter().install(), []
             try:
-                with _environment("ZEROIMPL_COLLECTIVES_AT_ONE_RANK", switch):
+                with (_environment("ZEROIMPL_COLLECTIVES_AT_ONE_RANK", switch),
+                      _reduce_scatters_into_their_input(in_place)):
                     model = build_model("gpt2", torch.float32)
                     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, offload=offload,
                                                  bucket_numel=4096, lr=1e-3)
@@ -195,17 +214,21 @@ def _one_rank(rank, world_size):
             finally:
                 counter.uninstall()
             results[(switch, stage)] = ({name: count for name, (count, _, _) in calls.items()},
-                                        [p.detach().clone() for p in model.parameters()], len(optimizer.layout.buckets))
+                                        [p.detach().clone() for p in model.parameters()], len(optimizer.layout.buckets),
+                                        in_place)
     return results
 
 
 def test_a_test_switch_issues_the_real_collectives_at_world_size_1():
     """ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1: the backend's reduce-scatter and all-gather run at world size 1 (the
-    GPU kit's path on a one-GPU machine), once per bucket per step, and train bitwise as the copies do;
-    without it, none runs."""
+    GPU kit's path on a one-GPU machine), once per bucket per step, each reduce-scatter into an output of its
+    own (in place, NCCL's one-rank collective moves nothing: a missing wait before reading a shard would go
+    unseen), and train bitwise as the copies do; without it, none runs."""
     (results,) = run_distributed(1, _one_rank)
     for stage in (2, 1):
-        (plain, plain_params, buckets), (switched, switched_params, _) = results[("", stage)], results[("1", stage)]
+        (plain, plain_params, buckets, _), (switched, switched_params, _, in_place) = (results[("", stage)],
+                                                                                     results[("1", stage)])
+        assert in_place == [False] * 3 * buckets
         assert "reduce_scatter_single" not in plain and "all_gather_single" not in plain, plain
         # all-gathers: one per bucket per step, and the two of construction's object all-gather (sizes, bytes)
         assert switched["reduce_scatter_single"] == 3 * buckets and switched["all_gather_single"] == 3 * buckets + 2, \

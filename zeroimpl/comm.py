@@ -29,7 +29,10 @@ that spans nodes (:func:`spans_nodes`: by torchrun's ``GROUP_RANK``, agreed by t
 ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors (read when the collective is
 issued; set it alike on every rank). ``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1`` (for tests) issues the backend's
 reduce-scatter and all-gather at world size 1 too, where they would be copies: NCCL and gloo take one-rank
-groups, so a machine with one GPU runs the collective path (tests/test_cuda.py). Tensors on an accelerator always use ``native``. The
+groups, so a machine with one GPU runs the collective path (tests/test_cuda.py), the reduce-scatter into an
+output of its own as at world size 2 and up (in place, NCCL's one-rank collective moves nothing; the
+all-gather stays in place: the values it writes are those already there, so a separate input could not show
+a missing wait either). Tensors on an accelerator always use ``native``. The
 ``torch.distributed`` functions are looked up at call time, so that a test can wrap them to count traffic.
 
 Every wait goes through :class:`Pending`: a collective that fails (a peer died: gloo sees the connection
@@ -72,7 +75,7 @@ class CollectiveError(RuntimeError):
     """A collective of ShardedOptimizer failed or timed out: another rank has died, hangs, or diverged."""
 
 
-def _at_one_rank() -> bool:
+def collectives_at_one_rank() -> bool:
     """Whether to issue the backend's collectives at world size 1 too (``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1``)."""
     return os.environ.get("ZEROIMPL_COLLECTIVES_AT_ONE_RANK") == "1"
 
@@ -194,7 +197,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     reduce-scatters in flight at once (pairwise), one per bucket."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     name, on_stream = "gradient reduce-scatter", input.device.type != "cpu"
-    if world == 1 and not _at_one_rank():  # nothing to sum: skip the backend's copies (and any when output is input)
+    if world == 1 and not collectives_at_one_rank():  # nothing to sum: no backend call (no copy when output is input)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input[:output.numel()])
         return Pending([], name, timeout)
@@ -282,8 +285,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
     ``then``: run once the gather has landed, as the wait's last act."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     on_stream = output.device.type != "cpu"
-    if (world == 1 and _at_one_rank()) or (world > 1 and algorithm(group, output, gather=True, timeout=timeout)
-                                           == "native"):
+    if (world == 1 and collectives_at_one_rank()) or (
+            world > 1 and algorithm(group, output, gather=True, timeout=timeout) == "native"):
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
         return Pending([launch(*lent, group=group, async_op=True)], name, timeout, then, lent=lent,

@@ -54,27 +54,32 @@ class HostArena:
         for index in sorted(range(len(sizes)), key=lambda i: -sizes[i][1].itemsize):
             offsets[index] = total
             total += sizes[index][0] * sizes[index][1].itemsize
-        pages = whole_pages(total)
+        self.pinned = pin_device is not None and total > 0
+        pages = whole_pages(total, inherited=not self.pinned)
         self.start: Optional[int] = _address(pages)
         """The mapping's first byte (None after the fallback below: the slices are separate allocations)."""
         self.nbytes = len(pages)
         """The bytes the arena holds: the mapping's (after the fallback, the slices' before torch rounds them)."""
         self.slices: list[torch.Tensor] = [_view(pages, offsets[i], numel, dtype)
                                            for i, (numel, dtype) in enumerate(sizes)]
-        self.pinned = pin_device is not None and total > 0
         self.registered = self.pinned and _registered(self, pages, pin_device)
         if self.pinned and not self.registered:  # the mapping goes with the slices that held it
             self.slices = [piece.pin_memory() for piece in self.slices]
             self.start, self.nbytes = None, total
 
 
-def whole_pages(nbytes: int) -> mmap.mmap:
+def whole_pages(nbytes: int, inherited: bool = True) -> mmap.mmap:
     """Zeroed host bytes, ``nbytes`` rounded up to whole pages (at least one), from an anonymous private
     mapping: it starts on a page and no other allocation shares its pages (``cudaHostRegister`` refuses a
-    page registered already); a forked child writes into its own copy."""
+    page registered already); a forked child writes into its own copy. Not ``inherited``: a forked child
+    (a DataLoader worker) has none of it, as of CUDA's own page-locked memory, so that no write of this
+    process copies a page away from under the device's copies (copy-on-write)."""
     length = max(1, -(-nbytes // mmap.PAGESIZE)) * mmap.PAGESIZE
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # (Windows: always private)
-    return mmap.mmap(-1, length, **private)
+    pages = mmap.mmap(-1, length, **private)
+    if not inherited and hasattr(mmap, "MADV_DONTFORK"):
+        pages.madvise(mmap.MADV_DONTFORK)
+    return pages
 
 
 def _address(pages: mmap.mmap) -> int:

@@ -16,10 +16,11 @@ gathered.
   mode, as do kernels of C++ extensions and custom ``autograd.Function`` s, which the hook covers for the
   parameters of the module that calls them).
 
-On CUDA a wait is a stream's: the guard makes the stream of the read wait for the bucket, and the default
-stream (which runs the forward) after it, so a read on a side stream leaves no later default-stream read
-unordered; a third stream that reads the parameters later is not ordered (wait on its own with
-:meth:`InFlightGathers.finish` before the side read, or ``overlap_param_gather=False``).
+On CUDA a wait is a stream's: the guard makes the stream of the read wait for the bucket, and then the
+default stream and the stream ``step()`` ran on (which run the forward) after it, so a read on a side
+stream leaves no later read on either unordered; a third stream that reads the parameters later is not
+ordered (wait on its own with :meth:`InFlightGathers.finish` before the side read, or
+``overlap_param_gather=False``).
 
 Not covered: tensor reads on another thread outside a module's forward, kernels reached around torch on
 parameters of a module that has not run its forward (a NumPy array or raw pointer taken before ``step()``,
@@ -89,6 +90,7 @@ class InFlightGathers:
         self._hook = None
         self._thread: Optional[int] = None  # the thread whose mode stack holds the guard
         self._device: Optional[torch.device] = None  # the parameter buffers' device
+        self._streams: list = []  # CUDA: the default stream and the one step() ran on, ordered after any wait
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -104,6 +106,8 @@ class InFlightGathers:
             self.finish()
             return
         self._device = next(iter(param_buffers.values())).device if param_buffers else None
+        if self._device is not None and self._device.type == "cuda":
+            self._streams = list({torch.cuda.default_stream(self._device), torch.cuda.current_stream(self._device)})
         self._bucket_of_storage = {buffer.untyped_storage().data_ptr(): index
                                    for index, buffer in param_buffers.items()}
         self._bucket_of_param = {id(p): index for index, members in params.items() for p in members}
@@ -116,12 +120,14 @@ class InFlightGathers:
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
         for index in chosen:
             self._pending.pop(index).wait()
-        if chosen and self._device is not None and self._device.type == "cuda":
+        if chosen and self._streams:
             # on CUDA the wait is the current stream's; a read on a side stream (an EMA on its own stream) must
-            # order the default stream too, which runs the next forward and no longer waits for these buckets
-            current, default = torch.cuda.current_stream(self._device), torch.cuda.default_stream(self._device)
-            if current != default:
-                default.wait_stream(current)
+            # order the streams of the training loop too, which run the next forward and no longer wait for
+            # these buckets
+            current = torch.cuda.current_stream(self._device)
+            for stream in self._streams:
+                if stream != current:
+                    stream.wait_stream(current)
         if not self._pending:
             self._remove_guards()
 

@@ -126,7 +126,10 @@ class ParamSync:
         parameters = storage.param_buffer.data
 
         def land() -> None:
-            blocks.add_decoded(self._payloads.pop(index), parameters)
+            payload = self._payloads.pop(index)
+            blocks.add_decoded(payload, parameters)
+            if payload.is_cuda:  # decoded on the waiting stream, which may not be the one that allocated it
+                payload.record_stream(torch.cuda.current_stream(payload.device))
             storage.mark_published()
         return comm.all_gather(gathered, own, self.group, self.timeout, tag=index, then=land)
 
