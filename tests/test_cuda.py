@@ -12,6 +12,8 @@ parameters within 3e-2 relative L2).
 """
 
 import mmap
+import os
+import time
 import warnings
 
 import pytest
@@ -235,6 +237,40 @@ def test_a_copy_into_an_arena_does_not_block_the_host():
     assert not busy_after_the_call(torch.empty(numel))
 
 
+def _offload_around_a_fork(rank, world_size):
+    """Offload training, with and without a child forked after the first step (a DataLoader worker's way)
+    that lives through the next steps: the parameters after 4 steps, each way (deterministic kernels)."""
+    torch.use_deterministic_algorithms(True)
+    results = []
+    for fork in (False, True):
+        model = build_model("gpt2").cuda()
+        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-2,
+                                     offload=CPUOffload(fused_step=False))
+        child = None
+        for step in range(4):
+            optimizer.backward(model(**_batch(rank, step)).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if fork and step == 0:
+                child = os.fork()
+                if child == 0:  # touches nothing of the parent's: as a worker that loads data
+                    time.sleep(5)
+                    os._exit(0)
+        optimizer.finish_param_gathers()
+        results.append([p.detach().cpu() for p in model.parameters()])
+        if child:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+    return all(map(torch.equal, *results))
+
+
+def test_offload_is_unchanged_by_a_forked_child():
+    """A child forked while the host arena is registered: the parent's next writes to its host masters and
+    gradient shards must stay where the device's copies go (the mapping is not inherited: no copy-on-write
+    moves a page away from under a copy)."""
+    assert all(run_distributed(WORLD_SIZE, _offload_around_a_fork, backend="nccl", timeout=600, env=ENV))
+
+
 def _checkpoint_without_set_device(rank, world_size, directory):
     """A script that moves its model with .to(f"cuda:{rank}") and never calls torch.cuda.set_device: every
     rank's current GPU is 0. The checkpoint's agreements (object all-gathers) must travel on each rank's own
@@ -270,10 +306,16 @@ def test_a_host_wait_for_a_stream_is_bounded():
 
 
 
-def _side_stream_read(rank, world_size):
-    """After step(), an EMA-style read of the parameters on a side stream, then a copy of them on the default
-    stream, with rank 1's all-gathers held up behind a long GPU sleep: the copy must hold this step's values
-    (the default stream ordered after the side stream's wait), as with the gathers waited for in step()."""
+def _side_stream_read(rank, world_size, loop_stream: bool):
+    """After step(), an EMA-style read of the parameters on a side stream, then a copy of them on the loop's
+    stream (the default one, or with ``loop_stream`` one of the loop's own), with rank 1's all-gathers held
+    up behind a long GPU sleep: the copy must hold this step's values (the loop's stream ordered after the
+    side stream's wait), as with the gathers waited for in step()."""
+    with torch.cuda.stream(torch.cuda.Stream() if loop_stream else torch.cuda.default_stream()):
+        return _side_stream_read_on_the_current_stream(rank)
+
+
+def _side_stream_read_on_the_current_stream(rank):
     results = []
     for overlap in (True, False):
         model = build_model("gpt2").cuda()
@@ -286,7 +328,7 @@ def _side_stream_read(rank, world_size):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             ema = [p.detach() * 0.5 for p in model.parameters()]  # the guard makes the side stream wait
-        copies = [p.detach().clone() for p in model.parameters()]  # default stream: no guard wait left
+        copies = [p.detach().clone() for p in model.parameters()]  # the loop's stream: no guard wait left
         torch.cuda.synchronize()
         del ema
         results.append([c.cpu() for c in copies])
@@ -294,5 +336,6 @@ def _side_stream_read(rank, world_size):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (a late peer)")
-def test_a_side_stream_read_leaves_the_default_stream_ordered():
-    assert run_distributed(2, _side_stream_read, backend="nccl", timeout=600, env=ENV) == [True, True]
+@pytest.mark.parametrize("loop_stream", [False, True], ids=["default stream", "the loop's own stream"])
+def test_a_side_stream_read_leaves_the_loops_stream_ordered(loop_stream):
+    assert run_distributed(2, _side_stream_read, loop_stream, backend="nccl", timeout=600, env=ENV) == [True, True]
