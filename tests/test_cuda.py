@@ -239,14 +239,15 @@ def test_a_copy_into_an_arena_does_not_block_the_host():
 
 def _offload_around_a_fork(rank, world_size):
     """Offload training, with and without a child forked after the first step (a DataLoader worker's way)
-    that lives through the next steps: the parameters after 4 steps, each way (deterministic kernels)."""
+    that lives through the next steps: the parameters after 4 steps, each way (deterministic kernels), and
+    whether every arena was registered."""
     torch.use_deterministic_algorithms(True)
     results = []
     for fork in (False, True):
         model = build_model("gpt2").cuda()
         optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-2,
                                      offload=CPUOffload(fused_step=False))
-        child = None
+        child, registered = None, all(a.registered for a in optimizer.host_arenas)
         for step in range(4):
             optimizer.backward(model(**_batch(rank, step)).loss)
             optimizer.step()
@@ -254,20 +255,24 @@ def _offload_around_a_fork(rank, world_size):
             if fork and step == 0:
                 child = os.fork()
                 if child == 0:  # touches nothing of the parent's: as a worker that loads data
-                    time.sleep(5)
-                    os._exit(0)
+                    try:
+                        time.sleep(5)
+                    finally:
+                        os._exit(0)
         optimizer.finish_param_gathers()
         results.append([p.detach().cpu() for p in model.parameters()])
         if child:
             os.kill(child, 9)
             os.waitpid(child, 0)
-    return all(map(torch.equal, *results))
+    return registered and all(map(torch.equal, *results))
 
 
 def test_offload_is_unchanged_by_a_forked_child():
     """A child forked while the host arena is registered: the parent's next writes to its host masters and
     gradient shards must stay where the device's copies go (the mapping is not inherited: no copy-on-write
-    moves a page away from under a copy)."""
+    moves a page away from under a copy). A regression test on kernels before 5.9 or drivers that pin without
+    ``pin_user_pages``; on newer ones, where fork copies pinned pages for the child, a check that the advice
+    breaks nothing."""
     assert all(run_distributed(WORLD_SIZE, _offload_around_a_fork, backend="nccl", timeout=600, env=ENV))
 
 
@@ -306,21 +311,22 @@ def test_a_host_wait_for_a_stream_is_bounded():
 
 
 
-def _side_stream_read(rank, world_size, loop_stream: bool):
+def _side_stream_read(rank, world_size, loop_stream: bool, quantized: bool):
     """After step(), an EMA-style read of the parameters on a side stream, then a copy of them on the loop's
     stream (the default one, or with ``loop_stream`` one of the loop's own), with rank 1's all-gathers held
     up behind a long GPU sleep: the copy must hold this step's values (the loop's stream ordered after the
-    side stream's wait), as with the gathers waited for in step()."""
+    side stream's wait), as with the gathers waited for in step(). ``quantized``: 8-bit all-gathers, whose
+    payload is decoded on the side stream (and must not be reused before that has run)."""
     with torch.cuda.stream(torch.cuda.Stream() if loop_stream else torch.cuda.default_stream()):
-        return _side_stream_read_on_the_current_stream(rank)
+        return _side_stream_read_on_the_current_stream(rank, quantized)
 
 
-def _side_stream_read_on_the_current_stream(rank):
+def _side_stream_read_on_the_current_stream(rank, quantized):
     results = []
     for overlap in (True, False):
         model = build_model("gpt2").cuda()
         optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-2,
-                                     overlap_param_gather=overlap)
+                                     overlap_param_gather=overlap, quantize_param_gather=quantized)
         optimizer.backward(model(**_batch(rank, 0)).loss)
         torch.cuda._sleep(200_000_000 * rank)  # rank 1's gathers start late: rank 0's finish late
         optimizer.step()
@@ -336,6 +342,8 @@ def _side_stream_read_on_the_current_stream(rank):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (a late peer)")
-@pytest.mark.parametrize("loop_stream", [False, True], ids=["default stream", "the loop's own stream"])
-def test_a_side_stream_read_leaves_the_loops_stream_ordered(loop_stream):
-    assert run_distributed(2, _side_stream_read, loop_stream, backend="nccl", timeout=600, env=ENV) == [True, True]
+@pytest.mark.parametrize("loop_stream, quantized", [(False, False), (True, False), (False, True)],
+                         ids=["default stream", "the loop's own stream", "8-bit all-gathers"])
+def test_a_side_stream_read_leaves_the_loops_stream_ordered(loop_stream, quantized):
+    assert run_distributed(2, _side_stream_read, loop_stream, quantized, backend="nccl", timeout=600,
+                           env=ENV) == [True, True]

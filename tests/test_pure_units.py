@@ -227,6 +227,8 @@ def test_whole_pages_to_be_pinned_are_not_inherited_by_a_forked_child():
     (the kernel's "dc" flag of the mapping), or given to arenas that are not pinned."""
     assert "dc" in _vm_flags(torch.frombuffer(whole_pages(3 * mmap.PAGESIZE, inherited=False), dtype=torch.uint8))
     assert "dc" not in _vm_flags(torch.frombuffer(whole_pages(3 * mmap.PAGESIZE), dtype=torch.uint8))
+    unpinned = HostArena([(3 * mmap.PAGESIZE, torch.uint8)], pin_device=None)
+    assert "dc" not in _vm_flags(unpinned.slices[0])
 
 
 def _vm_flags(block: torch.Tensor) -> list[str]:

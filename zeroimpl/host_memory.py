@@ -10,6 +10,7 @@ allocator, which does not reuse it before the copy has run. Off CUDA these are p
 from __future__ import annotations
 
 import mmap
+import os
 import warnings
 import weakref
 from typing import Optional
@@ -42,7 +43,7 @@ class HostArena:
 
     Invariants: each slice is a storage of its own over the mapping (``torch.save`` of one writes its bytes,
     not the arena's; ``is_pinned()`` asks about the slice's own first byte), and each keeps the mapping
-    alive. When :attr:`pinned`, every slice is ``is_pinned()``: where the registration fails, or torch does
+    alive. When :attr:`pinned`, every non-empty slice is ``is_pinned()``: where the registration fails, or torch does
     not count it, each slice is copied into torch's pinned allocator instead, with a warning
     (:attr:`registered` is False then). The range is unregistered, after the device has finished every
     queued copy, when the arena is garbage collected: its owner keeps it as long as it copies through the
@@ -72,13 +73,17 @@ def whole_pages(nbytes: int, inherited: bool = True) -> mmap.mmap:
     """Zeroed host bytes, ``nbytes`` rounded up to whole pages (at least one), from an anonymous private
     mapping: it starts on a page and no other allocation shares its pages (``cudaHostRegister`` refuses a
     page registered already); a forked child writes into its own copy. Not ``inherited``: a forked child
-    (a DataLoader worker) has none of it, as of CUDA's own page-locked memory, so that no write of this
-    process copies a page away from under the device's copies (copy-on-write)."""
+    (a DataLoader worker) has none of it (a child that touches it faults), so that no write of this process
+    copies a page away from under the device's copies (copy-on-write, on kernels or drivers that pin
+    without copying pinned pages at fork); where the kernel refuses the advice, it is left out."""
     length = max(1, -(-nbytes // mmap.PAGESIZE)) * mmap.PAGESIZE
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # (Windows: always private)
     pages = mmap.mmap(-1, length, **private)
     if not inherited and hasattr(mmap, "MADV_DONTFORK"):
-        pages.madvise(mmap.MADV_DONTFORK)
+        try:
+            pages.madvise(mmap.MADV_DONTFORK)
+        except OSError:  # a sandbox's kernel: the advice is a safeguard, not a need
+            pass
     return pages
 
 
@@ -104,7 +109,7 @@ def _registered(arena: HostArena, pages: mmap.mmap, device: torch.device) -> boo
         _clear_cuda_error(device)
         reason = f"cudaHostRegister failed ({error})"
     else:
-        unregister = weakref.finalize(arena, _unregister, pages, arena.start, device)
+        unregister = weakref.finalize(arena, _unregister, pages, arena.start, device, os.getpid())
         if all(piece.is_pinned() for piece in arena.slices if piece.numel()):
             return True
         unregister()
@@ -134,7 +139,10 @@ def _register(address: int, nbytes: int, device: torch.device) -> None:
         torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
 
 
-def _unregister(pages: mmap.mmap, address: int, device: torch.device) -> None:
-    """(``pages``: held until here, so that the range stays mapped while registered.)"""
+def _unregister(pages: mmap.mmap, address: int, device: torch.device, registrant: int) -> None:
+    """(``pages``: held until here, so that the range stays mapped while registered. In a forked child, which
+    has no CUDA context and none of these pages, at its exit: nothing to do.)"""
+    if os.getpid() != registrant:
+        return
     torch.cuda.synchronize(device)  # no copy may still read or write the range
     torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))

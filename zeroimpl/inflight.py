@@ -101,7 +101,7 @@ class InFlightGathers:
         members are ``params[bucket index]``); with ``guard``, install the guards so that they may stay in
         flight; without, wait for them now."""
         self.finish()
-        self._pending = dict(pending)
+        self._pending, self._streams = dict(pending), []
         if not guard:
             self.finish()
             return

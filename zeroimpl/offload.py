@@ -44,8 +44,11 @@ class CPUOffload:
     """Page-locked host buffers, so that copies to and from a CUDA device are asynchronous: the host masters,
     gradient shards and staging buffers are slices of one allocation, registered with ``cudaHostRegister``
     as one range of whole pages (torch's ``pin_memory=True`` would round each buffer up to a power of two; it
-    is the fallback, with a warning, where the registration fails or torch does not count it). Ignored when
-    the parameters are on the CPU."""
+    is the fallback, with a warning, where the registration fails or torch does not count it). A process
+    forked after the optimizer is built does not inherit them (``MADV_DONTFORK``); to hand the host masters
+    of a ``state_dict`` to another process, send clones (``torch.multiprocessing`` would move the masters
+    themselves into shared memory, out of the page-locked range). Ignored when the parameters are on the
+    CPU."""
 
     fused_step: bool = True
     """Step with the optimizer's fused CPU kernel when it has one (Adam, AdamW, SGD, Adagrad) and the user

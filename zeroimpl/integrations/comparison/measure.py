@@ -18,7 +18,8 @@ def model_state_bytes(tensors_by_kind: dict[str, list[torch.Tensor]]) -> dict[st
     """Bytes by kind, each byte of each storage counted once: for the first kind (in MODEL_STATE_KINDS order)
     of a tensor that spans it, and the bytes that no tensor spans (a flat buffer's padding) for the first kind
     that holds a tensor in that storage. So a parameter that is a view of a flat buffer counts as the
-    buffer, and one allocation shared by several kinds (zeroimpl's host arena) is split between them."""
+    buffer, and one storage shared by several kinds is split between them. (zeroimpl's host arena gives
+    each buffer a storage of its own: the tail of its last page, under a page, is counted by no kind.)"""
     spans: dict = {}  # (device, storage address) -> (storage bytes, [(kind order, start, end)])
     for order, kind in enumerate(MODEL_STATE_KINDS):
         for tensor in tensors_by_kind.get(kind, []):
