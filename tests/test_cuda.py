@@ -317,11 +317,7 @@ def _side_stream_read(rank, world_size, loop_stream: bool, quantized: bool):
     up behind a long GPU sleep: the copy must hold this step's values (the loop's stream ordered after the
     side stream's wait), as with the gathers waited for in step(). ``quantized``: 8-bit all-gathers, whose
     payload is decoded on the side stream (and must not be reused before that has run)."""
-    with torch.cuda.stream(torch.cuda.Stream() if loop_stream else torch.cuda.default_stream()):
-        return _side_stream_read_on_the_current_stream(rank, quantized)
-
-
-def _side_stream_read_on_the_current_stream(rank, quantized):
+    torch.cuda.set_stream(torch.cuda.Stream() if loop_stream else torch.cuda.default_stream())
     results = []
     for overlap in (True, False):
         model = build_model("gpt2").cuda()

@@ -217,7 +217,7 @@ def test_whole_pages_are_a_mapping_of_their_own(nbytes):
     block = torch.frombuffer(pages, dtype=torch.uint8)
     assert block.data_ptr() % page == 0 and len(pages) % page == 0 and nbytes <= len(pages) < max(nbytes, 1) + page
     assert not block.any()
-    assert _mapping_permissions(block.data_ptr()) == "rw-p"
+    assert _mapping(block.data_ptr())[0] == "rw-p"
 
 
 def test_whole_pages_to_be_pinned_are_not_inherited_by_a_forked_child():
@@ -225,32 +225,24 @@ def test_whole_pages_to_be_pinned_are_not_inherited_by_a_forked_child():
     after a fork, the parent's first write to a private page would copy it away from the page the device's
     copies use, unless the kernel and driver pin in the way that copies at fork. Catches: the advice missing
     (the kernel's "dc" flag of the mapping), or given to arenas that are not pinned."""
-    assert "dc" in _vm_flags(torch.frombuffer(whole_pages(3 * mmap.PAGESIZE, inherited=False), dtype=torch.uint8))
-    assert "dc" not in _vm_flags(torch.frombuffer(whole_pages(3 * mmap.PAGESIZE), dtype=torch.uint8))
+    def flags(pages: mmap.mmap) -> list[str]:
+        return _mapping(torch.frombuffer(pages, dtype=torch.uint8).data_ptr())[1]
+    assert "dc" in flags(whole_pages(3 * mmap.PAGESIZE, inherited=False))
+    assert "dc" not in flags(whole_pages(3 * mmap.PAGESIZE))
     unpinned = HostArena([(3 * mmap.PAGESIZE, torch.uint8)], pin_device=None)
-    assert "dc" not in _vm_flags(unpinned.slices[0])
+    assert "dc" not in _mapping(unpinned.start)[1]
 
 
-def _vm_flags(block: torch.Tensor) -> list[str]:
-    """The kernel's flags of the mapping that holds ``block``'s first byte (/proc/self/smaps; the kernel merges
-    neighbouring mappings of the same flags, so it may start below)."""
+def _mapping(address: int) -> tuple[str, list[str]]:
+    """The permissions and the kernel's flags of the mapping that holds ``address`` (/proc/self/smaps; the
+    kernel merges neighbouring mappings of the same flags, so it may start below), or ("", []) when none does."""
     with open("/proc/self/smaps") as smaps:
         lines = smaps.read().splitlines()
     for index, line in enumerate(lines):
         bounds = line.split()[0].split("-")
-        if len(bounds) == 2 and not line.endswith(":") and int(bounds[0], 16) <= block.data_ptr() < int(bounds[1], 16):
-            return next(rest.split()[1:] for rest in lines[index + 1:] if rest.startswith("VmFlags:"))
-    raise AssertionError("no mapping holds the block")
-
-
-def _mapping_permissions(address: int) -> str:
-    """The permissions of the mapping holding ``address`` (/proc/self/maps), or "" when none does."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            low, high = (int(bound, 16) for bound in line.split()[0].split("-"))
-            if low <= address < high:
-                return line.split()[1]
-    return ""
+        if len(bounds) == 2 and int(bounds[0], 16) <= address < int(bounds[1], 16):
+            return line.split()[1], next(rest.split()[1:] for rest in lines[index + 1:] if rest.startswith("VmFlags:"))
+    return "", []
 
 
 def test_each_slice_is_a_storage_of_its_own_that_keeps_the_arena_mapped(tmp_path):
@@ -268,7 +260,7 @@ def test_each_slice_is_a_storage_of_its_own_that_keeps_the_arena_mapped(tmp_path
     del arena
     gc.collect()
     last.fill_(3.0)
-    assert _mapping_permissions(start) == "rw-p" and last.sum().item() == 48.0
+    assert _mapping(start)[0] == "rw-p" and last.sum().item() == 48.0
 
 
 def test_host_arena_slices_do_not_overlap():

@@ -14,6 +14,8 @@ parameter boundaries and the 8-bit size threshold applies to the partition, not 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..models import param_groups
@@ -132,8 +134,6 @@ def build_cpu_ops() -> list[str]:
     inside the first comparison that needs them. Later runs find them built: the cache is per user, Python version
     and torch build (CPU or CUDA). Needs a C++ compiler and ninja, as DeepSpeed's own first run does. Returns the
     names of the ops built."""
-    import os
-
     previous = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"  # read once, at deepspeed's first get_accelerator()
     try:
