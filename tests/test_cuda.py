@@ -343,3 +343,70 @@ def _side_stream_read(rank, world_size, loop_stream: bool, quantized: bool):
 def test_a_side_stream_read_leaves_the_loops_stream_ordered(loop_stream, quantized):
     assert run_distributed(2, _side_stream_read, loop_stream, quantized, backend="nccl", timeout=600,
                            env=ENV) == [True, True]
+
+
+
+class _HoldUp(torch.autograd.Function):
+    """The identity, whose backward first holds up the stream it runs on (its forward's) for ``cycles``."""
+
+    @staticmethod
+    def forward(ctx, x, cycles):
+        ctx.cycles = cycles
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(ctx.cycles)
+        return grad, None
+
+
+def _branches_on_two_streams(rank, world_size, late: str):
+    """Three parallel linear branches, all six parameters in one bucket: ``first`` and ``last`` run on one stream,
+    ``middle`` on the other and held up in backward (its stream sleeps before its gradients exist). ``late``
+    ("side" or "main") names the held-up stream. The engine runs the branches' backward in reverse order of their
+    forward, so the hooks of ``last`` allocate the bucket, those of ``middle`` write into it late from the other
+    stream, and those of ``first`` launch the reduce-scatter from the first stream: only an order across streams
+    makes it read ``middle``'s gradients. Every rank gets the same batch, so the averaged gradient is each rank's
+    own; the reference is torch's AdamW on an unsharded copy of the model, its forward on one stream."""
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    names = ("first", "middle", "last")
+    ours, reference = (torch.nn.ModuleDict({name: torch.nn.Linear(64, 64) for name in names}).cuda() for _ in range(2))
+    reference.load_state_dict(ours.state_dict())
+    optimizer = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    assert len(optimizer.layout.buckets) == 1
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    outer, held = (side, main) if late == "main" else (main, side)
+    for step in range(3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).cuda()
+        side.wait_stream(main)
+        outputs = []
+        for name in names:
+            stream = held if name == "middle" else outer
+            with torch.cuda.stream(stream):
+                x.record_stream(stream)
+                y = ours[name](x)
+                outputs.append(_HoldUp.apply(y, 200_000_000) if name == "middle" else y)
+        main.wait_stream(side)
+        for y in outputs:
+            y.record_stream(main)
+        optimizer.backward((sum(outputs) ** 2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        (sum(reference[name](x) for name in names) ** 2).mean().backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        return max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("late", ["side", "main"])
+def test_a_bucket_written_from_two_streams_is_reduced_after_both(late):
+    """The launching hook's stream must wait for the other stream's late gradients: a missing wait reduces their
+    slots before they are written (garbage, or the last step's gradients), which moves parameters by about lr
+    (1e-2). Within 1e-6: the same fp32 math, summed in the same order (world size 2: each half of it exact)."""
+    for difference in run_distributed(WORLD_SIZE, _branches_on_two_streams, late, backend="nccl", timeout=600,
+                                      env=ENV):
+        assert difference <= 1e-6, difference

@@ -56,6 +56,7 @@ from .memory_format import shaped
 from .quantized_comm import ShardBlocks
 from .ownership import rebound_message
 from .step_state import StepState
+from .streams import StreamChain, linked
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class GradientReducer:
         self.uneven = uneven  # checked in before each stage-2 round of reduce-scatters (torch's Join)
         self._scale = 1.0 / topology.world_size
         self.gradients = gradients  # where finished reductions go
+        self.streams = StreamChain(storages[0].param_buffer.device if storages else "cpu")  # its GPU work, in order
 
         self._inflight: deque[_Reduction] = deque()  # reduce-scatters, in launch order
         self._replicating: deque[_Reduction] = deque()  # hybrid: reduced shards' all-reduces, in the same order
@@ -132,6 +134,7 @@ class GradientReducer:
         weakref.finalize(self, _remove_handles, self._handles)
 
     # -- hooks ----------------------------------------------------------------------------------
+    @linked
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, param_index = self._bucket_of[id(param)]
         problem = self._refused(param, bucket_index, param_index)
@@ -175,6 +178,7 @@ class GradientReducer:
             self._close_round()  # keep what it reduced, as torch keeps .grad
         self.round.follow(_weakly_end_of_backward(weakref.ref(self)))
 
+    @linked
     def _end_of_backward(self) -> None:
         if self.round.ended():  # else a reentrant checkpoint's nested backward: the outer one goes on
             self._close_round()
@@ -196,9 +200,8 @@ class GradientReducer:
 
     # -- buckets --------------------------------------------------------------------------------
     def _buffer(self, bucket_index: int) -> torch.Tensor:
-        """The bucket's reduction buffer of this round: ``padded_numel`` elements, born with zero padding (the
-        padding is reduce-scattered into some rank's gradient shard, whose norm must not see garbage); the
-        parameters' slots are written by their gradients, or zeroed at launch."""
+        """The bucket's reduction buffer of this round: ``padded_numel`` elements, born with zero padding (it is
+        reduce-scattered into a gradient shard, whose norm must not see garbage); slots written or zeroed later."""
         if self._buffers[bucket_index] is None:
             storage = self.storages[bucket_index]
             buffer = torch.empty(storage.bucket.padded_numel, dtype=self.reduce_dtypes[bucket_index],
@@ -209,8 +212,9 @@ class GradientReducer:
         return self._buffers[bucket_index]
 
     def _write_grad(self, bucket_index: int, param_index: int, grad: torch.Tensor) -> None:
-        slot = self.layout.slots[param_index]
-        view = shaped(self._buffer(bucket_index)[slot.offset:slot.end], grad.shape, self._strides[param_index])
+        slot, buffer = self.layout.slots[param_index], self._buffer(bucket_index)
+        self.streams.use(buffer, grad)
+        view = shaped(buffer[slot.offset:slot.end], grad.shape, self._strides[param_index])
         if grad.dtype == view.dtype:
             torch.mul(grad, self._scale, out=view)  # pre-divide by world size, as DDP does
         else:  # widen first: dividing a 16-bit gradient would round it in 16 bits
@@ -222,6 +226,7 @@ class GradientReducer:
         reduce-scatter."""
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
+        self.streams.use(buffer)
         self._buffers[bucket_index] = None
         arrived = self._order.arrived(bucket_index)
         for param_index in bucket.param_indices:
@@ -247,6 +252,7 @@ class GradientReducer:
         """Finish the oldest reduce-scatter and hand its shard to the store; with hybrid sharding start the
         shard's all-reduce across the replicas instead, finished later (:meth:`_complete_replicated`)."""
         reduction = self._inflight.popleft()
+        self.streams.use(reduction.buffer, reduction.output, *reduction.work.buffers)  # (an 8-bit sum reads them)
         reduction.work.wait()
         if self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
@@ -263,6 +269,7 @@ class GradientReducer:
 
     def _complete_replicated(self) -> None:
         reduction = self._replicating.popleft()
+        self.streams.use(reduction.output, *reduction.work.buffers)
         # as for the reduce-scatters: on CUDA block the host, not the compute stream
         (reduction.work.wait_on_host if reduction.output.is_cuda else reduction.work.wait)()
         self.gradients.add(reduction.bucket_index, reduction.output)
@@ -274,6 +281,7 @@ class GradientReducer:
             self._complete_replicated()
 
     # -- the optimizer's verbs ------------------------------------------------------------------
+    @linked
     def finalize(self) -> None:
         """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now)."""
         if self.round.left_open():
@@ -299,6 +307,7 @@ class GradientReducer:
                 for launchable in ready + self._order.through(bucket_index):  # this bucket, complete or not
                     self._launch(launchable)
             self._reset_round()
+        self.streams.use(*self.gradients.device_tensors())  # read next on this stream
 
     def _check_grads_unedited(self) -> None:
         """Stage 1 reduces ``param.grad`` at the step: an in-place edit since backward of a local gradient (kept
@@ -337,6 +346,7 @@ class GradientReducer:
             live += [reduction.buffer, reduction.output, *reduction.work.buffers]
         return live + [t for reduction in self._replicating for t in (reduction.output, *reduction.work.buffers)]
 
+    @linked
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: ``set_to_none`` forgets the gradients; otherwise every parameter that had a gradient
         (now, or when the last step consumed it) keeps a zero gradient, and is stepped with it."""

@@ -89,11 +89,12 @@ class StepChecks:
         """The user cleared these parameters' ``.grad`` (``model.zero_grad()``, ``p.grad = None``): zero their
         elements of the gradient shards and forget that they had a gradient, as torch would."""
         cleared = set(param_indices)
-        shards = self.gradients.ready()
-        for piece in self.pieces:
-            shard = shards[piece.bucket_index]
-            if piece.param_index in cleared and shard is not None:
-                shard[piece.shard_offset:piece.shard_offset + piece.length].zero_()
+        with self.reducer.streams.link():  # perhaps in a hook of the next backward, on a stream of the forward's
+            shards = self.gradients.ready()
+            for piece in self.pieces:
+                shard = shards[piece.bucket_index]
+                if piece.param_index in cleared and shard is not None:
+                    shard[piece.shard_offset:piece.shard_offset + piece.length].zero_()
         self.reducer.forget(param_indices)
 
     def agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
