@@ -360,26 +360,35 @@ class _HoldUp(torch.autograd.Function):
         return grad, None
 
 
-def _branches_on_two_streams(rank, world_size, late: str):
-    """Three parallel linear branches, all six parameters in one bucket: ``first`` and ``last`` run on one stream,
-    ``middle`` on the other and held up in backward (its stream sleeps before its gradients exist). ``late``
-    ("side" or "main") names the held-up stream. The engine runs the branches' backward in reverse order of their
-    forward, so the hooks of ``last`` allocate the bucket, those of ``middle`` write into it late from the other
-    stream, and those of ``first`` launch the reduce-scatter from the first stream: only an order across streams
-    makes it read ``middle``'s gradients. Every rank gets the same batch, so the averaged gradient is each rank's
-    own; the reference is torch's AdamW on an unsharded copy of the model, its forward on one stream."""
+def _branches_on_two_streams(rank, world_size, late: str, per_branch: bool):
+    """Three parallel linear branches: ``first`` and ``last`` run on one stream, ``middle`` on the other and held
+    up in backward (its stream sleeps before its gradients exist). ``late`` ("side" or "main") names the held-up
+    stream. The engine runs the branches' backward in reverse order of their forward, so ``last``'s hooks come
+    first, then ``middle``'s (their writes late, on the other stream), then ``first``'s.
+
+    * One bucket for all six parameters (``per_branch`` False): ``last``'s hooks allocate it, ``first``'s launch
+      its reduce-scatter from the first stream, which must read ``middle``'s gradients.
+    * A bucket per branch, one reduction in flight, offload (``per_branch``): ``first``'s launch finishes
+      ``middle``'s reduction on the first stream and copies it to the host from there; at world size 1 without a
+      collective, nothing but the reducer's order puts that copy after ``middle``'s late writes.
+
+    Every rank gets the same batch, so the averaged gradient is each rank's own; the reference is torch's AdamW on
+    an unsharded copy of the model, its forward on one stream."""
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
     names = ("first", "middle", "last")
     ours, reference = (torch.nn.ModuleDict({name: torch.nn.Linear(64, 64) for name in names}).cuda() for _ in range(2))
     reference.load_state_dict(ours.state_dict())
-    optimizer = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    options = dict(bucket_numel=64 * 65, max_inflight_buckets=1, offload=CPUOffload(fused_step=False)) \
+        if per_branch else {}
+    optimizer = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, stage=2, lr=1e-2, **options)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    assert len(optimizer.layout.buckets) == 1
+    assert len(optimizer.layout.buckets) == (3 if per_branch else 1)
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     outer, held = (side, main) if late == "main" else (main, side)
     for step in range(3):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).cuda()
+        optimizer.finish_param_gathers()  # the guards order only the loop's stream after the gathers, not side
         side.wait_stream(main)
         outputs = []
         for name in names:
@@ -403,10 +412,18 @@ def _branches_on_two_streams(rank, world_size, late: str):
 
 
 @pytest.mark.parametrize("late", ["side", "main"])
-def test_a_bucket_written_from_two_streams_is_reduced_after_both(late):
-    """The launching hook's stream must wait for the other stream's late gradients: a missing wait reduces their
-    slots before they are written (garbage, or the last step's gradients), which moves parameters by about lr
-    (1e-2). Within 1e-6: the same fp32 math, summed in the same order (world size 2: each half of it exact)."""
-    for difference in run_distributed(WORLD_SIZE, _branches_on_two_streams, late, backend="nccl", timeout=600,
-                                      env=ENV):
-        assert difference <= 1e-6, difference
+@pytest.mark.parametrize("per_branch", [False, True], ids=["one bucket, collectives", "bucket per branch, offload, "
+                                                                                        "one rank, no collective"])
+def test_a_gradient_written_late_on_another_stream_is_reduced_after_it(late, per_branch):
+    """A missing wait reads ``middle``'s slots before they are written (NaN under deterministic algorithms, which
+    fill new tensors with it; else garbage or last step's gradients): the step then fails or moves parameters by
+    about lr, 1e-2. One bucket: within 1e-6, the same fp32 math summed in the same order (world size 2: each half
+    of it exact). Offload: within OFFLOAD_TOLERANCE (the host's AdamW against the CUDA one)."""
+    if per_branch:
+        world_size, env = 1, {k: v for k, v in ENV.items() if k != "ZEROIMPL_COLLECTIVES_AT_ONE_RANK"}
+    else:
+        world_size, env = WORLD_SIZE, ENV
+    bound = OFFLOAD_TOLERANCE if per_branch else 1e-6
+    for difference in run_distributed(world_size, _branches_on_two_streams, late, per_branch, backend="nccl",
+                                      timeout=600, env=env):
+        assert difference <= bound, difference

@@ -56,7 +56,7 @@ from .memory_format import shaped
 from .quantized_comm import ShardBlocks
 from .ownership import rebound_message
 from .step_state import StepState
-from .streams import StreamChain, linked
+from .streams import WorkStream, on_work_stream
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class GradientReducer:
         self.uneven = uneven  # checked in before each stage-2 round of reduce-scatters (torch's Join)
         self._scale = 1.0 / topology.world_size
         self.gradients = gradients  # where finished reductions go
-        self.streams = StreamChain(storages[0].param_buffer.device if storages else "cpu")  # its GPU work, in order
+        self.streams = WorkStream(storages[0].param_buffer.device if storages else "cpu")  # GPU work in host order
 
         self._inflight: deque[_Reduction] = deque()  # reduce-scatters, in launch order
         self._replicating: deque[_Reduction] = deque()  # hybrid: reduced shards' all-reduces, in the same order
@@ -134,7 +134,7 @@ class GradientReducer:
         weakref.finalize(self, _remove_handles, self._handles)
 
     # -- hooks ----------------------------------------------------------------------------------
-    @linked
+    @on_work_stream(joined=False)  # the compute streams do not wait for the reduction during backward
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, param_index = self._bucket_of[id(param)]
         problem = self._refused(param, bucket_index, param_index)
@@ -178,7 +178,7 @@ class GradientReducer:
             self._close_round()  # keep what it reduced, as torch keeps .grad
         self.round.follow(_weakly_end_of_backward(weakref.ref(self)))
 
-    @linked
+    @on_work_stream()
     def _end_of_backward(self) -> None:
         if self.round.ended():  # else a reentrant checkpoint's nested backward: the outer one goes on
             self._close_round()
@@ -281,7 +281,7 @@ class GradientReducer:
             self._complete_replicated()
 
     # -- the optimizer's verbs ------------------------------------------------------------------
-    @linked
+    @on_work_stream()
     def finalize(self) -> None:
         """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now)."""
         if self.round.left_open():
@@ -307,7 +307,7 @@ class GradientReducer:
                 for launchable in ready + self._order.through(bucket_index):  # this bucket, complete or not
                     self._launch(launchable)
             self._reset_round()
-        self.streams.use(*self.gradients.device_tensors())  # read next on this stream
+        self.streams.hand_over(*self.gradients.device_tensors())  # the step reads them next
 
     def _check_grads_unedited(self) -> None:
         """Stage 1 reduces ``param.grad`` at the step: an in-place edit since backward of a local gradient (kept
@@ -346,7 +346,7 @@ class GradientReducer:
             live += [reduction.buffer, reduction.output, *reduction.work.buffers]
         return live + [t for reduction in self._replicating for t in (reduction.output, *reduction.work.buffers)]
 
-    @linked
+    @on_work_stream()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: ``set_to_none`` forgets the gradients; otherwise every parameter that had a gradient
         (now, or when the last step consumed it) keeps a zero gradient, and is stepped with it."""

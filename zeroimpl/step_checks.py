@@ -89,7 +89,7 @@ class StepChecks:
         """The user cleared these parameters' ``.grad`` (``model.zero_grad()``, ``p.grad = None``): zero their
         elements of the gradient shards and forget that they had a gradient, as torch would."""
         cleared = set(param_indices)
-        with self.reducer.streams.link():  # perhaps in a hook of the next backward, on a stream of the forward's
+        with self.reducer.streams.span():  # perhaps in a hook of the next backward, on a stream of the forward's
             shards = self.gradients.ready()
             for piece in self.pieces:
                 shard = shards[piece.bucket_index]

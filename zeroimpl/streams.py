@@ -1,22 +1,26 @@
-"""Work that one component issues from several CUDA streams, run on the GPU in the order the host issued it.
+"""One component's GPU work, issued from several CUDA streams, run in the order the host issued it.
 
 The autograd engine runs a parameter's post-accumulate-grad hook on the stream of its ``AccumulateGrad`` node (the
 stream the forward used the parameter on). A forward that runs a branch on a stream of its own (under
 ``torch.cuda.stream(side)``) therefore has the gradient reducer write one bucket buffer from several streams, and
 launch its reduce-scatter from whichever stream the hook that completes the bucket runs on; the reduction is then
 finished on yet another (the next launch's, the end of backward's, the step's). Each stream alone is ordered, the
-streams are not: a launch could read a slot before another stream's write, a finish could read a buffer before its
-writes (at world size 1 no collective orders anything).
+streams are not: a launch could read a slot before another stream's write, a finish could read a buffer before
+its writes (at world size 1 no collective orders anything), two streams could add into one gradient shard at once.
 
-:class:`StreamChain` restores one order: each *link* (a span of the component's work, entered on the current
-stream) starts after the previous link ended, whatever streams they ran on. And the caching allocator hands a
-freed block out again to the stream it was allocated on, ordered after that stream's work only: a tensor used
-on another stream is recorded there (:meth:`StreamChain.use`).
+:class:`WorkStream` runs such a component's work on one stream:
 
-Cost: with one stream, the common case, a link costs one ``torch.cuda.current_stream()`` and a comparison, and
-``use`` nothing. Once a second stream has been seen, each link ends with an event recorded on its stream, which the
-next link waits for if it runs on another, so the other streams' own work (the rest of backward) is not held up
-behind it; the first change of stream waits for the whole previous stream instead. On CPU nothing happens.
+* while every span of work comes from the same stream (the common case), on that stream, as if it were not there:
+  a span costs one ``torch.cuda.current_stream()`` and a comparison;
+* from the first span on another stream on, on a stream of its own, each span after what its caller's stream has
+  queued so far (the gradient it hands over) and after every earlier span. A *joined* span (the end of backward,
+  the step's, ``zero_grad``) also makes its caller's stream wait for it; a hook's span does not, so that the
+  compute streams never wait for each other's queues or for the communication during backward.
+
+The caching allocator hands a freed block out again to the stream it was allocated on, ordered after that stream's
+work only: a tensor used on another stream must be recorded there. :meth:`WorkStream.use` records on the stream of
+its own what the work uses, :meth:`WorkStream.hand_over` on the caller's stream what the caller reads next.
+On CPU nothing happens.
 """
 
 from __future__ import annotations
@@ -28,52 +32,62 @@ from typing import Iterator, Optional, Union
 import torch
 
 
-class StreamChain:
-    """The links of one component's GPU work, in host order: ``last`` ran the latest link (None: none yet, or CPU),
-    ``ended`` marks its end (None until a second stream has been seen)."""
+class WorkStream:
+    """Where one component's GPU work runs: ``first``, the stream all its spans came from so far (None: no span yet,
+    or CPU); ``own``, its own stream once a span came from another (None until then)."""
 
     def __init__(self, device: Union[torch.device, str]):
         self.device = torch.device(device)
-        self.last: Optional[torch.cuda.Stream] = None
-        self.ended: Optional[torch.cuda.Event] = None
-        self.several = False  # whether links ever ran on two streams: only then are events and records needed
+        self.first: Optional[torch.cuda.Stream] = None
+        self.own: Optional[torch.cuda.Stream] = None
+        self._caller: Optional[torch.cuda.Stream] = None  # the stream the current span came from
 
     @contextmanager
-    def link(self) -> Iterator[None]:
-        """Run the body's GPU work, on the current stream, after the previous link and before the next."""
-        if self.device.type != "cuda":
+    def span(self, joined: bool = True) -> Iterator[None]:
+        """Run the body's GPU work after what the current stream has queued and after every earlier span;
+        ``joined``: the current stream's later work waits for it too."""
+        caller = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self.own is None and caller is not None:
+            if self.first is None:
+                self.first = caller
+            if caller != self.first:  # the first span from a second stream
+                self.own = torch.cuda.Stream(self.device)
+                self.own.wait_stream(self.first)
+        if caller is None or self.own is None or caller == self.own:  # CPU, one stream so far, or a nested span
             yield
             return
-        stream = torch.cuda.current_stream(self.device)
-        if self.last is not None and stream != self.last:
-            self.several = True
-            if self.ended is not None:
-                stream.wait_event(self.ended)
-            else:
-                stream.wait_stream(self.last)
-        self.last = stream
+        self.own.wait_stream(caller)
+        outer, self._caller = self._caller, caller
         try:
-            yield
+            with torch.cuda.stream(self.own):
+                yield
         finally:
-            if self.several:
-                self.ended = torch.cuda.Event()
-                self.ended.record(stream)
+            self._caller = outer
+            if joined:
+                caller.wait_stream(self.own)
 
     def use(self, *tensors: torch.Tensor) -> None:
-        """The current link uses ``tensors`` (maybe allocated on another stream): record them on its stream, so that
-        their memory is not handed out again before the link's work has run. A record on the stream a tensor was
-        allocated on is ignored by the allocator."""
-        if self.several:
+        """The current span's work uses ``tensors``, maybe allocated on another stream: with a stream of its own,
+        record them there (a record on a tensor's own allocation stream is ignored by the allocator)."""
+        if self.own is not None:
             for tensor in tensors:
-                tensor.record_stream(self.last)
+                tensor.record_stream(self.own)
+
+    def hand_over(self, *tensors: torch.Tensor) -> None:
+        """The current span's caller reads ``tensors`` next, on its own stream: record them there."""
+        if self.own is not None and self._caller is not None:
+            for tensor in tensors:
+                tensor.record_stream(self._caller)
 
 
-def linked(method):
-    """Run a method of an object whose ``streams`` is a :class:`StreamChain` as one link of it."""
-    @functools.wraps(method)
-    def as_link(self, *args, **kwargs):
-        if self.streams.device.type != "cuda":
-            return method(self, *args, **kwargs)
-        with self.streams.link():
-            return method(self, *args, **kwargs)
-    return as_link
+def on_work_stream(joined: bool = True):
+    """Run a method of an object whose ``streams`` is a :class:`WorkStream` as one span of it."""
+    def decorate(method):
+        @functools.wraps(method)
+        def as_span(self, *args, **kwargs):
+            if self.streams.device.type != "cuda":
+                return method(self, *args, **kwargs)
+            with self.streams.span(joined):
+                return method(self, *args, **kwargs)
+        return as_span
+    return decorate
