@@ -178,10 +178,10 @@ class GradientReducer:
             self._close_round()  # keep what it reduced, as torch keeps .grad
         self.round.follow(_weakly_end_of_backward(weakref.ref(self)))
 
-    @on_work_stream()
     def _end_of_backward(self) -> None:
-        if self.round.ended():  # else a reentrant checkpoint's nested backward: the outer one goes on
-            self._close_round()
+        if self.round.ended():  # else a reentrant checkpoint's nested backward: the outer one goes on (no join)
+            with self.streams.span():
+                self._close_round()
 
     def _close_round(self) -> None:
         """Count the backward pass; stage 2: launch what is left, in order, and wait for everything."""
@@ -289,11 +289,10 @@ class GradientReducer:
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
-            raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside zeroimpl's "
-                               "backward hooks would be ignored. If the model is wrapped in "
-                               "DistributedDataParallel, unwrap it (DDP writes all-reduced gradients back; "
-                               "ShardedOptimizer reduces them itself); if you set param.grad by hand or with "
-                               "torch.autograd.grad, use stage=1")
+            raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside zeroimpl's backward "
+                               "hooks would be ignored. If the model is wrapped in DistributedDataParallel, unwrap it "
+                               "(DDP writes all-reduced gradients back; ShardedOptimizer reduces them itself); if you "
+                               "set param.grad by hand or with torch.autograd.grad, use stage=1")
         if self.stage == 1 and with_grad:
             self._check_grads_unedited()
             for storage in self.storages:
@@ -350,12 +349,13 @@ class GradientReducer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: ``set_to_none`` forgets the gradients; otherwise every parameter that had a gradient
         (now, or when the last step consumed it) keeps a zero gradient, and is stepped with it."""
-        for storage in self.storages:
-            for param in storage.params:
-                if set_to_none:
-                    param.grad = None
-                elif param.grad is not None:
-                    param.grad.zero_()
+        with_grad = [p for storage in self.storages for p in storage.params if p.grad is not None]
+        self.streams.use(*(p.grad for p in with_grad), *self.gradients.device_tensors())  # (from other streams)
+        for param in with_grad:
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.zero_()
         self._reset_round()
         self.backward_passes = 0
         self._grad_versions.clear()

@@ -91,6 +91,7 @@ class StepChecks:
         cleared = set(param_indices)
         with self.reducer.streams.span():  # perhaps in a hook of the next backward, on a stream of the forward's
             shards = self.gradients.ready()
+            self.reducer.streams.use(*(shard for shard in shards if shard is not None))
             for piece in self.pieces:
                 shard = shards[piece.bucket_index]
                 if piece.param_index in cleared and shard is not None:

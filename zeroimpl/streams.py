@@ -12,10 +12,16 @@ its writes (at world size 1 no collective orders anything), two streams could ad
 
 * while every span of work comes from the same stream (the common case), on that stream, as if it were not there:
   a span costs one ``torch.cuda.current_stream()`` and a comparison;
-* from the first span on another stream on, on a stream of its own, each span after what its caller's stream has
-  queued so far (the gradient it hands over) and after every earlier span. A *joined* span (the end of backward,
-  the step's, ``zero_grad``) also makes its caller's stream wait for it; a hook's span does not, so that the
-  compute streams never wait for each other's queues or for the communication during backward.
+* from the first span on another stream on, on a stream of its own (``own``, for the component's lifetime), each
+  span after what its caller's stream has queued so far (the gradient it hands over) and after every earlier span.
+  A *joined* span (the reducer's: the end of a backward pass, the step's, ``zero_grad``, and a cleared gradient's
+  ``forget``) also makes its caller's stream wait for it; a hook's span does not, so that a compute stream does not
+  wait on the GPU for another's queue or for the communication while backward runs. The host still can: a hook
+  that must wait for the oldest reduction (the in-flight window) blocks the engine's thread until it is done, and
+  so until ``own`` has passed everything it waits for.
+
+``own`` comes from torch's pool of streams, which hands its streams out in turn: with many streams created, it may
+be one the program uses too. Ordering stays right; that stream then also waits where ``own`` does.
 
 The caching allocator hands a freed block out again to the stream it was allocated on, ordered after that stream's
 work only: a tensor used on another stream must be recorded there. :meth:`WorkStream.use` records on the stream of
