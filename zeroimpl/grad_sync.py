@@ -289,10 +289,10 @@ class GradientReducer:
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
-            raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside zeroimpl's backward "
-                               "hooks would be ignored. If the model is wrapped in DistributedDataParallel, unwrap it "
-                               "(DDP writes all-reduced gradients back; ShardedOptimizer reduces them itself); if you "
-                               "set param.grad by hand or with torch.autograd.grad, use stage=1")
+            raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside zeroimpl's "
+                               "backward hooks would be ignored. If the model is wrapped in DistributedDataParallel, "
+                               "unwrap it (DDP writes all-reduced gradients back; ShardedOptimizer reduces them "
+                               "itself); if you set param.grad by hand or with torch.autograd.grad, use stage=1")
         if self.stage == 1 and with_grad:
             self._check_grads_unedited()
             for storage in self.storages:
