@@ -173,7 +173,7 @@ def test_staging_buffers_of_each_dtype_take_turns(world_size_2):
         assert same and buffers == 4 and all_used
 
 
-def test_host_buffers_share_one_exact_arena(world_size_2):
+def test_host_buffers_share_one_arena_of_whole_pages(world_size_2):
     """One allocation (page-locked on CUDA) holds them all, and it is what memory_report counts rounded up to
     whole pages."""
     for arena_bytes, reported, inside, staging in case_results(world_size_2, "host_arena"):
