@@ -188,9 +188,12 @@ def _buffers(rank, mode):
 
 def _verify(rank, stage):
     """verify_every=2: a rank-dependent edit of a frozen parameter after step 1 is caught at step 2; an edit
-    of a trainable parameter is caught by an explicit verify_ranks_agree(). Normal training never trips."""
+    of a trainable parameter is caught by an explicit verify_ranks_agree(). Normal training never trips. Frozen
+    members of 1-byte dtypes (a QLoRA model's uint8 codes, a bool mask) are checked too."""
     model = SmallNet()
     model.aux_head.requires_grad_(False)
+    model.register_parameter("codes", torch.nn.Parameter(torch.arange(8, dtype=torch.uint8), requires_grad=False))
+    model.register_parameter("mask", torch.nn.Parameter(torch.ones(3, dtype=torch.bool), requires_grad=False))
     optimizer = ShardedOptimizer(model.named_parameters(), torch.optim.AdamW, stage=stage, bucket_numel=200,
                                  lr=1e-3, verify_every=2)
     for step in range(4):
@@ -210,10 +213,16 @@ def _verify(rank, stage):
     consumed = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with torch.no_grad():
         model.aux_head.bias.copy_(SmallNet().aux_head.bias)
+        kept = model.body[2].weight[3, 3].clone()
         if rank == 1:
             model.body[2].weight[3, 3] += 1e-3
     trainable_edit = _error_of(optimizer.verify_ranks_agree)
-    return clean, frozen_edit, trainable_edit, consumed
+    with torch.no_grad():
+        model.body[2].weight[3, 3] = kept
+        if rank == 1:
+            model.codes[5] += 1
+    codes_edit = _error_of(optimizer.verify_ranks_agree)
+    return clean, frozen_edit, trainable_edit, consumed, codes_edit
 
 
 def _local_gradient_edited_in_stage1():
@@ -366,11 +375,12 @@ def test_broadcast_buffers_keeps_ranks_identical_as_ddp_does(two_ranks, mode):
 @pytest.mark.parametrize("stage", STAGES)
 def test_verify_every_catches_ranks_that_diverge(two_ranks, stage):
     for results in two_ranks:
-        clean, frozen_edit, trainable_edit, consumed = case_result(results, ("verify", stage))
+        clean, frozen_edit, trainable_edit, consumed, codes_edit = case_result(results, ("verify", stage))
         assert clean == "no error" and consumed
         assert frozen_edit.startswith("DivergenceError") and "after step 6" in frozen_edit
         assert "'aux_head.bias' (shape (4,))" in frozen_edit
         assert trainable_edit.startswith("DivergenceError") and "'body.2.weight' (shape (16, 16))" in trainable_edit
+        assert codes_edit.startswith("DivergenceError") and "'codes' (shape (8,))" in codes_edit
 
 
 def _bf16_gradient_at_three_ranks(rank, world_size):

@@ -22,6 +22,10 @@ bnb = pytest.importorskip("bitsandbytes", reason="pip install 'zeroimpl[lowbit]'
 # PagedAdamW8bit pages its state on CUDA; on the CPU bitsandbytes falls back to plain buffers (with a warning)
 CLASSES = {"AdamW8bit": (bnb.optim.AdamW8bit, {"lr": 1e-2}), "Adam8bit": (bnb.optim.Adam8bit, {"lr": 1e-2}),
            "Lion8bit": (bnb.optim.Lion8bit, {"lr": 1e-3}), "PagedAdamW8bit": (bnb.optim.PagedAdamW8bit, {"lr": 1e-2})}
+# classes that scale each update by its norm against the parameter's (max_unorm, on by default): LAMB's and LARS's
+# trust ratio, which needs the whole parameter; a high lr, so that the ratio bites
+TRUST_RATIO_CLASSES = {"LAMB": (bnb.optim.LAMB, {"lr": 0.5}), "LAMB8bit": (bnb.optim.LAMB8bit, {"lr": 0.5}),
+                       "LARS": (bnb.optim.LARS, {"lr": 0.5, "momentum": 0.9})}
 STEPS = 3
 
 
@@ -42,7 +46,7 @@ class OddNet(torch.nn.Module):
 
 def _train(rank, name, sharded):
     model = OddNet()
-    cls, kwargs = CLASSES[name]
+    cls, kwargs = {**CLASSES, **TRUST_RATIO_CLASSES}[name]
     if sharded:
         optimizer, forward = ShardedOptimizer(model.parameters(), cls, stage=2, bucket_numel=2048, **kwargs), model
     else:
@@ -76,6 +80,7 @@ def _parity(rank, name):
 def _all(rank, world_size, directory):
     cases = {name: partial(_parity, rank, name) for name in CLASSES}
     if world_size == 2:
+        cases.update({name: partial(_parity, rank, name) for name in TRUST_RATIO_CLASSES})
         cases["resume"] = partial(_resume, rank, world_size, directory)
         cases["overrides"] = _overrides
     else:  # the 2-rank launch (run first) saved it
@@ -104,6 +109,17 @@ def test_low_bit_optimizers_train_bitwise_as_under_ddp(launches, world_size, nam
     per_state = 2 if name != "Lion8bit" else 1
     assert sum(quantized for _, quantized, _ in outcomes) == per_state * (131 * 97 + 97 * 61)
     assert all(cut == (3 if world_size == 3 else 2) for _, _, cut in outcomes), [cut for _, _, cut in outcomes]
+
+
+@pytest.mark.parametrize("name", list(TRUST_RATIO_CLASSES))
+def test_trust_ratio_classes_step_whole_parameters_bitwise_as_under_ddp(launches, name):
+    """bitsandbytes' LAMB and LARS scale each update by its norm against the parameter's: on a piece of the
+    largest matrix that ratio would differ (measured with flat shards, after 3 steps: LAMB 3.0e-3 from DDP, LAMB8bit
+    0.30, LARS 4.1e-4)."""
+    outcomes = case_results(launches[2], name)
+    assert all(difference == 0.0 for difference, _, _ in outcomes), [difference for difference, _, _ in outcomes]
+    assert sharding_of(TRUST_RATIO_CLASSES[name][0], (), False) == "whole"
+    assert all(cut == 1 for _, _, cut in outcomes)  # the largest matrix is stepped whole, by one rank
 
 
 @pytest.mark.parametrize("name", list(CLASSES))

@@ -130,6 +130,17 @@ def test_checks_agree_iff_every_rank_ran_the_same_backward_passes(seed):
         assert reduced[1].item() == pytest.approx(max(finite) if maximum else sum(finite))
 
 
+@pytest.mark.parametrize("world, passes", [(1024, 129), (2048, 91), (8, 4097), (65536, 3)])
+def test_equal_backward_pass_counts_agree_at_large_world_sizes(world, passes):
+    """Every rank ran the same (odd) number of backward passes: a ring's running SUM of the encoded checks,
+    rank after rank, must still say so (fp32 sums of squared counts would round past 2**24)."""
+    encoded = encode_checks(torch.tensor(1.5), float(passes), False, maximum=False)
+    reduced = torch.zeros_like(encoded)
+    for _ in range(world):
+        reduced += encoded
+    assert decode_checks(reduced.tolist(), False, world)[1]
+
+
 # -- bucket launch order -----------------------------------------------------------------------------
 def test_buckets_launch_in_index_order_whatever_order_gradients_arrive():
     """Every rank must issue the same collectives in the same order: a bucket is launched only when it is

@@ -2,10 +2,10 @@
 
 Tensors named here (all 1-D):
 
-* ``bucket buffer`` -- ``bucket.padded_numel`` elements in the reduce dtype; holds ``grad / world_size``
-  (every rank of the topology: with hybrid sharding, shard size times replicas)
-  of every bucket member (zero for members without a gradient and for the padding). Lives only from the
-  first gradient of the bucket until its reduce-scatter has finished.
+* ``bucket buffer`` -- ``bucket.padded_numel`` elements in the reduce dtype; holds ``grad / world_size`` (every
+  rank of the topology: with hybrid sharding, shard size times replicas) of every bucket member (zero for
+  members without a gradient and for the padding). Lives only from the first gradient of the bucket until its
+  reduce-scatter has finished.
 * ``reduced`` -- ``bucket.shard_numel`` elements in the reduce dtype: this rank's part of one reduction
   of the averaged gradient (at world size 1, the bucket buffer itself; with hybrid sharding, all-reduced
   across the replicas once its reduce-scatter in the shard group has finished, that all-reduce in flight
@@ -123,13 +123,11 @@ class GradientReducer:
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
         self._handles = []
+        hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
         for storage in storages:
             for index, param in zip(storage.bucket.param_indices, storage.params):
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
                 self._strides[index] = param.stride()  # its memory format: the gradient slot's too
-        hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
-        for storage in storages:
-            for param in storage.params:
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
         weakref.finalize(self, _remove_handles, self._handles)
 
@@ -244,16 +242,17 @@ class GradientReducer:
                                                  self.timeout, tag=bucket_index)
         self._inflight.append(_Reduction(bucket_index, buffer, output, work))
         while len(self._inflight) > self.max_inflight:  # bound the buffers: wait for the oldest on the host
-            if buffer.is_cuda:
-                self._inflight[0].work.wait_on_host()
-            self._complete_oldest()
+            self._complete_oldest(on_host=buffer.is_cuda)
 
-    def _complete_oldest(self) -> None:
+    def _complete_oldest(self, on_host: bool = False) -> None:
         """Finish the oldest reduce-scatter and hand its shard to the store; with hybrid sharding start the
-        shard's all-reduce across the replicas instead, finished later (:meth:`_complete_replicated`)."""
-        reduction = self._inflight.popleft()
-        self.streams.use(reduction.buffer, reduction.output, *reduction.work.buffers)  # (an 8-bit sum reads them)
-        reduction.work.wait()
+        shard's all-reduce across the replicas instead, finished later (:meth:`_complete_replicated`).
+        ``on_host``: block the host, not the compute stream, until the collective is done (CUDA)."""
+        reduction = self._inflight[0]
+        # before the wait, which lets go of the work's buffers and queues the 8-bit sum that reads them
+        self.streams.use(reduction.buffer, reduction.output, *reduction.work.buffers)
+        (reduction.work.wait_on_host if on_host else reduction.work.wait)()
+        self._inflight.popleft()
         if self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
             return

@@ -81,6 +81,8 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
                          "use an optimizer that steps each parameter on its own (AdamW, SGD, Muon, Adafactor, ...)")
     if optimizer_class in per_parameter or optimizer_class in WHOLE_PARAMETER_OPTIMIZERS:
         return "whole"
+    if is_blockwise(optimizer_class) and _clips_by_update_norm(optimizer_class):
+        return "whole"  # bitsandbytes' LAMB and LARS: the trust ratio needs the whole parameter's norms
     if is_blockwise(optimizer_class):
         if assume_elementwise:
             raise ValueError(f"{optimizer_class.__name__} quantizes its state in blocks counted from each parameter's "
@@ -99,6 +101,13 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
                      "per-parameter norm or trust ratio (LAMB, LARS, max_unorm), or when unsure -- pass "
                      f"per_parameter=[{optimizer_class.__name__}]: each parameter is stepped whole by one rank, exactly "
                      "as the unsharded optimizer steps it (the safe choice)")
+
+
+def _clips_by_update_norm(optimizer_class: type) -> bool:
+    """Whether the class's update is scaled by its norm against the parameter's (bitsandbytes' ``max_unorm``, on
+    by default in its LAMB and LARS classes): a per-parameter norm, which a piece of the parameter cannot give."""
+    setting = inspect.signature(optimizer_class.__init__).parameters.get("max_unorm")
+    return setting is not None and setting.default not in (0, 0.0, None, inspect.Parameter.empty)
 
 
 def is_blockwise(optimizer_class: type) -> bool:

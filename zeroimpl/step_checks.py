@@ -135,7 +135,8 @@ class StepChecks:
             return None
         if verdict.nonfinite and maximum:  # a MAX all-reduce need not carry a NaN through
             return torch.full((), float("nan"), device=self.device)
-        return agreed[1] if maximum else agreed[1] ** (1.0 / norm_type)
+        norm = agreed[1].to(norm_term.dtype)
+        return norm if maximum else norm ** (1.0 / norm_type)
 
     def _params_with_gradients(self) -> list[bool]:
         """By parameter index, whether any rank has a gradient for it (one all-reduce of a flag per parameter,
@@ -175,12 +176,13 @@ def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum
     """This rank's five values for the step's one check all-reduce: ``[NaN/Inf suspected, norm term, pass
     count term, pass count term, lacking]``, for a SUM all-reduce (2- or p-norm: the norm term is
     ``sum |g|**p``) or a MAX one (``maximum``, inf-norm). ``passes``: this rank's backward passes since the
-    last step; ``lacking``: some parameter of this rank has no gradient. On ``norm_term``'s device, in its
-    dtype (fp32, or fp64 for fp64 gradients)."""
+    last step; ``lacking``: some parameter of this rank has no gradient. On ``norm_term``'s device, in fp64:
+    the sums of squared pass counts stay exact up to 2**53 (in fp32, 1024 ranks of 129 passes would already
+    round), and a sum of two ranks' fp32 norm terms, rounded back to fp32, is fp32's own sum."""
     counts = [passes, -passes] if maximum else [passes, passes * passes]
-    suspect = (~torch.isfinite(norm_term)).float().reshape(1)
-    tail = device_tensor(counts + [1.0 if lacking else 0.0], norm_term.device, torch.float32)
-    return torch.cat([suspect, norm_term.reshape(1), tail])
+    suspect = (~torch.isfinite(norm_term)).double().reshape(1)
+    tail = device_tensor(counts + [1.0 if lacking else 0.0], norm_term.device, torch.float64)
+    return torch.cat([suspect, norm_term.double().reshape(1), tail])
 
 
 def decode_checks(reduced: list[float], maximum: bool, world_size: int) -> tuple[bool, bool, bool]:

@@ -32,7 +32,8 @@ def verify_ranks_agree(storages: list[BucketStorage], frozen: list[torch.Tensor]
         return topology.same_on_every_rank(checksums.to(device), timeout, "parameter checksum all-reduce").tolist()
 
     flat_frozen = [p.detach().reshape(-1) for p in frozen]
-    same = same_on_every_rank(torch.stack([bit_checksum(t) for t in [s.param_buffer for s in storages] + flat_frozen]))
+    same = same_on_every_rank(torch.stack([bit_checksum(t).to(device)  # a frozen member may live elsewhere
+                                           for t in [s.param_buffer for s in storages] + flat_frozen]))
     suspects = [p for s, agree in zip(storages, same) if not agree for p in s.params]
     if suspects:
         per_param = torch.stack([bit_checksum(p.detach().reshape(-1)) for p in suspects])
@@ -49,9 +50,10 @@ def verify_ranks_agree(storages: list[BucketStorage], frozen: list[torch.Tensor]
 
 
 def bit_checksum(flat: torch.Tensor) -> torch.Tensor:
-    """An int64 sum of the bits of a contiguous 1-D tensor, read as integers of the element's width: any one
-    changed element changes it (wrapping on overflow)."""
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    """An int64 sum of the bits of a contiguous 1-D tensor, read as integers of the element's width (1 byte:
+    uint8 codes, bool, fp8; wider than 8 bytes: complex128, as pairs of int64): any one changed element of at most
+    8 bytes changes it (wrapping on overflow)."""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(flat.element_size(), torch.int64)
     return flat.view(as_int).sum(dtype=torch.int64)
 
 
