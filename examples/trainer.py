@@ -10,6 +10,7 @@ final parameters (rank 0) for the tests.
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -83,21 +84,29 @@ def parse_args():
     return parser.parse_args()
 
 
+def use_cuda() -> bool:
+    """A GPU per rank on this node, and no CPU (gloo) process group set up already (as a test's ranks have)."""
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return enough and (not dist.is_initialized() or dist.get_backend() == "nccl")
+
+
 def hybrid_mesh(replicas: int):
     """A replicas x (world / replicas) DeviceMesh (replicate x shard) over this job's ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    cuda = use_cuda()
     if not dist.is_initialized():  # Trainer initialises the process group when it builds its arguments
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
     if world % replicas:
         raise SystemExit(f"--mesh {replicas} needs a world size divisible by it, got {world}")
-    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (replicas, world // replicas),
+    return init_device_mesh("cuda" if cuda else "cpu", (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
 
 
 def main():
     args = parse_args()
+    cuda = use_cuda()
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=args.width, n_layer=args.layers,
                                      n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -108,7 +117,7 @@ def main():
         gradient_accumulation_steps=args.accum, learning_rate=args.lr, weight_decay=0.01,
         max_grad_norm=args.max_grad_norm, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        optim=args.optim, bf16=args.bf16, fp16=args.fp16, use_cpu=not torch.cuda.is_available(), ddp_backend=None if torch.cuda.is_available() else "gloo",
+        optim=args.optim, bf16=args.bf16, fp16=args.fp16, use_cpu=not cuda, ddp_backend=None if cuda else "gloo",
         report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
     dataset = SyntheticCorpus(config.vocab_size, 32)
     evaluation = SyntheticCorpus(config.vocab_size, 32, size=32, seed=1)

@@ -138,6 +138,23 @@ def test_across_nodes_the_all_gather_is_the_backends_ring_and_the_reduce_scatter
             assert summary.pop("all_reduce")[:2] == (1, 5) and summary == {}, summary
 
 
+def _agreement(rank, world_size):
+    from zeroimpl.topology import Topology
+
+    smallest = torch.iinfo(torch.int64).min
+    checksums = torch.tensor([smallest, 5, smallest, -3]) if rank == 0 else torch.tensor([5, smallest, smallest, -3])
+    rates = torch.tensor([0.5, -0.0, float("inf")]) if rank == 0 else torch.tensor([0.25, 0.0, float("inf")])
+    return Topology().same_on_every_rank(checksums).tolist(), Topology().same_on_every_rank(rates).tolist()
+
+
+def test_agreement_tells_apart_integers_at_the_types_minimum():
+    """Topology.same_on_every_rank: int64 checksums that differ only where one rank holds the type's minimum
+    (whose negation wraps to itself) differ; equal ones agree; floats too (-0.0 equals 0.0, as == says)."""
+    for checksums, rates in run_distributed(2, _agreement):
+        assert checksums == [False, False, True, True]
+        assert rates == [False, True, True]
+
+
 def _inputs(world_size: int, numel: int) -> list[torch.Tensor]:
     """Every rank's reduce-scatter input, regenerated alike on every rank: normal values scaled by 1 to 100,
     so that fp32 sums of three or more depend on their order."""

@@ -160,6 +160,12 @@ def _misuse(rank, world_size):
         linear = torch.nn.Linear(4, 4)
         ShardedOptimizer([{"params": linear.parameters(), "optimizer": torch.optim.Muon}], torch.optim.AdamW)
     errors["muon_differing"] = _catch(muon_on_a_vector_with_differing_models)
+
+    def capturable_with_offload():  # in a param group: the host step cannot run torch's CUDA-graph mode
+        linear = _linear()
+        ShardedOptimizer([{"params": [linear.weight], "capturable": True}, {"params": [linear.bias]}],
+                         torch.optim.AdamW, offload="cpu")
+    errors["capturable"] = _catch(capturable_with_offload)
     return errors
 
 
@@ -177,6 +183,7 @@ MISUSE = {  # case -> what its error must say
     "backward_counts": ["different numbers of backward passes"],
     "sharding": ["ranks differ in the number, shapes or memory formats", "or the shard layout (param groups"],
     "muon_differing": ["ranks differ in the values of the parameters"],
+    "capturable": ["capturable=True keeps the optimizer's step count on the GPU", "offload=None"],
 }
 
 

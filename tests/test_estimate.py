@@ -66,6 +66,17 @@ def test_estimate_from_a_count_is_within_padding(reports, config):
         assert abs(from_count.total - measured.total) <= 0.005 * measured.total
 
 
+def test_capturable_is_estimated_as_the_same_state_and_refused_with_offload():
+    """torch's capturable=True (CUDA graphs) keeps the same state tensors, on the GPU: the estimate, probed on
+    the host, must not trip on it; with offload the host step cannot run it, so it is refused as the optimizer
+    refuses it."""
+    plain = estimate_memory(10_000, 2, optimizer_class=torch.optim.AdamW)
+    capturable = estimate_memory(10_000, 2, optimizer_class=torch.optim.AdamW, optimizer_kwargs={"capturable": True})
+    assert capturable.device.optimizer_state == plain.device.optimizer_state > 0
+    with pytest.raises(ValueError, match="capturable=True .* drop capturable=True"):
+        estimate_memory(10_000, 2, offload="cpu", optimizer_kwargs={"capturable": True})
+
+
 def test_estimate_refuses_bad_input():
     with pytest.raises(ValueError, match="stage"):
         estimate_memory(1000, 2, stage=3)

@@ -256,3 +256,33 @@ def test_hybrid_sharding_on_a_2x2_mesh_matches_trainer_with_ddp_on_4_ranks(runs)
     assert len(mesh["losses"]) == len(ddp["losses"]) == STEPS
     assert max(abs(a - b) for a, b in zip(mesh["losses"], ddp["losses"])) <= 1e-4
     assert max_param_diff(mesh, ddp) <= PARAM_ATOL
+
+
+def _optimizer_moved_by_accelerate(rank, world_size, directory):
+    """What accelerate's device placement handed to ``move_to_device`` while ZeroTrainer (offload) trained a step."""
+    import accelerate.optimizer
+    import transformers
+    from zeroimpl.integrations.trainer import ZeroTrainer
+
+    moved, move = [], accelerate.optimizer.move_to_device
+    accelerate.optimizer.move_to_device = lambda state, device: moved.append(device) or move(state, device)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(output_dir=directory, max_steps=2, per_device_train_batch_size=2,
+                                          use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
+                                          disable_tqdm=True)
+    trainer = ZeroTrainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=dataset,
+                          zero_stage=2, zero_offload="cpu")
+    trainer.train()
+    trainer.train()  # a second train() prepares again
+    return moved
+
+
+def test_accelerate_never_moves_the_optimizers_state(tmp_path):
+    """accelerate's default device placement round-trips ``optimizer.state_dict()`` through the device: with
+    offload on a GPU, the host master weights and optimizer state would land on it at ``train()``'s start
+    (on CPU the move is a no-op, so the calls themselves are what is checked)."""
+    for moved in run_distributed(2, _optimizer_moved_by_accelerate, str(tmp_path)):
+        assert moved == []

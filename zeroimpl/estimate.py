@@ -25,7 +25,7 @@ import torch
 from . import optimizer_kinds, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .layout import ParamSpec, build_layout, trainable_specs
-from .offload import OffloadOption, host_optimizer_kwargs, resolve_offload, staging_sizes
+from .offload import OffloadOption, host_optimizer_kwargs, refuse_capturable, resolve_offload, staging_sizes
 
 PROBE_NUMEL = 3
 NOT_HYPERPARAMETERS = ("params", "param_names", "optimizer")
@@ -153,7 +153,9 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
         group = groups[layout.buckets[piece.bucket_index].group_index]
         kwargs = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
         if policy is not None:
+            refuse_capturable([kwargs])
             kwargs = host_optimizer_kwargs(group["optimizer"], kwargs, set(), policy)
+        kwargs.pop("capturable", None)  # probed on the host; capturable keeps the same state on the GPU
         bucket = layout.buckets[piece.bucket_index]
         whole = bucket.whole or bool(bucket.block)  # blocked: state by the piece's size (blocks, fp32 or 8-bit)
         shape = (tuple(trainable[piece.param_index].shape) if bucket.whole else (piece.length,)) if whole else None

@@ -82,6 +82,15 @@ def host_optimizer_kwargs(optimizer_class: type, kwargs: dict, group_keys: set, 
     return kwargs
 
 
+def refuse_capturable(settings: list[dict]) -> None:
+    """Raise where the hyperparameters (keyword arguments, param groups) ask for ``capturable=True``, which keeps
+    the step count on the GPU for CUDA graphs: a host step cannot run it (torch refuses at the first step)."""
+    if any(setting.get("capturable") for setting in settings):
+        raise ValueError("capturable=True keeps the optimizer's step count on the GPU for CUDA graphs, but with "
+                         "offload='cpu' the optimizer steps on the host, where torch refuses it: drop capturable=True "
+                         "(the host step needs no graph capture), or keep the state on the GPU (offload=None)")
+
+
 def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: dict, groups: list[dict],
                  policy: Optional[CPUOffload]) -> dict[type, dict]:
     """Each inner optimizer class's constructor arguments: ``optimizer_kwargs`` for ``optimizer_class`` (the
@@ -90,6 +99,7 @@ def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: d
     if optimizer_class in kwargs:
         kwargs[optimizer_class] = dict(optimizer_kwargs)  # checked by the class's constructor
     if policy is not None:
+        refuse_capturable([optimizer_kwargs, *groups])
         for cls in kwargs:
             group_keys = {key for group in groups if group["optimizer"] is cls for key in group}
             kwargs[cls] = host_optimizer_kwargs(cls, kwargs[cls], group_keys, policy)

@@ -24,6 +24,7 @@ import torch
 
 from . import comm
 from .buffers import BucketStorage
+from .host_memory import device_tensor
 from .inflight import InFlightGathers
 
 
@@ -74,7 +75,7 @@ class ParamSync:
         quantized = [s for s in self.storages if s.blocks is not None]
         if not quantized:
             return
-        edited = torch.tensor([float(s.edited) for s in quantized], device=quantized[0].param_buffer.device)
+        edited = device_tensor([float(s.edited) for s in quantized], quantized[0].param_buffer.device, torch.float32)
         comm.all_reduce_(edited, torch.distributed.ReduceOp.MAX, self.group, self.timeout, "edit agreement",
                          read_on_host=True)
         for storage, flag in zip(quantized, edited.tolist()):

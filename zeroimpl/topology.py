@@ -75,10 +75,13 @@ class Topology:
 
     def same_on_every_rank(self, values: torch.Tensor, timeout: Optional[float] = None,
                            name: str = "agreement all-reduce") -> torch.Tensor:
-        """Elementwise, whether every rank holds the same ``values`` (1-D); identical on every rank."""
-        high, negated_low = self.all_reduce_(torch.cat([values, -values]), dist.ReduceOp.MAX, timeout, name,
-                                             read_on_host=True).chunk(2)
-        return high == -negated_low
+        """Elementwise, whether every rank holds the same ``values`` (1-D); identical on every rank: the maximum
+        is the minimum. For integers the minimum comes as ``max(~x) == ~min(x)`` (``-x`` wraps at the type's
+        minimum, where ``-min == min``: checksums of ``[min, 5]`` would read as agreeing)."""
+        mirror = torch.neg if values.is_floating_point() else torch.bitwise_not  # order-reversing, exact
+        high, mirrored_low = self.all_reduce_(torch.cat([values, mirror(values)]), dist.ReduceOp.MAX, timeout, name,
+                                              read_on_host=True).chunk(2)
+        return high == mirror(mirrored_low)
 
     def all_gather_objects(self, value, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
         """Every rank's ``value``, replica by replica, each in shard-rank order: entry ``r * shard_size + s`` is

@@ -22,6 +22,9 @@ How it fits Trainer (transformers 5), and the traps it avoids:
   current scale is logged as ``loss_scale``.
 * **Clipping and the logged grad norm** are the global norm of the averaged gradients
   (:meth:`ShardedOptimizer.clip_grad_norm_`), not the rank-local norm accelerate would compute.
+* **Device placement.** The optimizer is prepared by accelerate without it: accelerate's default copies
+  ``optimizer.state_dict()`` to the GPU and loads it back, which with offload would put the host master
+  weights and optimizer state on the device at the start of ``train()``.
 * **Checkpoints** are sharded: at ``save_steps`` every rank writes its own shard through
   :func:`zeroimpl.checkpoint.save_checkpoint` into ``<checkpoint>/zeroimpl`` (no gather on rank 0), and
   ``resume_from_checkpoint`` loads them with :func:`~zeroimpl.checkpoint.load_checkpoint`, on the same or
@@ -194,7 +197,9 @@ class ZeroTrainer(transformers.Trainer):
             self.accelerator.scaler = OptimizerLossScaler(self.sharded_optimizer)
         if isinstance(self.model_wrapped, ShardedModule):
             self.model_wrapped.optimizer = self.sharded_optimizer
-        self.optimizer = self.sharded_optimizer
+        # prepared here, without device placement, so that Trainer's own prepare leaves it be: accelerate would
+        # move state_dict() to the device and load it back (offload's host masters and state onto the GPU)
+        self.optimizer = self.accelerator.prepare(self.sharded_optimizer, device_placement=[False])
         return self.optimizer
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
