@@ -46,7 +46,14 @@ CASES = {
     "stage 2, fp16 (loss scaling)": RunConfig("gpt2", 2, device="cuda", dtype=torch.float16),
     "stage 2 + offload, bf16": RunConfig("gpt2", 2, device="cuda", dtype=torch.bfloat16,
                                          zero_kwargs={"offload": CPUOffload(fused_step=False)}),
+    # on one GPU the 8-bit all-gather runs under the switch (the owner decodes its own payload); the 8-bit
+    # reduce-scatter, an all-to-all, only from 2 GPUs on (at one rank its own piece is exact: nothing to send)
+    "stage 2, 8-bit collectives": RunConfig("gpt2", 2, device="cuda", zero_kwargs={"quantize_param_gather": True,
+                                                                                  "quantize_grad_reduce": True}),
 }
+# tests/test_quantized_comm.py's tolerances for training with both 8-bit collectives against the same run
+# unquantized, per step's loss (relative) and for the parameters (relative L2), which this case meets on CPU
+QUANTIZED_LOSS_RTOL, QUANTIZED_REL_L2 = 6e-3, 0.15
 
 
 def _train_all(rank, world_size):
@@ -86,6 +93,45 @@ def test_16_bit_training_tracks_fp32(runs, case):
         assert run["losses"] != reference["losses"]  # it really ran in 16 bits
 
 
+def test_8_bit_collectives_track_the_unquantized_run(runs):
+    """The 8-bit codec's kernels on CUDA and NCCL's uint8 all-gather (and, on 2 GPUs, all-to-all), within the
+    tolerances the CPU runs meet."""
+    for by_name in runs:
+        run, reference = by_name["stage 2, 8-bit collectives"], by_name["stage 2"]
+        for a, b in zip(run["losses"], reference["losses"]):
+            assert abs(a - b) <= QUANTIZED_LOSS_RTOL * abs(b), (a, b)
+        assert 0 < relative_l2(run["params"], reference["params"]) <= QUANTIZED_REL_L2  # it did quantize
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_the_8_bit_codec_keeps_its_bound_on_cuda(signed):
+    """The codec's kernels on CUDA (the payload sliced at a rank's offset, as the all-gather writes it): every
+    element within half a step of its block ((max - min) / 510, or absmax / 254 when signed), a zero block exact,
+    the payload as large as on CPU."""
+    from zeroimpl import quantized_comm
+
+    torch.manual_seed(0)
+    n, world = 600, 2
+    codecs = [quantized_comm.ShardBlocks.of([0, 7, 300, world * n], n, world, rank, signed=signed)
+              for rank in range(world)]
+    shards = [(torch.randn(n) * torch.logspace(-4, 2, n)).cuda() for _ in range(world)]
+    shards[1][:256] = 0.0
+    size = codecs[0].payload_bytes
+    gathered = torch.zeros(world * size, dtype=torch.uint8, device="cuda")
+    for rank, (codec, shard) in enumerate(zip(codecs, shards)):
+        codec.encode(shard, out=gathered[rank * size:(rank + 1) * size])
+    assert size == codecs[0].encode(shards[0].cpu()).numel()
+    out = torch.zeros(world * n, device="cuda")
+    codecs[0].add_decoded(gathered, out)
+    blocks = [(0, 7, 263, 300, 556, 600), (0, 256, 512, 600)]  # rank 1's shard: one parameter from its start
+    for shard, values, edges in zip(shards, out.view(world, n), blocks):
+        for start, end in zip(edges, edges[1:]):
+            block, back = shard[start:end], values[start:end]
+            half_step = block.abs().max() / 254 if signed else (block.max() - block.min()) / 510
+            assert (back - block).abs().max().item() <= half_step.item() * (1 + 1e-5) + 1e-7
+    assert torch.equal(out[n:n + 256], torch.zeros(256, device="cuda"))
+
+
 def _batch(rank, step):
     return {k: v.cuda() for k, v in batch(rank, step, 0).items()}
 
@@ -123,7 +169,7 @@ def test_offload_side_stream_waits_for_delayed_copies(dtype):
         assert difference <= bound, difference
 
 
-def _host_syncs_per_step(rank, world_size, offload):
+def _host_syncs_per_step(rank, world_size, offload, clip):
     model = build_model("gpt2").cuda()
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, offload=offload, lr=1e-3)
     counts = []
@@ -134,7 +180,10 @@ def _host_syncs_per_step(rank, world_size, offload):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                optimizer.clip_grad_norm_(1.0)
+                if clip == "torch":  # on the param.grad views: one copy of the coefficient per device
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                else:
+                    optimizer.clip_grad_norm_(1.0)
                 optimizer.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
@@ -143,10 +192,16 @@ def _host_syncs_per_step(rank, world_size, offload):
     return counts[1:]  # the first step also builds the optimizer state
 
 
-def test_one_host_sync_per_step():
-    """The step's one 5-element check all-reduce is read on the host once (clip_grad_norm_ + step together)."""
-    for counts in run_distributed(WORLD_SIZE, _host_syncs_per_step, None, backend="nccl", timeout=600, env=ENV):
-        assert counts == [1, 1, 1]
+@pytest.mark.parametrize("offload, clip, syncs", [(None, "optimizer", 1), (None, "torch", 1),
+                                                  ("cpu", "optimizer", 2), ("cpu", "torch", 2)])
+def test_host_syncs_per_step(offload, clip, syncs):
+    """The step's one 5-element check all-reduce is read on the host once (clipping + step together); with
+    offload the clipping coefficient is copied to the host once more (docs/design.md), also when torch's
+    clip_grad_norm_ multiplies each parameter's gradient by it (a copy per parameter would block per parameter).
+    The waits on events that sync-debug mode does not see are not counted here."""
+    for counts in run_distributed(WORLD_SIZE, _host_syncs_per_step, offload, clip, backend="nccl", timeout=600,
+                                  env=ENV):
+        assert counts == [syncs] * 3, counts
 
 
 def _memory(rank, world_size):

@@ -209,6 +209,23 @@ def _runs(rank, world_size, directory):
             "resumed": _train(rank, world_size, {**PARAMS, **GRADS}, resume=os.path.join(directory, "step-3"))}
 
 
+def _one_rank_runs(rank, world_size):
+    return {"plain": _train(rank, world_size, {}), "quantized": _train(rank, world_size, PARAMS)}
+
+
+def test_at_one_rank_the_test_switch_runs_the_8_bit_all_gather():
+    """ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1 (the GPU kit's path on one GPU): at world size 1 the 8-bit parameter
+    all-gather runs too, the owner decoding its own payload, with the invariant and the tolerances of 2 and 3
+    ranks (without the switch nothing is quantized at one rank)."""
+    (results,) = run_distributed(1, _one_rank_runs, env={"ZEROIMPL_COLLECTIVES_AT_ONE_RANK": "1"})
+    plain, quantized = results["plain"], results["quantized"]
+    assert plain["exact"] and quantized["exact"]
+    assert plain["losses"][0] == quantized["losses"][0]
+    for a, b in zip(plain["losses"], quantized["losses"]):
+        assert abs(a - b) <= QUANTIZED_LOSS_RTOL * abs(a), (a, b)
+    assert 0 < relative_l2(quantized["params"], plain["params"]) <= QUANTIZED_REL_L2  # it did quantize
+
+
 @pytest.fixture(scope="module", params=[2, 3])
 def runs(request, tmp_path_factory):
     return request.param, run_distributed(request.param, _runs, str(tmp_path_factory.mktemp("quantized")))

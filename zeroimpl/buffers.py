@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from .comm import issues_collectives
 from .layout import Bucket, ShardLayout, overlap
 from .memory_format import dense_strides, shaped
 from .quantized_comm import ShardBlocks
@@ -136,6 +137,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
     each storage gets its blocks, a copy of its published shard, and a master of its own also for fp32 (or wider)
     models.
     """
+    quantized = quantized and issues_collectives(layout.world_size)  # (at one rank nothing crosses a link)
     storages = []
     for bucket in layout.buckets:
         members = [params[i] for i in bucket.param_indices]
@@ -150,12 +152,12 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         shard = param_buffer[start:end]
         if host_masters is not None:
             master = host_masters[bucket.index].copy_(shard)
-        elif first.dtype in HALF_DTYPES or (quantized and layout.world_size > 1):
+        elif first.dtype in HALF_DTYPES or quantized:
             master = shard.to(host_master_dtype(first.dtype), copy=True)
         else:
             master = shard
         blocks = published = None
-        if quantized and layout.world_size > 1:  # (at one rank nothing crosses a link)
+        if quantized:
             blocks = ShardBlocks.of(layout.edges(bucket.index), bucket.shard_numel, layout.world_size, rank)
             published = shard.clone()
         storage = BucketStorage(bucket, members, param_buffer, shard, master, blocks, published)

@@ -28,7 +28,8 @@ that spans nodes (:func:`spans_nodes`: by torchrun's ``GROUP_RANK``, agreed by t
 
 ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors (read when the collective is
 issued; set it alike on every rank). ``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1`` (for tests) issues the backend's
-reduce-scatter and all-gather at world size 1 too, where they would be copies: NCCL and gloo take one-rank
+reduce-scatter and all-gather (and ``quantize_param_gather``'s 8-bit all-gather, the owner decoding its own
+payload) at world size 1 too, where they would be copies: NCCL and gloo take one-rank
 groups, so a machine with one GPU runs the collective path (tests/test_cuda.py), the reduce-scatter into an
 output of its own as at world size 2 and up (in place, NCCL's one-rank collective moves nothing; the
 all-gather stays in place: the values it writes are those already there, so a separate input could not show
@@ -78,6 +79,12 @@ class CollectiveError(RuntimeError):
 def collectives_at_one_rank() -> bool:
     """Whether to issue the backend's collectives at world size 1 too (``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1``)."""
     return os.environ.get("ZEROIMPL_COLLECTIVES_AT_ONE_RANK") == "1"
+
+
+def issues_collectives(world_size: int) -> bool:
+    """Whether a group of ``world_size`` ranks runs the backend's collectives (and the 8-bit all-gather's
+    encoding): above one rank, or at one under :func:`collectives_at_one_rank`."""
+    return world_size > 1 or collectives_at_one_rank()
 
 
 def _collective(new_name: str, old_name: str):

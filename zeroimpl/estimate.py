@@ -22,7 +22,7 @@ from typing import Collection, Iterable, Literal, Optional, Union
 
 import torch
 
-from . import optimizer_kinds, validation
+from . import comm, optimizer_kinds, validation
 from .accounting import MemoryReport, StateBytes, tensor_bytes
 from .layout import ParamSpec, build_layout, trainable_specs
 from .offload import OffloadOption, host_optimizer_kwargs, refuse_capturable, resolve_offload, staging_sizes
@@ -141,7 +141,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     each piece of a flat parameter has its own scalars (Adam's ``step``), and whole parameters differ in size.
     ``quantize_grad_reduce`` holds nothing between steps (taken for the symmetry of the arguments).
     """
-    quantize_param_gather = quantize_param_gather and world_size > 1  # (at one rank nothing is quantized)
+    quantize_param_gather = quantize_param_gather and comm.issues_collectives(world_size)  # (not at one rank)
     validation.check_stage(stage)
     policy = resolve_offload(offload)
     groups, trainable, specs = _groups_and_specs(params, dtype, bucket_numel, optimizer_class,

@@ -231,7 +231,7 @@ class GradientReducer:
             if param_index not in arrived:
                 slot = self.layout.slots[param_index]
                 buffer[slot.offset:slot.end].zero_()
-        if self.layout.world_size == 1 and not comm.collectives_at_one_rank():  # the bucket buffer is the shard
+        if not comm.issues_collectives(self.layout.world_size):  # the bucket buffer is the shard
             output = buffer
         else:
             output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)

@@ -134,6 +134,9 @@ class GradViews:
         # same events on every rank (never on a rank-local fact such as a shard's version counter), so that
         # every rank runs the norm all-reduce alike
         self._norms: dict = {}
+        # (id, version, device) of a tensor argument -> (it, its copy on the device): clipping's coefficient,
+        # on the GPU, multiplies every piece, which offload keeps on the host; until the views are taken out
+        self._copies: dict = {}
         views_ref = weakref.ref(self)
         self._handles = [p.register_hook(_withdraw_before_accumulating(views_ref)) for p in params]
         self._handles += [p.register_post_accumulate_grad_hook(_expose_after_backward(views_ref)) for p in params]
@@ -185,6 +188,7 @@ class GradViews:
                 dropped.append(index)
         self._installed.clear()
         self._local.clear()
+        self._copies.clear()
         self.prepared = False
         self.changed()
         if dropped:
@@ -198,6 +202,7 @@ class GradViews:
                 self.params[index].grad = self._local.get(index)
         self._installed.clear()
         self._local.clear()
+        self._copies.clear()
         self.prepared = False
         self.changed()
 
@@ -262,8 +267,18 @@ class GradViews:
     def _apply(self, func, view: ShardedGrad, rest: tuple, kwargs: dict) -> None:
         piece = self._piece_tensor(view.param_index)
         if piece is not None:
-            func(piece, *[_to(value, piece.device) for value in rest],
-                 **{key: _to(value, piece.device) for key, value in kwargs.items()})
+            func(piece, *[self._on(value, piece.device) for value in rest],
+                 **{key: self._on(value, piece.device) for key, value in kwargs.items()})
+
+    def _on(self, value, device: torch.device):
+        """``value`` where the piece is: a tensor argument on another device is copied once per version, not once
+        per parameter (a copy from the GPU to the host blocks the host)."""
+        if not isinstance(value, torch.Tensor) or value.device == device:
+            return value
+        key = (id(value), value._version, device)
+        if key not in self._copies:
+            self._copies[key] = (value, value.to(device))  # holding the original keeps its id unique
+        return self._copies[key][1]
 
     def _norm(self, view: ShardedGrad, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
         if dim is not None:
@@ -320,10 +335,6 @@ class GradViews:
         agreed = local.to(_comm_device(found_inf.device, local.device))
         comm.all_reduce_(agreed, dist.ReduceOp.MAX, self.group, self.timeout, "GradScaler found_inf all-reduce")
         found_inf.copy_(torch.maximum(found_inf, agreed.to(found_inf.device).reshape(found_inf.shape)))
-
-
-def _to(value, device: torch.device):
-    return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
 
 
 def _comm_device(param_device: torch.device, device: torch.device) -> torch.device:

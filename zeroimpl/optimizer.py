@@ -157,7 +157,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler.resolve(loss_scale, trainable)
         self.nonfinite, self._skipped_without_scaler = nonfinite, 0
         self._step_state = StepState(loss_scaling=self.loss_scaler is not None)
-        self.uneven = uneven.UnevenInputs(self, self.join_device, self.join_process_group)
+        self.uneven = uneven.UnevenInputs(self, self.join_device, self.join_process_group, collective_timeout)
 
         self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtype,
                                        max_inflight_buckets, self.gradients, self._step_state, self.uneven,
@@ -207,7 +207,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     # -- torch.distributed.algorithms.Join ---------------------------------------------------------
     def join_hook(self, **kwargs) -> uneven.RefuseUnevenInputs:
         """Under ``Join``, a rank that ran out of data makes every rank raise ``UnevenInputsError``."""
-        return uneven.RefuseUnevenInputs(self.join_device, self.join_process_group)
+        return uneven.RefuseUnevenInputs(self.join_device, self.join_process_group, self.collective_timeout)
 
     @property
     def join_device(self) -> torch.device:  # where the Join flags live

@@ -16,6 +16,7 @@ a joined rank's hook sets, and every rank raises :class:`UnevenInputsError` at t
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,12 @@ class UnevenInputsError(RuntimeError):
 class RefuseUnevenInputs(JoinHook):
     """The hook of a rank that joined: it tells the ranks still training, then raises."""
 
-    def __init__(self, device: torch.device, group) -> None:
-        self.device, self.group = device, group
+    def __init__(self, device: torch.device, group, timeout: Optional[float] = None) -> None:
+        self.device, self.group, self.timeout = device, group, timeout
 
     def main_hook(self) -> None:
-        comm.all_reduce_(torch.ones(1, device=self.device), dist.ReduceOp.SUM, self.group, name="uneven inputs flag")
+        comm.all_reduce_(torch.ones(1, device=self.device), dist.ReduceOp.SUM, self.group, self.timeout,
+                         "uneven inputs flag", read_on_host=True)
         raise UnevenInputsError(MESSAGE)
 
 
@@ -49,9 +51,10 @@ class UnevenInputs:
     """The check-in of one :class:`~torch.distributed.algorithms.join.Joinable` (held weakly: the optimizer
     owns this object) before each round of its collectives."""
 
-    def __init__(self, joinable: Joinable, device: torch.device, group) -> None:
+    def __init__(self, joinable: Joinable, device: torch.device, group, timeout: Optional[float] = None) -> None:
         self._joinable = weakref.ref(joinable)  # only handed to torch's Join (its protocol)
         self.device, self.group = device, group  # where the flag is all-reduced: the joinable's own
+        self.timeout = timeout  # bounds the flag's all-reduce (collective_timeout)
 
     def check_in(self) -> None:
         """Inside an active ``Join``, announce this rank and raise :class:`UnevenInputsError` (on every rank
@@ -63,6 +66,6 @@ class UnevenInputs:
         if work is not None:
             work.wait()
         joined = torch.zeros(1, device=self.device)
-        comm.all_reduce_(joined, dist.ReduceOp.SUM, self.group, name="uneven inputs flag")
-        if joined.item() > 0:
+        comm.all_reduce_(joined, dist.ReduceOp.SUM, self.group, self.timeout, "uneven inputs flag", read_on_host=True)
+        if joined.item() > 0:  # a host sync per check-in, under Join only
             raise UnevenInputsError(MESSAGE)
