@@ -222,7 +222,12 @@ def _verify(rank, stage):
         if rank == 1:
             model.codes[5] += 1
     codes_edit = _error_of(optimizer.verify_ranks_agree)
-    return clean, frozen_edit, trainable_edit, consumed, codes_edit
+    with torch.no_grad():
+        model.codes[5] = 5
+        if rank == 1:
+            model.mask[1] = False
+    mask_edit = _error_of(optimizer.verify_ranks_agree)
+    return clean, frozen_edit, trainable_edit, consumed, codes_edit, mask_edit
 
 
 def _local_gradient_edited_in_stage1():
@@ -375,12 +380,13 @@ def test_broadcast_buffers_keeps_ranks_identical_as_ddp_does(two_ranks, mode):
 @pytest.mark.parametrize("stage", STAGES)
 def test_verify_every_catches_ranks_that_diverge(two_ranks, stage):
     for results in two_ranks:
-        clean, frozen_edit, trainable_edit, consumed, codes_edit = case_result(results, ("verify", stage))
+        clean, frozen_edit, trainable_edit, consumed, codes_edit, mask_edit = case_result(results, ("verify", stage))
         assert clean == "no error" and consumed
         assert frozen_edit.startswith("DivergenceError") and "after step 6" in frozen_edit
         assert "'aux_head.bias' (shape (4,))" in frozen_edit
         assert trainable_edit.startswith("DivergenceError") and "'body.2.weight' (shape (16, 16))" in trainable_edit
         assert codes_edit.startswith("DivergenceError") and "'codes' (shape (8,))" in codes_edit
+        assert mask_edit.startswith("DivergenceError") and "'mask' (shape (3,))" in mask_edit
 
 
 def _bf16_gradient_at_three_ranks(rank, world_size):

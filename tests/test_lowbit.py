@@ -122,6 +122,31 @@ def test_trust_ratio_classes_step_whole_parameters_bitwise_as_under_ddp(launches
     assert all(cut == 1 for _, _, cut in outcomes)  # the largest matrix is stepped whole, by one rank
 
 
+def _trust_ratio_at_one_rank(rank, world_size):
+    return run_cases({name: partial(_parity, rank, name) for name in TRUST_RATIO_CLASSES})
+
+
+def test_trust_ratio_classes_at_one_rank_hold_what_estimate_memory_says():
+    """One rank holds both 8-bit matrices: LAMB8bit's two quantization maps, shared by its parameters, are held
+    (and estimated) once, not once per parameter (``_train`` compares the estimate with the memory report)."""
+    (results,) = run_distributed(1, _trust_ratio_at_one_rank)
+    for name in TRUST_RATIO_CLASSES:
+        ((difference, _, cut),) = case_results([results], name)
+        assert difference == 0.0 and cut == 1
+
+
+def test_subclasses_of_trust_ratio_classes_and_an_args_object_are_not_sharded_flat():
+    """A subclass whose constructor hides max_unorm in ``**kwargs`` is still stepped whole; bitsandbytes' ``args``
+    object (which overrides the keyword arguments zeroimpl reads) is refused, naming the fix."""
+    class MyLAMB(bnb.optim.LAMB):
+        def __init__(self, params, **kwargs):
+            super().__init__(params, **kwargs)
+    assert sharding_of(MyLAMB, (), False) == "whole"
+    settings = type("Settings", (), {"max_unorm": 1.0, "min_8bit_size": 4096})()
+    with pytest.raises(ValueError, match=r"AdamW8bit\(args=...\).*pass the settings as keyword arguments"):
+        ShardedOptimizer(OddNet().parameters(), bnb.optim.AdamW8bit, args=settings)
+
+
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_low_bit_classes_are_sharded_on_blocks_and_refuse_assume_elementwise(name):
     cls = CLASSES[name][0]

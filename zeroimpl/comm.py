@@ -309,11 +309,13 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
 def wait_for_stream(stream, timeout: Optional[float], name: str) -> None:
     """Block the host until ``stream`` (a CUDA stream) has run everything queued on it, bounded by ``timeout``
     (then :class:`CollectiveError`): what it runs may wait for a collective that hangs (offload's copies of
-    reduced gradients), which ``stream.synchronize()`` would wait out for as long as NCCL's watchdog lets it."""
+    reduced gradients), which ``stream.synchronize()`` would wait out for as long as NCCL's watchdog lets it.
+    Either way the host waits on an event recorded on ``stream`` now."""
+    event = stream.record_event()
     if timeout is None:
-        stream.synchronize()
+        event.synchronize()
         return
-    event, deadline = stream.record_event(), time.monotonic() + timeout
+    deadline = time.monotonic() + timeout
     while not event.query():
         if time.monotonic() > deadline:
             raise CollectiveError(f"ShardedOptimizer's {name} did not finish within collective_timeout={timeout} s: "

@@ -163,9 +163,9 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
         if key not in probes:
             probes[key] = (whole_state_bytes(group["optimizer"], kwargs, master_dtype, shape) if whole
                            else optimizer_state_bytes(group["optimizer"], kwargs, master_dtype))
-        if whole and bucket.block:  # a low-bit piece: its shared quantization maps are counted once per rank
-            shared_key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype)
-            blocks = specs[piece.param_index].blocks
+        if whole and optimizer_kinds.is_blockwise(group["optimizer"]):  # a low-bit piece (blocked or whole): its
+            shared_key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype)  # shared quantization maps
+            blocks = specs[piece.param_index].blocks or optimizer_kinds.blocks_of(group)  # count once per rank
             if shared_key not in probes:
                 probes[shared_key] = shared_state_bytes(group["optimizer"], kwargs, master_dtype,
                                                         max(blocks.threshold, blocks.size))

@@ -248,11 +248,10 @@ class GradientReducer:
         """Finish the oldest reduce-scatter and hand its shard to the store; with hybrid sharding start the
         shard's all-reduce across the replicas instead, finished later (:meth:`_complete_replicated`).
         ``on_host``: block the host, not the compute stream, until the collective is done (CUDA)."""
-        reduction = self._inflight[0]
+        reduction = self._inflight.popleft()  # (a failed wait is not waited for again)
         # before the wait, which lets go of the work's buffers and queues the 8-bit sum that reads them
         self.streams.use(reduction.buffer, reduction.output, *reduction.work.buffers)
         (reduction.work.wait_on_host if on_host else reduction.work.wait)()
-        self._inflight.popleft()
         if self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
             return

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .host_memory import to_device
 from .layout import ShardPiece
 from .step_checks import StepChecks
 
@@ -275,6 +276,8 @@ class GradViews:
         per parameter (a copy from the GPU to the host blocks the host)."""
         if not isinstance(value, torch.Tensor) or value.device == device:
             return value
+        if value.is_inference():  # (no version counter to tell a changed one by)
+            return value.to(device)
         key = (id(value), value._version, device)
         if key not in self._copies:
             self._copies[key] = (value, value.to(device))  # holding the original keeps its id unique
@@ -312,7 +315,7 @@ class GradViews:
         device = next((t.device for t in terms if t is not None), self.params[0].device)
         values = torch.stack([t if t is not None else torch.tensor(empty, dtype=torch.float64, device=device)
                               for t in terms])
-        values = values.to(_comm_device(self.params[0].device, device))
+        values = to_device(values, _comm_device(self.params[0].device, device))  # (from the host: no sync)
         comm.all_reduce_(values, op, self.group, self.timeout, "gradient norm all-reduce")
         return values if op is not dist.ReduceOp.SUM or ord == 0 else values ** (1.0 / ord)
 

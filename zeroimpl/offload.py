@@ -128,6 +128,7 @@ class HostGradientShards:
         self.shards = shards  # per bucket: zeroed, shard-sized, in the master's dtype (page-locked on CUDA)
         self._fill = [ShardFill.EMPTY] * len(shards)  # per bucket: what the host shard holds
         self._device_sums: list[Optional[torch.Tensor]] = [None] * len(shards)  # device accumulators
+        self._copying = False  # a copy was queued since the last wait
         self.accumulating = False  # set by ShardedOptimizer.accumulating(): keep sums on the device
 
     def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
@@ -155,11 +156,14 @@ class HostGradientShards:
         with torch.cuda.stream(self._stream):
             host.copy_(reduced, non_blocking=True)
         reduced.record_stream(self._stream)  # the allocator must not reuse it before the copy has run
+        self._copying = True
 
     def wait_copies(self) -> None:
-        """Block until no gradient copy to the host is in flight (the host shards may then be read or written)."""
-        if self._stream is not None:
+        """Block until no gradient copy to the host is in flight (the host shards may then be read or written):
+        a wait on the copy stream when a copy was queued since the last one, else nothing."""
+        if self._copying:
             comm.wait_for_stream(self._stream, self._timeout, "gradient copies to the host")
+            self._copying = False
 
     def ready(self) -> list[Optional[torch.Tensor]]:
         """Every gradient on the host, every copy finished: the host shards, ``None`` where no gradient came."""

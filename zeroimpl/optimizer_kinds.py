@@ -105,9 +105,11 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
 
 def _clips_by_update_norm(optimizer_class: type) -> bool:
     """Whether the class's update is scaled by its norm against the parameter's (bitsandbytes' ``max_unorm``, on
-    by default in its LAMB and LARS classes): a per-parameter norm, which a piece of the parameter cannot give."""
-    setting = inspect.signature(optimizer_class.__init__).parameters.get("max_unorm")
-    return setting is not None and setting.default not in (0, 0.0, None, inspect.Parameter.empty)
+    by default in its LAMB and LARS classes, and so in a subclass of theirs): a per-parameter norm, which a piece
+    of the parameter cannot give."""
+    settings = [inspect.signature(cls.__init__).parameters.get("max_unorm") for cls in optimizer_class.__mro__
+                if cls is not object]
+    return any(s is not None and s.default not in (0, 0.0, None, inspect.Parameter.empty) for s in settings)
 
 
 def is_blockwise(optimizer_class: type) -> bool:
@@ -124,6 +126,11 @@ def blocks_of(group: dict) -> Blocks:
     optimizer_class = group["optimizer"]
     defaults = {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()}
     settings = {**defaults, **group}
+    if settings.get("args") is not None:
+        raise ValueError(f"{optimizer_class.__name__}(args=...): bitsandbytes then ignores its keyword arguments "
+                         "for the settings in args, which zeroimpl reads from the keyword arguments to cut its shards "
+                         "(min_8bit_size) or step whole parameters (max_unorm): pass the settings as keyword "
+                         "arguments instead")
     if any(cls.__module__.startswith("torchao.") for cls in optimizer_class.__mro__):
         return Blocks(int(settings["block_size"]), TORCHAO_THRESHOLD, whole_blocks=True)
     return Blocks(BITSANDBYTES_BLOCK, int(settings.get("min_8bit_size", 4096)))
