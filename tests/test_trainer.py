@@ -286,3 +286,32 @@ def test_accelerate_never_moves_the_optimizers_state(tmp_path):
     (on CPU the move is a no-op, so the calls themselves are what is checked)."""
     for moved in run_distributed(2, _optimizer_moved_by_accelerate, str(tmp_path)):
         assert moved == []
+
+
+def _fp16_trained_twice_with_model_init(rank, world_size, directory):
+    """ZeroTrainer (fp16, dynamic loss scaling, as accelerate sets it up on a GPU) with ``model_init``: each
+    ``train()`` builds a new model and optimizer; the loss scaling of both, and the final loss scale."""
+    import transformers
+    from zeroimpl.integrations.trainer import ZeroTrainer
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    args = transformers.TrainingArguments(output_dir=directory, max_steps=2, per_device_train_batch_size=2,
+                                          use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
+                                          disable_tqdm=True, fp16=True)
+    trainer = ZeroTrainer(model_init=lambda: transformers.GPT2LMHeadModel(config), args=args,
+                          train_dataset=[{"input_ids": row, "labels": row} for row in ids], zero_stage=2)
+    trainer.accelerator.native_amp = True  # accelerate's fp16 set-up on a GPU (examples/trainer.py: use_loss_scaler)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=7)
+    configs = []
+    for _ in range(2):
+        trainer.train()
+        configs.append(trainer.sharded_optimizer.loss_scaler.config)
+    return configs
+
+
+def test_a_second_train_with_model_init_keeps_the_grad_scalers_settings(tmp_path):
+    """Trainer rebuilds the optimizer on every train() with model_init: the second one takes its loss scaling
+    from the GradScaler ZeroTrainer replaced, as the first did."""
+    for first, second in run_distributed(2, _fp16_trained_twice_with_model_init, str(tmp_path)):
+        assert first == second and first.initial_scale == 2.0 ** 10 and first.growth_interval == 7

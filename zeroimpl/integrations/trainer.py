@@ -69,8 +69,9 @@ class OptimizerLossScaler:
     ``scaler.pt``; the same state is also in the sharded checkpoint.
     """
 
-    def __init__(self, optimizer: ShardedOptimizer):
+    def __init__(self, optimizer: ShardedOptimizer, replaced: torch.amp.GradScaler):
         self.optimizer = optimizer
+        self.replaced = replaced  # accelerate's GradScaler: its settings for the next optimizer (model_init)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.optimizer.scale_loss(loss)
@@ -188,13 +189,15 @@ class ZeroTrainer(transformers.Trainer):
         groups = [g for g in groups if g["params"]]
         options = dict(self.zero_options)
         amp_scaler = self.accelerator.scaler  # set by accelerate for fp16 mixed precision only
+        if isinstance(amp_scaler, OptimizerLossScaler):  # a new optimizer (train() with model_init rebuilds it)
+            amp_scaler = amp_scaler.replaced
         if amp_scaler is not None:
             options.setdefault("loss_scale", loss_scale_like(amp_scaler))
         self.sharded_optimizer = ShardedOptimizer(groups, optimizer_class, stage=self.zero_stage,
                                                   offload=self.zero_offload, **options, **optimizer_kwargs)
         if amp_scaler is not None and self.sharded_optimizer.loss_scaler is not None:
             # before accelerate prepares the optimizer, which keeps the scaler
-            self.accelerator.scaler = OptimizerLossScaler(self.sharded_optimizer)
+            self.accelerator.scaler = OptimizerLossScaler(self.sharded_optimizer, amp_scaler)
         if isinstance(self.model_wrapped, ShardedModule):
             self.model_wrapped.optimizer = self.sharded_optimizer
         # prepared here, without device placement, so that Trainer's own prepare leaves it be: accelerate would
