@@ -145,6 +145,8 @@ def test_subclasses_of_trust_ratio_classes_and_an_args_object_are_not_sharded_fl
     settings = type("Settings", (), {"max_unorm": 1.0, "min_8bit_size": 4096})()
     with pytest.raises(ValueError, match=r"AdamW8bit\(args=...\).*pass the settings as keyword arguments"):
         ShardedOptimizer(OddNet().parameters(), bnb.optim.AdamW8bit, args=settings)
+    with pytest.raises(ValueError, match=r"LAMB\(args=...\)"):  # stepped whole, but estimated alike
+        estimate_memory(OddNet().parameters(), 2, optimizer_class=bnb.optim.LAMB, optimizer_kwargs={"args": settings})
 
 
 @pytest.mark.parametrize("name", list(CLASSES))

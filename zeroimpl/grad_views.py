@@ -313,8 +313,8 @@ class GradViews:
             else:
                 terms.append(torch.linalg.vector_norm(piece, ord, dtype=torch.float64) ** ord)
         device = next((t.device for t in terms if t is not None), self.params[0].device)
-        values = torch.stack([t if t is not None else torch.tensor(empty, dtype=torch.float64, device=device)
-                              for t in terms])
+        values = torch.stack([t if t is not None else torch.full((), empty, dtype=torch.float64, device=device)
+                              for t in terms])  # (torch.full: torch.tensor(x, device="cuda") blocks the host)
         values = to_device(values, _comm_device(self.params[0].device, device))  # (from the host: no sync)
         comm.all_reduce_(values, op, self.group, self.timeout, "gradient norm all-reduce")
         return values if op is not dist.ReduceOp.SUM or ord == 0 else values ** (1.0 / ord)
@@ -334,7 +334,7 @@ class GradViews:
         for (device, _), same in by_device.items():
             found = torch.zeros(1, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale.to(device))
-            local = torch.maximum(local, found.to(local.device))
+            local = torch.maximum(local, to_device(found, local.device))
         agreed = local.to(_comm_device(found_inf.device, local.device))
         comm.all_reduce_(agreed, dist.ReduceOp.MAX, self.group, self.timeout, "GradScaler found_inf all-reduce")
         found_inf.copy_(torch.maximum(found_inf, agreed.to(found_inf.device).reshape(found_inf.shape)))

@@ -107,9 +107,14 @@ def _clips_by_update_norm(optimizer_class: type) -> bool:
     """Whether the class's update is scaled by its norm against the parameter's (bitsandbytes' ``max_unorm``, on
     by default in its LAMB and LARS classes, and so in a subclass of theirs): a per-parameter norm, which a piece
     of the parameter cannot give."""
-    settings = [inspect.signature(cls.__init__).parameters.get("max_unorm") for cls in optimizer_class.__mro__
-                if cls is not object]
-    return any(s is not None and s.default not in (0, 0.0, None, inspect.Parameter.empty) for s in settings)
+    for cls in optimizer_class.__mro__[:-1]:  # (not object)
+        try:
+            setting = inspect.signature(cls.__init__).parameters.get("max_unorm")
+        except ValueError:  # a constructor without a signature (an extension type's)
+            continue
+        if setting is not None and setting.default not in (0, 0.0, None, inspect.Parameter.empty):
+            return True
+    return False
 
 
 def is_blockwise(optimizer_class: type) -> bool:
@@ -126,12 +131,10 @@ def blocks_of(group: dict) -> Blocks:
     optimizer_class = group["optimizer"]
     defaults = {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()}
     settings = {**defaults, **group}
-    if settings.get("args") is not None:
-        raise ValueError(f"{optimizer_class.__name__}(args=...): bitsandbytes then ignores its keyword arguments "
-                         "for the settings in args, which zeroimpl reads from the keyword arguments to cut its shards "
-                         "(min_8bit_size) or step whole parameters (max_unorm): pass the settings as keyword "
-                         "arguments instead")
     if any(cls.__module__.startswith("torchao.") for cls in optimizer_class.__mro__):
+        if settings.get("block_size") is None:
+            raise ValueError(f"{optimizer_class.__name__} has no block_size setting, so zeroimpl cannot tell how it "
+                             "quantizes its state: use torchao's AdamW8bit, AdamW4bit or AdamWFp8")
         return Blocks(int(settings["block_size"]), TORCHAO_THRESHOLD, whole_blocks=True)
     return Blocks(BITSANDBYTES_BLOCK, int(settings.get("min_8bit_size", 4096)))
 
@@ -172,6 +175,8 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
     for group in groups:
         group_class = group.setdefault("optimizer", optimizer_class)
         check_class(group_class)
+        _refuse_bitsandbytes_args(group_class, {**(optimizer_kwargs if group_class is optimizer_class else {}),
+                                                **group})
         if group_class is optimizer_class:
             for key, value in optimizer_kwargs.items():
                 group.setdefault(key, value)
@@ -180,6 +185,17 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
                          f"every param group names another optimizer class; put them in the groups they are for, "
                          "or pass the class most groups use as optimizer_class")
     return groups
+
+
+def _refuse_bitsandbytes_args(optimizer_class: type, settings: dict) -> None:
+    """bitsandbytes' ``args=`` object overrides the keyword arguments zeroimpl reads to cut its shards
+    (``min_8bit_size``) and to step whole parameters (``max_unorm``): refused."""
+    if settings.get("args") is not None and any(cls.__module__.startswith("bitsandbytes.")
+                                                for cls in optimizer_class.__mro__):
+        raise ValueError(f"{optimizer_class.__name__}(args=...): bitsandbytes then ignores its keyword arguments "
+                         "for the settings in args, which zeroimpl reads from the keyword arguments to cut its shards "
+                         "(min_8bit_size) or step whole parameters (max_unorm): pass the settings as keyword "
+                         "arguments instead")
 
 
 def check_whole_groups(groups: list[dict], outer_only_keys: frozenset) -> None:
