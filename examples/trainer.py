@@ -90,11 +90,10 @@ def use_cuda() -> bool:
     return enough and (not dist.is_initialized() or dist.get_backend() == "nccl")
 
 
-def hybrid_mesh(replicas: int):
+def hybrid_mesh(replicas: int, cuda: bool):
     """A replicas x (world / replicas) DeviceMesh (replicate x shard) over this job's ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    cuda = use_cuda()
     if not dist.is_initialized():  # Trainer initialises the process group when it builds its arguments
         dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
@@ -125,7 +124,7 @@ def main():
         trainer = ZeroTrainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation,
                               zero_stage=args.stage, zero_offload="cpu" if args.offload else None,
                               zero_muon=None if args.muon_lr is None else {"lr": args.muon_lr},
-                              zero_options={"device_mesh": hybrid_mesh(args.mesh)} if args.mesh else None)
+                              zero_options={"device_mesh": hybrid_mesh(args.mesh, cuda)} if args.mesh else None)
     else:
         trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset, eval_dataset=evaluation)
     if args.fp16:

@@ -258,23 +258,35 @@ def test_hybrid_sharding_on_a_2x2_mesh_matches_trainer_with_ddp_on_4_ranks(runs)
     assert max_param_diff(mesh, ddp) <= PARAM_ATOL
 
 
+def _tiny_gpt2():
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _tiny_trainer(directory, fp16=False, **model_and_options):
+    """ZeroTrainer (stage 2) over a 1-layer GPT-2 (``model=`` or ``model_init=``, and ZeroTrainer's options) for
+    2 steps of 8 fixed sequences, on CPU."""
+    import transformers
+    from zeroimpl.integrations.trainer import ZeroTrainer
+
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    args = transformers.TrainingArguments(output_dir=directory, max_steps=2, per_device_train_batch_size=2,
+                                          use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
+                                          disable_tqdm=True, fp16=fp16)
+    return ZeroTrainer(args=args, train_dataset=[{"input_ids": row, "labels": row} for row in ids], zero_stage=2,
+                       **model_and_options)
+
+
 def _optimizer_moved_by_accelerate(rank, world_size, directory):
     """What accelerate's device placement handed to ``move_to_device`` while ZeroTrainer (offload) trained a step."""
     import accelerate.optimizer
-    import transformers
-    from zeroimpl.integrations.trainer import ZeroTrainer
 
     moved, move = [], accelerate.optimizer.move_to_device
     accelerate.optimizer.move_to_device = lambda state, device: moved.append(device) or move(state, device)
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
-    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
-    dataset = [{"input_ids": row, "labels": row} for row in ids]
-    args = transformers.TrainingArguments(output_dir=directory, max_steps=2, per_device_train_batch_size=2,
-                                          use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
-                                          disable_tqdm=True)
-    trainer = ZeroTrainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=dataset,
-                          zero_stage=2, zero_offload="cpu")
+    trainer = _tiny_trainer(directory, model=_tiny_gpt2(), zero_offload="cpu")
     trainer.train()
     trainer.train()  # a second train() prepares again
     return moved
@@ -290,17 +302,8 @@ def test_accelerate_never_moves_the_optimizers_state(tmp_path):
 
 def _fp16_trained_twice_with_model_init(rank, world_size, directory):
     """ZeroTrainer (fp16, dynamic loss scaling, as accelerate sets it up on a GPU) with ``model_init``: each
-    ``train()`` builds a new model and optimizer; the loss scaling of both, and the final loss scale."""
-    import transformers
-    from zeroimpl.integrations.trainer import ZeroTrainer
-
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
-    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
-    args = transformers.TrainingArguments(output_dir=directory, max_steps=2, per_device_train_batch_size=2,
-                                          use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
-                                          disable_tqdm=True, fp16=True)
-    trainer = ZeroTrainer(model_init=lambda: transformers.GPT2LMHeadModel(config), args=args,
-                          train_dataset=[{"input_ids": row, "labels": row} for row in ids], zero_stage=2)
+    ``train()`` builds a new model and optimizer: the loss scaling settings of both."""
+    trainer = _tiny_trainer(directory, model_init=_tiny_gpt2, fp16=True)
     trainer.accelerator.native_amp = True  # accelerate's fp16 set-up on a GPU (examples/trainer.py: use_loss_scaler)
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=7)
     configs = []

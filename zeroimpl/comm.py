@@ -204,7 +204,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     reduce-scatters in flight at once (pairwise), one per bucket."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     name, on_stream = "gradient reduce-scatter", input.device.type != "cpu"
-    if world == 1 and not collectives_at_one_rank():  # nothing to sum: no backend call (no copy when output is input)
+    if not issues_collectives(world):  # nothing to sum: no backend call (no copy when output is input)
         if output.data_ptr() != input.data_ptr():
             output.copy_(input[:output.numel()])
         return Pending([], name, timeout)

@@ -146,6 +146,8 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     policy = resolve_offload(offload)
     groups, trainable, specs = _groups_and_specs(params, dtype, bucket_numel, optimizer_class,
                                                  dict(optimizer_kwargs or {}), per_parameter)
+    if policy is not None:
+        refuse_capturable(groups)
     layout = build_layout(specs, world_size, bucket_numel, alignment)
     probes: dict = {}
 
@@ -153,7 +155,6 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
         group = groups[layout.buckets[piece.bucket_index].group_index]
         kwargs = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
         if policy is not None:
-            refuse_capturable([kwargs])
             kwargs = host_optimizer_kwargs(group["optimizer"], kwargs, set(), policy)
         kwargs.pop("capturable", None)  # probed on the host; capturable keeps the same state on the GPU
         bucket = layout.buckets[piece.bucket_index]

@@ -99,7 +99,7 @@ def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: d
     if optimizer_class in kwargs:
         kwargs[optimizer_class] = dict(optimizer_kwargs)  # checked by the class's constructor
     if policy is not None:
-        refuse_capturable([optimizer_kwargs, *groups])
+        refuse_capturable(groups)  # (they hold optimizer_kwargs too)
         for cls in kwargs:
             group_keys = {key for group in groups if group["optimizer"] is cls for key in group}
             kwargs[cls] = host_optimizer_kwargs(cls, kwargs[cls], group_keys, policy)

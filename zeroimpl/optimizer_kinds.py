@@ -119,7 +119,12 @@ def _clips_by_update_norm(optimizer_class: type) -> bool:
 
 def is_blockwise(optimizer_class: type) -> bool:
     """Whether the class (or a class it derives from) is a bitsandbytes or torchao optimizer."""
-    return any(cls.__module__.startswith(BLOCKWISE_PACKAGES) for cls in optimizer_class.__mro__)
+    return _comes_from(optimizer_class, BLOCKWISE_PACKAGES)
+
+
+def _comes_from(optimizer_class: type, packages: tuple[str, ...]) -> bool:
+    """Whether the class, or a class it derives from, is defined in one of ``packages`` ("name." prefixes)."""
+    return any(cls.__module__.startswith(packages) for cls in optimizer_class.__mro__)
 
 
 def blocks_of(group: dict) -> Blocks:
@@ -131,7 +136,7 @@ def blocks_of(group: dict) -> Blocks:
     optimizer_class = group["optimizer"]
     defaults = {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()}
     settings = {**defaults, **group}
-    if any(cls.__module__.startswith("torchao.") for cls in optimizer_class.__mro__):
+    if _comes_from(optimizer_class, ("torchao.",)):
         if settings.get("block_size") is None:
             raise ValueError(f"{optimizer_class.__name__} has no block_size setting, so zeroimpl cannot tell how it "
                              "quantizes its state: use torchao's AdamW8bit, AdamW4bit or AdamWFp8")
@@ -175,11 +180,10 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
     for group in groups:
         group_class = group.setdefault("optimizer", optimizer_class)
         check_class(group_class)
-        _refuse_bitsandbytes_args(group_class, {**(optimizer_kwargs if group_class is optimizer_class else {}),
-                                                **group})
         if group_class is optimizer_class:
             for key, value in optimizer_kwargs.items():
                 group.setdefault(key, value)
+        _refuse_bitsandbytes_args(group)
     if optimizer_kwargs and all(group["optimizer"] is not optimizer_class for group in groups):
         raise ValueError(f"the keyword arguments {sorted(optimizer_kwargs)} are {optimizer_class.__name__}'s, but "
                          f"every param group names another optimizer class; put them in the groups they are for, "
@@ -187,12 +191,11 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
     return groups
 
 
-def _refuse_bitsandbytes_args(optimizer_class: type, settings: dict) -> None:
+def _refuse_bitsandbytes_args(group: dict) -> None:
     """bitsandbytes' ``args=`` object overrides the keyword arguments zeroimpl reads to cut its shards
     (``min_8bit_size``) and to step whole parameters (``max_unorm``): refused."""
-    if settings.get("args") is not None and any(cls.__module__.startswith("bitsandbytes.")
-                                                for cls in optimizer_class.__mro__):
-        raise ValueError(f"{optimizer_class.__name__}(args=...): bitsandbytes then ignores its keyword arguments "
+    if group.get("args") is not None and _comes_from(group["optimizer"], ("bitsandbytes.",)):
+        raise ValueError(f"{group['optimizer'].__name__}(args=...): bitsandbytes then ignores its keyword arguments "
                          "for the settings in args, which zeroimpl reads from the keyword arguments to cut its shards "
                          "(min_8bit_size) or step whole parameters (max_unorm): pass the settings as keyword "
                          "arguments instead")
