@@ -3,7 +3,7 @@
 step, resume from the newest complete checkpoint on start.
 
     torchrun --nproc_per_node 2 tests/fault_training.py OUT --steps 5 [--fault kill|hang --fault-step 3]
-                                                        [--mesh REPLICAS] [--global-batch]
+                                                        [--mesh REPLICAS] [--global-batch] [--join]
 
 ``--mesh R``: hybrid sharding on an R x (world / R) DeviceMesh (replicate x shard). ``--global-batch``: every
 rank trains on its slice of one fixed global batch per step (``workloads.local_batch``), so that runs at
@@ -17,6 +17,7 @@ parameters to ``OUT/final.pt``.
 """
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import PlainLanguageModel, batch, local_batch, param_groups  # noqa: E402
@@ -49,6 +51,7 @@ def main():
     parser.add_argument("--checkpoint-timeout", type=float, default=None)
     parser.add_argument("--mesh", type=int, default=None, metavar="REPLICAS")
     parser.add_argument("--global-batch", action="store_true")
+    parser.add_argument("--join", action="store_true", help="train inside `with Join([optimizer])`")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -69,20 +72,21 @@ def main():
     if checkpoint:
         load_checkpoint(checkpoint, optimizer, model)
         print(f"rank {rank}: resumed from {os.path.basename(checkpoint)}", flush=True)
-    for step in range(done + 1, args.steps + 1):
-        data = local_batch(step, rank, world_size) if args.global_batch else batch(rank, step, 0)
-        optimizer.backward(model(**data).loss)
-        if rank == 1 and first_attempt and step == args.fault_step:
-            if args.fault == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif args.fault == "hang":
+    with Join([optimizer]) if args.join else contextlib.nullcontext():
+        for step in range(done + 1, args.steps + 1):
+            data = local_batch(step, rank, world_size) if args.global_batch else batch(rank, step, 0)
+            optimizer.backward(model(**data).loss)
+            if rank == 1 and first_attempt and step == args.fault_step:
+                if args.fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif args.fault == "hang":
+                    time.sleep(600)
+            optimizer.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            if rank == 1 and first_attempt and step == args.fault_step and args.fault == "hang-save":
                 time.sleep(600)
-        optimizer.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        if rank == 1 and first_attempt and step == args.fault_step and args.fault == "hang-save":
-            time.sleep(600)
-        save_checkpoint(os.path.join(args.out, f"step-{step}"), optimizer, model, timeout=args.checkpoint_timeout)
+            save_checkpoint(os.path.join(args.out, f"step-{step}"), optimizer, model, timeout=args.checkpoint_timeout)
     if rank == 0:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, os.path.join(args.out, "final.pt"))
     dist.barrier()  # no rank tears gloo down while another still uses its connections

@@ -8,12 +8,13 @@ wait out the hung rank's 600 s sleep). The restarted job must end bitwise where 
 
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+
+import jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "fault_training.py")
@@ -27,7 +28,7 @@ def torchrun(out, *flags, restarts=0, timeout=300):
                "--max-restarts", str(restarts), "--monitor-interval", "0.5", SCRIPT, str(out), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     started = time.monotonic()
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    completed = jobs.run(command, env, timeout)
     return completed, time.monotonic() - started
 
 
@@ -50,16 +51,18 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path):
     assert all(torch.equal(restarted[n], uninterrupted[n]) for n in uninterrupted)
 
 
-@pytest.mark.parametrize("fault, waiting_in", [("hang", "check all-reduce"),
-                                               ("hang-save", "checkpoint agreement (preparing the checkpoint")])
-def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path, fault, waiting_in):
+@pytest.mark.parametrize("fault, join, waiting_in", [("hang", False, "check all-reduce"),
+                                                     ("hang", True, "Join notification"),
+                                                     ("hang-save", False, "checkpoint agreement (preparing the checkpoint")])
+def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path, fault, join, waiting_in):
     """Rank 1 sleeps in step 3, after its backward (``hang``) or before the step's checkpoint (``hang-save``);
-    rank 0's next collective (the step's check all-reduce, or the checkpoint's first agreement) gives up
-    after 3 s (5 s: ``save_checkpoint(timeout=...)``) with a clear error naming it, and torchrun then stops rank 1 too: the job fails quickly
-    instead of hanging."""
+    rank 0's next collective (the step's check all-reduce; under ``Join``, torch's notification all-reduce that
+    the step's check-in issues first; or the checkpoint's first agreement) gives up after 3 s (5 s:
+    ``save_checkpoint(timeout=...)``) with a clear error naming it, and torchrun then stops rank 1 too: the job
+    fails quickly instead of hanging."""
     failed, seconds = torchrun(tmp_path / "hung", "--fault", fault, "--fault-step", "3",
                                "--collective-timeout", str(COLLECTIVE_TIMEOUT),
-                               "--checkpoint-timeout", str(CHECKPOINT_TIMEOUT))
+                               "--checkpoint-timeout", str(CHECKPOINT_TIMEOUT), *(["--join"] if join else []))
     assert failed.returncode != 0
     bound = COLLECTIVE_TIMEOUT if fault == "hang" else CHECKPOINT_TIMEOUT
     assert "CollectiveError" in failed.stderr and f"within its timeout of {bound} s" in failed.stderr

@@ -11,10 +11,11 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 
 import torch
+
+import jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "fault_training.py")
@@ -36,18 +37,20 @@ def two_nodes(out, steps: int) -> list[str]:
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, SCRIPT, str(out),
                "--steps", str(steps), *MESH]
     # the same command on both nodes: the c10d rendezvous numbers the nodes (torchrun ignores --node_rank there)
-    agents = [subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for _ in range(2)]
-    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
-    for agent, output in zip(agents, outputs):
-        assert agent.returncode == 0, output[-4000:]
-    return outputs
+    agents = [jobs.start(command, ENV, merge_output=True) for _ in range(2)]
+    try:
+        finished = [jobs.finish(agent, timeout=300) for agent in agents]
+    finally:
+        for agent in agents:  # the other node, when one timed out
+            jobs.kill(agent)
+    for done in finished:
+        assert done.returncode == 0, done.stdout[-4000:]
+    return [done.stdout for done in finished]
 
 
 def one_node(out, steps: int, nproc: int) -> str:
-    completed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                str(nproc), SCRIPT, str(out), "--steps", str(steps), "--global-batch"],
-                               env=ENV, capture_output=True, text=True, timeout=300)
+    completed = jobs.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                          SCRIPT, str(out), "--steps", str(steps), "--global-batch"], ENV, timeout=300)
     assert completed.returncode == 0, completed.stderr[-4000:]
     return completed.stdout
 

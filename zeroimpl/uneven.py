@@ -62,9 +62,9 @@ class UnevenInputs:
         joinable = self._joinable()
         if joinable is None or not joinable._join_config.enable:
             return
-        work = Join.notify_join_context(joinable)
+        work = Join.notify_join_context(joinable)  # torch's own all-reduce: bounded here as every other one
         if work is not None:
-            work.wait()
+            comm.Pending([work], "Join notification", self.timeout, on_stream=self.device.type != "cpu").wait_on_host()
         joined = torch.zeros(1, device=self.device)
         comm.all_reduce_(joined, dist.ReduceOp.SUM, self.group, self.timeout, "uneven inputs flag", read_on_host=True)
         if joined.item() > 0:  # a host sync per check-in, under Join only
