@@ -7,6 +7,7 @@ matrix is cut between ranks."""
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import pytest
@@ -83,6 +84,7 @@ def _all(rank, world_size, directory):
         cases.update({name: partial(_parity, rank, name) for name in TRUST_RATIO_CLASSES})
         cases["resume"] = partial(_resume, rank, world_size, directory)
         cases["overrides"] = _overrides
+        cases["flat LAMB8bit"] = _flat_lamb8bit_checkpoint
     else:  # the 2-rank launch (run first) saved it
         cases["resharded"] = partial(_resharded, rank, directory)
     return run_cases(cases)
@@ -232,6 +234,34 @@ def _resharded(rank, directory):
     cut = sum(any(p.param_index == 0 for p in loaded.layout.pieces(r)) for r in range(loaded.world_size))
     return (cut, all(map(torch.equal, step(loaded_model, loaded, loaded_model), expected)),
             all(map(torch.equal, step(imported_model, imported, imported_model), expected)))
+
+
+FLAT_LAMB8BIT = os.path.join(os.path.dirname(__file__), "data", "flat-lamb8bit")
+
+
+def _flat_lamb8bit_checkpoint():
+    """A LAMB8bit checkpoint saved by zeroimpl before 3d02466, which sharded it in flat pieces quantized in blocks
+    (tests/data/make_flat_lamb8bit_checkpoint.py): the message load_checkpoint raises, and whether the weights
+    it says to export load into the model."""
+    from zeroimpl.checkpoint import CheckpointError, export_fp32_state_dict, load_checkpoint
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    optimizer = ShardedOptimizer(model.parameters(), bnb.optim.LAMB8bit, stage=2, lr=1e-3)
+    try:
+        load_checkpoint(FLAT_LAMB8BIT, optimizer, model)
+        message = "loaded"
+    except CheckpointError as error:
+        message = str(error)
+    model.load_state_dict(export_fp32_state_dict(FLAT_LAMB8BIT))
+    return message
+
+
+def test_an_old_flat_lamb8bit_checkpoint_is_refused_naming_why_and_what_to_do(launches):
+    """Its state is per piece (scales per block of 256, each rank's own trust ratio): it cannot become the whole
+    parameter's. Before, the message told the user to load it into the class it was saved with -- which they did."""
+    for message in case_results(launches[2], "flat LAMB8bit"):
+        assert "saved in flat pieces quantized in blocks of 256, but this optimizer steps it whole" in message, message
+        assert "python -m zeroimpl.checkpoint weights" in message and "start the optimizer afresh" in message
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

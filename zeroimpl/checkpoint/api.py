@@ -287,7 +287,7 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
             found = payload["whole_state"].get(piece.param_index)
             saved_block = saved.buckets[saved.slots[piece.param_index].bucket_index].block
             if found and saved_block:
-                _copy_blocks(found, saved_block, optimizer.layout.buckets[piece.bucket_index].block,
+                _copy_blocks(found, saved_block, optimizer.layout.buckets[piece.bucket_index],
                              source_pieces[c.source_piece].param_start + c.piece_offset, c.length,
                              source_pieces[c.source_piece].param_start, piece, whole[c.target_piece])
             elif found:
@@ -306,11 +306,20 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
     return masters, piece_states, [g["hyperparameters"] for g in index["groups"]], published if has_published else None
 
 
-def _copy_blocks(found: dict, block: int, target_block: int, start: int, length: int, source_start: int, piece,
+def _copy_blocks(found: dict, block: int, target, start: int, length: int, source_start: int, piece,
                  into: dict) -> None:
     """Copy the low-bit state of elements ``[start, start + length)`` of a parameter (saved in a piece from
-    ``source_start``, ``found``) into a new piece's (``into``): the scales of the blocks they span, and the
-    quantization map, the same in every piece. Both layouts must cut the parameter on the same blocks."""
+    ``source_start``, ``found``) into a new piece's (``into``, of bucket ``target``): the scales of the blocks
+    they span, and the quantization map, the same in every piece. Both layouts must cut the parameter on the
+    same blocks."""
+    target_block = target.block
+    if target.whole and not target_block:
+        raise CheckpointError(f"parameter {piece.param_index}'s optimizer state was saved in flat pieces quantized "
+                              f"in blocks of {block}, but this optimizer steps it whole, without blocks (bitsandbytes' "
+                              "LAMB and LARS, whose trust ratio is the whole parameter's: zeroimpl sharded them flat "
+                              "before 2026-11-26, so each rank's trust ratio was its piece's). That state cannot be "
+                              "carried over: export the weights (python -m zeroimpl.checkpoint weights CHECKPOINT "
+                              "OUT.pt), load them into the model and start the optimizer afresh")
     if target_block != block:
         laid_out = f"in blocks of {target_block}" if target_block else "without blocks"
         raise CheckpointError(f"parameter {piece.param_index}'s optimizer state is quantized in blocks of {block}, "
