@@ -5,7 +5,9 @@ sizes); and ``verify_every`` catches ranks that diverge.
 Each case builds its own model and optimizer; the 2-rank cases run in one launch.
 """
 
+import contextlib
 import os
+import resource
 
 import pytest
 import torch
@@ -298,6 +300,7 @@ def _two_ranks(rank, world_size, shared_directory):
             cases[("reduce-scatters", stage, checkpointing)] = (
                 lambda stage=stage, checkpointing=checkpointing: _reduce_scatters_per_backward(stage, checkpointing))
     cases[("local edit", 1)] = _local_gradient_edited_in_stage1
+    cases["close out of memory"] = lambda: _close_out_of_memory(rank)
     cases["rebuild"] = _rebuild_after_delete
     cases["old state dict"] = _old_state_dict
     cases["scalar parameter"] = lambda: _scalar_parameter_from_torch(os.path.join(shared_directory, "scalar"))
@@ -337,6 +340,53 @@ def test_resizing_token_embeddings_raises(two_ranks, stage):
         assert "no longer live in the optimizer's flat buffers" in case_result(results, ("resize", stage))
 
 
+class _WithUnusedMatrix(SmallNet):
+    """SmallNet and a 64M-element parameter no forward uses: its bucket (256 MB) is launched, as zeros, only when
+    the round closes at the end of backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(UNUSED_NUMEL))
+
+
+UNUSED_NUMEL = 64 * 2**20
+
+
+@contextlib.contextmanager
+def _address_space_capped(headroom: int):
+    """Let this process map at most ``headroom`` more bytes (RLIMIT_AS): a larger allocation fails for real,
+    as on a full GPU."""
+    with open("/proc/self/status") as status:
+        mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + headroom, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
+
+
+def _close_out_of_memory(rank):
+    """Rank 0 runs out of memory at the end of a backward, allocating the unused parameter's bucket (the round's
+    close), and skips the error; then a second backward and an SGD step, without zero_grad(), as torch keeps the
+    gradients. Returns the error and the parameters, and the parameters of the same two backwards and step
+    where nothing failed."""
+    error, results = "no error", []
+    for out_of_memory in (True, False):
+        model = _WithUnusedMatrix()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=2, bucket_numel=200, lr=0.1)
+        if out_of_memory and rank == 0:
+            with _address_space_capped(UNUSED_NUMEL):  # 256 MB is out of reach, the rest of backward is not
+                error = _error_of(lambda: model(small_batch(rank, 0)).backward())
+        else:
+            model(small_batch(rank, 0)).backward()
+        model(small_batch(rank, 1)).backward()
+        optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters() if p is not model.unused])
+        del model, optimizer
+    return error, *results
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_unfreezing_a_parameter_frozen_at_construction_raises(two_ranks, stage):
     for results in two_ranks:
@@ -357,6 +407,19 @@ def test_a_failed_backward_retried_without_zero_grad_trains_as_torch(two_ranks, 
     for results in two_ranks:
         ours, reference = case_result(results, ("retried", stage))
         assert max((a - b).abs().max().item() for a, b in zip(ours, reference)) < 1e-6
+
+
+def test_a_close_of_backward_that_ran_out_of_memory_is_finished_by_the_next_backward(two_ranks):
+    """The close launched no collective for the bucket whose buffer it could not allocate, and the next backward
+    launches it and every bucket after it, as rank 1 did: the ranks stay in step, and training goes on bitwise as
+    if nothing had failed (before: TypeError at the next backward, the round's callback gone)."""
+    for rank, results in enumerate(two_ranks):
+        error, recovered, uninterrupted = case_result(results, "close out of memory")
+        if rank == 0:
+            assert error.startswith("RuntimeError") and "can't allocate memory" in error, error
+        else:
+            assert error == "no error"
+        assert all(map(torch.equal, recovered, uninterrupted))
 
 
 @pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])

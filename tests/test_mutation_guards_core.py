@@ -113,6 +113,7 @@ def test_launch_order_sees_every_parameter_of_a_launched_bucket():
     order = LaunchOrder([[0, 1], [2, 3]])
     assert order.arrive(0, 0) == []
     assert order.through(0) == [0]
+    order.launched(0)
     assert order.seen(0, 0) and order.seen(0, 1)  # parameter 1 never arrived, but its bucket is gone
     assert not order.seen(1, 2)
     order.reset()

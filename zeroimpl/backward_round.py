@@ -5,7 +5,8 @@ which an autograd-engine callback queued on the running backward reports. Reentr
 runs a nested backward per segment: the end of a nested one leaves the round open (``RoundState.DEFERRED``)
 so that the next segments fill the same buckets. A backward that failed part-way drops its callback (the
 engine discards a failed backward's callbacks): its round is left open too, and whoever needs the gradients
-next closes it. Pure bookkeeping, no tensors and no collectives: :mod:`zeroimpl.grad_sync` acts on it.
+next closes it; so does a close that raised (a bucket's buffer out of memory): it goes on from the first bucket it
+did not launch, so that every rank still launches every bucket once per round, in order. Pure bookkeeping, no tensors and no collectives: :mod:`zeroimpl.grad_sync` acts on it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ class RoundState(enum.Enum):
     IDLE = "idle"  # no gradient since the round was last closed
     RUNNING = "running"  # an end-of-backward callback is queued on a live backward
     DEFERRED = "deferred"  # a nested (reentrant) backward ended; the outer one may bring more gradients
+    CLOSING = "closing"  # the outermost backward ended and the round is being closed (still so if closing raised)
 
 
 class BackwardRound:
     """The state of the current round and the end-of-backward callback queued for it.
 
     Invariant: ``state is RUNNING`` exactly while a callback was queued and has not run; if its backward failed,
-    the engine dropped the callback, which :meth:`failed` then tells.
+    the engine dropped the callback, which :meth:`interrupted` then tells, as it tells a close that raised.
     """
 
     def __init__(self) -> None:
@@ -42,9 +44,10 @@ class BackwardRound:
         """No gradient has arrived since the round was last closed: the next one starts a round."""
         return self.state is RoundState.IDLE
 
-    def failed(self) -> bool:
-        """The backward the callback was queued on ended without calling it: it failed part-way."""
-        return self.state is RoundState.RUNNING and self._callback() is None
+    def interrupted(self) -> bool:
+        """The backward the callback was queued on ended without calling it (it failed part-way), or the round's
+        close raised: the round is open, and nothing will close it but its owner."""
+        return self.state is RoundState.CLOSING or (self.state is RoundState.RUNNING and self._callback() is None)
 
     def follow(self, on_end: Callable[[], None]) -> None:
         """Queue ``on_end`` to run at the end of the backward now running, unless a callback already is."""
@@ -62,11 +65,12 @@ class BackwardRound:
         if _inside_outer_backward():
             self.state = RoundState.DEFERRED
             return False
+        self.state = RoundState.CLOSING
         return True
 
     def left_open(self) -> bool:
-        """A round that no callback will close: deferred by a nested backward, or its backward failed."""
-        return self.state is RoundState.DEFERRED or self.failed()
+        """A round that no callback will close: deferred by a nested backward, or interrupted."""
+        return self.state is RoundState.DEFERRED or self.interrupted()
 
     def reset(self) -> None:
         """The round closed."""
@@ -78,7 +82,8 @@ class LaunchOrder:
     """Which buckets one round of backward launches, and when. Every rank must issue the same collectives in
     the same order whatever order its hooks fire in, so buckets launch strictly in index order: a bucket
     once every one of its parameters has a gradient and every bucket before it has launched, and the rest at
-    the end of the round (a parameter without a gradient counts as zero)."""
+    the end of the round (a parameter without a gradient counts as zero). Buckets are offered (:meth:`arrive`,
+    :meth:`through`, :meth:`remaining`) until their owner reports them :meth:`launched`."""
 
     def __init__(self, bucket_params: list[list[int]]):
         self._sizes = [len(params) for params in bucket_params]  # parameters per bucket
@@ -100,21 +105,23 @@ class LaunchOrder:
     def arrive(self, bucket_index: int, param_index: int) -> list[int]:
         """Record a gradient; return the buckets that may launch now, in order."""
         self._arrived[bucket_index].add(param_index)
-        ready = []
-        while self._next < len(self._sizes) and len(self._arrived[self._next]) == self._sizes[self._next]:
-            ready.append(self._next)
-            self._next += 1
-        return ready
+        ready = self._next
+        while ready < len(self._sizes) and len(self._arrived[ready]) == self._sizes[ready]:
+            ready += 1
+        return list(range(self._next, ready))
 
     def through(self, bucket_index: int) -> list[int]:
-        """Launch every bucket up to ``bucket_index`` not launched yet, complete or not: return them, in order."""
-        ready = list(range(self._next, bucket_index + 1))
-        self._next = max(self._next, bucket_index + 1)
-        return ready
+        """Every bucket up to ``bucket_index`` not launched yet, complete or not, in order."""
+        return list(range(self._next, bucket_index + 1))
 
     def remaining(self) -> list[int]:
         """The end of the round: every bucket not launched yet, in order."""
         return self.through(len(self._sizes) - 1)
+
+    def launched(self, bucket_index: int) -> None:
+        """The next bucket's collective was issued."""
+        assert bucket_index == self._next, (bucket_index, self._next)
+        self._next += 1
 
 
 def under_compiled_autograd() -> bool:

@@ -140,8 +140,6 @@ class GradientReducer:
             self._reset_round()  # no reduction of this backward may stay in flight behind the error
             raise RuntimeError(problem)
         self.step_state.gradient_arrived()
-        if self.stage == 2 and self.round.idle:  # this backward's reduce-scatters are about to start
-            self.uneven.check_in()
         self._follow_backward()
         if self.stage == 1:
             self._grad_versions[param_index] = param.grad._version
@@ -171,9 +169,12 @@ class GradientReducer:
         return None
 
     def _follow_backward(self) -> None:
-        """Make sure that the end of the backward now running closes the round."""
-        if self.round.failed():
+        """Make sure that the end of the backward now running closes the round (after closing one that a failed
+        backward or close left open); in stage 2, check in (torch's Join) before a round's reduce-scatters."""
+        if self.round.interrupted():
             self._close_round()  # keep what it reduced, as torch keeps .grad
+        if self.stage == 2 and self.round.idle:
+            self.uneven.check_in()
         self.round.follow(_weakly_end_of_backward(weakref.ref(self)))
 
     def _end_of_backward(self) -> None:
@@ -182,11 +183,11 @@ class GradientReducer:
                 self._close_round()
 
     def _close_round(self) -> None:
-        """Count the backward pass; stage 2: launch what is left, in order, and wait for everything."""
-        self.backward_passes += 1
+        """Stage 2: launch what is left, in order; count the backward pass, and wait for everything."""
         if self.stage == 2:
             for bucket_index in self._order.remaining():
                 self._launch(bucket_index)
+        self.backward_passes += 1
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -225,7 +226,6 @@ class GradientReducer:
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
         self.streams.use(buffer)
-        self._buffers[bucket_index] = None
         arrived = self._order.arrived(bucket_index)
         for param_index in bucket.param_indices:
             if param_index not in arrived:
@@ -241,6 +241,8 @@ class GradientReducer:
             work = comm.reduce_scatter_quantized(output, buffer, self._blocks[bucket_index], self.group,
                                                  self.timeout, tag=bucket_index)
         self._inflight.append(_Reduction(bucket_index, buffer, output, work))
+        self._buffers[bucket_index] = None  # (kept until issued: a launch that raised is tried again)
+        self._order.launched(bucket_index)
         while len(self._inflight) > self.max_inflight:  # bound the buffers: wait for the oldest on the host
             self._complete_oldest(on_host=buffer.is_cuda)
 
@@ -294,14 +296,14 @@ class GradientReducer:
         if self.stage == 1 and with_grad:
             self._check_grads_unedited()
             for storage in self.storages:
-                bucket_index, ready = storage.bucket.index, []
+                bucket_index = storage.bucket.index
                 for param_index, param in zip(storage.bucket.param_indices, storage.params):
                     if param.grad is not None:
                         self._write_grad(bucket_index, param_index, param.grad)
-                        ready += self._order.arrive(bucket_index, param_index)
+                        self._order.arrive(bucket_index, param_index)
                         self.grad_exists[param_index] = True
                         param.grad = None  # freed as copied: the bucket buffers replace the gradients
-                for launchable in ready + self._order.through(bucket_index):  # this bucket, complete or not
+                for launchable in self._order.through(bucket_index):  # this bucket, complete or not
                     self._launch(launchable)
             self._reset_round()
         self.streams.hand_over(*self.gradients.device_tensors())  # the step reads them next
