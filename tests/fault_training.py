@@ -3,7 +3,7 @@
 step, resume from the newest complete checkpoint on start.
 
     torchrun --nproc_per_node 2 tests/fault_training.py OUT --steps 5 [--fault kill|hang --fault-step 3]
-                                                        [--mesh REPLICAS] [--global-batch] [--join]
+                                                        [--mesh REPLICAS] [--global-batch] [--join plain|throw]
 
 ``--mesh R``: hybrid sharding on an R x (world / R) DeviceMesh (replicate x shard). ``--global-batch``: every
 rank trains on its slice of one fixed global batch per step (``workloads.local_batch``), so that runs at
@@ -51,7 +51,8 @@ def main():
     parser.add_argument("--checkpoint-timeout", type=float, default=None)
     parser.add_argument("--mesh", type=int, default=None, metavar="REPLICAS")
     parser.add_argument("--global-batch", action="store_true")
-    parser.add_argument("--join", action="store_true", help="train inside `with Join([optimizer])`")
+    parser.add_argument("--join", choices=["plain", "throw"], default=None,
+                        help="train inside `with Join([optimizer])` (throw: throw_on_early_termination=True)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -72,7 +73,8 @@ def main():
     if checkpoint:
         load_checkpoint(checkpoint, optimizer, model)
         print(f"rank {rank}: resumed from {os.path.basename(checkpoint)}", flush=True)
-    with Join([optimizer]) if args.join else contextlib.nullcontext():
+    join = Join([optimizer], throw_on_early_termination=args.join == "throw") if args.join else contextlib.nullcontext()
+    with join:
         for step in range(done + 1, args.steps + 1):
             data = local_batch(step, rank, world_size) if args.global_batch else batch(rank, step, 0)
             optimizer.backward(model(**data).loss)

@@ -51,18 +51,20 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path):
     assert all(torch.equal(restarted[n], uninterrupted[n]) for n in uninterrupted)
 
 
-@pytest.mark.parametrize("fault, join, waiting_in", [("hang", False, "check all-reduce"),
-                                                     ("hang", True, "Join notification"),
-                                                     ("hang-save", False, "checkpoint agreement (preparing the checkpoint")])
+@pytest.mark.parametrize("fault, join, waiting_in", [("hang", None, "check all-reduce"),
+                                                     ("hang", "plain", "Join notification"),
+                                                     ("hang", "throw", "Join termination check"),
+                                                     ("hang-save", None, "checkpoint agreement (preparing the checkpoint")])
 def test_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path, fault, join, waiting_in):
     """Rank 1 sleeps in step 3, after its backward (``hang``) or before the step's checkpoint (``hang-save``);
-    rank 0's next collective (the step's check all-reduce; under ``Join``, torch's notification all-reduce that
-    the step's check-in issues first; or the checkpoint's first agreement) gives up after 3 s (5 s:
+    rank 0's next collective (the step's check all-reduce; under ``Join``, the notification of torch's protocol
+    that the step's check-in issues first, or with ``throw_on_early_termination`` the check that follows it; or
+    the checkpoint's first agreement) gives up after 3 s (5 s:
     ``save_checkpoint(timeout=...)``) with a clear error naming it, and torchrun then stops rank 1 too: the job
     fails quickly instead of hanging."""
     failed, seconds = torchrun(tmp_path / "hung", "--fault", fault, "--fault-step", "3",
                                "--collective-timeout", str(COLLECTIVE_TIMEOUT),
-                               "--checkpoint-timeout", str(CHECKPOINT_TIMEOUT), *(["--join"] if join else []))
+                               "--checkpoint-timeout", str(CHECKPOINT_TIMEOUT), *(["--join", join] if join else []))
     assert failed.returncode != 0
     bound = COLLECTIVE_TIMEOUT if fault == "hang" else CHECKPOINT_TIMEOUT
     assert "CollectiveError" in failed.stderr and f"within its timeout of {bound} s" in failed.stderr

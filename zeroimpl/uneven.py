@@ -10,7 +10,8 @@ all-reduce the loop runs, in an order only the other ranks know. So ShardedOptim
 protocol to *detect* uneven inputs: at the start of each round of collectives (the first gradient of a
 stage-2 backward, and the step) a rank that has not joined announces itself and then all-reduces a flag that
 a joined rank's hook sets, and every rank raises :class:`UnevenInputsError` at the same point. Outside a
-``Join`` context (or with even inputs) nothing is added but, inside one, two one-element all-reduces per round.
+``Join`` context (or with even inputs) nothing is added but, inside one, two one-element all-reduces per round
+(three with ``throw_on_early_termination=True``), each bounded by ``collective_timeout``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from . import comm
 
@@ -62,10 +63,21 @@ class UnevenInputs:
         joinable = self._joinable()
         if joinable is None or not joinable._join_config.enable:
             return
-        work = Join.notify_join_context(joinable)  # torch's own all-reduce: bounded here as every other one
-        if work is not None:
-            comm.Pending([work], "Join notification", self.timeout, on_stream=self.device.type != "cpu").wait_on_host()
+        config = joinable._join_config
+        if config.is_first_joinable:
+            # torch's Join.notify_join_context, issued here so that its waits are bounded as every other one: the
+            # notification that this rank has not joined, and with throw_on_early_termination, the check whether
+            # another has (the joined ranks' side of both is torch's Join.__exit__)
+            notified = comm.all_reduce(torch.ones(1, device=self.device), dist.ReduceOp.SUM, self.group, self.timeout,
+                                       "Join notification")
+            if config.throw_on_early_termination:
+                self._raise_if_joined("Join termination check")
+            notified.wait_on_host()
+        self._raise_if_joined("uneven inputs flag")
+
+    def _raise_if_joined(self, name: str) -> None:
+        """All-reduce a flag that a joined rank sets: raise :class:`UnevenInputsError` if one did."""
         joined = torch.zeros(1, device=self.device)
-        comm.all_reduce_(joined, dist.ReduceOp.SUM, self.group, self.timeout, "uneven inputs flag", read_on_host=True)
+        comm.all_reduce_(joined, dist.ReduceOp.SUM, self.group, self.timeout, name, read_on_host=True)
         if joined.item() > 0:  # a host sync per check-in, under Join only
             raise UnevenInputsError(MESSAGE)
