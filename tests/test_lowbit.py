@@ -84,7 +84,10 @@ def _all(rank, world_size, directory):
         cases.update({name: partial(_parity, rank, name) for name in TRUST_RATIO_CLASSES})
         cases["resume"] = partial(_resume, rank, world_size, directory)
         cases["overrides"] = _overrides
-        cases["flat LAMB8bit"] = _flat_lamb8bit_checkpoint
+        cases["whole from flat"] = partial(_loaded_whole_steps_as_the_plain_class, rank, directory, OddNet, 131,
+                                           *CLASSES["AdamW8bit"], per_parameter=[CLASSES["AdamW8bit"][0]])
+        cases["flat LAMB8bit"] = partial(_loaded_whole_steps_as_the_plain_class, rank, FLAT_LAMB8BIT,
+                                         _flat_lamb8bit_model, 131, bnb.optim.LAMB8bit, {"lr": 1e-3})
     else:  # the 2-rank launch (run first) saved it
         cases["resharded"] = partial(_resharded, rank, directory)
     return run_cases(cases)
@@ -239,29 +242,47 @@ def _resharded(rank, directory):
 FLAT_LAMB8BIT = os.path.join(os.path.dirname(__file__), "data", "flat-lamb8bit")
 
 
-def _flat_lamb8bit_checkpoint():
-    """A LAMB8bit checkpoint saved by zeroimpl before 3d02466, which sharded it in flat pieces quantized in blocks
-    (tests/data/make_flat_lamb8bit_checkpoint.py): the message load_checkpoint raises, and whether the weights
-    it says to export load into the model."""
-    from zeroimpl.checkpoint import CheckpointError, export_fp32_state_dict, load_checkpoint
+def _loaded_whole_steps_as_the_plain_class(rank, directory, build, inputs, cls, kwargs, **zero_kwargs):
+    """A checkpoint saved in flat pieces cut on blocks, loaded into an optimizer that steps every parameter whole
+    (``per_parameter``, or a class stepped whole since it was saved): whether it does, and whether one step (a
+    batch of ``inputs`` features per rank) is bitwise that of DDP + ``cls`` loaded from the checkpoint's
+    consolidated torch state."""
+    from zeroimpl.checkpoint import consolidated_optimizer_state_dict, load_checkpoint
+    x = torch.randn(8, inputs, generator=torch.Generator().manual_seed(rank))
+    model = build()
+    optimizer = ShardedOptimizer(model.parameters(), cls, stage=2, **zero_kwargs, **kwargs)
+    load_checkpoint(directory, optimizer, model)
+    reference_model = build()
+    reference_model.load_state_dict(model.state_dict())
+    reference = cls(reference_model.parameters(), **kwargs)
+    reference.load_state_dict(consolidated_optimizer_state_dict(directory))
+    stepped = []
+    for net, opt, forward in ((model, optimizer, model),
+                              (reference_model, reference, DistributedDataParallel(reference_model))):
+        forward(x).square().mean().backward()
+        opt.step()
+        stepped.append([p.detach().clone() for p in net.parameters()])
+    return all(bucket.whole for bucket in optimizer.layout.buckets), all(map(torch.equal, *stepped))
+
+
+FLAT_LAMB8BIT = os.path.join(os.path.dirname(__file__), "data", "flat-lamb8bit")
+
+
+def _flat_lamb8bit_model():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    optimizer = ShardedOptimizer(model.parameters(), bnb.optim.LAMB8bit, stage=2, lr=1e-3)
-    try:
-        load_checkpoint(FLAT_LAMB8BIT, optimizer, model)
-        message = "loaded"
-    except CheckpointError as error:
-        message = str(error)
-    model.load_state_dict(export_fp32_state_dict(FLAT_LAMB8BIT))
-    return message
+    return torch.nn.Sequential(torch.nn.Linear(131, 97), torch.nn.Linear(97, 5))
 
 
-def test_an_old_flat_lamb8bit_checkpoint_is_refused_naming_why_and_what_to_do(launches):
-    """Its state is per piece (scales per block of 256, each rank's own trust ratio): it cannot become the whole
-    parameter's. Before, the message told the user to load it into the class it was saved with -- which they did."""
-    for message in case_results(launches[2], "flat LAMB8bit"):
-        assert "saved in flat pieces quantized in blocks of 256, but this optimizer steps it whole" in message, message
-        assert "python -m zeroimpl.checkpoint weights" in message and "start the optimizer afresh" in message
+def test_a_flat_checkpoint_loads_into_whole_parameter_stepping_and_steps_as_the_plain_class(launches):
+    """AdamW8bit saved flat, loaded with per_parameter=[AdamW8bit]: a whole piece is cut on the saved blocks."""
+    assert case_results(launches[2], "whole from flat") == [(True, True)] * 2
+
+
+def test_an_old_flat_lamb8bit_checkpoint_loads_and_steps_as_the_plain_class(launches):
+    """A LAMB8bit checkpoint saved by zeroimpl before 3d02466, which sharded it in flat pieces cut on blocks
+    (tests/data/make_flat_lamb8bit_checkpoint.py), into today's whole-parameter stepping (before: refused,
+    telling the user to load it into the class it was saved with, which they had)."""
+    assert case_results(launches[2], "flat LAMB8bit") == [(True, True)] * 2
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

@@ -1,6 +1,7 @@
 """Writes tests/data/flat-lamb8bit/: a checkpoint of bitsandbytes' LAMB8bit saved by zeroimpl as it was before
 commit 3d02466, which sharded LAMB/LARS in flat pieces quantized in blocks of 256 (so each rank's trust ratio was
-its piece's). test_lowbit.py checks that today's zeroimpl refuses that state with a message that says why.
+its piece's; this checkpoint cuts the first weight, 97 x 131, between the ranks). test_lowbit.py loads it into
+today's whole-parameter stepping.
 
 Run it with the old code first on the path (2 CPU ranks, gloo):
 
@@ -21,7 +22,7 @@ from zeroimpl.integrations.launch import run_distributed  # noqa: E402
 def model() -> torch.nn.Module:
     """The checkpoint's model (test_lowbit.py builds the same one)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    return torch.nn.Sequential(torch.nn.Linear(131, 97), torch.nn.Linear(97, 5))
 
 
 def save(rank: int, world_size: int, directory: str) -> str:
@@ -35,7 +36,7 @@ def save(rank: int, world_size: int, directory: str) -> str:
     optimizer = zeroimpl.ShardedOptimizer(net.parameters(), bnb.optim.LAMB8bit, stage=2, lr=1e-3)
     for step in range(2):
         torch.manual_seed(10 * rank + step)
-        net(torch.randn(4, 64)).pow(2).mean().backward()
+        net(torch.randn(4, 131)).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
     save_checkpoint(directory, optimizer, net)

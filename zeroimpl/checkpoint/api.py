@@ -311,15 +311,10 @@ def _copy_blocks(found: dict, block: int, target, start: int, length: int, sourc
     """Copy the low-bit state of elements ``[start, start + length)`` of a parameter (saved in a piece from
     ``source_start``, ``found``) into a new piece's (``into``, of bucket ``target``): the scales of the blocks
     they span, and the quantization map, the same in every piece. Both layouts must cut the parameter on the
-    same blocks."""
-    target_block = target.block
-    if target.whole and not target_block:
-        raise CheckpointError(f"parameter {piece.param_index}'s optimizer state was saved in flat pieces quantized "
-                              f"in blocks of {block}, but this optimizer steps it whole, without blocks (bitsandbytes' "
-                              "LAMB and LARS, whose trust ratio is the whole parameter's: zeroimpl sharded them flat "
-                              "before 2026-11-26, so each rank's trust ratio was its piece's). That state cannot be "
-                              "carried over: export the weights (python -m zeroimpl.checkpoint weights CHECKPOINT "
-                              "OUT.pt), load them into the model and start the optimizer afresh")
+    same blocks; a whole-parameter piece is cut on any, counted from the parameter's first element as the
+    optimizer class counts them (a flat checkpoint loaded with ``per_parameter``, or one of bitsandbytes'
+    LAMB/LARS saved before they were stepped whole)."""
+    target_block = target.block or (block if target.whole else 0)
     if target_block != block:
         laid_out = f"in blocks of {target_block}" if target_block else "without blocks"
         raise CheckpointError(f"parameter {piece.param_index}'s optimizer state is quantized in blocks of {block}, "
