@@ -269,6 +269,67 @@ def test_a_compiled_training_step_stays_one_graph_after_finish_param_gathers():
         assert graphs == 1 and same
 
 
+@torch.compile(fullgraph=True, backend="eager")
+def _compiled_sgd_update(param, grad, lr):
+    param.add_(grad, alpha=-lr)
+
+
+class _CompiledSGD(torch.optim.SGD):
+    """Plain SGD whose update is a function compiled with fullgraph=True, as torchao's optimizers' are."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    _compiled_sgd_update(param, param.grad, group["lr"])
+
+
+def _compiled_code_beside_gathers(rank, world_size):
+    """Two models, each with its optimizer, stepped one after the other (an actor and a critic): the second's
+    inner step is compiled code, run while the first's all-gathers are in flight. And a user's function compiled
+    with fullgraph=True, run while gathers are in flight: the error. Returns whether the two models trained as
+    without overlap, and the error."""
+    trained = []
+    for overlap in (False, True):
+        models, optimizers = [], []
+        for cls in (torch.optim.SGD, _CompiledSGD):
+            torch.manual_seed(0)
+            models.append(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)))
+            optimizers.append(ShardedOptimizer(models[-1].parameters(), cls, stage=2, bucket_numel=512, lr=0.1,
+                                               overlap_param_gather=overlap, assume_elementwise=cls is _CompiledSGD))
+        for step in range(3):
+            inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * rank + step))
+            for model, optimizer in zip(models, optimizers):
+                optimizer.backward(model(inputs).pow(2).mean())
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+        trained.append([p.detach().clone() for model in models for p in model.parameters()])
+    optimizers[0].backward(models[0](inputs).pow(2).mean())
+    optimizers[0].step()
+    assert optimizers[0].param_gathers_in_flight
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def augment(x):
+        return (2 * x + 1).tanh()
+
+    try:
+        augment(torch.ones(3))
+        error = "no error"
+    except Exception as raised:  # dynamo's error type: the message is the result
+        error = str(raised)
+    return all(map(torch.equal, *trained)), error
+
+
+def test_compiled_code_beside_gathers_in_flight_steps_as_without_overlap_or_names_the_fix():
+    """Before: dynamo failed tracing the guard (``UntypedStorage.data_ptr``) in the second optimizer's step, and
+    in the user's function with a message that did not say why or what to do."""
+    for same, error in run_distributed(2, _compiled_code_beside_gathers):
+        assert same
+        assert "all-gathers were in flight" in error and "finish_param_gathers()" in error, error
+
+
 class _KernelLinear(torch.autograd.Function):
     """A linear layer whose kernel runs below torch's Python dispatch, as a C++ extension's or Triton's does
     (torch function modes cannot see it)."""

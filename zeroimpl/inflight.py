@@ -22,6 +22,10 @@ stream leaves no later read on either unordered; a third stream that reads the p
 ordered (wait on its own with :meth:`InFlightGathers.finish` before the side read, or
 ``overlap_param_gather=False``).
 
+Under ``torch.compile`` the wait is a call the compiler does not trace (a graph break; with ``fullgraph=True``
+an error naming the fixes: :data:`COMPILED_READ`); the inner optimizers step with every guard lifted
+(:func:`guards_lifted`), so that an inner step may be compiled code beside another optimizer's gathers.
+
 Not covered: tensor reads on another thread outside a module's forward, kernels reached around torch on
 parameters of a module that has not run its forward (a NumPy array or raw pointer taken before ``step()``,
 apex's multi-tensor kernels on the whole model), a ``@torch.jit.script`` function called on the parameters,
@@ -57,7 +61,10 @@ Contract: what is load-bearing here, and what guards it.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -74,6 +81,11 @@ _METADATA_METHODS = frozenset({
     torch.Tensor.data_ptr,
 })
 _WHOLE_MODULES = ("RecursiveScriptModule", "TopLevelTracedModule", "OptimizedModule")  # code below the mode
+COMPILED_READ = ("a function compiled with torch.compile(fullgraph=True) ran while ShardedOptimizer's parameter "
+                 "all-gathers were in flight (overlap_param_gather): the guard that waits for them runs outside "
+                 "compiled code. Call optimizer.finish_param_gathers() before it, compile it without fullgraph=True, "
+                 "or construct the optimizer with overlap_param_gather=False")
+_EVERY = weakref.WeakSet()  # every optimizer's InFlightGathers in this process (guards_lifted)
 
 
 class InFlightGathers:
@@ -91,6 +103,7 @@ class InFlightGathers:
         self._thread: Optional[int] = None  # the thread whose mode stack holds the guard
         self._device: Optional[torch.device] = None  # the parameter buffers' device
         self._streams: list = []  # CUDA: the default stream and the one step() ran on, ordered after any wait
+        _EVERY.add(self)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -171,24 +184,47 @@ class InFlightGathers:
         self._hook = None
 
 
+@contextlib.contextmanager
+def guards_lifted():
+    """Every optimizer's guard off this thread's mode stack while the block runs, and back under the other modes
+    after it: for an inner optimizer's step, which reads its own optimizer's tensors alone and may be code that
+    torch.compile traces with fullgraph=True (torchao's optimizers), which could not trace a guard."""
+    thread = threading.get_ident()
+    lifted = [gathers._guard for gathers in list(_EVERY) if gathers._guard is not None and gathers._thread == thread]
+    lifted = [guard for guard in lifted if _take_off(guard)]
+    try:
+        yield
+    finally:
+        for guard in lifted:
+            _push_at_bottom(guard)
+
+
 class _Guard(TorchFunctionMode):
-    """Waits for the buckets an operation touches before running it (see the module docstring)."""
+    """Waits for the buckets an operation touches before running it (see the module docstring). Under
+    torch.compile the wait is a call the compiler does not trace: a graph break, and with ``fullgraph=True`` an
+    error that names the fix (:data:`COMPILED_READ`; only once torch's compiler is imported, which costs seconds)."""
 
     def __init__(self, gathers: InFlightGathers) -> None:
         super().__init__()
         self.gathers, self.active, self.handling = gathers, True, False
+        self._wait = self._wait_for_touched
+        if "torch._dynamo" in sys.modules:
+            self._wait = torch.compiler.disable(self._wait_for_touched, reason=COMPILED_READ)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.active and func not in _METADATA_METHODS and not _reads_no_values(func):
-            touched = self.gathers.buckets_touched(args, kwargs)
-            if touched:
-                self.handling = True
-                try:
-                    self.gathers.finish(touched)
-                finally:
-                    self.handling = False
+            self._wait(args, kwargs)
         return func(*args, **kwargs)
+
+    def _wait_for_touched(self, args: tuple, kwargs: dict) -> None:
+        touched = self.gathers.buckets_touched(args, kwargs)
+        if touched:
+            self.handling = True
+            try:
+                self.gathers.finish(touched)
+            finally:
+                self.handling = False
 
 
 def _reads_no_values(func) -> bool:
@@ -213,12 +249,18 @@ def _push_at_bottom(mode: TorchFunctionMode) -> None:
 
 
 def _remove_from_stack(mode: TorchFunctionMode) -> None:
-    above = []
-    while torch._C._len_torch_function_stack():
+    _take_off(mode)
+    shutdown.handed_to_gloo(mode)
+
+
+def _take_off(mode: TorchFunctionMode) -> bool:
+    """Take ``mode`` off this thread's mode stack, the others staying in order: whether it was there."""
+    above, found = [], False
+    while torch._C._len_torch_function_stack() and not found:
         top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
+        found = top is mode
+        if not found:
+            above.append(top)
     for other in reversed(above):
         torch._C._push_on_torch_function_stack(other)
-    shutdown.handed_to_gloo(mode)
+    return found

@@ -30,6 +30,7 @@ import torch
 
 from . import optimizer_kinds
 from .buffers import BucketStorage
+from .inflight import guards_lifted
 from .layout import ShardLayout, ShardPiece
 from .memory_format import shaped
 from .offload import KERNEL_KEYS
@@ -287,6 +288,7 @@ def step_pieces(inner: InnerOptimizers, pairs: list[tuple[torch.Tensor, torch.Te
         return
     for master, grad in pairs:
         master.grad = grad
-    inner.step()
+    with guards_lifted():  # (the inner step may be compiled code, which cannot trace a guard)
+        inner.step()
     for master, _ in pairs:
         master.grad = None
