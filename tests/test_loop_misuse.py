@@ -300,7 +300,8 @@ def _two_ranks(rank, world_size, shared_directory):
             cases[("reduce-scatters", stage, checkpointing)] = (
                 lambda stage=stage, checkpointing=checkpointing: _reduce_scatters_per_backward(stage, checkpointing))
     cases[("local edit", 1)] = _local_gradient_edited_in_stage1
-    cases["close out of memory"] = lambda: _close_out_of_memory(rank)
+    for stage, then in ((2, "backward"), (2, "step under Join"), (2, "skip"), (1, "step again")):
+        cases[("out of memory", stage, then)] = lambda stage=stage, then=then: _out_of_memory(rank, stage, then)
     cases["rebuild"] = _rebuild_after_delete
     cases["old state dict"] = _old_state_dict
     cases["scalar parameter"] = lambda: _scalar_parameter_from_torch(os.path.join(shared_directory, "scalar"))
@@ -366,25 +367,44 @@ def _address_space_capped(headroom: int):
         resource.setrlimit(resource.RLIMIT_AS, limits)
 
 
-def _close_out_of_memory(rank):
-    """Rank 0 runs out of memory at the end of a backward, allocating the unused parameter's bucket (the round's
-    close), and skips the error; then a second backward and an SGD step, without zero_grad(), as torch keeps the
-    gradients. Returns the error and the parameters, and the parameters of the same two backwards and step
-    where nothing failed."""
-    error, results = "no error", []
+def _out_of_memory(rank, stage, then):
+    """Rank 0 runs out of memory allocating the unused parameter's bucket: at the end of a backward (stage 2: the
+    round's close) or in the step (stage 1: the reduction), and goes on as ``then`` says:
+
+    * ``backward``: a second backward, then the step, without zero_grad() (torch keeps the gradients);
+    * ``step under Join``: the step at once, inside ``with Join([optimizer])``;
+    * ``skip``: zero_grad() at once; the ranks agree that one failed (an all-reduce) and skip the batch: zero_grad()
+      on every rank, a second backward and the step;
+    * ``step again``: the step called again.
+
+    Returns the error, and the parameters, then the same where nothing failed (``skip``: the batch skipped too)."""
+    from torch.distributed.algorithms.join import Join
+    runs = {}
     for out_of_memory in (True, False):
         model = _WithUnusedMatrix()
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=2, bucket_numel=200, lr=0.1)
-        if out_of_memory and rank == 0:
-            with _address_space_capped(UNUSED_NUMEL):  # 256 MB is out of reach, the rest of backward is not
-                error = _error_of(lambda: model(small_batch(rank, 0)).backward())
-        else:
-            model(small_batch(rank, 0)).backward()
-        model(small_batch(rank, 1)).backward()
-        optimizer.step()
-        results.append([p.detach().clone() for p in model.parameters() if p is not model.unused])
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, bucket_numel=200, lr=0.1)
+        capped = _address_space_capped(UNUSED_NUMEL) if out_of_memory and rank == 0 else contextlib.nullcontext()
+        with Join([optimizer]) if then == "step under Join" else contextlib.nullcontext():
+            if then == "step again":
+                model(small_batch(rank, 0)).backward()
+                with capped:  # 256 MB is out of reach, the rest of the step is not
+                    error = _error_of(optimizer.step)
+                if error != "no error":
+                    optimizer.step()
+            else:
+                with capped:
+                    error = _error_of(lambda: model(small_batch(rank, 0)).backward())
+                if then == "skip":
+                    if error != "no error":
+                        optimizer.zero_grad()
+                    dist.all_reduce(torch.tensor([float(error != "no error")]))  # (every rank skips it)
+                    optimizer.zero_grad()
+                if then in ("backward", "skip"):
+                    model(small_batch(rank, 1)).backward()
+                optimizer.step()
+        runs[out_of_memory] = error, [p.detach().clone() for p in model.parameters() if p is not model.unused]
         del model, optimizer
-    return error, *results
+    return runs[True][0], runs[True][1], runs[False][1]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -409,12 +429,15 @@ def test_a_failed_backward_retried_without_zero_grad_trains_as_torch(two_ranks, 
         assert max((a - b).abs().max().item() for a, b in zip(ours, reference)) < 1e-6
 
 
-def test_a_close_of_backward_that_ran_out_of_memory_is_finished_by_the_next_backward(two_ranks):
-    """The close launched no collective for the bucket whose buffer it could not allocate, and the next backward
-    launches it and every bucket after it, as rank 1 did: the ranks stay in step, and training goes on bitwise as
-    if nothing had failed (before: TypeError at the next backward, the round's callback gone)."""
+@pytest.mark.parametrize("stage, then", [(2, "backward"), (2, "step under Join"), (2, "skip"), (1, "step again")])
+def test_a_reduction_that_ran_out_of_memory_is_finished_by_what_comes_next(two_ranks, stage, then):
+    """The failed launch issued no collective for the bucket whose buffer it could not allocate; whatever the loop
+    does next (another backward, the step, zero_grad()) launches it and every bucket after it before any other
+    collective, as rank 1 did: the ranks stay in step, and training goes on bitwise as if nothing had failed.
+    Before: TypeError at the next backward (the round's callback gone); under Join the check-in, and after
+    zero_grad() the next round, met rank 1's last reduce-scatters (a hang); the step tried again launched nothing."""
     for rank, results in enumerate(two_ranks):
-        error, recovered, uninterrupted = case_result(results, "close out of memory")
+        error, recovered, uninterrupted = case_result(results, ("out of memory", stage, then))
         if rank == 0:
             assert error.startswith("RuntimeError") and "can't allocate memory" in error, error
         else:

@@ -94,6 +94,10 @@ class LaunchOrder:
         self._arrived: list[set[int]] = [set() for _ in self._sizes]
         self._next = 0  # buckets below this index are launched
 
+    def begun(self) -> bool:
+        """Whether a gradient arrived or a bucket launched this round."""
+        return self._next > 0 or any(self._arrived)
+
     def seen(self, bucket_index: int, param_index: int) -> bool:
         """Whether this parameter's gradient already arrived this round, or its bucket already launched."""
         return param_index in self._arrived[bucket_index] or bucket_index < self._next

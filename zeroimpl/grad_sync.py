@@ -53,7 +53,7 @@ from .backward_round import BackwardRound, LaunchOrder, under_compiled_autograd
 from .buffers import BucketStorage
 from .layout import ShardLayout
 from .memory_format import shaped
-from .quantized_comm import ShardBlocks
+from .quantized_comm import reduction_blocks
 from .ownership import rebound_message
 from .step_state import StepState
 from .streams import WorkStream, on_work_stream
@@ -108,17 +108,9 @@ class GradientReducer:
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
         self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
         self._order = LaunchOrder([bucket.param_indices for bucket in layout.buckets])
-        # quantized: per bucket, the blocks its 8-bit reduce-scatter sends on (zeroimpl.quantized_comm), and the
-        # blocks of its shard's 8-bit all-reduce across replicas (also with quantized="replicas")
-        if quantized == "replicas" and self.replicate is None:
-            raise ValueError("quantize_grad_reduce='replicas' quantizes the all-reduce across the replicas of a 2-D "
-                             "device_mesh, and this optimizer has none: pass a (replicate, shard) device_mesh, or "
-                             "quantize_grad_reduce=True for the reduce-scatter")
-        shard_blocks = quantized is True and layout.world_size > 1
-        self._blocks = [ShardBlocks.of(layout.edges(b.index), b.shard_numel, layout.world_size, topology.shard_rank,
-                                       signed=True) for b in layout.buckets] if shard_blocks else None
-        self._replica_blocks = [_replica_blocks(layout, b.index, topology) for b in layout.buckets] \
-            if quantized and self.replicate is not None else None
+        # quantized: per bucket, the blocks its 8-bit reduce-scatter sends on, and those of its shard's 8-bit
+        # all-reduce across replicas (or None: not quantized)
+        self._blocks, self._replica_blocks = reduction_blocks(layout, topology, quantized)
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
@@ -183,12 +175,17 @@ class GradientReducer:
                 self._close_round()
 
     def _close_round(self) -> None:
-        """Stage 2: launch what is left, in order; count the backward pass, and wait for everything."""
+        """Stage 2: launch what is left, in order; wait for everything, and count the backward pass."""
         if self.stage == 2:
-            for bucket_index in self._order.remaining():
-                self._launch(bucket_index)
-        self.backward_passes += 1
+            self._launch_remaining()
         self._reset_round()
+        self.backward_passes += 1  # (after the waits: a close that raised is tried again, and counted once)
+
+    def _launch_remaining(self) -> None:
+        """Launch every bucket of the round not launched yet, in order: each rank issues every bucket's
+        collective once per round that began, as the other ranks do, also for a round discarded after an error."""
+        for bucket_index in self._order.remaining():
+            self._launch(bucket_index)
 
     def _reset_round(self) -> None:
         """Wait for every reduction and forget the per-round state."""
@@ -282,10 +279,16 @@ class GradientReducer:
 
     # -- the optimizer's verbs ------------------------------------------------------------------
     @on_work_stream()
+    def close_left_open(self) -> None:
+        """Close a round left open by a reentrant backward, or by a backward or close that failed part-way (before
+        any other collective: the other ranks issued its reduce-scatters at the end of their backward)."""
+        if self.round.left_open():
+            self._close_round()
+
+    @on_work_stream()
     def finalize(self) -> None:
         """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now)."""
-        if self.round.left_open():
-            self._close_round()  # left open by a reentrant backward, or by one that failed part-way
+        self.close_left_open()
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
@@ -293,7 +296,7 @@ class GradientReducer:
                                "backward hooks would be ignored. If the model is wrapped in DistributedDataParallel, "
                                "unwrap it (DDP writes all-reduced gradients back; ShardedOptimizer reduces them "
                                "itself); if you set param.grad by hand or with torch.autograd.grad, use stage=1")
-        if self.stage == 1 and with_grad:
+        if self.stage == 1 and (with_grad or self._order.begun()):  # (begun: a finalize that raised part-way)
             self._check_grads_unedited()
             for storage in self.storages:
                 bucket_index = storage.bucket.index
@@ -356,6 +359,8 @@ class GradientReducer:
                 param.grad = None
             else:
                 param.grad.zero_()
+        if self.round.left_open() if self.stage == 2 else self._order.begun():
+            self._launch_remaining()  # (a round that raised part-way)
         self._reset_round()
         self.backward_passes = 0
         self._grad_versions.clear()
@@ -365,17 +370,6 @@ class GradientReducer:
             self.grad_exists = [now or then for now, then in zip(self.grad_exists, self._consumed)]
         self._consumed = [False] * len(self._consumed)
         self.gradients.clear(set_to_none)
-
-
-def _replica_blocks(layout: ShardLayout, bucket_index: int, topology: Topology) -> ShardBlocks:
-    """The blocks of this rank's gradient shard of a bucket for its 8-bit all-reduce across the replicas: the
-    shard cut into one piece per replica (a multiple of 4 elements each, the last one padded), blocks starting at
-    every parameter and at the padding."""
-    bucket, replicas = layout.buckets[bucket_index], topology.replicate_size
-    start = bucket.shard_range(topology.shard_rank)[0]
-    piece = -(-bucket.shard_numel // (4 * replicas)) * 4
-    edges = [edge - start for edge in layout.edges(bucket_index) if 0 < edge - start < bucket.shard_numel]
-    return ShardBlocks.of(edges + [bucket.shard_numel], piece, replicas, topology.replicate_rank, signed=True)
 
 
 def _weakly_end_of_backward(reducer_ref):
