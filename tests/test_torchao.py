@@ -261,3 +261,34 @@ def test_export_or_import_of_a_non_contiguous_quantized_parameter_is_refused():
     require_logical_order(parts, (16, 64, 2, 2), (256, 4, 2, 1), 0)  # contiguous: fine
     with pytest.raises(CheckpointError, match="memory order.*logical order.*load_checkpoint"):
         require_logical_order(parts, (16, 64, 2, 2), (256, 1, 128, 64), 0)  # channels last
+
+
+def _channels_last_into_whole_parameter_stepping(rank, world_size, directory):
+    """A channels-last conv weight's AdamW8bit state saved from flat shards (eager: no compile), loaded with
+    per_parameter=[AdamW8bit]: the error."""
+    from zeroimpl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    def conv():
+        torch.manual_seed(0)
+        return torch.nn.Conv2d(64, 16, 2).to(memory_format=torch.channels_last)  # 4096 elements: 8-bit state
+
+    with torch.compiler.set_stance("force_eager"):
+        model = conv()
+        optimizer = ShardedOptimizer(model.parameters(), ao.AdamW8bit, stage=2, lr=1e-3)
+        model(torch.randn(2, 64, 3, 3).to(memory_format=torch.channels_last)).square().mean().backward()
+        optimizer.step()
+        save_checkpoint(directory, optimizer, model)
+        model = conv()
+        whole = ShardedOptimizer(model.parameters(), ao.AdamW8bit, stage=2, lr=1e-3, per_parameter=[ao.AdamW8bit])
+        try:
+            load_checkpoint(directory, whole, model)
+        except CheckpointError as error:
+            return str(error)
+    return "loaded"
+
+
+def test_a_non_contiguous_parameters_flat_state_is_refused_for_whole_parameter_stepping(tmp_path):
+    """Flat shards quantize in blocks of memory order, whole-parameter stepping (the plain class) in blocks of
+    logical order: loaded, the scales would fall on other elements (silently, before)."""
+    for message in run_distributed(1, _channels_last_into_whole_parameter_stepping, str(tmp_path / "checkpoint")):
+        assert "memory order" in message and "logical order" in message and "per_parameter" in message, message

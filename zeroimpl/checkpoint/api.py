@@ -41,7 +41,7 @@ from .format import (FORMAT, READABLE_FORMATS, block_range, class_name, copy_sca
                      group_classes, is_per_block, key_offsets, merge_scalars, param_scalars, read_rank, saved_layout,
                      saved_memory_order, split_state, state_dtypes)
 from .reshard import plan
-from .subclass_state import joined
+from .subclass_state import joined, require_logical_order
 
 
 # -- save ---------------------------------------------------------------------------------------------
@@ -285,7 +285,13 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
                 array = arrays[c.target_piece].setdefault(key, torch.zeros(piece.length, dtype=dtype))
                 array[c.target_piece_offset:c.target_piece_offset + c.length] = values[start:start + c.length]
             found = payload["whole_state"].get(piece.param_index)
-            saved_block = saved.buckets[saved.slots[piece.param_index].bucket_index].block
+            saved_bucket = saved.buckets[saved.slots[piece.param_index].bucket_index]
+            saved_block = saved_bucket.block
+            if optimizer.layout.buckets[piece.bucket_index].whole and not saved_bucket.whole:
+                # saved from flat shards (blocks of the memory order), stepped whole (of the logical order); the
+                # scalars hold the recipes of torchao's state
+                require_logical_order(scalars[piece.param_index], tuple(master.shape), master.stride(),
+                                      piece.param_index)
             if found and saved_block:
                 _copy_blocks(found, saved_block, optimizer.layout.buckets[piece.bucket_index],
                              source_pieces[c.source_piece].param_start + c.piece_offset, c.length,

@@ -73,14 +73,16 @@ def plain_parts(state: Optional[dict]) -> Optional[dict]:
 
 
 def require_logical_order(state: Optional[dict], shape: tuple, strides: tuple, index: int) -> None:
-    """Refuse to move a stored subclass value of trainable parameter ``index`` between zeroimpl and the plain
-    class when the parameter is not contiguous: zeroimpl's blocks follow the parameter's memory order (its flat
-    shards do), the plain class's its logical order, so the scales would fall on other elements."""
+    """Refuse to move a stored subclass value of trainable parameter ``index`` between zeroimpl's flat shards and
+    the plain class (or whole-parameter stepping, which is the plain class's) when the parameter is not contiguous:
+    flat shards' blocks follow the parameter's memory order, the plain class's its logical order, so the scales
+    would fall on other elements."""
     if has_subclass_state(state) and not same_order(tuple(shape), tuple(strides), contiguous_strides(tuple(shape))):
-        raise CheckpointError(f"trainable parameter {index} {tuple(shape)} has strides {tuple(strides)}: zeroimpl "
-                              "quantizes its torchao state in blocks of its memory order and the plain torchao class in "
-                              "blocks of its logical order, so the state cannot be exported to or imported from the "
-                              "plain class; resume through zeroimpl.checkpoint.load_checkpoint (exact at any world "
+        raise CheckpointError(f"trainable parameter {index} {tuple(shape)} has strides {tuple(strides)}: zeroimpl's "
+                              "flat shards quantize its torchao state in blocks of its memory order and the plain "
+                              "torchao class (as whole-parameter stepping, per_parameter) in blocks of its logical "
+                              "order, so the state cannot move between them; resume through "
+                              "zeroimpl.checkpoint.load_checkpoint into flat shards as saved (exact at any world "
                               "size), or make the parameter contiguous before building the optimizer")
 
 
