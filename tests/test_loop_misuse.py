@@ -342,7 +342,7 @@ def test_resizing_token_embeddings_raises(two_ranks, stage):
 
 
 class _WithUnusedMatrix(SmallNet):
-    """SmallNet and a 64M-element parameter no forward uses: its bucket (256 MB) is launched, as zeros, only when
+    """SmallNet and an 8M-element parameter no forward uses: its bucket (32 MB) is launched, as zeros, only when
     the round closes at the end of backward."""
 
     def __init__(self):
@@ -350,7 +350,7 @@ class _WithUnusedMatrix(SmallNet):
         self.unused = torch.nn.Parameter(torch.zeros(UNUSED_NUMEL))
 
 
-UNUSED_NUMEL = 64 * 2**20
+UNUSED_NUMEL = 8 * 2**20  # 32 MB in fp32: out of reach under the cap below (half of it)
 
 
 @contextlib.contextmanager
@@ -383,11 +383,11 @@ def _out_of_memory(rank, stage, then):
     for out_of_memory in (True, False):
         model = _WithUnusedMatrix()
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, bucket_numel=200, lr=0.1)
-        capped = _address_space_capped(UNUSED_NUMEL) if out_of_memory and rank == 0 else contextlib.nullcontext()
+        capped = _address_space_capped(UNUSED_NUMEL * 2) if out_of_memory and rank == 0 else contextlib.nullcontext()
         with Join([optimizer]) if then == "step under Join" else contextlib.nullcontext():
             if then == "step again":
                 model(small_batch(rank, 0)).backward()
-                with capped:  # 256 MB is out of reach, the rest of the step is not
+                with capped:  # 32 MB is out of reach, the rest of the step is not
                     error = _error_of(optimizer.step)
                 if error != "no error":
                     optimizer.step()

@@ -171,6 +171,9 @@ def _all(rank, world_size, directory):
             cases[(name, "resume")] = partial(_with_stance, compiled, partial(_resume, rank, name, directory))
         else:  # the 2-rank launch (run first) saved it
             cases[(name, "resharded")] = partial(_with_stance, compiled, partial(_resharded, rank, name, directory))
+    if world_size == 2:
+        cases["channels last into whole"] = partial(_channels_last_into_whole_parameter_stepping,
+                                                    directory + "-channels-last")
     return run_cases(cases)
 
 
@@ -263,7 +266,8 @@ def test_export_or_import_of_a_non_contiguous_quantized_parameter_is_refused():
         require_logical_order(parts, (16, 64, 2, 2), (256, 1, 128, 64), 0)  # channels last
 
 
-def _channels_last_into_whole_parameter_stepping(rank, world_size, directory):
+
+def _channels_last_into_whole_parameter_stepping(directory):
     """A channels-last conv weight's AdamW8bit state saved from flat shards (eager: no compile), loaded with
     per_parameter=[AdamW8bit]: the error."""
     from zeroimpl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -287,8 +291,8 @@ def _channels_last_into_whole_parameter_stepping(rank, world_size, directory):
     return "loaded"
 
 
-def test_a_non_contiguous_parameters_flat_state_is_refused_for_whole_parameter_stepping(tmp_path):
+def test_a_non_contiguous_parameters_flat_state_is_refused_for_whole_parameter_stepping(launches):
     """Flat shards quantize in blocks of memory order, whole-parameter stepping (the plain class) in blocks of
     logical order: loaded, the scales would fall on other elements (silently, before)."""
-    for message in run_distributed(1, _channels_last_into_whole_parameter_stepping, str(tmp_path / "checkpoint")):
+    for message in case_results(launches[2], "channels last into whole"):
         assert "memory order" in message and "logical order" in message and "per_parameter" in message, message
