@@ -302,6 +302,8 @@ def _two_ranks(rank, world_size, shared_directory):
     cases[("local edit", 1)] = _local_gradient_edited_in_stage1
     for stage, then in ((2, "backward"), (2, "step under Join"), (2, "skip"), (1, "step again")):
         cases[("out of memory", stage, then)] = lambda stage=stage, then=then: _out_of_memory(rank, stage, then)
+    for where in ("8-bit sum", "8-bit gather"):
+        cases[("out of memory", where)] = lambda where=where: _out_of_memory_landing(rank, where)
     cases["rebuild"] = _rebuild_after_delete
     cases["old state dict"] = _old_state_dict
     cases["scalar parameter"] = lambda: _scalar_parameter_from_torch(os.path.join(shared_directory, "scalar"))
@@ -410,6 +412,63 @@ def _out_of_memory(rank, stage, then):
     return runs[True][0], runs[True][1], runs[False][1]
 
 
+class _LayerAndLargeMatrix(torch.nn.Module):
+    """A linear layer and a 64M-element parameter (256 MB) whose gradient is the batch's mean everywhere: the same
+    value in every 8-bit block, so that its 8-bit reduce-scatter and step gather are exact. Every parameter gets a
+    gradient in every backward (no bucket waits for the end of backward to launch)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(8, 4)
+        self.large = torch.nn.Parameter(torch.zeros(UNUSED_NUMEL))
+
+    def forward(self, x):
+        return self.layer(x).square().mean() + self.large.sum() * x.mean()
+
+
+def _out_of_memory_landing(rank, where):
+    """Rank 0 runs out of memory after a collective has arrived, in the work that lands it: the sum of the 8-bit
+    pieces of the large parameter's reduce-scatter (128 MB in fp32, at the end of backward) or the addition of the
+    decoded 8-bit step of its all-gather (in finish_param_gathers()). Then the step, or the wait again, and a
+    second backward and step. Returns the error, the parameters, and the parameters where nothing failed."""
+    runs = {}
+    for out_of_memory in (True, False):
+        model = _LayerAndLargeMatrix()
+        quantized = "quantize_grad_reduce" if where == "8-bit sum" else "quantize_param_gather"
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=2, bucket_numel=200, lr=0.1,
+                                     max_inflight_buckets=100, **{quantized: True})  # (all waited in the step)
+        # 16 MB more: the 128 MB the landing allocates first is out of reach, even with the 64 MB of 8-bit payloads
+        # let go between the cap and the sum
+        capped = _address_space_capped(2**24) if out_of_memory and rank == 0 else contextlib.nullcontext()
+        if where == "8-bit sum":
+            # capped once the last parameter's gradient has arrived, after the optimizer's hook for it issued the
+            # last reduce-scatter: the end of backward waits for them and sums their pieces
+            arrived, stack = [], contextlib.ExitStack()
+
+            def cap_after_the_last(param):
+                arrived.append(param)
+                if len(arrived) == len(list(model.parameters())):
+                    stack.enter_context(capped)
+            handles = [p.register_post_accumulate_grad_hook(cap_after_the_last) for p in model.parameters()]
+            with stack:
+                error = _error_of(lambda: model(small_batch(rank, 0)).backward())
+            for handle in handles:
+                handle.remove()
+        else:
+            model(small_batch(rank, 0)).backward()
+            optimizer.step()
+            with capped:
+                error = _error_of(optimizer.finish_param_gathers)
+        optimizer.step() if where == "8-bit sum" else optimizer.finish_param_gathers()
+        model(small_batch(rank, 1)).backward()
+        optimizer.step()
+        optimizer.finish_param_gathers()
+        runs[out_of_memory] = error, [p.detach().clone() for p in model.parameters()]
+        del model, optimizer
+    return runs[True][0], runs[True][1], runs[False][1]
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_unfreezing_a_parameter_frozen_at_construction_raises(two_ranks, stage):
     for results in two_ranks:
@@ -441,6 +500,21 @@ def test_a_reduction_that_ran_out_of_memory_is_finished_by_what_comes_next(two_r
     zero_grad() the next round, met rank 1's last reduce-scatters (a hang); the step tried again launched nothing."""
     for rank, results in enumerate(two_ranks):
         error, recovered, uninterrupted = case_result(results, ("out of memory", stage, then))
+        if rank == 0:
+            assert error.startswith("RuntimeError") and "can't allocate memory" in error, error
+        else:
+            assert error == "no error"
+        assert all(map(torch.equal, recovered, uninterrupted))
+
+
+@pytest.mark.parametrize("where", ["8-bit sum", "8-bit gather"])
+def test_a_collective_whose_landing_ran_out_of_memory_lands_at_the_next_wait(two_ranks, where):
+    """The collective arrived; the work after it (the sum of the 8-bit pieces, the addition of the decoded step)
+    raised on rank 0 and runs again at the next wait: training goes on bitwise as if nothing had failed. Before:
+    the wait was dropped with its work, so rank 0 lost that bucket's gradient shard (or, gathering, the step of
+    its parameters) without a word."""
+    for rank, results in enumerate(two_ranks):
+        error, recovered, uninterrupted = case_result(results, ("out of memory", where))
         if rank == 0:
             assert error.startswith("RuntimeError") and "can't allocate memory" in error, error
         else:

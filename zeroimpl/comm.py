@@ -95,7 +95,9 @@ class Pending:
     """Issued communication: ``works`` to wait for (none: it finished when issued), then ``finish()``.
 
     ``timeout`` bounds the wait for all of ``works`` together, not each; ``lent``: the aliases ``works`` were
-    given (:func:`_aliases`)."""
+    given (:func:`_aliases`). A wait may be called again after it raised: the :class:`CollectiveError` of a
+    failed work again (it is not waited for twice), else what was left (a ``finish`` that ran out of memory),
+    so that a caller keeps what it waits for until a wait returns, and nothing is lost to an error."""
 
     def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
                  buffers: tuple = (), lent: tuple = (), on_stream: bool = False, reports_completion: bool = False):
@@ -104,6 +106,8 @@ class Pending:
         self.lent = lent
         self.on_stream = on_stream  # an accelerator's collective: wait() makes the current stream wait
         self.reports_completion = reports_completion  # its works' is_completed() says so before any wait()
+        self.failure: Optional[str] = None  # why a work failed, raised by every wait from then on
+        self._finishing = False
 
     def arrived(self) -> bool:
         """Whether every work has finished, as far as the backend tells without a wait: a collective's work
@@ -117,18 +121,22 @@ class Pending:
         communication; waiting on the host instead lets the GPU run what is already queued. Also where the
         host is about to read the result anyway (the step's verdict): the wait is then bounded, where a read
         would block for as long as NCCL's watchdog lets the collective hang."""
+        if self.failure is not None:
+            raise CollectiveError(self.failure)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         # (a CPU collective's wait() blocks the host and is bounded already; gloo's point-to-point works do not
         # report completion before it)
         while self.on_stream and self.works and not all(work.is_completed() for work in self.works):
             if deadline is not None and time.monotonic() > deadline:
-                raise CollectiveError(self._failure(f"did not finish within its timeout of {self.timeout} s"))
+                raise self._failed(f"did not finish within its timeout of {self.timeout} s")
             time.sleep(HOST_POLL_SECONDS)
         self.wait()
 
     def wait(self) -> None:
         """Wait for every work (on an accelerator, the current stream waits and the host goes on: unbounded
         there, see :meth:`wait_on_host`), then run ``finish``."""
+        if self.failure is not None:
+            raise CollectiveError(self.failure)
         bounded = self.timeout is not None and not self.on_stream
         deadline = time.monotonic() + self.timeout if bounded else None
         try:
@@ -141,18 +149,28 @@ class Pending:
                     work.wait(timeout=datetime.timedelta(milliseconds=left_ms))
         except RuntimeError as error:
             bound = f"within its timeout of {self.timeout} s" if bounded else "within the process group's timeout"
-            raise CollectiveError(self._failure(f"failed or did not finish {bound} ({error})")) from error
+            raise self._failed(f"failed or did not finish {bound} ({error})") from error
         self.works, self.buffers = [], ()
         shutdown.handed_to_gloo(*(t for t in self.lent if t.device.type == "cpu"))
         self.lent = ()
-        if self.finish is not None:
-            finish, self.finish = self.finish, None
-            finish()
+        if self.finish is not None and not self._finishing:  # (a wait from inside it returns at once)
+            self._finishing = True
+            try:
+                self.finish()  # one that raises (out of memory) runs again at the next wait
+            finally:
+                self._finishing = False
+            self.finish = None
 
-    def _failure(self, what: str) -> str:
-        return (f"ShardedOptimizer's {self.name} {what}. Another rank has probably died, hangs, or runs a different "
-                "number of backward passes or steps; this rank cannot continue. Restart the job from the last "
-                "checkpoint (zeroimpl.checkpoint.load_checkpoint)")
+    @property
+    def done(self) -> bool:
+        """Whether a wait has returned from outside ``finish``: every work and ``finish`` have run."""
+        return not self.works and self.finish is None
+
+    def _failed(self, what: str) -> CollectiveError:
+        self.failure = (f"ShardedOptimizer's {self.name} {what}. Another rank has probably died, hangs, or runs a "
+                        "different number of backward passes or steps; this rank cannot continue. Restart the job "
+                        "from the last checkpoint (zeroimpl.checkpoint.load_checkpoint)")
+        return CollectiveError(self.failure)
 
 
 def algorithm(group, tensor: torch.Tensor, gather: bool = False, timeout: Optional[float] = None) -> str:
@@ -263,7 +281,7 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: ShardBlocks, group, timeo
     pieces (:func:`reduce_scatter_quantized`, ``blocks.shard_numel`` elements each, ``tensor`` zero-padded to
     ``world_size`` of them), then an all-gather of each owner's fp32 sum as a payload on its ``blocks``, which
     every rank -- the owner too -- decodes into ``tensor``, so that all ranks hold the same values."""
-    world, rank, n = dist.get_world_size(group), dist.get_rank(group), blocks.shard_numel
+    world, rank, n, size = dist.get_world_size(group), dist.get_rank(group), blocks.shard_numel, blocks.payload_bytes
     name = "gradient shard all-reduce across replicas (8-bit)"
     if world == 1:  # the sum is the tensor
         return Pending([], name, timeout)
@@ -271,15 +289,16 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: ShardBlocks, group, timeo
     padded[:tensor.numel()].copy_(tensor)
     summed = torch.empty(n, dtype=torch.float32, device=tensor.device)
     pending = reduce_scatter_quantized(summed, padded, blocks, group, timeout, tag)
-    add_pieces = pending.finish
+    add_pieces, gathered = pending.finish, []
 
-    def gather_sums():
-        add_pieces()
-        size = blocks.payload_bytes
-        gathered = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
-        own = blocks.encode(summed, out=gathered[rank * size:(rank + 1) * size])
-        all_gather(gathered, own, group, timeout, tag, name).wait()
-        values = torch.cat([blocks.decoded(gathered[r * size:(r + 1) * size], r) for r in range(world)])
+    def gather_sums():  # run again after raising (Pending.wait): the all-gather is issued once
+        if not gathered:
+            add_pieces()
+            payloads = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
+            own = blocks.encode(summed, out=payloads[rank * size:(rank + 1) * size])
+            all_gather(payloads, own, group, timeout, tag, name).wait()
+            gathered.append(payloads)
+        values = torch.cat([blocks.decoded(gathered[0][r * size:(r + 1) * size], r) for r in range(world)])
         tensor.copy_(values[:tensor.numel()])
     pending.name, pending.finish, pending.buffers = name, gather_sums, (padded, summed, *pending.buffers)
     return pending

@@ -247,12 +247,13 @@ class GradientReducer:
         """Finish the oldest reduce-scatter and hand its shard to the store; with hybrid sharding start the
         shard's all-reduce across the replicas instead, finished later (:meth:`_complete_replicated`).
         ``on_host``: block the host, not the compute stream, until the collective is done (CUDA)."""
-        reduction = self._inflight.popleft()  # (a failed wait is not waited for again)
+        reduction = self._inflight[0]  # taken off once handed on: one that raised (out of memory) is done again
         # before the wait, which lets go of the work's buffers and queues the 8-bit sum that reads them
         self.streams.use(reduction.buffer, reduction.output, *reduction.work.buffers)
         (reduction.work.wait_on_host if on_host else reduction.work.wait)()
         if self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
+            self._inflight.popleft()
             return
         if self._replica_blocks is None:
             work = comm.all_reduce(reduction.output, torch.distributed.ReduceOp.SUM, self.replicate, self.timeout,
@@ -261,15 +262,17 @@ class GradientReducer:
             work = comm.all_reduce_quantized(reduction.output, self._replica_blocks[reduction.bucket_index],
                                              self.replicate, self.timeout, tag=reduction.bucket_index)
         self._replicating.append(_Reduction(reduction.bucket_index, None, reduction.output, work))
+        self._inflight.popleft()
         while len(self._replicating) > self.max_inflight:
             self._complete_replicated()
 
     def _complete_replicated(self) -> None:
-        reduction = self._replicating.popleft()
+        reduction = self._replicating[0]
         self.streams.use(reduction.output, *reduction.work.buffers)
         # as for the reduce-scatters: on CUDA block the host, not the compute stream
         (reduction.work.wait_on_host if reduction.output.is_cuda else reduction.work.wait)()
         self.gradients.add(reduction.bucket_index, reduction.output)
+        self._replicating.popleft()
 
     def wait_all(self) -> None:
         while self._inflight:

@@ -132,7 +132,10 @@ class InFlightGathers:
         """Wait for the gathers of ``buckets`` (default: all), in bucket order."""
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
         for index in chosen:
-            self._pending.pop(index).wait()
+            pending = self._pending[index]
+            pending.wait()  # (kept if it raised: the next wait finishes it, or raises again)
+            if pending.done:  # (not for a read inside the wait's own finish: the outer wait takes it off)
+                self._pending.pop(index)
         if chosen and self._streams:
             # on CUDA the wait is the current stream's; a read on a side stream (an EMA on its own stream) must
             # order the streams of the training loop too, which run the next forward and no longer wait for

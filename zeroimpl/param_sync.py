@@ -124,11 +124,14 @@ class ParamSync:
         own = blocks.encode(master - storage.published.to(master.dtype),
                             out=gathered[blocks.rank * size:(blocks.rank + 1) * size])
         self._payloads[index] = gathered
-        parameters = storage.param_buffer.data
+        parameters, landed = storage.param_buffer.data, []
 
-        def land() -> None:
-            payload = self._payloads.pop(index)
-            blocks.add_decoded(payload, parameters)
+        def land() -> None:  # run again after raising (comm.Pending.wait): from the first rank not yet added
+            payload = self._payloads[index]
+            for rank in range(len(landed), len(blocks.segments)):
+                blocks.add_decoded(payload, parameters, range(rank, rank + 1))
+                landed.append(rank)
+            del self._payloads[index]
             if payload.is_cuda:  # decoded on the waiting stream, which may not be the one that allocated it
                 payload.record_stream(torch.cuda.current_stream(payload.device))
             storage.mark_published()

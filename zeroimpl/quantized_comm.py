@@ -115,12 +115,14 @@ class ShardBlocks:
         payload[:n].copy_(torch.cat(_unpadded(codes, lengths, self._padded(rank))))
         return payload
 
-    def add_decoded(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
-        """Add every rank's decoded payload in ``gathered`` to its shard of ``out`` (the bucket's parameter
-        buffer), in fp32 (or ``out``'s wider dtype), then ``out``'s dtype."""
+    def add_decoded(self, gathered: torch.Tensor, out: torch.Tensor, ranks: Optional[range] = None) -> None:
+        """Add each rank's decoded payload in ``gathered`` to its shard of ``out`` (the bucket's parameter
+        buffer), in fp32 (or ``out``'s wider dtype), then ``out``'s dtype: the ranks of ``ranks`` (default: all),
+        one at a time, each shard written only after its sum is computed (one that raises leaves it as it was)."""
         n, dtype = self.shard_numel, torch.promote_types(out.dtype, torch.float32)
-        for rank, (payload, shard) in enumerate(zip(gathered.view(-1, self.payload_bytes), out.view(-1, n))):
-            shard.copy_(shard.to(dtype) + self.decoded(payload, rank))
+        payloads, shards = gathered.view(-1, self.payload_bytes), out.view(-1, n)
+        for rank in range(len(shards)) if ranks is None else ranks:
+            shards[rank].copy_(shards[rank].to(dtype) + self.decoded(payloads[rank], rank))
 
     def decoded(self, payload: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor:
         """The values of ``payload``, encoded on ``rank``'s blocks (default: this rank's): fp32, 1-D."""
