@@ -71,7 +71,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import shutdown
-from .comm import Pending
+from .pending import Pending
 
 # tensor methods that read only metadata: no wait for them
 _METADATA_METHODS = frozenset({

@@ -83,7 +83,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             step and count it in ``skipped_steps``. Never an update with NaN.
         collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take before
             it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs); on CUDA, the waits where the host
-            blocks anyway (:mod:`zeroimpl.comm`). Default ``None``: the process group's own timeout.
+            blocks anyway (:mod:`zeroimpl.pending`). Default ``None``: the process group's own timeout.
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
         overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()``
             (default ``True``): the first torch operation or module forward that touches one of its parameters

@@ -126,7 +126,7 @@ class ParamSync:
         self._payloads[index] = gathered
         parameters, landed = storage.param_buffer.data, []
 
-        def land() -> None:  # run again after raising (comm.Pending.wait): from the first rank not yet added
+        def land() -> None:  # run again after raising (Pending.wait): from the first rank not yet added
             payload = self._payloads[index]
             for rank in range(len(landed), len(blocks.segments)):
                 blocks.add_decoded(payload, parameters, range(rank, rank + 1))

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from .buffers import BucketStorage
-from .comm import CollectiveError
+from .pending import CollectiveError
 from .topology import Topology
 
 

@@ -1,0 +1,118 @@
+"""Issued communication and the wait for it: :class:`Pending`, which every collective of :mod:`zeroimpl.comm`
+returns.
+
+A collective that fails (a peer died: gloo sees the connection drop) or does not finish within ``timeout``
+seconds (a peer hangs) raises :class:`CollectiveError` on this rank instead of blocking forever.
+``timeout=None`` leaves the bound to the process group's own timeout (``init_process_group(timeout=...)``). On
+CUDA most waits are the current stream's (the host goes on, and NCCL's watchdog enforces the process group's
+timeout: it aborts the process); the timeout bounds the waits where the host blocks anyway: a reduce-scatter
+beyond the in-flight window (:meth:`Pending.wait_on_host`), the step's check all-reduce, whose result the host
+reads (``comm.all_reduce_(read_on_host=True)``), and offload's gradient copies to the host
+(``comm.wait_for_stream``). A collective that hangs while only streams wait for it raises at the next of these
+(every step has the check all-reduce).
+
+A wait that raised may be called again, and its caller keeps the Pending until one returns: a failed
+collective raises its ``CollectiveError`` again at once, and a ``finish`` that raised (out of memory while
+landing the result) runs again, so that nothing is lost to an error that the training loop recovers from.
+
+The aliases of CPU tensors that a gloo worker thread was given are dropped after the wait and handed to
+:mod:`zeroimpl.shutdown`, so that the process can wait at exit for gloo to let go of them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from typing import Callable, Optional
+
+from . import shutdown
+
+HOST_POLL_SECONDS = 5e-5  # Pending.wait_on_host's polling interval
+
+
+class CollectiveError(RuntimeError):
+    """A collective of ShardedOptimizer failed or timed out: another rank has died, hangs, or diverged."""
+
+
+
+class Pending:
+    """Issued communication: ``works`` to wait for (none: it finished when issued), then ``finish()``.
+
+    ``timeout`` bounds the wait for all of ``works`` together, not each; ``lent``: the aliases ``works`` were
+    given (:func:`_aliases`). A wait may be called again after it raised: the :class:`CollectiveError` of a
+    failed work again (it is not waited for twice), else what was left (a ``finish`` that ran out of memory),
+    so that a caller keeps what it waits for until a wait returns, and nothing is lost to an error."""
+
+    def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
+                 buffers: tuple = (), lent: tuple = (), on_stream: bool = False, reports_completion: bool = False):
+        self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
+        self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
+        self.lent = lent
+        self.on_stream = on_stream  # an accelerator's collective: wait() makes the current stream wait
+        self.reports_completion = reports_completion  # its works' is_completed() says so before any wait()
+        self.failure: Optional[str] = None  # why a work failed, raised by every wait from then on
+        self._finishing = False
+
+    def arrived(self) -> bool:
+        """Whether every work has finished, as far as the backend tells without a wait: a collective's work
+        does (NCCL's, gloo's), gloo's point-to-point works do not (False until :meth:`wait`)."""
+        return not self.works or (self.reports_completion and all(work.is_completed() for work in self.works))
+
+    def wait_on_host(self) -> None:
+        """Block this thread, not a device stream, until every work is done, bounded by ``timeout`` (then
+        :class:`CollectiveError`); then :meth:`wait`. For CUDA collectives ``wait()`` alone makes the current
+        stream wait, so every kernel queued after it (the rest of backward) would stall behind the
+        communication; waiting on the host instead lets the GPU run what is already queued. Also where the
+        host is about to read the result anyway (the step's verdict): the wait is then bounded, where a read
+        would block for as long as NCCL's watchdog lets the collective hang."""
+        if self.failure is not None:
+            raise CollectiveError(self.failure)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        # (a CPU collective's wait() blocks the host and is bounded already; gloo's point-to-point works do not
+        # report completion before it)
+        while self.on_stream and self.works and not all(work.is_completed() for work in self.works):
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._failed(f"did not finish within its timeout of {self.timeout} s")
+            time.sleep(HOST_POLL_SECONDS)
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait for every work (on an accelerator, the current stream waits and the host goes on: unbounded
+        there, see :meth:`wait_on_host`), then run ``finish``."""
+        if self.failure is not None:
+            raise CollectiveError(self.failure)
+        bounded = self.timeout is not None and not self.on_stream
+        deadline = time.monotonic() + self.timeout if bounded else None
+        try:
+            for work in self.works:
+                if deadline is None:
+                    work.wait()
+                else:
+                    # the work's wait takes whole milliseconds and rounds down: round up, or it raises early
+                    left_ms = max(math.ceil((deadline - time.monotonic()) * 1000), 1)
+                    work.wait(timeout=datetime.timedelta(milliseconds=left_ms))
+        except RuntimeError as error:
+            bound = f"within its timeout of {self.timeout} s" if bounded else "within the process group's timeout"
+            raise self._failed(f"failed or did not finish {bound} ({error})") from error
+        self.works, self.buffers = [], ()
+        shutdown.handed_to_gloo(*(t for t in self.lent if t.device.type == "cpu"))
+        self.lent = ()
+        if self.finish is not None and not self._finishing:  # (a wait from inside it returns at once)
+            self._finishing = True
+            try:
+                self.finish()  # one that raises (out of memory) runs again at the next wait
+            finally:
+                self._finishing = False
+            self.finish = None
+
+    @property
+    def done(self) -> bool:
+        """Whether a wait has returned from outside ``finish``: every work and ``finish`` have run."""
+        return not self.works and self.finish is None
+
+    def _failed(self, what: str) -> CollectiveError:
+        self.failure = (f"ShardedOptimizer's {self.name} {what}. Another rank has probably died, hangs, or runs a "
+                        "different number of backward passes or steps; this rank cannot continue. Restart the job "
+                        "from the last checkpoint (zeroimpl.checkpoint.load_checkpoint)")
+        return CollectiveError(self.failure)
