@@ -48,7 +48,7 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results", "gpu")
 SECTIONS = ("comparison", "knobs", "largest")
 # (hidden, layers): LLaMA-style, intermediate 2.6875 x hidden, vocabulary 32000; about 1.3B, 3.4B, 6.7B, 13B
 LADDER = [(2048, 24), (3072, 28), (4096, 32), (5120, 40)]
-DRY_LADDER = [(64, 2), (128, 2)]
+DRY_LADDER = [(64, 2)]  # (one rung: the ladder's code is the same at every rung)
 # offload's host bytes per parameter: fp32 master, gradient shard and two AdamW moments (both implementations)
 HOST_BYTES_PER_PARAMETER = 16
 

@@ -17,4 +17,5 @@ def test_gpu_benchmark_dry_run_writes_its_tables(tmp_path):
     knobs = (tmp_path / "knobs.md").read_text()
     assert knobs.count("| zeroimpl stage 2") == 4 and "| DDP, autocast bf16 | " in knobs
     largest = (tmp_path / "largest.md").read_text()
-    assert largest.count("| zeroimpl stage 2 + offload | ") == 2 and largest.count("trains (") >= 2, largest
+    rows = [line for line in largest.splitlines() if line.startswith("| zeroimpl stage 2 + offload | ")]
+    assert len(rows) == 1 and "| trains (" in rows[0], largest

@@ -344,7 +344,7 @@ def test_resizing_token_embeddings_raises(two_ranks, stage):
 
 
 class _WithUnusedMatrix(SmallNet):
-    """SmallNet and a 64M-element parameter no forward uses: its bucket (256 MB) is launched, as zeros, only when
+    """SmallNet and a 32M-element parameter no forward uses: its bucket (128 MB) is launched, as zeros, only when
     the round closes at the end of backward."""
 
     def __init__(self):
@@ -352,10 +352,11 @@ class _WithUnusedMatrix(SmallNet):
         self.unused = torch.nn.Parameter(torch.zeros(UNUSED_NUMEL))
 
 
-# 256 MB in fp32, out of reach under the cap below (half of it): a request glibc cannot serve from memory the
-# process already maps, so it needs a new mapping, which the cap counts. A smaller one can come from heap memory
-# that earlier cases freed, and then does not fail (seen in CI with 32 MB: 2 of the 4 cases)
-UNUSED_NUMEL = 64 * 2**20
+# 128 MB in fp32, out of reach under the cap below (half of it): a request glibc cannot serve from memory the
+# process already maps, so it needs a new mapping, which the cap counts. Every large buffer of these cases (the
+# bucket, its 64 MB shard) is over glibc's largest mmap threshold (32 MB): mapped and unmapped, never left in the
+# heap. A bucket of 32 MB came from heap memory that earlier cases freed, and then did not fail (2 of 4 in CI)
+UNUSED_NUMEL = 32 * 2**20
 
 
 @contextlib.contextmanager
@@ -392,7 +393,7 @@ def _out_of_memory(rank, stage, then):
         with Join([optimizer]) if then == "step under Join" else contextlib.nullcontext():
             if then == "step again":
                 model(small_batch(rank, 0)).backward()
-                with capped:  # 256 MB is out of reach, the rest of the step is not
+                with capped:  # 128 MB is out of reach, the rest of the step is not
                     error = _error_of(optimizer.step)
                 if error != "no error":
                     optimizer.step()
@@ -413,7 +414,7 @@ def _out_of_memory(rank, stage, then):
 
 
 class _LayerAndLargeMatrix(torch.nn.Module):
-    """A linear layer and a 64M-element parameter (256 MB) whose gradient is the batch's mean everywhere: the same
+    """A linear layer and a 32M-element parameter (128 MB) whose gradient is the batch's mean everywhere: the same
     value in every 8-bit block, so that its 8-bit reduce-scatter and step gather are exact. Every parameter gets a
     gradient in every backward (no bucket waits for the end of backward to launch)."""
 
@@ -421,15 +422,19 @@ class _LayerAndLargeMatrix(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(8, 4)
-        self.large = torch.nn.Parameter(torch.zeros(UNUSED_NUMEL))
+        self.large = torch.nn.Parameter(torch.zeros(LARGE_NUMEL))
 
     def forward(self, x):
         return self.layer(x).square().mean() + self.large.sum() * x.mean()
 
 
+# a shard of 64 MB in fp32 at world size 2: over glibc's largest mmap threshold (32 MB), so a new mapping
+LARGE_NUMEL = UNUSED_NUMEL
+
+
 def _out_of_memory_landing(rank, where):
     """Rank 0 runs out of memory after a collective has arrived, in the work that lands it: the sum of the 8-bit
-    pieces of the large parameter's reduce-scatter (128 MB in fp32, at the end of backward) or the addition of the
+    pieces of the large parameter's reduce-scatter (64 MB in fp32, at the end of backward) or the addition of the
     decoded 8-bit step of its all-gather (in finish_param_gathers()). Then the step, or the wait again, and a
     second backward and step. Returns the error, the parameters, and the parameters where nothing failed."""
     runs = {}
@@ -438,7 +443,7 @@ def _out_of_memory_landing(rank, where):
         quantized = "quantize_grad_reduce" if where == "8-bit sum" else "quantize_param_gather"
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=2, bucket_numel=200, lr=0.1,
                                      max_inflight_buckets=100, **{quantized: True})  # (all waited in the step)
-        # 16 MB more: the 128 MB the landing allocates first is out of reach, even with the 64 MB of 8-bit payloads
+        # 16 MB more: the 64 MB the landing allocates first is out of reach, even with the 33 MB of 8-bit payloads
         # let go between the cap and the sum
         capped = _address_space_capped(2**24) if out_of_memory and rank == 0 else contextlib.nullcontext()
         if where == "8-bit sum":
