@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed import case_result, run_cases, run_distributed
 from workloads import SmallNet, small_batch
 from zeroimpl.integrations.collectives import CollectiveCounter, summarize
-from zeroimpl import ShardedOptimizer, broadcast_buffers
+from zeroimpl import ShardedOptimizer, broadcast_buffers, comm
 
 
 def _optimizer(model, stage, **kwargs):
@@ -302,7 +302,7 @@ def _two_ranks(rank, world_size, shared_directory):
     cases[("local edit", 1)] = _local_gradient_edited_in_stage1
     for stage, then in ((2, "backward"), (2, "step under Join"), (2, "skip"), (1, "step again")):
         cases[("out of memory", stage, then)] = lambda stage=stage, then=then: _out_of_memory(rank, stage, then)
-    for where in ("8-bit sum", "8-bit gather"):
+    for where in ("8-bit sum", "8-bit gather", "8-bit gather in the step"):
         cases[("out of memory", where)] = lambda where=where: _out_of_memory_landing(rank, where)
     cases["rebuild"] = _rebuild_after_delete
     cases["old state dict"] = _old_state_dict
@@ -435,14 +435,16 @@ LARGE_NUMEL = UNUSED_NUMEL
 def _out_of_memory_landing(rank, where):
     """Rank 0 runs out of memory after a collective has arrived, in the work that lands it: the sum of the 8-bit
     pieces of the large parameter's reduce-scatter (64 MB in fp32, at the end of backward) or the addition of the
-    decoded 8-bit step of its all-gather (in finish_param_gathers()). Then the step, or the wait again, and a
+    decoded 8-bit step of its all-gather (in finish_param_gathers(); with ``overlap_param_gather=False``, in the
+    step). Then the step, or the wait again (in the step: nothing, the next forward reads the parameters), and a
     second backward and step. Returns the error, the parameters, and the parameters where nothing failed."""
     runs = {}
     for out_of_memory in (True, False):
         model = _LayerAndLargeMatrix()
         quantized = "quantize_grad_reduce" if where == "8-bit sum" else "quantize_param_gather"
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=2, bucket_numel=200, lr=0.1,
-                                     max_inflight_buckets=100, **{quantized: True})  # (all waited in the step)
+                                     max_inflight_buckets=100, overlap_param_gather=where != "8-bit gather in the step",
+                                     **{quantized: True})  # (all reductions waited in the step)
         # 16 MB more: the 64 MB the landing allocates first is out of reach, even with the 33 MB of 8-bit payloads
         # let go between the cap and the sum
         capped = _address_space_capped(2**24) if out_of_memory and rank == 0 else contextlib.nullcontext()
@@ -460,12 +462,29 @@ def _out_of_memory_landing(rank, where):
                 error = _error_of(lambda: model(small_batch(rank, 0)).backward())
             for handle in handles:
                 handle.remove()
+        elif where == "8-bit gather in the step":
+            # capped once the large bucket's all-gather is issued: the end of the step lands it
+            model(small_batch(rank, 0)).backward()
+            issue, stack = comm.all_gather, contextlib.ExitStack()
+
+            def cap_once_issued(output, *args, **kwargs):
+                pending = issue(output, *args, **kwargs)
+                if output.numel() > LARGE_NUMEL // 2:
+                    stack.enter_context(capped)
+                return pending
+            comm.all_gather = cap_once_issued
+            with stack:
+                error = _error_of(optimizer.step)
+            comm.all_gather = issue
         else:
             model(small_batch(rank, 0)).backward()
             optimizer.step()
             with capped:
                 error = _error_of(optimizer.finish_param_gathers)
-        optimizer.step() if where == "8-bit sum" else optimizer.finish_param_gathers()
+        if where == "8-bit sum":
+            optimizer.step()
+        elif where == "8-bit gather":
+            optimizer.finish_param_gathers()
         model(small_batch(rank, 1)).backward()
         optimizer.step()
         optimizer.finish_param_gathers()
@@ -512,12 +531,13 @@ def test_a_reduction_that_ran_out_of_memory_is_finished_by_what_comes_next(two_r
         assert all(map(torch.equal, recovered, uninterrupted))
 
 
-@pytest.mark.parametrize("where", ["8-bit sum", "8-bit gather"])
+@pytest.mark.parametrize("where", ["8-bit sum", "8-bit gather", "8-bit gather in the step"])
 def test_a_collective_whose_landing_ran_out_of_memory_lands_at_the_next_wait(two_ranks, where):
     """The collective arrived; the work after it (the sum of the 8-bit pieces, the addition of the decoded step)
     raised on rank 0 and runs again at the next wait: training goes on bitwise as if nothing had failed. Before:
     the wait was dropped with its work, so rank 0 lost that bucket's gradient shard (or, gathering, the step of
-    its parameters) without a word."""
+    its parameters) without a word; and a step that waits for its gathers (overlap_param_gather=False) raised
+    before its bookkeeping, with no guard left on the half-landed parameters for the next forward."""
     for rank, results in enumerate(two_ranks):
         error, recovered, uninterrupted = case_result(results, ("out of memory", where))
         if rank == 0:

@@ -197,9 +197,10 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: ShardBlocks, group, timeo
             add_pieces()
             payloads = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
             own = blocks.encode(summed, out=payloads[rank * size:(rank + 1) * size])
-            all_gather(payloads, own, group, timeout, tag, name).wait()
-            gathered.append(payloads)
-        values = torch.cat([blocks.decoded(gathered[0][r * size:(r + 1) * size], r) for r in range(world)])
+            gathered.append((payloads, all_gather(payloads, own, group, timeout, tag, name)))
+        payloads, gather = gathered[0]
+        gather.wait()  # (one that failed raises its CollectiveError again: not issued or waited for again)
+        values = torch.cat([blocks.decoded(payloads[r * size:(r + 1) * size], r) for r in range(world)])
         tensor.copy_(values[:tensor.numel()])
     pending.name, pending.finish, pending.buffers = name, gather_sums, (padded, summed, *pending.buffers)
     return pending
@@ -209,7 +210,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
                tag: int = 0, name: str = "parameter all-gather",
                then: Optional[Callable[[], None]] = None) -> Pending:
     """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``.
-    ``then``: run once the gather has landed, as the wait's last act."""
+    ``then``: run once the gather has landed, as the wait's last act (run again by the next wait if it raised:
+    it must go on from where it stopped)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     on_stream = output.device.type != "cpu"
     if (world == 1 and collectives_at_one_rank()) or (

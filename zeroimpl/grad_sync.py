@@ -247,6 +247,8 @@ class GradientReducer:
         """Finish the oldest reduce-scatter and hand its shard to the store; with hybrid sharding start the
         shard's all-reduce across the replicas instead, finished later (:meth:`_complete_replicated`).
         ``on_host``: block the host, not the compute stream, until the collective is done (CUDA)."""
+        while self._replicating and self._replicating[0].work.landing:  # (its 8-bit all-gather raised: first, in
+            self._complete_replicated()  # the order of the other ranks, before another collective across replicas)
         reduction = self._inflight[0]  # taken off once handed on: one that raised (out of memory) is done again
         # before the wait, which lets go of the work's buffers and queues the 8-bit sum that reads them
         self.streams.use(reduction.buffer, reduction.output, *reduction.work.buffers)

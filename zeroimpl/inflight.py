@@ -147,6 +147,14 @@ class InFlightGathers:
         if not self._pending:
             self._remove_guards()
 
+    def abandon(self) -> None:
+        """Finish what is in flight for an optimizer that goes away; whatever that raises, no guard stays."""
+        try:
+            self.finish()
+        finally:
+            self._pending.clear()
+            self._remove_guards()
+
     def buckets_touched(self, args: tuple, kwargs: dict) -> set[int]:
         """The buckets in flight whose parameter buffer one of these call arguments aliases (all of them for
         an argument whose storage cannot be read)."""

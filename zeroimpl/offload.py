@@ -148,15 +148,15 @@ class HostGradientShards:
             self.wait_copies()  # a micro-batch not marked accumulating: sum on the host (blocking)
             host.add_(reduced.to(host.device))
             return
-        self._fill[bucket_index] = ShardFill.FILLED  # (a ZEROED shard is overwritten)
         if self._stream is None:
             host.copy_(reduced)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(reduced.device))
-        with torch.cuda.stream(self._stream):
-            host.copy_(reduced, non_blocking=True)
-        reduced.record_stream(self._stream)  # the allocator must not reuse it before the copy has run
-        self._copying = True
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(reduced.device))
+            with torch.cuda.stream(self._stream):
+                host.copy_(reduced, non_blocking=True)  # (a dtype change allocates on the device: may raise)
+            reduced.record_stream(self._stream)  # the allocator must not reuse it before the copy has run
+            self._copying = True
+        self._fill[bucket_index] = ShardFill.FILLED  # (a ZEROED shard is overwritten; once the copy is queued)
 
     def wait_copies(self) -> None:
         """Block until no gradient copy to the host is in flight (the host shards may then be read or written):

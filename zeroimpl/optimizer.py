@@ -280,9 +280,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return loss
 
     def _update(self) -> None:
-        """Step the inner optimizers on the master shards and all-gather the new parameters: without offload, one
-        step over every piece (one launch of each kernel), then each bucket's copy and all-gather; with offload,
-        bucket by bucket (host step, copy, all-gather), so that the next host step overlaps them."""
+        """Step the inner optimizers on the master shards and all-gather the new parameters: one step over every
+        piece, then each bucket's all-gather; with offload bucket by bucket (the next host step overlaps them)."""
         self.inner.follow(self.param_groups)  # hyperparameters the user (or a scheduler) changed
         self.param_sync.sync_masters()  # parameters edited since the last step, into the masters
         grads = [None if grad is None else grad.to(storage.master.dtype)
@@ -294,10 +293,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         for storage in self.storages:
             step_pieces(self.inner, pairs.get(storage.bucket.index, []) if in_parts else [])
             self.param_sync.publish(storage)
-        self.param_sync.end(defer=self.overlap_param_gather)
+        self.param_sync.end(defer=True)  # guarded: a landing that raises below leaves the next read to land it
         self.inner.report(self.param_groups)
         self._steps_taken += 1
         self._finish_step(overflow=False)
+        if not self.overlap_param_gather:
+            self.param_sync.finish()  # after the step's bookkeeping: one that raises leaves a whole step
         if self.verify_every and self._steps_taken % self.verify_every == 0:
             self.verify_ranks_agree()
 

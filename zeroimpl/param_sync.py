@@ -53,7 +53,7 @@ class ParamSync:
         self._turns = dict.fromkeys(staging, 0)  # per dtype: the staging buffer to fill next
         self._staged: dict = {}  # (dtype, 0 or 1) -> the CUDA event after the last copy out of that buffer
         self._published: Optional[torch.cuda.Event] = None  # after the last copy of masters to the device
-        weakref.finalize(self, self.gathers.finish)  # no gather outlives its optimizer unfinished, no guard stays
+        weakref.finalize(self, self.gathers.abandon)  # no gather outlives its optimizer unfinished, no guard stays
 
     def begin(self, overrule_edits: bool = True) -> None:
         """Before the first bucket (and before the masters are stepped): the previous step's gathers and copies

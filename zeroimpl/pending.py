@@ -26,6 +26,8 @@ import math
 import time
 from typing import Callable, Optional
 
+import torch
+
 from . import shutdown
 
 HOST_POLL_SECONDS = 5e-5  # Pending.wait_on_host's polling interval
@@ -35,14 +37,14 @@ class CollectiveError(RuntimeError):
     """A collective of ShardedOptimizer failed or timed out: another rank has died, hangs, or diverged."""
 
 
-
 class Pending:
     """Issued communication: ``works`` to wait for (none: it finished when issued), then ``finish()``.
 
     ``timeout`` bounds the wait for all of ``works`` together, not each; ``lent``: the aliases ``works`` were
-    given (:func:`_aliases`). A wait may be called again after it raised: the :class:`CollectiveError` of a
-    failed work again (it is not waited for twice), else what was left (a ``finish`` that ran out of memory),
-    so that a caller keeps what it waits for until a wait returns, and nothing is lost to an error."""
+    given (``comm._aliases``). A wait may be called again after it raised: the :class:`CollectiveError` of a
+    failed work again (it is not waited for twice), else what was left (a ``finish`` that ran out of memory, run
+    again whole: each ``finish`` is written to be run again after raising part-way), so that a caller keeps what
+    it waits for until a wait returns, and nothing is lost to an error."""
 
     def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
                  buffers: tuple = (), lent: tuple = (), on_stream: bool = False, reports_completion: bool = False):
@@ -53,6 +55,8 @@ class Pending:
         self.reports_completion = reports_completion  # its works' is_completed() says so before any wait()
         self.failure: Optional[str] = None  # why a work failed, raised by every wait from then on
         self._finishing = False
+        self._finish_raised = False
+        self._landed_up_to = None  # CUDA: an event after the work of a finish that raised (a retry's stream waits)
 
     def arrived(self) -> bool:
         """Whether every work has finished, as far as the backend tells without a wait: a collective's work
@@ -99,16 +103,31 @@ class Pending:
         shutdown.handed_to_gloo(*(t for t in self.lent if t.device.type == "cpu"))
         self.lent = ()
         if self.finish is not None and not self._finishing:  # (a wait from inside it returns at once)
+            if self._landed_up_to is not None:  # a retry, maybe on another stream: after the collective and the
+                torch.cuda.current_stream(self._landed_up_to.device).wait_event(self._landed_up_to)  # first try
             self._finishing = True
             try:
                 self.finish()  # one that raises (out of memory) runs again at the next wait
+            except BaseException:
+                self._finish_raised = True
+                if self.on_stream and torch.cuda.is_available():
+                    self._landed_up_to = torch.cuda.Event()
+                    self._landed_up_to.record()
+                raise
             finally:
                 self._finishing = False
             self.finish = None
 
     @property
+    def landing(self) -> bool:
+        """Whether its works are done and ``finish`` raised: the next wait runs it again (before anything that
+        the other ranks issued after it)."""
+        return self._finish_raised and self.finish is not None
+
+    @property
     def done(self) -> bool:
-        """Whether a wait has returned from outside ``finish``: every work and ``finish`` have run."""
+        """Whether every work has finished and ``finish`` has run to its end (a wait returned, from outside
+        ``finish``; or there was nothing to wait for)."""
         return not self.works and self.finish is None
 
     def _failed(self, what: str) -> CollectiveError:
