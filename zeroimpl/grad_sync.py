@@ -292,8 +292,8 @@ class GradientReducer:
 
     @on_work_stream()
     def finalize(self) -> None:
-        """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now)."""
-        self.close_left_open()
+        """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now); after
+        :meth:`close_left_open` (``StepChecks.prepare`` calls it first, before the check-in)."""
         self.wait_all()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
