@@ -1,8 +1,8 @@
 """The GPU benchmark: zeroimpl against its peers on CUDA, in one command per section (NCCL, one rank per GPU).
 
-    python benchmarks/gpu.py                           # every section (about 12 minutes on one H100)
-    python benchmarks/gpu.py --sections comparison knobs
-    python benchmarks/gpu.py --sections largest
+    python benchmarks/gpu.py                           # every section (well over 10 minutes on one GPU)
+    python benchmarks/gpu.py --sections comparison --only zeroimpl    # zeroimpl's rows beside DDP
+    python benchmarks/gpu.py --sections largest --largest zeroimpl    # zeroimpl's ladder alone
     python benchmarks/gpu.py --dry-run                 # the same code on CPU (gloo, tiny models), a minute
 
 Writes ``benchmarks/results/gpu/`` (``--out``):
@@ -11,7 +11,8 @@ Writes ``benchmarks/results/gpu/`` (``--out``):
    (1.07B parameters) in bf16, world size = the GPUs present: zeroimpl stage 1, stage 2 and stage 1/2 +
    offload against DDP, PyTorch ZeRO, FairScale and DeepSpeed ZeRO-1/2 (+ offload), whichever are installed;
    step time (median after warm-up) and CUDA peak per rank, as ratios to DDP in the same run, and each
-   row's verdict against DDP. -> ``comparison.md`` (and .csv, .json, .png)
+   row's verdict against DDP. -> ``comparison.md`` (and .csv, .json, .png). On one H200 each row took 47-65 s
+   (start-up, saving and comparing 1B parameters; measured when the model was still initialised on the CPU).
 2. ``knobs``: zeroimpl stage 2 on the same model, the parameter all-gather overlapped with the next forward
    (the default) or waited for in ``step()``, and the reduce-scatter window ``max_inflight_buckets`` 2 (the
    default: the host waits for reduce-scatter i-2, polling, and the compute stream runs on), 8 and 64, against
@@ -21,8 +22,8 @@ Writes ``benchmarks/results/gpu/`` (``--out``):
    with stage 2 + CPU offload on one GPU, and DeepSpeed ZeRO-2 + offload the same way; a configuration
    passes when both steps end with a finite loss; each implementation stops at its first failure (CUDA or
    host out of memory, or any error). Host memory bounds both: about 16 bytes per parameter, so a
-   configuration that needs more than 90% of the host's memory is not tried.
-   -> ``largest.md``
+   configuration that needs more than 90% of the host's memory is not tried. zeroimpl's ladder took 240 s on
+   one H200 (1.35B, 3.38B, 6.74B). -> ``largest.md``
 
 DeepSpeed and FairScale are optional: rows for a missing one say how to install it. On a machine without
 internet, build their wheels where pip works (``pip wheel --no-deps deepspeed==0.19.8 fairscale==0.4.13``)
@@ -48,7 +49,8 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results", "gpu")
 SECTIONS = ("comparison", "knobs", "largest")
 # (hidden, layers): LLaMA-style, intermediate 2.6875 x hidden, vocabulary 32000; about 1.3B, 3.4B, 6.7B, 13B
 LADDER = [(2048, 24), (3072, 28), (4096, 32), (5120, 40)]
-DRY_LADDER = [(64, 2)]  # (one rung: the ladder's code is the same at every rung)
+DRY_LADDER = [(64, 2)]
+LARGEST_IMPLEMENTATIONS = ("zeroimpl", "deepspeed")  # (one rung: the ladder's code is the same at every rung)
 # offload's host bytes per parameter: fp32 master, gradient shard and two AdamW moments (both implementations)
 HOST_BYTES_PER_PARAMETER = 16
 
@@ -60,14 +62,15 @@ def _machine(device: str) -> str:
 
 
 # -- 1. the comparison ---------------------------------------------------------------------------------
-def comparison(out: str, device: str, world_size: int, size: str, steps: int) -> str:
+def comparison(out: str, device: str, world_size: int, size: str, steps: int, only: list[str] | None) -> str:
     from zeroimpl.integrations.adapters import TrainSettings, all_implementations
     from zeroimpl.integrations.comparison.compare import compare
     from zeroimpl.integrations.comparison.harness import Workload
 
     workload = Workload("gpt2", size, world_size, steps, settings=TrainSettings(precision="bf16"), device=device)
-    command = f"python benchmarks/gpu.py --sections comparison (gpt2 {size}, {world_size} rank(s))"
-    compare(workload, out, all_implementations(), progress=print, command=command)
+    command = (f"python benchmarks/gpu.py --sections comparison{' --only ' + ' '.join(only) if only else ''} "
+               f"(gpt2 {size}, {world_size} rank(s))")
+    compare(workload, out, all_implementations(only), progress=print, command=command)
     return os.path.join(out, "comparison.md")
 
 
@@ -227,12 +230,16 @@ def _attempt(implementation: str, hidden: int, layers: int, device: str, tokens:
     return finite, "trains" if finite else "non-finite loss", result
 
 
-def largest(out: str, device: str, ladder: list[tuple[int, int]], tokens: int) -> str:
+def largest(out: str, device: str, ladder: list[tuple[int, int]], tokens: int,
+            implementations: tuple[str, ...] = LARGEST_IMPLEMENTATIONS) -> str:
     import importlib.util
 
     rows = []
-    for implementation in ("zeroimpl", "deepspeed"):
+    for implementation in LARGEST_IMPLEMENTATIONS:
         name = {"zeroimpl": "zeroimpl stage 2 + offload", "deepspeed": "DeepSpeed ZeRO-2 + offload"}[implementation]
+        if implementation not in implementations:
+            rows.append(f"| {name} | - | - | not tried in this run (--largest {' '.join(implementations)}) | - | - |")
+            continue
         if implementation == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
             rows.append(f"| {name} | - | - | skipped: pip install --no-build-isolation deepspeed==0.19.8 | - | - |")
             continue
@@ -272,6 +279,10 @@ def main() -> None:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--steps", type=int, default=6, help="steps per run of sections 1 and 2 (the first untimed)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help="section 1: only the rows whose name contains one of these (DDP always runs)")
+    parser.add_argument("--largest", nargs="+", choices=LARGEST_IMPLEMENTATIONS, default=list(LARGEST_IMPLEMENTATIONS),
+                        help="the implementations section 3 climbs the ladder with (each takes minutes per rung)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, gloo, 2 ranks, tiny models: check the script, measure nothing")
     args = parser.parse_args()
@@ -289,11 +300,11 @@ def main() -> None:
     for section in args.sections:
         started = time.monotonic()
         if section == "comparison":
-            path = comparison(args.out, device, world_size, size, args.steps)
+            path = comparison(args.out, device, world_size, size, args.steps, args.only)
         elif section == "knobs":
             path = knobs(args.out, device, world_size, size, args.steps)
         else:
-            path = largest(args.out, device, ladder, tokens)
+            path = largest(args.out, device, ladder, tokens, tuple(args.largest))
         print(f"{section}: wrote {path} in {time.monotonic() - started:.0f} s", flush=True)
 
 

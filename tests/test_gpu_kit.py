@@ -10,12 +10,20 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def test_gpu_benchmark_dry_run_writes_its_tables(tmp_path):
+    """Every section, with the subsets a short GPU lease runs: zeroimpl stage 2's comparison rows beside DDP, and
+    zeroimpl's ladder alone."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--dry-run", "--sections",
-                           "knobs", "largest", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                           "comparison", "knobs", "largest", "--only", "zeroimpl stage 2", "--largest", "zeroimpl",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+    comparison = (tmp_path / "comparison.md").read_text()
+    rows = [line.split(" | ")[0] for line in comparison.splitlines() if line.startswith("| ") and " | " in line]
+    assert rows[1:] == ["| DDP", "| zeroimpl stage 2", "| zeroimpl stage 2 + offload"], rows
+    assert "within tolerance" in comparison and "--only zeroimpl stage 2" in comparison
     knobs = (tmp_path / "knobs.md").read_text()
     assert knobs.count("| zeroimpl stage 2") == 4 and "| DDP, autocast bf16 | " in knobs
     largest = (tmp_path / "largest.md").read_text()
     rows = [line for line in largest.splitlines() if line.startswith("| zeroimpl stage 2 + offload | ")]
     assert len(rows) == 1 and "| trains (" in rows[0], largest
+    assert "| DeepSpeed ZeRO-2 + offload | - | - | not tried in this run (--largest zeroimpl) |" in largest

@@ -86,8 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .compare import compare
     from .harness import Workload
 
-    implementations = [i for i in all_implementations()
-                       if args.only is None or i.stage == 0 or any(n.lower() in i.name.lower() for n in args.only)]
+    implementations = all_implementations(args.only)
     settings = TrainSettings(lr=args.lr, accum=args.accum, micro_batch_size=args.micro_batch_size,
                              optimizer=args.optimizer, muon_lr=args.muon_lr, precision=args.precision,
                              max_grad_norm=args.max_grad_norm or None)

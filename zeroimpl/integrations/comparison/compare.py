@@ -65,7 +65,8 @@ def compare(workload: Workload, outdir: str, implementations: Optional[list[Impl
                     if (v := judge(r, reference, workload.settings)) is not None}
     predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
     rows = build_rows(results, verdicts, predicted)
-    parameters = sum(p.numel() for p in build_model(workload.family, workload.size).parameters())
+    with contextlib.nullcontext() if is_directory_model(workload.family) else torch.device("meta"):
+        parameters = sum(p.numel() for p in build_model(workload.family, workload.size).parameters())
     title = caption(workload, parameters)
     env = environment(workload)
     command_note = f"Machine: {env['device']}; " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device")
