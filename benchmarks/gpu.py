@@ -12,7 +12,8 @@ Writes ``benchmarks/results/gpu/`` (``--out``):
    offload against DDP, PyTorch ZeRO, FairScale and DeepSpeed ZeRO-1/2 (+ offload), whichever are installed;
    step time (median after warm-up) and CUDA peak per rank, as ratios to DDP in the same run, and each
    row's verdict against DDP. -> ``comparison.md`` (and .csv, .json, .png). On one H200 each row took 47-65 s
-   (start-up, saving and comparing 1B parameters; measured when the model was still initialised on the CPU).
+   (start-up, saving and comparing 1B parameters; measured when the model was still initialised on the CPU:
+   ``results/gpu/comparison-attempt.md``).
 2. ``knobs``: zeroimpl stage 2 on the same model, the parameter all-gather overlapped with the next forward
    (the default) or waited for in ``step()``, and the reduce-scatter window ``max_inflight_buckets`` 2 (the
    default: the host waits for reduce-scatter i-2, polling, and the compute stream runs on), 8 and 64, against
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -49,8 +51,8 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results", "gpu")
 SECTIONS = ("comparison", "knobs", "largest")
 # (hidden, layers): LLaMA-style, intermediate 2.6875 x hidden, vocabulary 32000; about 1.3B, 3.4B, 6.7B, 13B
 LADDER = [(2048, 24), (3072, 28), (4096, 32), (5120, 40)]
-DRY_LADDER = [(64, 2)]
-LARGEST_IMPLEMENTATIONS = ("zeroimpl", "deepspeed")  # (one rung: the ladder's code is the same at every rung)
+DRY_LADDER = [(64, 2)]  # (one rung: the ladder's code is the same at every rung)
+LARGEST_IMPLEMENTATIONS = ("zeroimpl", "deepspeed")
 # offload's host bytes per parameter: fp32 master, gradient shard and two AdamW moments (both implementations)
 HOST_BYTES_PER_PARAMETER = 16
 
@@ -68,7 +70,7 @@ def comparison(out: str, device: str, world_size: int, size: str, steps: int, on
     from zeroimpl.integrations.comparison.harness import Workload
 
     workload = Workload("gpt2", size, world_size, steps, settings=TrainSettings(precision="bf16"), device=device)
-    command = (f"python benchmarks/gpu.py --sections comparison{' --only ' + ' '.join(only) if only else ''} "
+    command = (f"python benchmarks/gpu.py --sections comparison{' --only ' + shlex.join(only) if only else ''} "
                f"(gpt2 {size}, {world_size} rank(s))")
     compare(workload, out, all_implementations(only), progress=print, command=command)
     return os.path.join(out, "comparison.md")
@@ -263,7 +265,8 @@ def largest(out: str, device: str, ladder: list[tuple[int, int]], tokens: int,
     text = "\n".join([
         "# The largest model that trains with stage 2 + CPU offload on one GPU", "",
         f"{_machine(device)}; host memory {_host_memory() / 2 ** 30:.0f} "
-        f"GiB; `python benchmarks/gpu.py --sections largest`: LLaMA-style configurations (hidden x layers, "
+        f"GiB; `python benchmarks/gpu.py --sections largest --largest {' '.join(implementations)}`: LLaMA-style "
+        "configurations (hidden x layers, "
         f"vocabulary 32000) in bf16, one sequence of {tokens} tokens, AdamW; two steps each, in a fresh process; "
         "each implementation stops at its first failure.", "",
         "| implementation | hidden x layers | parameters | outcome | s / step | CUDA peak GiB |",
@@ -286,6 +289,13 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, gloo, 2 ranks, tiny models: check the script, measure nothing")
     args = parser.parse_args()
+    if args.only:
+        from zeroimpl.integrations.adapters import all_implementations
+
+        try:
+            all_implementations(args.only)
+        except ValueError as error:  # checked before any section runs
+            parser.error(str(error))
     if args.dry_run:
         device, world_size, size, ladder, tokens = "cpu", 2, "tiny", DRY_LADDER, 16
     elif torch.cuda.is_available():

@@ -140,6 +140,17 @@ def test_a_missing_peer_is_skipped_with_its_install_command(tmp_path):
     assert result.ranks == [] and result.failed is None
 
 
+def test_only_picks_rows_beside_ddp_and_refuses_a_name_that_matches_none(capsys):
+    from zeroimpl.integrations.comparison import cli
+
+    assert [i.name for i in all_implementations(["ZERO-2", "pytorch"])] == [
+        "DDP", "PyTorch ZeRO", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-2 + offload"]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--only", "zeroimpl stage 3"])
+    assert exited.value.code == 2
+    assert "no implementation's name contains any of ['zeroimpl stage 3']: the names are 'DDP'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("family", ["llama", "bert", "t5"])
 def test_other_model_families_run_through_the_harness(tmp_path, family):
     """LLaMA (untied, RMSNorm, rotary buffers), BERT (masked LM) and T5 (encoder-decoder) train under the

@@ -20,6 +20,9 @@ def all_implementations(only: Optional[Sequence[str]] = None) -> list[Implementa
             Zeroimpl(1), Zeroimpl(2), Zeroimpl(1, offload=True), Zeroimpl(2, offload=True)]
     if only is None:
         return rows
+    if only and not any(name.lower() in row.name.lower() for row in rows for name in only):
+        raise ValueError(f"no implementation's name contains any of {list(only)}: the names are "
+                         + ", ".join(repr(row.name) for row in rows))
     return [row for row in rows if row.stage == 0 or any(name.lower() in row.name.lower() for name in only)]
 
 

@@ -86,7 +86,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .compare import compare
     from .harness import Workload
 
-    implementations = all_implementations(args.only)
+    try:
+        implementations = all_implementations(args.only)
+    except ValueError as error:  # --only names no implementation
+        parser().error(str(error))
     settings = TrainSettings(lr=args.lr, accum=args.accum, micro_batch_size=args.micro_batch_size,
                              optimizer=args.optimizer, muon_lr=args.muon_lr, precision=args.precision,
                              max_grad_norm=args.max_grad_norm or None)

@@ -107,8 +107,8 @@ def train_rank(rank: int, world_size: int, implementation: Implementation, workl
     counter = CollectiveCounter().install() if workload.count_collectives else None
     memory = PeakMemory(device)
     memory.start()
-    with device:  # initialised where it trains (on a GPU, seconds instead of a minute of CPU at 1B parameters);
-        model = build_model(workload.family, workload.size).to(device)  # (.to: a saved model loads its weights)
+    with device:  # initialised where it trains: on a GPU, seconds instead of a minute of CPU at 1B parameters
+        model = build_model(workload.family, workload.size).to(device)
     runner = implementation.build(model, workload.settings, device)
     if counter is not None:
         runner.expose_collectives()
