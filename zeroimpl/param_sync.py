@@ -26,6 +26,7 @@ from . import comm
 from .buffers import BucketStorage
 from .host_memory import device_tensor
 from .inflight import InFlightGathers
+from .pending import Pending
 
 
 class ParamSync:
@@ -108,11 +109,11 @@ class ParamSync:
                 self._staged[key] = torch.cuda.Event()
                 self._staged[key].record(torch.cuda.current_stream(self._cuda))
 
-    def _gather_exactly(self, storage: BucketStorage) -> comm.Pending:
+    def _gather_exactly(self, storage: BucketStorage) -> Pending:
         """Queue the unquantized all-gather of every rank's shard of the bucket's parameters."""
         return comm.all_gather(storage.param_buffer, storage.shard, self.group, self.timeout, tag=storage.bucket.index)
 
-    def _gather_quantized(self, storage: BucketStorage) -> comm.Pending:
+    def _gather_quantized(self, storage: BucketStorage) -> Pending:
         """Queue the all-gather of every rank's 8-bit payload of the step from its published shard to its master;
         when it lands, every rank adds each rank's decoded step to that rank's shard of the parameters (written
         past the parameters' version counters, as a gather's own write is: :meth:`end` counts it)."""

@@ -20,10 +20,11 @@ def all_implementations(only: Optional[Sequence[str]] = None) -> list[Implementa
             Zeroimpl(1), Zeroimpl(2), Zeroimpl(1, offload=True), Zeroimpl(2, offload=True)]
     if only is None:
         return rows
-    if only and not any(name.lower() in row.name.lower() for row in rows for name in only):
+    named = [row for row in rows if any(name.lower() in row.name.lower() for name in only)]
+    if only and not named:
         raise ValueError(f"no implementation's name contains any of {list(only)}: the names are "
                          + ", ".join(repr(row.name) for row in rows))
-    return [row for row in rows if row.stage == 0 or any(name.lower() in row.name.lower() for name in only)]
+    return [row for row in rows if row.stage == 0 or row in named]
 
 
 __all__ = ["MODEL_STATE_KINDS", "DDP", "DeepSpeed", "FairScale", "Implementation", "Runner", "TorchZero",
