@@ -87,9 +87,13 @@ def _misuse(rank, world_size):
     errors = {}
 
     def differing_params():
-        torch.manual_seed(rank)  # each rank initialises differently
-        ShardedOptimizer(torch.nn.Linear(4, 4).parameters(), torch.optim.AdamW)
+        torch.manual_seed(rank)  # each rank initialises differently; init_sync="broadcast" (default) would mend it
+        ShardedOptimizer(torch.nn.Linear(4, 4).parameters(), torch.optim.AdamW, init_sync="check")
     errors["differing"] = _catch(differing_params)
+
+    def unknown_init_sync():
+        ShardedOptimizer(_linear().parameters(), torch.optim.AdamW, init_sync="seed")
+    errors["init_sync"] = _catch(unknown_init_sync)
 
     def differing_shapes():  # same values (zeros) and sizes: only the shapes tell the ranks apart
         shape = (2, 3) if rank == 0 else (3, 2)
@@ -158,7 +162,8 @@ def _misuse(rank, world_size):
     def muon_on_a_vector_with_differing_models():  # the cross-rank check comes before Muon's own refusal
         torch.manual_seed(rank)
         linear = torch.nn.Linear(4, 4)
-        ShardedOptimizer([{"params": linear.parameters(), "optimizer": torch.optim.Muon}], torch.optim.AdamW)
+        ShardedOptimizer([{"params": linear.parameters(), "optimizer": torch.optim.Muon}], torch.optim.AdamW,
+                         init_sync="check")
     errors["muon_differing"] = _catch(muon_on_a_vector_with_differing_models)
 
     def capturable_with_offload():  # in a param group: the host step cannot run torch's CUDA-graph mode
@@ -170,7 +175,9 @@ def _misuse(rank, world_size):
 
 
 MISUSE = {  # case -> what its error must say
-    "differing": ["ranks differ in the values of the parameters"],
+    "differing": ["ranks differ in the values of the parameters", "init_sync at 'broadcast'",
+                  "every rank then trains on the same data"],
+    "init_sync": ["init_sync must be 'broadcast'", "or 'check'"],
     "shapes": ["ranks differ in the number, shapes or memory formats"],
     "counts": ["ranks differ in the number, shapes or memory formats"],
     "sparse": ["sparse gradient", "sparse=False"],
@@ -178,7 +185,8 @@ MISUSE = {  # case -> what its error must say
     "fp16": ["call optimizer.backward(loss)"],
     "devices": ["several devices"],
     "frozen": ["no trainable parameters"],
-    "ddp1": ["wrapped in DistributedDataParallel"],
+    "ddp1": ["wrapped in DistributedDataParallel", "strategy=\"zero2\"", "zeroimpl.integrations.accelerate.prepare",
+             "ZeroTrainer"],
     "ddp2": ["do not wrap it in DDP"],
     "backward_counts": ["different numbers of backward passes"],
     "sharding": ["ranks differ in the number, shapes or memory formats", "or the shard layout (param groups"],
@@ -194,6 +202,53 @@ def test_misuse_raises_on_every_rank(runs, case):
         assert message is not None, f"{case}: rank {rank} raised nothing"
         for expected in MISUSE[case]:
             assert expected in message, f"{case}, rank {rank}: {message}"
+
+
+def _seeded_per_rank(rank):
+    """A model initialised differently on every rank, as nanoGPT's ``torch.manual_seed(1337 + rank)`` does, with a
+    frozen bias among the optimizer's groups."""
+    torch.manual_seed(1337 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model[2].bias.requires_grad_(False)
+    return model
+
+
+def _per_rank_seeds(rank):
+    """What DDP does at construction, ShardedOptimizer does by default: rank 0's parameters (the frozen members
+    of its groups too) overwrite the others'; then training matches DDP's, which broadcast the same way."""
+    out = {}
+    model = _seeded_per_rank(rank)
+    out["before"] = [p.detach().clone() for p in model.parameters()]
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    out["after"] = [p.detach().clone() for p in model.parameters()]
+    reference = _seeded_per_rank(rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    ddp_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ddp(x).square().sum().backward()
+        ddp_optimizer.step()
+        ddp_optimizer.zero_grad()
+    out["trained"] = [p.detach().clone() for p in model.parameters()]
+    out["ddp"] = [p.detach().clone() for p in reference.parameters()]
+    return out
+
+
+def test_rank_0s_parameters_are_broadcast_at_construction_as_ddp_does(runs):
+    first = runs[0]["init_sync"]["before"]
+    assert any(not torch.equal(a, b) for a, b in zip(first, runs[1]["init_sync"]["before"]))  # they differed
+    for by_rank in runs:
+        assert all(torch.equal(a, b) for a, b in zip(by_rank["init_sync"]["after"], first))
+
+
+def test_a_model_seeded_per_rank_trains_bitwise_as_under_ddp(runs):
+    for by_rank in runs:
+        out = by_rank["init_sync"]
+        assert all(torch.equal(a, b) for a, b in zip(out["trained"], out["ddp"]))
+        assert not all(torch.equal(a, b) for a, b in zip(out["trained"], out["after"]))  # it trained
 
 
 def _lifecycle(rank, world_size):
@@ -237,7 +292,8 @@ def _lifecycle(rank, world_size):
 
 
 def _both(rank, world_size):
-    return {"lifecycle": _lifecycle(rank, world_size), "misuse": _misuse(rank, world_size)}
+    return {"lifecycle": _lifecycle(rank, world_size), "misuse": _misuse(rank, world_size),
+            "init_sync": _per_rank_seeds(rank)}
 
 
 @pytest.fixture(scope="module")

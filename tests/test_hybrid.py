@@ -41,6 +41,11 @@ def _parity(rank, world_size):
         results[name] = train(RunConfig("gpt2", stage, steps=4, accum=2, clip=(1.0, 2.0), zero_kwargs=zero_kwargs))
     results["fp16"] = train(RunConfig("gpt2", 2, steps=4, accum=2, clip=(1.0, 2.0), dtype=torch.float16,
                                       zero_kwargs={"device_mesh": mesh}))
+    torch.manual_seed(1337 + rank)  # every rank its own weights: the optimizer broadcasts the first rank's
+    linear = torch.nn.Linear(4, 4)
+    before = [p.detach().clone() for p in linear.parameters()]
+    ShardedOptimizer(linear.parameters(), torch.optim.AdamW, device_mesh=mesh)
+    results["broadcast"] = (before, [p.detach().clone() for p in linear.parameters()])
     return reference, results
 
 
@@ -58,6 +63,13 @@ def test_matches_ddp_on_four_ranks(parity, case):
         assert max(abs(a - b) / b for a, b in zip(ours["norms"], reference["norms"])) <= 1e-6
     first = parity[0][1][case]["params"]
     assert all(all(torch.equal(first[n], by_rank[1][case]["params"][n]) for n in first) for by_rank in parity)
+
+
+def test_the_first_ranks_parameters_reach_every_rank_of_the_mesh_at_construction(parity):
+    first = parity[0][1]["broadcast"][0]
+    assert not torch.equal(first[0], parity[3][1]["broadcast"][0][0])  # they differed
+    for reference, results in parity:
+        assert all(torch.equal(a, b) for a, b in zip(results["broadcast"][1], first))
 
 
 def test_fp16_with_loss_scaling_tracks_the_fp32_run(parity):

@@ -240,7 +240,7 @@ def _estimate_reduce_dtype(rank, world_size):
 def _same_sum_other_squares(rank):
     param = torch.nn.Parameter(torch.tensor([1.0, -1.0]) * (rank + 1))  # sum 0 on both ranks, squares 2 and 8
     try:
-        ShardedOptimizer([param], torch.optim.SGD, stage=2, lr=0.1)
+        ShardedOptimizer([param], torch.optim.SGD, stage=2, lr=0.1, init_sync="check")
     except RuntimeError as error:
         return str(error)
     return None

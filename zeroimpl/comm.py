@@ -254,6 +254,14 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional
                    on_stream=tensor.device.type != "cpu")
 
 
+def broadcast(tensor: torch.Tensor, group, timeout: Optional[float] = None, name: str = "broadcast") -> Pending:
+    """Start overwriting ``tensor`` on every rank of the group with the group's first rank's."""
+    lent = _aliases(tensor)
+    source = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
+    return Pending([dist.broadcast(*lent, src=source, group=group, async_op=True)], name, timeout, lent=lent,
+                   on_stream=tensor.device.type != "cpu", reports_completion=True)
+
+
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
                 name: str = "all-reduce", read_on_host: bool = False) -> torch.Tensor:
     """Reduce ``tensor`` in place across the group and return it. ``read_on_host``: the caller reads the result

@@ -157,7 +157,7 @@ class GradientReducer:
             return ("ShardedOptimizer got a sparse gradient; sparse gradients cannot be sharded. Use dense "
                     "embeddings (e.g. nn.Embedding(sparse=False)).")
         if not self.storages[bucket_index].holds(param_index, param):
-            return rebound_message([param_index])
+            return rebound_message([param_index], param, self.storages[bucket_index].param_buffer)
         return None
 
     def _follow_backward(self) -> None:

@@ -1,14 +1,18 @@
-"""Module buffers (BatchNorm's running statistics, ...) kept identical across ranks, as DDP keeps them.
+"""What DDP keeps identical across ranks besides the gradients: the parameters at construction, the buffers
+before every training forward.
 
-ShardedOptimizer replaces DistributedDataParallel, and DDP does one more thing than reduce gradients: with
-``broadcast_buffers=True`` (its default) it broadcasts rank 0's buffers at the start of every forward run
+ShardedOptimizer replaces DistributedDataParallel, and DDP does two more things than reduce gradients. At
+construction it broadcasts rank 0's parameters and buffers, so that a model initialised differently on each
+rank (nanoGPT seeds every rank ``1337 + rank``) trains as one model: ShardedOptimizer does the same for the
+parameters it is given (``init_sync="broadcast"``, its default; :func:`broadcast_parameters`). And with
+``broadcast_buffers=True`` (its default) DDP broadcasts rank 0's buffers at the start of every forward run
 with gradients enabled, so that every rank normalises with the same running statistics. Without that, each
 rank updates its buffers from its own micro-batches only and the ranks' models drift apart.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,15 +41,32 @@ def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.Proce
 def sync_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Overwrite every rank's buffers with those of the group's first rank, now. Collective."""
     source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-    by_dtype: dict[tuple, list[torch.Tensor]] = {}
-    for buffer in model.buffers():
-        by_dtype.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-    for buffers in by_dtype.values():
-        flat = torch.cat([b.reshape(-1) for b in buffers])
+
+    def broadcast(flat: torch.Tensor) -> None:
         dist.broadcast(flat, src=source, group=process_group)
-        offset = 0
-        for buffer in buffers:
-            buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
-            offset += buffer.numel()
         if flat.device.type == "cpu":
             shutdown.handed_to_gloo(flat)  # gloo's worker thread may let go of it last
+
+    _overwrite_by_dtype(list(model.buffers()), broadcast)
+
+
+@torch.no_grad()
+def broadcast_parameters(params: Sequence[torch.Tensor], topology, timeout: Optional[float] = None) -> None:
+    """Overwrite ``params`` on every rank of ``topology`` (a :class:`zeroimpl.topology.Topology`) with the first
+    rank's, as DDP does at construction: one broadcast per dtype, each bounded by ``timeout``. Collective."""
+    _overwrite_by_dtype(list(params), lambda flat: topology.broadcast_from_first_(
+        flat, timeout, "parameter broadcast at construction (init_sync='broadcast')"))
+
+
+def _overwrite_by_dtype(tensors: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None]) -> None:
+    """``broadcast`` each (dtype, device)'s tensors flattened into one, then copy the result back into them."""
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for members in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        broadcast(flat)
+        offset = 0
+        for tensor in members:
+            tensor.detach().copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()

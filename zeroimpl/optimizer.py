@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
-from . import optimizer_kinds, optimizer_state, uneven, validation, verify
+from . import module_buffers, optimizer_kinds, optimizer_state, uneven, validation, verify
 from .accounting import MemoryReport, held_tensors, memory_report
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import accumulating
@@ -42,8 +42,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     Args:
         params: parameters or param-group dicts, as any torch optimizer takes. Frozen parameters (``requires_grad=
-            False``) are left alone. The model must be the same on every rank and not wrapped in
-            DistributedDataParallel (this optimizer reduces the gradients itself). A group may name its own
+            False``) are left alone. Rank 0's values overwrite the others' at construction, as DDP's (``init_sync``).
+            The model must not be wrapped in DistributedDataParallel (this optimizer reduces the gradients itself).
+            A group may name its own
             optimizer class under ``"optimizer"`` (``{"params": matrices, "optimizer": torch.optim.Muon, "lr":
             0.02}``); its other keys are that class's hyperparameters.
         optimizer_class: the ``torch.optim.Optimizer`` subclass of the groups that name none. Elementwise classes
@@ -96,6 +97,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             element from its own parameter, gradient and state.
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
             class whose update of a parameter needs all of it), besides Muon and Adafactor.
+        init_sync: ``"broadcast"`` (default): rank 0's ``params`` overwrite every rank's at construction, as DDP does
+            (buffers: :func:`zeroimpl.sync_buffers`). ``"check"``: raise if their values differ between ranks.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, weight_decay, betas, ...).
 
     Invariant: every rank holds the same parameters after ``step()``; rank r's inner optimizers hold state
@@ -112,10 +115,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
                  per_parameter: Collection[type] = (), verify_every: Optional[int] = None,
                  overlap_param_gather: bool = True, quantize_param_gather: bool = False,
-                 quantize_grad_reduce: Union[bool, Literal["replicas"]] = False, **optimizer_kwargs):
+                 quantize_grad_reduce: Union[bool, Literal["replicas"]] = False,
+                 init_sync: Literal["broadcast", "check"] = "broadcast", **optimizer_kwargs):
         quantized = {"quantize_param_gather": bool(quantize_param_gather), "quantize_grad_reduce": quantize_grad_reduce}
         validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
-                                 alignment, quantized)
+                                 alignment, quantized, init_sync)
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
         groups, step_works, blocks = optimizer_kinds.plan(params, optimizer_class, optimizer_kwargs, per_parameter,
@@ -130,15 +134,16 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
         self.stage, self.process_group = stage, self.topology.shard  # reduce-scatter and all-gather run here
         self.rank, self.world_size = self.topology.shard_rank, self.topology.shard_size
-
         trainable, specs = trainable_specs(self.param_groups, step_works, blocks)
         layout = build_layout(specs, self.world_size, bucket_numel, alignment)
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
-        validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized})
+        validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized},
+                                values=init_sync == "check")
+        members = [p for g in self.param_groups for p in g["params"]]  # frozen ones too
+        if init_sync == "broadcast":  # before the parameters move into this optimizer's buffers
+            module_buffers.broadcast_parameters(members, self.topology, collective_timeout)
         optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
-        # before the parameters move into this optimizer's buffers (a frozen member stays out of the layout)
-        self.ownership = Ownership(trainable, [p for g in self.param_groups for p in g["params"] if not p.requires_grad])
-
+        self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])  # frozen: out of the layout
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         self.layout: ShardLayout = layout
         self._device = trainable[0].device
@@ -200,8 +205,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.scale_loss(loss).backward(**backward_kwargs)
 
     def accumulating(self) -> ContextManager[None]:
-        """Mark the backward passes inside as non-final micro-batches. Only offload in stage 2 uses the hint: their
-        reductions sum on the device and cross to the host once per step. Leaving it late is harmless."""
+        """Mark the backward passes inside as non-final micro-batches (a hint: stage 2 offload sums them on the device)."""
         return accumulating(self.gradients)
 
     # -- torch.distributed.algorithms.Join ---------------------------------------------------------
@@ -259,10 +263,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         if not self.grad_views.prepare():
             return loss
         self._agree()
@@ -303,8 +305,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.verify_ranks_agree()
 
     def _finish_step(self, overflow: bool) -> None:
-        """The step consumed the gradients, as ``zero_grad()`` would have cleared them: a loop that calls
-        ``model.zero_grad()`` (which sees no ``.grad`` to clear) trains as with torch."""
+        """The step consumed the gradients, as ``zero_grad()`` would clear them (``model.zero_grad()`` sees none)."""
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.grad_views.discard()
@@ -347,8 +348,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return len(self.param_sync.gathers)
 
     def sync_masters(self) -> None:
-        """Take parameters edited since the last step into the master weights (``step()`` and saving do it).
-        Local: it only finishes the all-gathers still in flight."""
+        """Take parameters edited since the last step into the master weights (local: ends the gathers in flight)."""
         self.param_sync.sync_masters()
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from .buffers import BucketStorage
+from .validation import FRAMEWORK_ROUTES
 
 # id(param) -> the live claim on it. A live claim keeps its parameters alive, so an id found here always
 # names the same parameter object.
@@ -59,9 +60,10 @@ class Ownership:
                 "with other Parameter objects (load_state_dict(assign=True), module.weight = nn.Parameter(...)), "
                 "so the optimizer would keep updating the old ones. Load with assign=False (the default), or "
                 "build the ShardedOptimizer after changing the model")
-        rebound = [i for s in storages for i in s.rebound_params()]
+        rebound = [(i, s.param_buffer) for s in storages for i in s.rebound_params()]
         if rebound:
-            raise RuntimeError(rebound_message(rebound))
+            first, home = rebound[0]
+            raise RuntimeError(rebound_message([i for i, _ in rebound], self.params[first], home))
 
 
 def live_claims() -> int:
@@ -69,12 +71,24 @@ def live_claims() -> int:
     return len(_OWNERS)
 
 
-def rebound_message(param_indices: list[int]) -> str:
+def rebound_message(param_indices: list[int], param: torch.Tensor, home: torch.Tensor) -> str:
+    """Why the parameters ``param_indices`` no longer live in the optimizer's flat buffers, told from the first of
+    them, ``param``, against ``home`` (a flat buffer: the dtype and device they had): a conversion, a move to
+    another device, or a copy onto the same one -- which a framework's device placement makes on CPU, where
+    ``.to(torch.device("cpu", 0))`` copies a tensor on ``cpu`` (accelerate and Trainer place the model so)."""
+    if param.dtype != home.dtype:
+        cause = f"converted from {home.dtype} to {param.dtype} (.half(), .double(), .to(dtype))"
+    elif param.device.type != home.device.type:
+        cause = f"moved from {home.device} to {param.device} (model.to(device))"
+    else:
+        cause = ("copied onto the device it was already on, which is what a framework's device placement does "
+                 "(accelerate's prepare and transformers' Trainer move the model to cpu:0 on CPU, and .to() copies "
+                 "it); param.data = ... and resize_token_embeddings copy too")
     return (f"trainable parameters {param_indices[:5]} (the optimizer's numbering) no longer live in the "
-            "optimizer's flat buffers: the model was converted or moved after the ShardedOptimizer was built "
-            "(model.to(...), .half(), .double(), resize_token_embeddings, param.data = ...), so the optimizer "
-            "would no longer update it. Convert and move the model first, then build the optimizer; to change "
-            "the model later, save a checkpoint, build a new ShardedOptimizer and load it")
+            f"optimizer's flat buffers: the model was {cause} after the ShardedOptimizer was built, so the optimizer "
+            "would no longer update it. In your own loop: convert and move the model first, then build the "
+            "optimizer (to change the model later, save a checkpoint, build a new ShardedOptimizer and load it). "
+            + FRAMEWORK_ROUTES)
 
 
 def _install_registration_hook() -> None:

@@ -73,6 +73,14 @@ class Topology:
             comm.all_reduce_(tensor, op, group, timeout, name, read_on_host)
         return tensor
 
+    def broadcast_from_first_(self, tensor: torch.Tensor, timeout: Optional[float] = None,
+                              name: str = "broadcast") -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with that of the first rank (:attr:`is_first`): from shard rank 0
+        within each shard group, then from replica 0 across each replicate group. Returns it, landed."""
+        for group in self.groups():
+            comm.broadcast(tensor, group, timeout, name).wait_on_host()
+        return tensor
+
     def same_on_every_rank(self, values: torch.Tensor, timeout: Optional[float] = None,
                            name: str = "agreement all-reduce") -> torch.Tensor:
         """Elementwise, whether every rank holds the same ``values`` (1-D); identical on every rank: the maximum

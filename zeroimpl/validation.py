@@ -11,9 +11,16 @@ import torch.distributed as dist
 from .memory_format import dense_strides
 from .precision import LossScaleConfig
 
+FRAMEWORK_ROUTES = (
+    "In a framework, use its zeroimpl route: PyTorch Lightning and Fabric: strategy=\"zero2\" (or \"zero1\", "
+    "\"zero2_offload\") after `import zeroimpl.integrations.lightning`; accelerate: "
+    "zeroimpl.integrations.accelerate.prepare(accelerator, model, optimizer, ...) instead of accelerator.prepare; "
+    "transformers' Trainer and its subclasses (TRL, PEFT): zeroimpl.integrations.trainer.ZeroTrainer, "
+    "e.g. class ZeroSFTTrainer(ZeroTrainer, SFTTrainer)")
+
 
 def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
-                  alignment: int = 8, quantized: Optional[dict] = None) -> None:
+                  alignment: int = 8, quantized: Optional[dict] = None, init_sync: str = "broadcast") -> None:
     """Refuse a ShardedOptimizer option out of range, naming it and what it accepts. ``quantized``: the
     ``quantize_*`` options by name."""
     grads = (quantized or {}).get("quantize_grad_reduce", False)
@@ -30,6 +37,9 @@ def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight
     if max_inflight_buckets < 0:
         raise ValueError(f"max_inflight_buckets must be >= 0, got {max_inflight_buckets}")
     check_verify_every(verify_every)
+    if init_sync not in ("broadcast", "check"):
+        raise ValueError(f"init_sync must be 'broadcast' (rank 0's parameters overwrite the others', as DDP does at "
+                         f"construction) or 'check' (raise if the ranks' parameters differ), got {init_sync!r}")
 
 
 def check_stage(stage) -> None:
@@ -88,14 +98,16 @@ def check_not_wrapped_in_ddp(param: torch.Tensor) -> None:
                 else getattr(owner, "_module_parameters", None))
         if any(held is holder for holder in lists):
             raise RuntimeError("the model is wrapped in DistributedDataParallel, which all-reduces every gradient "
-                               "that ShardedOptimizer already reduce-scatters: pass the bare model's parameters "
-                               "and do not wrap it in DDP (call the model itself; ShardedOptimizer replaces DDP)")
+                               "that ShardedOptimizer already reduce-scatters. In your own loop: do not wrap it in "
+                               "DDP (call the bare model; ShardedOptimizer replaces DDP). A framework wraps it when it "
+                               "prepares the model for several processes. " + FRAMEWORK_ROUTES)
 
 
 def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
-                 layout: Optional[dict] = None) -> None:
+                 layout: Optional[dict] = None, values: bool = True) -> None:
     """Local checks, then one cheap cross-rank check that every rank holds the same parameters (and, given its
-    ``fingerprint()``, builds the same shard layout from them)."""
+    ``fingerprint()``, builds the same shard layout from them); ``values=False``: the same shapes only (the
+    caller broadcasts the values)."""
     if not params:
         raise ValueError("ShardedOptimizer got no trainable parameters (all have requires_grad=False?)")
     devices = {p.device for p in params}
@@ -111,11 +123,12 @@ def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] 
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"process group backend is nccl but parameters are on {device}; move the model to "
                          "its GPU (model.to(f'cuda:{local_rank}')) or use backend='gloo' for CPU training")
-    _check_same_across_ranks(params, topology, device if backend == "nccl" else torch.device("cpu"), timeout, layout)
+    _check_same_across_ranks(params, topology, device if backend == "nccl" else torch.device("cpu"), timeout, layout,
+                             values)
 
 
 def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch.device,
-                             timeout: Optional[float], layout: Optional[dict]) -> None:
+                             timeout: Optional[float], layout: Optional[dict], values: bool) -> None:
     """Compare shapes, the layout's fingerprint and a float64 checksum of every parameter with two small MAX
     all-reduces.
 
@@ -129,15 +142,20 @@ def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch
                            "transposed weight) of the trainable parameters, or the shard "
                            "layout (param groups, their optimizer classes, per_parameter, bucket_numel, alignment, "
                            "quantize_param_gather, quantize_grad_reduce)",
-                           timeout)
+                           timeout, "build the same model, with the same options, on every rank")
+    if not values:
+        return
     with torch.no_grad():
         sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
                             for p in params]).flatten().to(device)
-    _raise_if_ranks_differ(sums, topology, "the values of the parameters", timeout)
+    _raise_if_ranks_differ(sums, topology, "the values of the parameters (init_sync='check')", timeout,
+                           "leave init_sync at 'broadcast' (the default: rank 0's parameters overwrite the others', "
+                           "as DDP does at construction), or load the same weights on every rank before building "
+                           "the optimizer. Seeding every rank alike gives equal weights too, but if that generator "
+                           "also draws the batches (nanoGPT seeds 1337 + rank), every rank then trains on the same "
+                           "data")
 
 
-def _raise_if_ranks_differ(values: torch.Tensor, topology, what: str, timeout: Optional[float]) -> None:
+def _raise_if_ranks_differ(values: torch.Tensor, topology, what: str, timeout: Optional[float], fix: str) -> None:
     if not topology.same_on_every_rank(values, timeout, "construction check all-reduce").all():
-        raise RuntimeError(f"ranks differ in {what} at ShardedOptimizer construction; build the model with "
-                           "the same seed (or load the same checkpoint / broadcast rank 0's weights) on every "
-                           "rank before creating the optimizer")
+        raise RuntimeError(f"ranks differ in {what} at ShardedOptimizer construction: {fix}")
