@@ -1,0 +1,278 @@
+"""Hugging Face accelerate with zeroimpl: one call in place of ``accelerator.prepare``.
+
+    from zeroimpl.integrations.accelerate import prepare
+    optimizer = ShardedOptimizer(param_groups, torch.optim.AdamW, stage=2, lr=3e-4)   # over the model where it trains
+    model, optimizer, dataloader, scheduler = prepare(accelerator, model, optimizer, dataloader, scheduler)
+
+``accelerator.prepare`` cannot take a :class:`zeroimpl.ShardedOptimizer`: it moves the model to its device (on CPU
+``cpu:0``, and ``tensor.to("cpu:0")`` copies every parameter out of the optimizer's flat buffers) and wraps it in
+DistributedDataParallel, which would all-reduce every gradient the optimizer already reduce-scatters. Its
+``save_state`` writes ``optimizer.state_dict()`` from the main process alone, which for a sharded optimizer is rank
+0's shard: every other rank's would be lost. :func:`prepare` keeps everything else of accelerate's:
+
+* **The model** is the model itself, never moved and never wrapped in DDP (as accelerate returns it on one
+  process, so ``accelerator.unwrap_model``, ``save_model`` and ``get_state_dict`` keep working), with autocast
+  for ``mixed_precision="bf16"`` applied by accelerate. Of DDP it keeps two behaviours: ``model.no_sync`` is
+  :meth:`ShardedOptimizer.accumulating` (what ``accelerator.accumulate(model)`` and ``accelerator.no_sync(model)``
+  enter on non-final micro-batches), and rank 0's buffers are broadcast before every forward with gradients
+  enabled (:func:`zeroimpl.broadcast_buffers`; ``DistributedDataParallelKwargs(broadcast_buffers=False)`` turns it
+  off).
+* **The optimizer** is an :class:`AcceleratedShardedOptimizer`: accelerate's ``AcceleratedOptimizer`` (``step`` and
+  ``zero_grad`` skipped on non-final micro-batches, the GradScaler's skipped steps seen by the scheduler) without
+  device placement, registered with the accelerator so that the scheduler is tied to it. ``accelerator.backward``,
+  ``clip_grad_norm_`` and ``clip_grad_value_`` work unchanged: ``param.grad`` is the averaged gradient.
+* **The dataloader and the scheduler** are prepared by accelerate, as with DDP.
+* **Checkpoints**: ``accelerator.save_state(dir)`` has every rank write its own shard to ``dir/zeroimpl`` through
+  :func:`zeroimpl.checkpoint.save_checkpoint` (a hook accelerate runs on every process), and ``optimizer.bin``
+  only names that folder; ``accelerator.load_state(dir)`` restores the optimizer and the model from the shards
+  (:func:`zeroimpl.checkpoint.load_checkpoint`, on any world size) and refuses a folder without them. The rest
+  (scheduler, RNG states, ``model.safetensors``, dataloader samplers) is accelerate's own.
+
+Only a ShardedOptimizer is accepted: a plain torch optimizer is refused, not converted, because the scheduler
+given with it already holds it (and a converted one would leave the user's own reference stepping nothing).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import weakref
+from typing import Optional
+
+import accelerate
+import torch
+import torch.distributed as dist
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DDPCommunicationHookType, DistributedType
+
+from zeroimpl import ShardedOptimizer, broadcast_buffers
+from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+
+CHECKPOINT_SUBDIR = "zeroimpl"  # the first optimizer's shards in a save_state folder; the next "zeroimpl_1", ...
+SHARDS_KEY = "zeroimpl_sharded_checkpoint"  # optimizer.bin's only key: the folder beside it with the shards
+
+# accelerator -> its AcceleratedShardedOptimizers, in the order prepare() met them (their checkpoint folders)
+_PREPARED: "weakref.WeakKeyDictionary[accelerate.Accelerator, list[AcceleratedShardedOptimizer]]" = (
+    weakref.WeakKeyDictionary())
+
+
+class AcceleratedShardedOptimizer(AcceleratedOptimizer):
+    """accelerate's optimizer wrapper around a :class:`zeroimpl.ShardedOptimizer`, made by :func:`prepare`.
+
+    ``step``, ``zero_grad``, ``param_groups`` and ``step_was_skipped`` are accelerate's; ``self.optimizer`` is the
+    ShardedOptimizer. ``state_dict()`` and ``load_state_dict()`` are for ``accelerator.save_state`` and
+    ``load_state`` only, whose hooks move the shards through the checkpoint API: outside them ``state_dict()``
+    raises, since one rank's shard saved from the main process would lose all the others. Invariant:
+    ``saving_into`` is set only between ``save_state``'s hook and its ``state_dict()`` call, ``restored`` only
+    between ``load_state``'s hook and its ``load_state_dict()`` call.
+    """
+
+    def __init__(self, optimizer: ShardedOptimizer, model: torch.nn.Module, checkpoint_subdir: str, scaler=None):
+        super().__init__(optimizer, device_placement=False, scaler=scaler)
+        self.model = model  # the bare model, as the checkpoint API saves and restores it
+        self.checkpoint_subdir = checkpoint_subdir
+        self.saving_into: Optional[str] = None
+        self.restored = False
+        # accelerate's mark of an object it has prepared (no public seam): Accelerator.prepare then registers this
+        # wrapper as it is, instead of wrapping it again with device placement
+        self._is_accelerate_prepared = True
+
+    def state_dict(self) -> dict:
+        if self.saving_into is None:
+            raise RuntimeError(
+                "optimizer.state_dict() of a ShardedOptimizer holds this rank's shard only (saved from the main "
+                "process, every other rank's shard would be lost): save with accelerator.save_state(dir) on every "
+                "process, or zeroimpl.checkpoint.save_checkpoint(dir, optimizer.optimizer, model); "
+                "optimizer.optimizer.state_dict() is this rank's shard, to save on every rank")
+        self.saving_into = None
+        return {SHARDS_KEY: self.checkpoint_subdir}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if SHARDS_KEY not in state_dict:  # a state of optimizer.optimizer.state_dict(): the core checks it
+            self.optimizer.load_state_dict(state_dict)
+            return
+        if not self.restored:
+            raise RuntimeError(
+                f"this state names the shards in {state_dict[SHARDS_KEY]!r} beside it and holds no optimizer "
+                "state: load it with accelerator.load_state(dir) after zeroimpl.integrations.accelerate.prepare")
+        self.restored = False
+
+
+def prepare(accelerator: accelerate.Accelerator, *objects):
+    """``accelerator.prepare(*objects)`` for a model trained with a :class:`zeroimpl.ShardedOptimizer`.
+
+    Returns what ``accelerator.prepare`` returns, in the same order (one object alone, not a tuple): each model
+    itself (not moved, not wrapped in DDP; see the module's docstring), each ShardedOptimizer as an
+    :class:`AcceleratedShardedOptimizer`, dataloaders and schedulers as accelerate prepares them, anything else
+    as it is. Call it on every process, once per model, with each model that has trainable parameters and its
+    ShardedOptimizer in the same call. Then ``accelerator.save_state`` / ``load_state`` keep every rank's shard.
+
+    Raises, before anything is changed: ``TypeError`` for a plain torch optimizer (build a ShardedOptimizer
+    instead); ``ValueError`` when a model with trainable parameters has no ShardedOptimizer in the call, or
+    several, or an optimizer has no model; when the model is not on ``accelerator.device`` (``cpu`` and ``cpu:0``
+    are one device); when the model was prepared before; when the accelerator runs DeepSpeed, FSDP or
+    Megatron-LM, a DDP communication hook, or sees fewer processes than the process group holds (on CPU:
+    ``Accelerator(cpu=True)`` or ``accelerate launch --cpu``).
+    """
+    _check_accelerator(accelerator)
+    plain = [o for o in objects if isinstance(o, torch.optim.Optimizer) and not isinstance(o, ShardedOptimizer)]
+    if plain:
+        raise TypeError(
+            f"zeroimpl.integrations.accelerate.prepare takes a zeroimpl.ShardedOptimizer, got {type(plain[0]).__name__}:"
+            " build ShardedOptimizer(param_groups, torch.optim.AdamW, stage=2, lr=...) over the model's parameters "
+            "(the same groups and hyperparameters) and the scheduler over it. A plain optimizer is not converted: "
+            "the scheduler already holds it")
+    optimizer_of = _pair_models_with_optimizers(objects)
+    for model in optimizer_of:
+        _check_model(accelerator, model)
+    prepared = {}
+    for model, optimizer in optimizer_of.items():
+        prepared[id(model)] = _prepare_model(accelerator, model, optimizer)
+        prepared[id(optimizer)] = _wrap_optimizer(accelerator, optimizer, model)
+    return accelerator.prepare(*(prepared.get(id(o), o) for o in objects))
+
+
+def _check_accelerator(accelerator: accelerate.Accelerator) -> None:
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+        raise ValueError(f"accelerate runs {accelerator.distributed_type.value}, which shards the model itself: with "
+                         "a zeroimpl.ShardedOptimizer, run accelerate without DeepSpeed, FSDP or Megatron-LM")
+    handler = accelerator.ddp_handler
+    if handler is not None and handler.comm_hook != DDPCommunicationHookType.NO:
+        raise ValueError(f"DistributedDataParallelKwargs(comm_hook={handler.comm_hook.value!r}) is a hook for DDP's "
+                         "all-reduce, which zeroimpl replaces; remove it (zeroimpl's quantize_grad_reduce=True "
+                         "compresses its own reduce-scatter)")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if accelerator.num_processes != world:
+        raise ValueError(
+            f"accelerate sees {accelerator.num_processes} process(es) but the process group holds {world}, so it "
+            "would neither shard the data nor scale the schedule as for data parallelism: on CPU, create "
+            "Accelerator(cpu=True) or launch with accelerate launch --cpu (ACCELERATE_USE_CPU=true)")
+
+
+def _pair_models_with_optimizers(objects) -> dict[torch.nn.Module, ShardedOptimizer]:
+    """Each model with trainable parameters -> the one ShardedOptimizer among ``objects`` that holds them."""
+    optimizers = [o for o in objects if isinstance(o, ShardedOptimizer)]
+    pairs, paired = {}, set()
+    for model in (o for o in objects if isinstance(o, torch.nn.Module)):
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        if not trainable:
+            continue  # accelerate prepares a frozen model as ever (never wrapped: nothing to reduce)
+        owners = [o for o in optimizers if any(id(p) in trainable for g in o.param_groups for p in g["params"])]
+        if len(owners) != 1:
+            raise ValueError(
+                f"{type(model).__name__} has trainable parameters and {len(owners)} ShardedOptimizers over them "
+                "among the objects: pass each model with the one ShardedOptimizer that trains it to the same "
+                "prepare call (a model trained with DDP goes to accelerator.prepare, separately)")
+        pairs[model] = owners[0]
+        paired.add(id(owners[0]))
+    unpaired = [o for o in optimizers if id(o) not in paired]
+    if unpaired:
+        raise ValueError("a ShardedOptimizer was passed without the model it trains: pass the model to the same "
+                         "prepare call, so that its no_sync() and buffers are set up with it")
+    return pairs
+
+
+def _check_model(accelerator: accelerate.Accelerator, model: torch.nn.Module) -> None:
+    if getattr(model, "_is_accelerate_prepared", False):  # accelerate's mark of a prepared model (no public seam)
+        raise ValueError(f"{type(model).__name__} was prepared already (by accelerate or by this function): "
+                         "prepare each model once")
+    target = accelerator.device
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not _same_device(tensor.device, target):
+            raise ValueError(
+                f"{name} is on {tensor.device}, but the accelerator trains on {target}: the ShardedOptimizer holds "
+                "the model's parameters where they were when it was built, so the model cannot be moved now. Call "
+                "model.to(accelerator.device) before building the ShardedOptimizer")
+
+
+def _same_device(device: torch.device, target: torch.device) -> bool:
+    """One device: ``cpu`` and ``cpu:0`` are the same; an index left out (``torch.device("cuda")``) matches any."""
+    if device.type != target.type:
+        return False
+    return device.type == "cpu" or device.index is None or target.index is None or device.index == target.index
+
+
+def _prepare_model(accelerator: accelerate.Accelerator, model: torch.nn.Module,
+                   optimizer: ShardedOptimizer) -> torch.nn.Module:
+    """The model as it trains: DDP's buffer broadcast, no_sync as the optimizer's accumulation, accelerate's
+    autocast (and torch.compile, if configured), registered with the accelerator, not moved, not wrapped."""
+    handler = accelerator.ddp_handler
+    if handler is None or handler.broadcast_buffers:  # DDP's default, as accelerate would have wrapped it
+        broadcast_buffers(model)
+    prepared = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+    prepared.no_sync = optimizer.accumulating  # what accelerator.no_sync(model) enters, as it enters DDP's
+    return prepared
+
+
+def _wrap_optimizer(accelerator: accelerate.Accelerator, optimizer: ShardedOptimizer,
+                    model: torch.nn.Module) -> AcceleratedShardedOptimizer:
+    registered = _PREPARED.get(accelerator)
+    if registered is None:
+        registered = _PREPARED[accelerator] = []
+        accelerator.register_save_state_pre_hook(
+            lambda models, weights, output_dir: _save_shards(accelerator, registered, models, weights, output_dir))
+        accelerator.register_load_state_pre_hook(
+            lambda models, input_dir: _load_shards(registered, models, input_dir))
+    subdir = CHECKPOINT_SUBDIR if not registered else f"{CHECKPOINT_SUBDIR}_{len(registered)}"
+    # the GradScaler of fp16 on accelerators, as accelerate would pass it (on CPU accelerate trains fp16 in fp32)
+    wrapped = AcceleratedShardedOptimizer(optimizer, model, subdir, scaler=accelerator.scaler)
+    registered.append(wrapped)
+    return wrapped
+
+
+def _save_shards(accelerator: accelerate.Accelerator, optimizers: list[AcceleratedShardedOptimizer], models: list,
+                 weights: list, output_dir: str) -> None:
+    """save_state's hook, run on every process before accelerate writes its files: every rank writes its shard.
+
+    ``weights`` holds the state dict of each of ``models``, which the writing process saves as
+    ``model.safetensors``. A ShardedOptimizer's parameters are views of its flat buckets, and accelerate keeps one
+    tensor per storage in a safetensors file (it drops the rest as tied weights), so that process's state dicts
+    of these models are replaced by copies with a storage per tensor (tied weights still sharing one).
+    """
+    configuration = accelerator.project_configuration
+    writes = accelerator.is_local_main_process if configuration.save_on_each_node else accelerator.is_main_process
+    for optimizer in optimizers:
+        save_checkpoint(os.path.join(output_dir, optimizer.checkpoint_subdir), optimizer.optimizer, optimizer.model)
+        optimizer.saving_into = output_dir
+        for index, model in enumerate(models):
+            if writes and _is_or_wraps(model, optimizer.model):
+                weights[index] = _unaliased(weights[index])
+
+
+def _unaliased(state: dict) -> collections.OrderedDict:
+    """``state`` with each tensor copied into a storage of its own; tensors of the same data, shape and strides
+    (tied weights) share one copy."""
+    copies, unaliased = {}, collections.OrderedDict()
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            unaliased[name] = tensor
+            continue
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if key not in copies:
+            copies[key] = tensor.clone()
+        unaliased[name] = copies[key]
+    return unaliased
+
+
+def _load_shards(optimizers: list[AcceleratedShardedOptimizer], models: list, input_dir: str) -> None:
+    """load_state's hook, run on every process before accelerate reads its files: restore each optimizer and its
+    model from the shards, and take the model off the list accelerate loads ``model.safetensors`` into (that
+    would overwrite the parameters behind the restored master weights)."""
+    for optimizer in optimizers:
+        directory = os.path.join(input_dir, optimizer.checkpoint_subdir)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                f"{input_dir} has no {optimizer.checkpoint_subdir}/ folder of zeroimpl shards: it was not saved by "
+                "accelerator.save_state after zeroimpl.integrations.accelerate.prepare (a DDP run's optimizer.bin "
+                "holds another optimizer's state), so the optimizer cannot resume from it")
+        load_checkpoint(directory, optimizer.optimizer, optimizer.model)
+        optimizer.restored = True
+        models[:] = [m for m in models if not _is_or_wraps(m, optimizer.model)]
+
+
+def _is_or_wraps(prepared: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """``prepared`` is ``model``, or torch.compile's wrapper of it (what prepare_model returns with dynamo on)."""
+    return prepared is model or getattr(prepared, "_orig_mod", None) is model
+
+
+__all__ = ["prepare", "AcceleratedShardedOptimizer", "CHECKPOINT_SUBDIR"]
