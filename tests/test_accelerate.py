@@ -87,7 +87,8 @@ def _run(variant: str, config, save_to=None, resume_from=None) -> dict:
     accumulation, (clip, bound), _, _ = VARIANTS[variant]
     accelerator, model, (wrapped, optimizer, loader, scheduler) = _build(variant, config)
     kinds = {"model is bare": wrapped is model and accelerator.unwrap_model(wrapped) is model,
-             "types": [type(o).__name__ for o in (wrapped, optimizer, loader, scheduler)], "batches": len(loader)}
+             "types": [type(o).__name__ for o in (wrapped, optimizer, loader, scheduler)], "batches": len(loader),
+             "devices": (str(accelerator.device), str(next(model.parameters()).device))}
     steps = 0
     if resume_from is not None:
         accelerator.load_state(resume_from)
@@ -100,7 +101,9 @@ def _run(variant: str, config, save_to=None, resume_from=None) -> dict:
             accelerator.backward(loss)
             if accelerator.sync_gradients and clip == "norm":
                 norms.append(accelerator.clip_grad_norm_(wrapped.parameters(), bound).item())
-            elif accelerator.sync_gradients:
+            elif accelerator.sync_gradients:  # the largest gradient element (scaled by 1.0: unchanged), then clip
+                largest = accelerator.clip_grad_norm_(wrapped.parameters(), float("inf"), norm_type=float("inf"))
+                norms.append(largest.item())
                 accelerator.clip_grad_value_(wrapped.parameters(), bound)
             optimizer.step()
             scheduler.step()
@@ -166,6 +169,11 @@ def _refusals(shared: str) -> dict:
     optimizer = sharded(model)
     outcomes["Accelerator() without cpu=True"] = _outcome(lambda: prepare(_accelerator(cpu=False), model, optimizer))
     outcomes["without its model"] = _outcome(lambda: prepare(_accelerator(), optimizer))
+    os.environ["ACCELERATE_TORCH_DEVICE"] = "meta"  # accelerate's own override of its device: one the model is not on
+    try:
+        outcomes["model on another device"] = _outcome(lambda: prepare(_accelerator(), model, optimizer))
+    finally:
+        del os.environ["ACCELERATE_TORCH_DEVICE"]
     accelerator = _accelerator()
     model, optimizer = prepare(accelerator, model, optimizer)
     outcomes["prepared twice"] = _outcome(lambda: prepare(accelerator, model, optimizer.optimizer))
@@ -225,6 +233,7 @@ def test_bitwise_ddp_without_accumulation(ranks, config):
     for got, expected in zip(case_results(ranks, ("run", "clip value", config)),
                              case_results(ranks, ("run", "clip value", "ddp"))):
         assert _bitwise(got, expected), f"max parameter difference {_max_param_diff(got, expected):.3g}"
+        assert max(expected["norms"]) > VARIANTS["clip value"][1][1], "the test must clip"
 
 
 @pytest.mark.parametrize("config", VARIANTS["accumulated, clipped"][3])
@@ -277,6 +286,7 @@ def test_returns_what_accelerate_prepare_returns_without_ddp(ranks):
         assert optimizer == "AcceleratedShardedOptimizer"  # an AcceleratedOptimizer subclass
         assert [loader, scheduler] == expected["kinds"]["types"][2:] == ["DataLoaderShard", "AcceleratedScheduler"]
         assert got["kinds"]["batches"] == expected["kinds"]["batches"] == STEPS  # each rank every other batch
+        assert got["kinds"]["devices"] == ("cpu:0", "cpu"), "accelerate's cpu:0 is the model's cpu: not moved"
 
 
 def test_rank_0s_buffers_are_broadcast_before_training_forwards(ranks):
@@ -289,6 +299,8 @@ def test_rank_0s_buffers_are_broadcast_before_training_forwards(ranks):
     ("plain torch optimizer", "TypeError", "takes a zeroimpl.ShardedOptimizer"),
     ("Accelerator() without cpu=True", "ValueError", "Accelerator(cpu=True)"),
     ("without its model", "ValueError", "without the model it trains"),
+    ("model on another device", "ValueError", "is on cpu, but the accelerator trains on meta: the ShardedOptimizer "
+                                              "holds the model's parameters where they were when it was built"),
     ("prepared twice", "ValueError", "prepare each model once"),
     ("state_dict outside save_state", "RuntimeError", "accelerator.save_state(dir) on every process"),
     ("load_state without shards", "FileNotFoundError", "no zeroimpl/ folder of zeroimpl shards"),
