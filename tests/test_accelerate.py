@@ -86,14 +86,14 @@ def _run(variant: str, config, save_to=None, resume_from=None) -> dict:
     """Train STEPS optimizer steps (from SAVE_AT with ``resume_from``), saving after step SAVE_AT to ``save_to``."""
     accumulation, (clip, bound), _, _ = VARIANTS[variant]
     accelerator, model, (wrapped, optimizer, loader, scheduler) = _build(variant, config)
-    kinds = {"model is bare": wrapped is model and accelerator.unwrap_model(wrapped) is model,
+    checks = {"model is bare": wrapped is model and accelerator.unwrap_model(wrapped) is model,
              "types": [type(o).__name__ for o in (wrapped, optimizer, loader, scheduler)], "batches": len(loader),
              "devices": (str(accelerator.device), str(next(model.parameters()).device))}
     steps = 0
     if resume_from is not None:
         accelerator.load_state(resume_from)
         loader, steps = accelerator.skip_first_batches(loader, SAVE_AT * accumulation), SAVE_AT
-        kinds["model.safetensors"] = _saved_weights(resume_from, model)
+        checks["model.safetensors"] = _saved_weights(resume_from, model)
     losses, norms = [], []
     for batch in loader:
         with accelerator.accumulate(wrapped):
@@ -113,7 +113,7 @@ def _run(variant: str, config, save_to=None, resume_from=None) -> dict:
         if accelerator.sync_gradients and steps == SAVE_AT and save_to is not None:
             accelerator.save_state(save_to)
     assert steps == STEPS
-    return {"losses": losses, "norms": norms, "lr": scheduler.get_last_lr(), "kinds": kinds,
+    return {"losses": losses, "norms": norms, "lr": scheduler.get_last_lr(), "checks": checks,
             "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
 
 
@@ -138,7 +138,7 @@ def _buffers_broadcast(rank: int) -> dict:
     model.register_buffer("probe", torch.full((3,), float(rank + 1)))
     model, _ = prepare(accelerator, model, ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=1, **ADAMW))
     ids = torch.randint(1, VOCAB, (1, SEQUENCE_LENGTH), generator=torch.Generator().manual_seed(rank))
-    model.probe.fill_(rank + 1)
+    model.probe.fill_(rank + 1)  # as the forwards find it, whatever construction did
     with torch.no_grad():
         model(input_ids=ids)
     evaluated = model.probe.tolist()
@@ -256,7 +256,8 @@ def test_offload_is_bitwise_stage_2(ranks):
 
 
 def test_bf16_autocast_within_tolerance_of_ddp(ranks):
-    for got, expected in zip(case_results(ranks, ("run", "bf16", "stage 2")), case_results(ranks, ("run", "bf16", "ddp"))):
+    for got, expected in zip(case_results(ranks, ("run", "bf16", "stage 2")),
+                             case_results(ranks, ("run", "bf16", "ddp"))):
         assert got["lr"] == expected["lr"]
         assert relative_l2(got["params"], expected["params"]) <= BF16_PARAM_RTOL
     fp32 = case_results(ranks, ("run", "accumulated, clipped", "ddp"))[0]
@@ -273,20 +274,20 @@ def test_save_state_then_load_state_continues_bitwise(ranks, variant, config):
         assert resumed["norms"] == uninterrupted["norms"][SAVE_AT:]
         assert resumed["lr"] == uninterrupted["lr"]
         assert all(torch.equal(resumed["params"][n], uninterrupted["params"][n]) for n in resumed["params"])
-        saved = resumed["kinds"]["model.safetensors"]  # whole, not one tensor per flat bucket
+        saved = resumed["checks"]["model.safetensors"]  # whole, not one tensor per flat bucket
         assert saved["names"] == saved["ddp names"] and saved["restored values"]
 
 
 def test_returns_what_accelerate_prepare_returns_without_ddp(ranks):
     for got, expected in zip(case_results(ranks, ("run", "clip value", "stage 2")),
                              case_results(ranks, ("run", "clip value", "ddp"))):
-        model, optimizer, loader, scheduler = got["kinds"]["types"]
-        assert got["kinds"]["model is bare"] and model == "GPT2LMHeadModel"
-        assert expected["kinds"]["types"][0] == "DistributedDataParallel"
+        model, optimizer, loader, scheduler = got["checks"]["types"]
+        assert got["checks"]["model is bare"] and model == "GPT2LMHeadModel"
+        assert expected["checks"]["types"][0] == "DistributedDataParallel"
         assert optimizer == "AcceleratedShardedOptimizer"  # an AcceleratedOptimizer subclass
-        assert [loader, scheduler] == expected["kinds"]["types"][2:] == ["DataLoaderShard", "AcceleratedScheduler"]
-        assert got["kinds"]["batches"] == expected["kinds"]["batches"] == STEPS  # each rank every other batch
-        assert got["kinds"]["devices"] == ("cpu:0", "cpu"), "accelerate's cpu:0 is the model's cpu: not moved"
+        assert [loader, scheduler] == expected["checks"]["types"][2:] == ["DataLoaderShard", "AcceleratedScheduler"]
+        assert got["checks"]["batches"] == expected["checks"]["batches"] == STEPS  # each rank every other batch
+        assert got["checks"]["devices"] == ("cpu:0", "cpu"), "accelerate's cpu:0 is the model's cpu: not moved"
 
 
 def test_rank_0s_buffers_are_broadcast_before_training_forwards(ranks):

@@ -11,8 +11,8 @@ DistributedDataParallel, which would all-reduce every gradient the optimizer alr
 0's shard: every other rank's would be lost. :func:`prepare` keeps everything else of accelerate's:
 
 * **The model** is the model itself, never moved and never wrapped in DDP (as accelerate returns it on one
-  process, so ``accelerator.unwrap_model``, ``save_model`` and ``get_state_dict`` keep working), with autocast
-  for ``mixed_precision="bf16"`` applied by accelerate. Of DDP it keeps two behaviours: ``model.no_sync`` is
+  process, so ``accelerator.unwrap_model`` and ``get_state_dict`` keep working), with autocast for
+  ``mixed_precision="bf16"`` applied by accelerate. Of DDP it keeps two behaviours: ``model.no_sync`` is
   :meth:`ShardedOptimizer.accumulating` (what ``accelerator.accumulate(model)`` and ``accelerator.no_sync(model)``
   enter on non-final micro-batches), and rank 0's buffers are broadcast before every forward with gradients
   enabled (:func:`zeroimpl.broadcast_buffers`; ``DistributedDataParallelKwargs(broadcast_buffers=False)`` turns it
@@ -27,6 +27,10 @@ DistributedDataParallel, which would all-reduce every gradient the optimizer alr
   only names that folder; ``accelerator.load_state(dir)`` restores the optimizer and the model from the shards
   (:func:`zeroimpl.checkpoint.load_checkpoint`, on any world size) and refuses a folder without them. The rest
   (scheduler, RNG states, ``model.safetensors``, dataloader samplers) is accelerate's own.
+* **Saving the model**: the parameters are views of the optimizer's flat buckets, and accelerate keeps one tensor
+  per storage in a safetensors file, so ``accelerator.save_model(model, dir)`` would write one per bucket. The
+  ``model.safetensors`` of ``save_state`` is made whole here (:func:`_save_shards`); elsewhere save with
+  ``accelerator.unwrap_model(model).save_pretrained(dir)`` or ``save_model(..., safe_serialization=False)``.
 
 Only a ShardedOptimizer is accepted: a plain torch optimizer is refused, not converted, because the scheduler
 given with it already holds it (and a converted one would leave the user's own reference stepping nothing).
@@ -37,8 +41,6 @@ from __future__ import annotations
 import collections
 import os
 import weakref
-from typing import Optional
-
 import accelerate
 import torch
 import torch.distributed as dist
@@ -63,7 +65,7 @@ class AcceleratedShardedOptimizer(AcceleratedOptimizer):
     ShardedOptimizer. ``state_dict()`` and ``load_state_dict()`` are for ``accelerator.save_state`` and
     ``load_state`` only, whose hooks move the shards through the checkpoint API: outside them ``state_dict()``
     raises, since one rank's shard saved from the main process would lose all the others. Invariant:
-    ``saving_into`` is set only between ``save_state``'s hook and its ``state_dict()`` call, ``restored`` only
+    ``saving`` is true only between ``save_state``'s hook and its ``state_dict()`` call, ``restored`` only
     between ``load_state``'s hook and its ``load_state_dict()`` call.
     """
 
@@ -71,20 +73,20 @@ class AcceleratedShardedOptimizer(AcceleratedOptimizer):
         super().__init__(optimizer, device_placement=False, scaler=scaler)
         self.model = model  # the bare model, as the checkpoint API saves and restores it
         self.checkpoint_subdir = checkpoint_subdir
-        self.saving_into: Optional[str] = None
+        self.saving = False
         self.restored = False
         # accelerate's mark of an object it has prepared (no public seam): Accelerator.prepare then registers this
         # wrapper as it is, instead of wrapping it again with device placement
         self._is_accelerate_prepared = True
 
     def state_dict(self) -> dict:
-        if self.saving_into is None:
+        if not self.saving:
             raise RuntimeError(
                 "optimizer.state_dict() of a ShardedOptimizer holds this rank's shard only (saved from the main "
                 "process, every other rank's shard would be lost): save with accelerator.save_state(dir) on every "
                 "process, or zeroimpl.checkpoint.save_checkpoint(dir, optimizer.optimizer, model); "
                 "optimizer.optimizer.state_dict() is this rank's shard, to save on every rank")
-        self.saving_into = None
+        self.saving = False
         return {SHARDS_KEY: self.checkpoint_subdir}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -118,8 +120,8 @@ def prepare(accelerator: accelerate.Accelerator, *objects):
     plain = [o for o in objects if isinstance(o, torch.optim.Optimizer) and not isinstance(o, ShardedOptimizer)]
     if plain:
         raise TypeError(
-            f"zeroimpl.integrations.accelerate.prepare takes a zeroimpl.ShardedOptimizer, got {type(plain[0]).__name__}:"
-            " build ShardedOptimizer(param_groups, torch.optim.AdamW, stage=2, lr=...) over the model's parameters "
+            "zeroimpl.integrations.accelerate.prepare takes a zeroimpl.ShardedOptimizer, got "
+            f"{type(plain[0]).__name__}: build ShardedOptimizer(param_groups, torch.optim.AdamW, stage=2, lr=...) over the model's parameters "
             "(the same groups and hyperparameters) and the scheduler over it. A plain optimizer is not converted: "
             "the scheduler already holds it")
     optimizer_of = _pair_models_with_optimizers(objects)
@@ -233,7 +235,7 @@ def _save_shards(accelerator: accelerate.Accelerator, optimizers: list[Accelerat
     writes = accelerator.is_local_main_process if configuration.save_on_each_node else accelerator.is_main_process
     for optimizer in optimizers:
         save_checkpoint(os.path.join(output_dir, optimizer.checkpoint_subdir), optimizer.optimizer, optimizer.model)
-        optimizer.saving_into = output_dir
+        optimizer.saving = True
         for index, model in enumerate(models):
             if writes and _is_or_wraps(model, optimizer.model):
                 weights[index] = _unaliased(weights[index])
