@@ -101,7 +101,39 @@ def _at_world_size_2(rank, world_size, root):
     # the same world size is compared with the uninterrupted run of the save launch: no reference run here
     return {"resumed": _resume_runs(rank, world_size, root, SAME_SIZE_VARIANTS, reference=False),
             "one_more_step": _one_more_step_rank(rank, world_size, root),
-            "files_read": _files_read_on_load(rank, world_size, root)}
+            "files_read": _files_read_on_load(rank, world_size, root),
+            "compiled": _compiled_model_round_trip(rank, world_size, root)}
+
+
+def _compiled_model_round_trip(rank, world_size, root):
+    """Saved through ``torch.compile``'s wrapper (state-dict names prefixed ``_orig_mod.``; nothing is compiled
+    before a forward), loaded into the bare model, and the other way round: the weights and the state come back."""
+    out = {}
+    for name, save_compiled in (("compiled-save", True), ("compiled-load", False)):
+        model, optimizer = make(torch.float32, "adamw", 2, None)
+        train_on_global_batch(model, optimizer, rank, world_size, range(2))
+        save_checkpoint(os.path.join(root, name), optimizer, torch.compile(model) if save_compiled else model)
+        saved_params, saved_state = params_of(model), optimizer.state_dict()
+        model, optimizer = make(torch.float32, "adamw", 2, None)
+        load_checkpoint(os.path.join(root, name), optimizer, model if save_compiled else torch.compile(model))
+        loaded = params_of(model)
+        out[name] = all(torch.equal(loaded[n], saved_params[n]) for n in saved_params) and all(
+            torch.equal(a, b) for a, b in zip(_tensors(saved_state), _tensors(optimizer.state_dict())))
+    return out
+
+
+def _tensors(state, found=None):
+    """Every tensor in a nested state dict, in order."""
+    found = [] if found is None else found
+    if torch.is_tensor(state):
+        found.append(state)
+    elif isinstance(state, dict):
+        for value in state.values():
+            _tensors(value, found)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            _tensors(value, found)
+    return found
 
 
 def _at_world_size_3(rank, world_size, root):
@@ -228,6 +260,11 @@ def _files_read_on_load(rank, world_size, root):
     finally:
         files.read = original
     return sorted(n for n in opened if n.startswith("rank-"))
+
+
+def test_a_compiled_models_checkpoint_loads_into_the_bare_model_and_back(at_world_size_2):
+    for by_rank in at_world_size_2:
+        assert by_rank["compiled"] == {"compiled-save": True, "compiled-load": True}
 
 
 def test_sharded_load_reads_only_needed_files(at_world_size_2):

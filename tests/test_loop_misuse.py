@@ -287,6 +287,7 @@ def _two_ranks(rank, world_size, shared_directory):
     for stage in (1, 2):
         cases[("double", stage)] = lambda stage=stage: _changed_model(stage, lambda m: m.double())
         cases[("half", stage)] = lambda stage=stage: _changed_model(stage, lambda m: m.half())
+        cases[("cpu:0", stage)] = lambda stage=stage: _changed_model(stage, lambda m: m.to(torch.device("cpu", 0)))
         cases[("param.data", stage)] = lambda stage=stage: _changed_model(
             stage, lambda m: setattr(m.head.weight, "data", torch.zeros_like(m.head.weight)))
         cases[("assign", stage)] = lambda stage=stage: _changed_model(
@@ -320,13 +321,24 @@ def two_ranks(tmp_path_factory):
 STAGES = (1, 2)
 
 
+CAUSES = {  # what the error tells of each change
+    "double": "converted from torch.float32 to torch.float64",
+    "half": "converted from torch.float32 to torch.float16",
+    "param.data": "copied onto the device it was already on",
+    # a framework's device placement on CPU (accelerate's prepare, Trainer): .to() copies onto cpu:0
+    "cpu:0": "copied onto the device it was already on, which is what a framework's device placement does",
+}
+
+
 @pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("change", ["double", "half", "param.data"])
+@pytest.mark.parametrize("change", sorted(CAUSES))
 def test_converting_the_model_after_building_raises_before_any_update(two_ranks, change, stage):
     for results in two_ranks:
         message, unchanged = case_result(results, (change, stage))
         assert message.startswith("RuntimeError") and "no longer live in the optimizer's flat buffers" in message
-        assert "build the optimizer" in message and unchanged
+        assert CAUSES[change] in message and "build the optimizer" in message and unchanged
+        for route in ("strategy=\"zero2\"", "zeroimpl.integrations.accelerate.prepare", "ZeroTrainer"):
+            assert route in message
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -44,19 +44,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         params: parameters or param-group dicts, as any torch optimizer takes. Frozen parameters (``requires_grad=
             False``) are left alone. Rank 0's values overwrite the others' at construction, as DDP's (``init_sync``).
             The model must not be wrapped in DistributedDataParallel (this optimizer reduces the gradients itself).
-            A group may name its own
-            optimizer class under ``"optimizer"`` (``{"params": matrices, "optimizer": torch.optim.Muon, "lr":
-            0.02}``); its other keys are that class's hyperparameters.
+            A group may name its own class under ``"optimizer"`` (``{"params": matrices, "optimizer":
+            torch.optim.Muon, "lr": 0.02}``); its other keys are that class's hyperparameters.
         optimizer_class: the ``torch.optim.Optimizer`` subclass of the groups that name none. Elementwise classes
             (AdamW, Adam, SGD, ...) get flat shards; Muon, Adafactor and the classes in ``per_parameter`` get
             whole-parameter shards (each parameter stepped whole, by one rank); LBFGS and SparseAdam are refused.
         stage: 1 -- shard optimizer state and master weights; gradients are reduce-scattered once per step.
             2 -- also shard gradients: they are reduce-scattered bucket by bucket during backward.
         offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`: the fp32 master weights, the optimizer state
-            and the fp32 gradient shard live in host memory and the step runs on the CPU (with the fused CPU
-            kernel where there is one); the device keeps the parameters and transient buckets. With gradient
-            accumulation in stage 2, run the non-final micro-batches under ``optimizer.accumulating()`` so
-            that they sum on the device and the shard crosses to the host once per step.
+            and the fp32 gradient shard live in host memory and the step runs on the CPU (fused where it can); the
+            device keeps the parameters and transient buckets. In stage 2, run non-final micro-batches under
+            ``optimizer.accumulating()``: they sum on the device and the shard crosses to the host once per step.
         process_group: the data-parallel group (default: the whole world).
         device_mesh: instead of ``process_group``, a ``torch.distributed.DeviceMesh``. 1-D: as its group. 2-D
             (replicate x shard, dims named ``("replicate", "shard")`` as FSDP2's HSDP, or unnamed): *hybrid
@@ -65,26 +63,23 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             shard across replicas, all-gather in the shard group, so that the traffic between replicas is Ψ/n
             per rank (n: shard-group size) instead of DDP's 2Ψ. ``rank`` and ``world_size`` then describe the
             shard group; ``topology`` describes both.
-        bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32): larger, fewer
-            collectives; smaller, more overlap and smaller transient buffers.
-        max_inflight_buckets: reduce-scatters (and, hybrid, replica all-reduces) in flight before backward waits
-            for the oldest (default 2): bounds the buffers alive during backward; 0 waits for each at once.
-        reduce_dtype: dtype in which gradients are reduced and the gradient shard is kept. Default: fp32 (fp64
-            for fp64 parameters), for accuracy with 16-bit models.
+        bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32).
+        max_inflight_buckets: reduce-scatters (hybrid: and replica all-reduces) in flight before backward waits for
+            the oldest (default 2; 0: each at once): bounds the buffers alive during backward.
+        reduce_dtype: dtype in which gradients are reduced and their shard kept (default fp32; fp64 for fp64 models).
         loss_scale: dynamic loss scaling. ``"auto"`` (default): on when any parameter is fp16. A
             :class:`LossScaleConfig`: on with those settings (fp16 autocast over fp32 parameters). ``None``: off.
             When on, call ``optimizer.backward(loss)`` (or ``optimizer.scale_loss(loss).backward()``) instead
             of ``loss.backward()``; steps whose gradients overflow are skipped and the scale backs off.
-        verify_every: every this many steps, compare a checksum of the parameters across ranks after the step
-            (one small all-reduce) and raise :class:`zeroimpl.DivergenceError` naming the first parameter that
-            differs (default ``None``: never), so that ranks that silently diverge stop within K steps.
+        verify_every: every this many steps, compare a checksum of the parameters across ranks (one small
+            all-reduce) and raise :class:`zeroimpl.DivergenceError` naming the first that differs (``None``: never).
         nonfinite: what ``step()`` does when the averaged gradients hold NaN or Inf and no loss scaling is on (or
             the scale is at its minimum). ``"raise"`` (default): clear the gradients, leave parameters and state
             untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear the gradients, skip the
             step and count it in ``skipped_steps``. Never an update with NaN.
         collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take before
             it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs); on CUDA, the waits where the host
-            blocks anyway (:mod:`zeroimpl.pending`). Default ``None``: the process group's own timeout.
+            blocks anyway (:mod:`zeroimpl.pending`). ``None`` (default): the process group's timeout.
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
         overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()``
             (default ``True``): the first torch operation or module forward that touches one of its parameters
@@ -93,8 +88,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         quantize_param_gather: all-gather each step's change of the parameters in 8 bits (every rank adds the same
             dequantized change; each keeps an exact fp32 master of its shard): :mod:`zeroimpl.quantized_comm`.
         quantize_grad_reduce: reduce the gradients in 8 bits, summed in fp32 (``"replicas"``: only across replicas).
-        assume_elementwise: shard optimizer classes zeroimpl does not know flat; only set it if they update every
-            element from its own parameter, gradient and state.
+        assume_elementwise: shard unknown classes flat (only if they update each element from its own values alone).
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
             class whose update of a parameter needs all of it), besides Muon and Adafactor.
         init_sync: ``"broadcast"`` (default): rank 0's ``params`` overwrite every rank's at construction, as DDP does
@@ -108,8 +102,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def __init__(self, params: Union[Iterable[torch.Tensor], Iterable[dict]], optimizer_class: type,
                  stage: Literal[1, 2] = 2, *, offload: OffloadOption = None,
                  process_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
-                 bucket_numel: int = 2 ** 22, max_inflight_buckets: int = 2,
-                 reduce_dtype: Optional[torch.dtype] = None,
+                 bucket_numel: int = 2 ** 22, max_inflight_buckets: int = 2, reduce_dtype: Optional[torch.dtype] = None,
                  loss_scale: Union[Literal["auto"], None, LossScaleConfig] = "auto",
                  nonfinite: Literal["raise", "skip"] = "raise",
                  collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
@@ -175,6 +168,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                     collective_timeout)
         self._constructed = True
 
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
+        """A ShardedOptimizer of ``optimizer``'s class, param groups and hyperparameters (``options``: this class's
+        keywords), for code that builds a torch optimizer (nanoGPT's ``configure_optimizers``), before it steps."""
+        groups, optimizer_class = optimizer_kinds.settings_of(optimizer)
+        return cls(groups, optimizer_class, stage, **options)
+
     def add_param_group(self, param_group: dict) -> None:
         """Refused after construction: the shard layout is fixed."""
         if getattr(self, "_constructed", True):
@@ -205,7 +205,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.scale_loss(loss).backward(**backward_kwargs)
 
     def accumulating(self) -> ContextManager[None]:
-        """Mark the backward passes inside as non-final micro-batches (a hint: stage 2 offload sums them on the device)."""
+        """Mark the backward passes inside as non-final micro-batches (a hint: offload sums them on the device)."""
         return accumulating(self.gradients)
 
     # -- torch.distributed.algorithms.Join ---------------------------------------------------------

@@ -167,6 +167,18 @@ def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: C
     return groups, works, blocks
 
 
+def settings_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict], type]:
+    """The param groups (copies, every hyperparameter in each) and class of a torch optimizer, for a
+    ShardedOptimizer that steps the same way. Refused once it holds state: that state would be left behind."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"from_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if any(optimizer.state.values()):
+        raise ValueError(f"this {type(optimizer).__name__} has stepped (it holds state), which a ShardedOptimizer "
+                         "built from it would not keep: wrap it before its first step, or load its state after "
+                         "wrapping with zeroimpl.checkpoint.load_torch_optimizer_state")
+    return [dict(group) for group in optimizer.param_groups], type(optimizer)
+
+
 def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:
     """Param groups (copies) with their optimizer class under ``"optimizer"``: ``optimizer_class`` where a group
     names none, and then ``optimizer_kwargs`` as defaults of the hyperparameters of every group of

@@ -28,6 +28,7 @@ time.
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 import torch
@@ -43,10 +44,12 @@ from .format import (FORMAT, READABLE_FORMATS, block_range, class_name, copy_sca
 from .reshard import plan
 from .subclass_state import joined, require_logical_order
 
+_UNCOMPILED = re.compile(r"(^|\.)_orig_mod\.")  # torch.compile's OptimizedModule in a state-dict name
+
 
 # -- save ---------------------------------------------------------------------------------------------
 def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
-                    timeout: Optional[float] = None) -> None:
+                    timeout: Optional[float] = None, *, when: Optional[bool] = None) -> bool:
     """Save ``optimizer`` and ``model`` to ``directory``. Collective: call it on every rank of the optimizer's
     group, with a ``directory`` that every rank sees (a local disk for one machine, a shared one otherwise).
 
@@ -58,10 +61,18 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     Each rank writes only its own shard; nothing is gathered. With hybrid sharding (a 2-D device mesh) the
     ranks of the first replica write, one copy of each shard, and the checkpoint is that of their shard
     group (it loads onto any mesh or flat world). ``directory`` is replaced only once the new checkpoint is
-    complete.
+    complete. A model wrapped by ``torch.compile`` saves and loads under its own parameter names.
+
+    ``when``: for a loop whose master process alone decides to save (nanoGPT's saves when its validation loss
+    improves): call this on every rank with the decision, of which only the first rank's counts; every rank
+    follows it (one broadcast) and saves, or not. ``None``: save. Returns whether it saved.
     """
     _check_arguments(optimizer, model, "save_checkpoint")
     topology = optimizer.topology
+    if when is not None:
+        decision = torch.tensor([bool(when)], dtype=torch.uint8, device=topology.device)
+        if not topology.broadcast_from_first_(decision, timeout, "the first rank's save decision").item():
+            return False
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
     entry = None
@@ -101,6 +112,7 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     except Exception as caught:
         error = caught
     _agree(error, optimizer, timeout, "publishing the checkpoint")
+    return True
 
 
 def _same_keys(keys: list[Optional[list[str]]]) -> Optional[list[str]]:
@@ -137,7 +149,7 @@ def _rank_payload(optimizer: ShardedOptimizer, split: list) -> dict:
 def _param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
     """Every state-dict name of each trainable parameter (tied weights have several)."""
     names: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in _model_state(model, keep_vars=True).items():
         names.setdefault(id(tensor), []).append(name)
     found = [names.get(id(p), []) for p in optimizer.trainable_params]
     if not all(found):
@@ -149,8 +161,14 @@ def _param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[li
 def _model_extras(optimizer: ShardedOptimizer, model: torch.nn.Module) -> dict:
     """The model state the optimizer does not hold: frozen parameters and persistent buffers."""
     trainable = {id(p) for p in optimizer.trainable_params}
-    return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict(keep_vars=True).items()
+    return {name: tensor.detach().cpu().clone() for name, tensor in _model_state(model, keep_vars=True).items()
             if id(tensor) not in trainable}
+
+
+def _model_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under the names of the model itself, also when ``torch.compile`` wrapped it (whose
+    state dict prefixes every name with ``_orig_mod.``): a compiled model and the model are one checkpoint."""
+    return {_UNCOMPILED.sub(r"\1", name): tensor for name, tensor in model.state_dict(keep_vars=keep_vars).items()}
 
 
 def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, keys: list[Optional[list[str]]],
@@ -208,7 +226,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     optimizer.zero_grad(set_to_none=True)
     optimizer.restore_state(piece_states, hyperparameters, masters, index["loss_scaler"], published)
     with torch.no_grad():
-        state = model.state_dict()
+        state = _model_state(model)
         for name, tensor in extras.items():
             state[name].copy_(tensor)
 
@@ -247,7 +265,7 @@ def _classes(optimizer: ShardedOptimizer) -> list[str]:
 
 
 def _check_extras(extras: dict, model: torch.nn.Module) -> None:
-    state = model.state_dict()
+    state = _model_state(model)
     for name, tensor in extras.items():
         if name not in state or tuple(state[name].shape) != tuple(tensor.shape):
             raise CheckpointError(f"the checkpoint's model entry {name!r} {tuple(tensor.shape)} does not fit this "
