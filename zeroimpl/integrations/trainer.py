@@ -31,12 +31,23 @@ How it fits Trainer (transformers 5), and the traps it avoids:
   another world size. Trainer never calls ``optimizer.state_dict()`` for the checkpoint.
 * **DeepSpeed / FSDP settings** in ``TrainingArguments`` raise at construction: two sharding systems would
   both own the gradients.
+
+Other ``Trainer`` subclasses (TRL's ``SFTTrainer`` / ``DPOTrainer``, a PEFT model's trainer, your own) get the same by
+one class with ZeroTrainer first among its bases::
+
+    class ZeroSFTTrainer(ZeroTrainer, SFTTrainer): pass
+
+ZeroTrainer must come first: its ``__init__`` takes the ``zero_*`` keywords before the other trainer's ``__init__``
+sees them, and its hooks (:data:`REPLACED_HOOKS`) are the ones Trainer calls. The other order is refused when the
+class is defined (:func:`check_base_order`). An override of one of those hooks in the other trainer does not run;
+defining the class warns, naming it (:func:`bypassed_overrides`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -48,6 +59,11 @@ from zeroimpl.integrations.models import split_hidden_matrices
 
 CHECKPOINT_SUBDIR = "zeroimpl"
 
+# Trainer's hooks that ZeroTrainer replaces without calling the next class's: it owns the optimizer, the model's
+# wrapping, clipping and the optimizer's part of a checkpoint.
+REPLACED_HOOKS = ("create_optimizer", "_wrap_model", "_clip_grad_norm", "_get_grad_norm",
+                  "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+
 
 CONFLICT = ("ZeroTrainer shards the optimizer itself, so it cannot run with DeepSpeed or FSDP (both would own "
             "the gradients): remove deepspeed=... / fsdp=... from TrainingArguments (and from accelerate's config), "
@@ -58,6 +74,49 @@ def check_training_arguments(args: transformers.TrainingArguments) -> None:
     """Refuse settings ZeroTrainer cannot honour, before Trainer builds anything."""
     if args.deepspeed or args.fsdp:
         raise ValueError(CONFLICT)
+
+
+def training_arguments_among(args: tuple, kwargs: dict) -> Optional[transformers.TrainingArguments]:
+    """The ``TrainingArguments`` a trainer's constructor was given, by keyword or at any position (TRL's
+    ``DPOTrainer`` takes ``ref_model`` second and ``args`` third)."""
+    return next((a for a in (kwargs.get("args"), *args) if isinstance(a, transformers.TrainingArguments)), None)
+
+
+def check_base_order(cls: type) -> None:
+    """Refuse a ZeroTrainer subclass in whose method resolution order another ``Trainer`` subclass stands before
+    ZeroTrainer (``class X(SFTTrainer, ZeroTrainer)``), naming the order that works.
+
+    Invariant kept for every class that passes: ZeroTrainer's methods come before those of every ``Trainer`` subclass
+    that is not itself a ZeroTrainer, so ZeroTrainer's ``__init__`` takes the ``zero_*`` keywords before another
+    trainer's ``__init__`` sees them (which would raise ``TypeError: unexpected keyword argument 'zero_stage'``),
+    and Trainer calls ZeroTrainer's hooks, not another trainer's (which would build a plain optimizer and wrap the
+    model in DDP)."""
+    mro = cls.__mro__
+    before = [c for c in mro[:mro.index(ZeroTrainer)]
+              if issubclass(c, transformers.Trainer) and not issubclass(c, ZeroTrainer)]
+    if before:
+        fixed = sorted(cls.__bases__, key=lambda base: not issubclass(base, ZeroTrainer))  # stable: the rest keep order
+        raise TypeError(
+            f"class {cls.__name__}({_names(cls.__bases__)}) puts {before[0].__name__} before ZeroTrainer, so "
+            f"{before[0].__name__}'s __init__ would be handed ZeroTrainer's zero_* keywords (TypeError: unexpected "
+            f"keyword argument 'zero_stage') and any Trainer hook it overrides would replace ZeroTrainer's (a plain "
+            f"optimizer, the model wrapped in DDP). Put ZeroTrainer first: class {cls.__name__}({_names(fixed)})")
+
+
+def bypassed_overrides(cls: type) -> list[str]:
+    """``Class.hook`` for each of :data:`REPLACED_HOOKS` that a ``Trainer`` subclass after ZeroTrainer in ``cls``'s
+    method resolution order overrides and no class before ZeroTrainer overrides again: what those overrides add
+    (TRL's GRPOTrainer restores its entropy controller in ``_load_optimizer_and_scheduler``) never runs."""
+    mro = cls.__mro__
+    position = mro.index(ZeroTrainer)
+    redefined = {name for c in mro[:position] for name in vars(c)}
+    return [f"{c.__name__}.{hook}" for c in mro[position + 1:]
+            if issubclass(c, transformers.Trainer) and c is not transformers.Trainer
+            for hook in REPLACED_HOOKS if hook in vars(c) and hook not in redefined]
+
+
+def _names(classes) -> str:
+    return ", ".join(c.__name__ for c in classes)
 
 
 class OptimizerLossScaler:
@@ -157,9 +216,19 @@ class ZeroTrainer(transformers.Trainer):
     those Muon does not train.
     """
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        check_base_order(cls)
+        bypassed = bypassed_overrides(cls)
+        if bypassed:
+            warnings.warn(f"{cls.__name__}: ZeroTrainer replaces {', '.join(bypassed)} (it owns the optimizer, the "
+                          "model's wrapping, clipping and the optimizer's checkpoint), so these overrides do not run; if "
+                          f"what they add matters, override the hook in {cls.__name__}, call super() (ZeroTrainer's) "
+                          "and add it there", stacklevel=2)
+
     def __init__(self, *args, zero_stage: int = 2, zero_offload: Union[None, str, CPUOffload] = None,
                  zero_options: Optional[dict] = None, zero_muon: Optional[dict] = None, **kwargs):
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        training_args = training_arguments_among(args, kwargs)
         if training_args is not None:
             check_training_arguments(training_args)
         super().__init__(*args, **kwargs)
