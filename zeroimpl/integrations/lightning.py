@@ -1,0 +1,521 @@
+"""PyTorch Lightning with zeroimpl: ZeRO stage 1/2 and CPU offload for ``Trainer`` and ``Fabric`` by naming a strategy.
+
+    import zeroimpl.integrations.lightning                          # registers the names below
+    trainer = lightning.Trainer(strategy="zero2", devices=2)        # or "zero1", "zero2_offload", ZeroStrategy(...)
+    fabric = lightning.Fabric(strategy="zero2", devices=2)          # or FabricZeroStrategy(...)
+
+The LightningModule (``configure_optimizers``) and the Fabric loop (``fabric.setup(model, optimizer)``) stay as they
+are: any torch optimizer is rebuilt as a :class:`~zeroimpl.ShardedOptimizer` of the same class, param groups and
+hyperparameters (a ``ShardedOptimizer`` is taken as is), and the LR schedulers are re-pointed at it.
+
+Both strategies are Lightning's ``DDPStrategy`` (launch, process group, distributed sampler, metric reduction)
+with every place that assumes a ``DistributedDataParallel`` wrapper replaced:
+
+* **No DDP.** The model is never wrapped (ShardedOptimizer reduces the gradients itself and refuses a DDP model).
+  Rank 0's parameters and buffers are broadcast once at setup, as DDP's constructor does.
+* **Buffers** (BatchNorm's statistics): rank 0's are broadcast before a forward exactly when DDP with
+  ``broadcast_buffers=True`` would (:class:`DDPBufferBroadcast`), so every rank holds DDP's buffers.
+* **Accumulation**: Trainer's ``block_backward_sync`` (``accumulate_grad_batches``) and Fabric's
+  ``no_backward_sync`` become :meth:`ShardedOptimizer.accumulating`.
+* **Clipping by norm** is :meth:`ShardedOptimizer.clip_grad_norm_`, the global norm over every rank's shard
+  (Trainer: the precision plugin's ``clip_grad_by_norm``; Fabric: ``clip_gradients_norm``). By value, torch's
+  ``clip_grad_value_`` acts on the sharded ``param.grad`` views elementwise, as under DDP.
+* **fp16 mixed precision** runs through Lightning's own ``MixedPrecision`` plugin and its ``torch.amp.GradScaler``,
+  which unscales and checks the sharded ``param.grad`` views (the inf check is agreed across ranks). Lightning
+  turns ``precision="16-mixed"`` on CPU into ``"bf16-mixed"``; pass ``plugins=MixedPrecision("16-mixed", "cpu")``
+  for fp16 there. Parameters in fp16 (``"16-true"``) would need ShardedOptimizer's own loss scaling, which
+  Lightning does not call: refused at setup.
+* **Checkpoints** keep every rank's shard. Lightning writes rank 0's ``optimizer.state_dict()`` alone; here
+  every rank writes its own shard with :func:`zeroimpl.checkpoint.save_checkpoint` into a folder beside the
+  Lightning checkpoint, ``<checkpoint>.zeroimpl/<optimizer>/``, and the Lightning file keeps everything else
+  (weights, loops, schedulers, callbacks, the GradScaler) with a placeholder for the optimizer that names the
+  folder. Resuming loads the shards with :func:`~zeroimpl.checkpoint.load_checkpoint`, on any number of
+  devices; a checkpoint without its folder raises, it never starts the optimizer afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import shutil
+import weakref
+from datetime import timedelta
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim.optimizer import Optimizer
+
+from zeroimpl import ShardedOptimizer, sync_buffers
+from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+
+SHARDS_SUFFIX = ".zeroimpl"  # the shard folder beside a Lightning checkpoint: <checkpoint>.zeroimpl/
+CHECKPOINT_KEY = "zeroimpl"  # in the Lightning checkpoint: which folder holds the optimizer shards
+# name -> ShardedOptimizer options, registered for Trainer and Fabric alike
+REGISTERED = {"zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero2_offload": {"stage": 2, "offload": "cpu"}}
+# ShardedOptimizer's own keywords: everything else it takes goes to the inner optimizer class
+SHARDED_OPTIONS = frozenset(name for name, parameter in inspect.signature(ShardedOptimizer).parameters.items()
+                            if parameter.kind is not inspect.Parameter.VAR_KEYWORD and name != "params"
+                            and name != "optimizer_class")
+
+
+# -- the optimizer ----------------------------------------------------------------------------------
+def check_options(options: dict, strategy: str) -> dict:
+    """Refuse a keyword ShardedOptimizer does not take, before it would reach the inner optimizer class."""
+    unknown = sorted(set(options) - SHARDED_OPTIONS)
+    if unknown:
+        raise TypeError(f"{strategy} got {unknown}, which ShardedOptimizer does not take; its options are "
+                        f"{sorted(SHARDED_OPTIONS)} (the optimizer's hyperparameters belong in configure_optimizers)")
+    return options
+
+
+def sharded_like(optimizer: Optimizer, options: dict) -> ShardedOptimizer:
+    """``optimizer`` as a ShardedOptimizer: the same class, param groups (every key, ``initial_lr`` of a scheduler
+    included) and defaults; a ShardedOptimizer is returned as it is. ``options``: ShardedOptimizer's keywords."""
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer.optimizer
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer
+    if optimizer.state:
+        raise ValueError(f"the {type(optimizer).__name__} handed to the zeroimpl strategy already holds state (it "
+                         "stepped or loaded a state dict), which ShardedOptimizer would drop: hand it over before "
+                         "any step, and resume from a checkpoint instead")
+    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold keys __init__ refuses
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ShardedOptimizer(groups, type(optimizer), **options, **defaults)
+
+
+def check_loss_scaling(optimizer: ShardedOptimizer) -> None:
+    """Refuse an optimizer whose own loss scaling is on (fp16 parameters): Lightning would never scale the loss."""
+    if optimizer.loss_scale is not None:
+        raise ValueError("the model has fp16 parameters, whose ShardedOptimizer scales the loss itself "
+                         "(optimizer.backward), which Lightning never calls: train with precision='16-mixed' "
+                         "(fp32 parameters and a GradScaler) or 'bf16-true' instead of '16-true'")
+
+
+def repoint_schedulers(schedulers: Iterable[Any], replaced: dict[int, ShardedOptimizer]) -> None:
+    """Point each LR scheduler built over a replaced optimizer (``id(old) -> new``) at its ShardedOptimizer, whose
+    param groups carry the same ``lr`` and ``initial_lr``."""
+    for scheduler in schedulers:
+        new = replaced.get(id(getattr(scheduler, "optimizer", None)))
+        if new is None:
+            continue
+        scheduler.optimizer = new
+        track_step_calls(new)
+
+
+def track_step_calls(optimizer: Optimizer) -> None:
+    """What torch's LRScheduler does to the optimizer it is built over (a private protocol of
+    ``torch.optim.lr_scheduler``: ``step._wrapped_by_lr_sched`` and ``_opt_called``): mark each ``step()`` call, so
+    that the scheduler's check that ``optimizer.step()`` ran first holds and does not warn that step was replaced."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step, reference = type(optimizer).step, weakref.ref(optimizer)  # no cycle: dropping it waits for its gathers
+
+    @functools.wraps(step)
+    def marked(*args, **kwargs):
+        owner = reference()
+        owner._opt_called = True
+        return step(owner, *args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True
+    optimizer.step = marked
+
+
+def owned_by(module: torch.nn.Module, optimizers: Iterable[ShardedOptimizer]) -> list[ShardedOptimizer]:
+    """The optimizers that train a parameter of ``module``."""
+    params = {id(p) for p in module.parameters()}
+    return [opt for opt in optimizers if any(id(p) in params for g in opt.param_groups for p in g["params"])]
+
+
+@contextlib.contextmanager
+def accumulating(optimizers: Iterable[ShardedOptimizer]):
+    """Every optimizer's :meth:`~ShardedOptimizer.accumulating` (DDP's ``no_sync``)."""
+    with contextlib.ExitStack() as stack:
+        for optimizer in optimizers:
+            stack.enter_context(optimizer.accumulating())
+        yield
+
+
+# -- the model --------------------------------------------------------------------------------------
+@torch.no_grad()
+def broadcast_module_state(module: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP's constructor makes them. Collective."""
+    for param in module.parameters():
+        dist.broadcast(param.data, src=0)
+    sync_buffers(module)
+
+
+class DDPBufferBroadcast:
+    """Rank 0's buffers broadcast before a forward exactly when ``DistributedDataParallel(broadcast_buffers=True)``
+    broadcasts them (its ``require_forward_param_sync``): before the first forward, and before every forward that
+    follows one run with gradients enabled outside ``no_sync``. So after a non-final micro-batch of accumulation,
+    or after an evaluation forward, the next forward keeps each rank's own buffers, as under DDP.
+
+    ``forward()`` brackets one forward of the model (the Trainer's training and validation steps); ``attach``
+    registers the same rule as hooks on a module (Fabric). ``accumulating`` is set inside ``no_sync``.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.due = True
+        self.accumulating = False
+
+    def before(self) -> None:
+        if self.due:
+            sync_buffers(self.module)
+
+    def after(self) -> None:
+        self.due = torch.is_grad_enabled() and not self.accumulating
+
+    @contextlib.contextmanager
+    def forward(self):
+        self.before()
+        yield
+        self.after()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.accumulating = True
+        try:
+            yield
+        finally:
+            self.accumulating = False
+
+    def attach(self) -> list:
+        """Hooks around every forward of the module; remove them with ``handle.remove()``."""
+        return [self.module.register_forward_pre_hook(lambda module, args: self.before()),
+                self.module.register_forward_hook(lambda module, args, output: self.after())]
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def shards_directory(checkpoint_path: Union[str, os.PathLike]) -> str:
+    """The folder beside ``checkpoint_path`` for its optimizer shards (through a ``last.ckpt`` link: beside the
+    file it links to)."""
+    return os.path.realpath(os.fspath(checkpoint_path)) + SHARDS_SUFFIX
+
+
+def save_shards(checkpoint_path, optimizers: dict[str, ShardedOptimizer], modules: list[torch.nn.Module]) -> dict:
+    """Every rank writes its shard of each optimizer to ``<checkpoint>.zeroimpl/<name>/``. Collective. Returns what
+    the Lightning checkpoint records under :data:`CHECKPOINT_KEY`."""
+    directory = shards_directory(checkpoint_path)
+    for name, optimizer in optimizers.items():
+        save_checkpoint(os.path.join(directory, name), optimizer, model_of(optimizer, modules))
+    return {"directory": os.path.basename(directory), "optimizers": sorted(optimizers),
+            "world_size": dist.get_world_size()}
+
+
+def load_shards(checkpoint_path, record: Optional[dict], optimizers: dict[str, ShardedOptimizer],
+                modules: list[torch.nn.Module]) -> None:
+    """Restore each optimizer from the folder ``record`` names beside ``checkpoint_path``. Collective. Raises,
+    naming the checkpoint, when it holds no shards or the folder is missing."""
+    if record is None:
+        raise RuntimeError(f"{checkpoint_path} holds no zeroimpl optimizer shards (it was saved by another "
+                           "strategy, or with save_weights_only), so the optimizer state cannot be resumed: resume "
+                           "from a checkpoint saved with the zeroimpl strategy, or load only the weights "
+                           "(LightningModule.load_from_checkpoint) and start the optimizer afresh")
+    directory = os.path.join(os.path.dirname(os.path.realpath(os.fspath(checkpoint_path))), record["directory"])
+    for name, optimizer in optimizers.items():
+        folder = os.path.join(directory, name)
+        if name not in record["optimizers"] or not os.path.isdir(folder):
+            raise FileNotFoundError(f"{checkpoint_path}: the optimizer shards of {name!r} should be in {folder}, "
+                                    "which is missing; copy the checkpoint's .zeroimpl folder along with it")
+        load_checkpoint(folder, optimizer, model_of(optimizer, modules))
+
+
+def model_of(optimizer: ShardedOptimizer, modules: list[torch.nn.Module]) -> torch.nn.Module:
+    """The set-up module whose parameters ``optimizer`` trains (the checkpoint names parameters by it)."""
+    for module in modules:
+        if owned_by(module, [optimizer]):
+            return module
+    raise RuntimeError("the optimizer trains no parameter of a module set up with this strategy; set the model up "
+                       "with the strategy before saving or loading its optimizer")
+
+
+# -- Trainer ----------------------------------------------------------------------------------------
+class ShardedClipping:
+    """Mixed into the Trainer's precision plugin: clipping by norm is the optimizer's global
+    :meth:`ShardedOptimizer.clip_grad_norm_` (Lightning's default computes it from ``param.grad``)."""
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        if not isinstance(optimizer, ShardedOptimizer):
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        optimizer.clip_grad_norm_(clip_val)
+
+
+@functools.lru_cache(maxsize=None)
+def with_sharded_clipping(plugin_class: type) -> type:
+    return type(f"Sharded{plugin_class.__name__}", (ShardedClipping, plugin_class), {})
+
+
+def sharded_precision(plugin: Precision) -> Precision:
+    """A copy of ``plugin`` (the same state: its GradScaler too) whose class also derives from
+    :class:`ShardedClipping`, so that Lightning's checks of the plugin's class still hold."""
+    if isinstance(plugin, ShardedClipping):
+        return plugin
+    copy = object.__new__(with_sharded_clipping(type(plugin)))
+    copy.__dict__.update(plugin.__dict__)
+    return copy
+
+
+class ZeroStrategy(DDPStrategy):
+    """``lightning.pytorch.Trainer`` strategy: data parallel training with a :class:`~zeroimpl.ShardedOptimizer` in
+    place of DistributedDataParallel (see the module docstring for how each DDP hook is replaced).
+
+    Args:
+        stage, offload, **options: ShardedOptimizer's keywords (``bucket_numel``, ``reduce_dtype``, ...).
+        broadcast_buffers: rank 0's buffers broadcast as DDP's ``broadcast_buffers=True`` does (default).
+        The rest: as Lightning's ``DDPStrategy`` (its DDP-only keywords are not taken).
+    """
+
+    def __init__(self, stage: int = 2, offload: Optional[str] = None, broadcast_buffers: bool = True,
+                 accelerator=None, parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
+                 precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen", **options: Any):
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self.zero_options = check_options({"stage": stage, "offload": offload, **options}, type(self).__name__)
+        self.broadcast_buffers = broadcast_buffers
+        self.buffers: Optional[DDPBufferBroadcast] = None
+        self.resumed_from: Optional[str] = None  # the path of the checkpoint being restored
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return DDPStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        DDPStrategy.precision_plugin.fset(self, sharded_precision(plugin if plugin is not None else Precision()))
+
+    @property
+    def sharded_optimizers(self) -> list[ShardedOptimizer]:
+        return [opt for opt in self.optimizers if isinstance(opt, ShardedOptimizer)]
+
+    # -- setup: DDPStrategy.setup without the DDP wrapper and without moving optimizer state to the device
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_module_state(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+            self.buffers = DDPBufferBroadcast(self.model) if self.broadcast_buffers else None
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)  # configure_optimizers, parsed by Lightning
+        sharded = [sharded_like(opt, self.zero_options) for opt in self.optimizers]
+        for optimizer in sharded:
+            check_loss_scaling(optimizer)
+        repoint_schedulers([config.scheduler for config in self.lr_scheduler_configs],
+                           {id(old): new for old, new in zip(self.optimizers, sharded)})
+        self.optimizers = sharded
+
+    # -- the DDP hooks ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Non-final micro-batches (``accumulate_grad_batches``, manual ``toggle_model(sync_grad=False)``)."""
+        with accumulating(self.sharded_optimizers), \
+                self.buffers.no_sync() if self.buffers is not None else contextlib.nullcontext():
+            yield
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        with self.buffers.forward() if self.buffers is not None else contextlib.nullcontext():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        # while fitting, DDPStrategy runs validation through DDP's forward, which broadcasts by the same rule
+        with self.buffers.forward() if self.buffers is not None else contextlib.nullcontext():
+            return super().validation_step(*args, **kwargs)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        for optimizer in self.sharded_optimizers:
+            optimizer.finish_param_gathers()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict:
+        """A placeholder: the state is written per rank by :meth:`save_checkpoint`."""
+        return {CHECKPOINT_KEY: "sharded: every rank's part is in the .zeroimpl folder beside this checkpoint"}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Collective (Lightning calls it on every rank): the shards first, then rank 0's Lightning file."""
+        if "optimizer_states" in checkpoint and self.optimizers:  # not save_weights_only
+            optimizers = {f"optimizer-{index}": opt for index, opt in enumerate(self.sharded_optimizers)}
+            checkpoint[CHECKPOINT_KEY] = save_shards(filepath, optimizers, [self.lightning_module])
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(shards_directory(filepath), ignore_errors=True)
+        super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.resumed_from = os.fspath(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        optimizers = {f"optimizer-{index}": opt for index, opt in enumerate(self.sharded_optimizers)}
+        load_shards(self.resumed_from, checkpoint.get(CHECKPOINT_KEY), optimizers, [self.lightning_module])
+
+    def teardown(self) -> None:
+        self.buffers = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, options in REGISTERED.items():
+            strategy_registry.register(name, cls, description=f"zeroimpl ShardedOptimizer, {options}",
+                                       override=True, **options)
+
+
+# -- Fabric -----------------------------------------------------------------------------------------
+class ShardedBackwardSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: the model's optimizers accumulate, and its buffers follow DDP's rule."""
+
+    def __init__(self, strategy: "FabricZeroStrategy"):
+        self.strategy = strategy
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool):
+        if not enabled:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(accumulating(owned_by(module, self.strategy.sharded_optimizers)))
+        buffers = self.strategy.buffers.get(id(module))
+        if buffers is not None:
+            stack.enter_context(buffers.no_sync())
+        return stack
+
+
+class FabricZeroStrategy(FabricDDPStrategy):
+    """``lightning.fabric.Fabric`` strategy: ``fabric.setup(model, optimizer)`` / ``setup_optimizers`` hand back a
+    :class:`~zeroimpl.ShardedOptimizer` and the model unwrapped (see the module docstring).
+
+    Args: as :class:`ZeroStrategy` (``precision`` instead of ``precision_plugin``, as Fabric's DDPStrategy).
+    """
+
+    def __init__(self, stage: int = 2, offload: Optional[str] = None, broadcast_buffers: bool = True,
+                 accelerator=None, parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
+                 precision=None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen", **options: Any):
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        self.zero_options = check_options({"stage": stage, "offload": offload, **options}, type(self).__name__)
+        self.broadcast_buffers = broadcast_buffers
+        self._backward_sync_control = ShardedBackwardSync(self)
+        self.modules: list[torch.nn.Module] = []
+        self.sharded_optimizers: list[ShardedOptimizer] = []
+        self.buffers: dict[int, DDPBufferBroadcast] = {}  # id(module) ->
+        self.buffer_hooks: list = []
+
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        module = self.setup_module(module)
+        sharded = [self.setup_optimizer(optimizer) for optimizer in optimizers]
+        if scheduler is not None:
+            repoint_schedulers([scheduler], {id(old): new for old, new in zip(optimizers, sharded)})
+        return module, sharded, scheduler
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module itself, with rank 0's parameters and buffers (as DDP's constructor) and DDP's buffer rule."""
+        broadcast_module_state(module)
+        if self.broadcast_buffers:
+            buffers = DDPBufferBroadcast(module)
+            self.buffers[id(module)] = buffers
+            self.buffer_hooks += buffers.attach()
+        self.modules.append(module)
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> ShardedOptimizer:
+        sharded = sharded_like(optimizer, self.zero_options)
+        check_loss_scaling(sharded)
+        self.sharded_optimizers.append(sharded)
+        return sharded
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite: bool = True):
+        """The global norm over every rank's shard, :meth:`ShardedOptimizer.clip_grad_norm_`; as torch's
+        ``clip_grad_norm_``, a NaN or Inf norm raises with ``error_if_nonfinite`` (gradients unclipped)."""
+        if not isinstance(optimizer, ShardedOptimizer):
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        self.precision.unscale_gradients(optimizer)
+        norm = optimizer.clip_grad_norm_(max_norm, norm_type)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                               "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        return norm
+
+    def get_module_state_dict(self, module: torch.nn.Module) -> dict:
+        for optimizer in owned_by(module, self.sharded_optimizers):
+            optimizer.finish_param_gathers()
+        return super().get_module_state_dict(module)
+
+    def save_checkpoint(self, path, state: dict, storage_options: Optional[Any] = None, filter=None) -> None:
+        """Collective (``fabric.save`` runs on every rank): each ShardedOptimizer in ``state`` is written per rank
+        to ``<path>.zeroimpl/<key>/`` and stands in the file as a placeholder."""
+        optimizers = {key: obj for key, obj in state.items() if isinstance(obj, ShardedOptimizer)}
+        if optimizers:
+            state = {key: ({CHECKPOINT_KEY: "sharded: see the .zeroimpl folder beside this file"}
+                           if key in optimizers else obj) for key, obj in state.items()}
+            state[CHECKPOINT_KEY] = save_shards(path, optimizers, self.modules)
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
+        """As Fabric's, with each ShardedOptimizer in ``state`` restored from its shards (after the modules)."""
+        if isinstance(state, ShardedOptimizer):
+            raise TypeError("a sharded optimizer cannot load from one state file: load it with its model, "
+                            "fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        if not isinstance(state, dict):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        optimizers = {key: obj for key, obj in state.items() if isinstance(obj, ShardedOptimizer)}
+        rest = {key: obj for key, obj in state.items() if key not in optimizers}
+        if not rest:  # Fabric's own load would hand back the whole checkpoint and restore nothing
+            checkpoint = super().load_checkpoint(path, None, strict=strict, weights_only=weights_only)
+        else:
+            checkpoint = super().load_checkpoint(path, rest, strict=strict, weights_only=weights_only)
+            state.update(rest)  # the plain values Fabric's load set in ``rest``
+        if optimizers:
+            load_shards(path, checkpoint.pop(CHECKPOINT_KEY, None), optimizers, self.modules)
+            for key in optimizers:
+                checkpoint.pop(key, None)
+        return checkpoint
+
+    def teardown(self) -> None:
+        for handle in self.buffer_hooks:
+            handle.remove()
+        self.buffer_hooks, self.buffers = [], {}
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, options in REGISTERED.items():
+            strategy_registry.register(name, cls, description=f"zeroimpl ShardedOptimizer, {options}",
+                                       override=True, **options)
+
+
+ZeroStrategy.register_strategies(StrategyRegistry)
+FabricZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+
+__all__ = ["ZeroStrategy", "FabricZeroStrategy", "DDPBufferBroadcast", "sharded_like", "shards_directory",
+           "REGISTERED"]
