@@ -117,14 +117,17 @@ def _lightning_module(prebuilt_options=None):
     return Net()
 
 
-def fit(rank, strategy, directory=None, ckpt_path=None, devices=2, prebuilt_options=None, save=False, **trainer_kwargs):
-    """One Trainer.fit; returns this rank's weights and buffers, losses, learning rates and what was trained."""
+def fit(rank, strategy, directory=None, ckpt_path=None, devices=2, prebuilt_options=None, save_top_k=None,
+        **trainer_kwargs):
+    """One Trainer.fit, with a ModelCheckpoint after every epoch that keeps ``save_top_k`` (``None``: none);
+    returns this rank's weights and buffers, losses, learning rates and what was trained."""
     import lightning
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     torch.manual_seed(rank)  # other initial weights per rank: the strategy broadcasts rank 0's, as DDP does
     module = _lightning_module(prebuilt_options)
-    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1, every_n_epochs=1)] if save else []
+    save = save_top_k is not None
+    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=save_top_k, every_n_epochs=1)] if save else []
     world = torch.distributed.group.WORLD
     trainer = lightning.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=EPOCHS,
                                 enable_progress_bar=False, logger=False, enable_model_summary=False,
@@ -189,8 +192,8 @@ def _trainer_cases(rank, shared):
     folder = partial(os.path.join, shared)
     return {
         "ddp": lambda: run(DDPStrategy()),
-        "zero1": lambda: run("zero1"),
-        "zero2": lambda: run("zero2", folder("zero2"), save=True),
+        "zero1": lambda: run("zero1", folder("zero1"), save_top_k=1),
+        "zero2": lambda: run("zero2", folder("zero2"), save_top_k=-1),
         "zero2_offload": lambda: run("zero2_offload"),
         "prebuilt": lambda: run("zero1", prebuilt_options={"stage": 2}),
         "ddp_accumulate": lambda: run(DDPStrategy(), accumulate_grad_batches=2),
@@ -206,6 +209,7 @@ def _trainer_cases(rank, shared):
         "zero2_fp16": lambda: run("zero2", plugins=[_fp16_plugin()]),
         "resumed": lambda: run("zero2", folder("resumed"), ckpt_path=folder("zero2", "epoch=0-step=4.ckpt")),
         "checkpoint": lambda: _checkpoint_contents(folder("zero2", "epoch=0-step=4.ckpt")),
+        "kept_one": lambda: sorted(os.listdir(folder("zero1"))),
         "missing_shards": lambda: _missing_shards(rank, shared),
         "fp16_parameters": lambda: _refused(partial(run, "zero2", precision="16-true")),
     }
@@ -402,6 +406,12 @@ def test_trainer_checkpoint_holds_every_rank_shard(ranks):
         assert contents["record"] == {"directory": "epoch=0-step=4.ckpt.zeroimpl", "optimizers": ["optimizer-0"],
                                       "world_size": 2}
         assert list(contents["optimizer_states"][0]) == ["zeroimpl"] and contents["has_scheduler"]
+
+
+def test_trainer_removes_the_shards_of_a_checkpoint_it_drops(ranks):
+    """ModelCheckpoint(save_top_k=1) removes the first epoch's checkpoint, and its shard folder with it."""
+    for listing in case_results(ranks[0], "kept_one"):
+        assert listing == ["epoch=1-step=8.ckpt", "epoch=1-step=8.ckpt.zeroimpl"]
 
 
 def test_trainer_resume_without_shards_raises(ranks):
