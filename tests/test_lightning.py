@@ -5,7 +5,7 @@ Lightning runs inside the ranks of ``run_distributed`` (RANK, LOCAL_RANK, WORLD_
 initialised): Lightning picks its LightningEnvironment (LOCAL_RANK is set, so it launches nothing) and reuses the
 process group. Every case of a world size runs in one launch (``run_cases``).
 
-The model: an MLP with a BatchNorm layer (484 parameters), AdamW in two param groups (decay / no decay), a StepLR
+The model: an MLP with a BatchNorm layer (452 parameters), AdamW in two param groups (decay / no decay), a StepLR
 schedule stepped every optimizer step, 8 batches of 8 samples split over the ranks, 2 epochs, a validation pass
 per epoch; rank 1 initialises other weights than rank 0, so that the broadcast at setup is checked too.
 
@@ -55,8 +55,8 @@ def batches(count: int = BATCHES) -> list:
 
 def loader(rank: int, world_size: int):
     """Each item a whole batch, rank r of W taking batches r, r + W, ... in every epoch: step k sees the same
-    batches at 2 devices as at 1 device accumulating 2. (Lightning's own distributed sampler shuffled these batches
-    per epoch, and a resumed Trainer saw the first epoch's order again.)"""
+    batches at 2 devices as at 1 device accumulating 2. (The sampler Lightning puts in shuffled this loader, and a
+    Trainer resumed from the end of the first epoch saw the first epoch's order again, under DDPStrategy as here.)"""
     sampler = torch.utils.data.DistributedSampler(batches(), world_size, rank, shuffle=False)
     return torch.utils.data.DataLoader(batches(), batch_size=None, sampler=sampler)
 

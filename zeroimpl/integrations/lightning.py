@@ -98,11 +98,13 @@ def sharded_like(optimizer: Optimizer, options: dict) -> ShardedOptimizer:
 
 
 def check_loss_scaling(optimizer: ShardedOptimizer) -> None:
-    """Refuse an optimizer whose own loss scaling is on (fp16 parameters): Lightning would never scale the loss."""
+    """Refuse an optimizer whose own loss scaling is on (fp16 parameters, or ``loss_scale=`` given): Lightning
+    would never scale the loss through it."""
     if optimizer.loss_scale is not None:
-        raise ValueError("the model has fp16 parameters, whose ShardedOptimizer scales the loss itself "
-                         "(optimizer.backward), which Lightning never calls: train with precision='16-mixed' "
-                         "(fp32 parameters and a GradScaler) or 'bf16-true' instead of '16-true'")
+        raise ValueError("this ShardedOptimizer scales the loss itself (its parameters are fp16, as with "
+                         "precision='16-true', or it was built with loss_scale=...), through optimizer.backward, "
+                         "which Lightning never calls: train with precision='16-mixed' (fp32 parameters and "
+                         "Lightning's GradScaler) or 'bf16-true', or build it with loss_scale=None")
 
 
 def repoint_schedulers(schedulers: Iterable[Any], replaced: dict[int, ShardedOptimizer]) -> None:
@@ -366,7 +368,8 @@ class ZeroStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero:
+        # a link (ModelCheckpoint's save_last="link") shares its target's folder, which stays
+        if self.is_global_zero and not os.path.islink(filepath):
             shutil.rmtree(shards_directory(filepath), ignore_errors=True)
         super().remove_checkpoint(filepath)
 
