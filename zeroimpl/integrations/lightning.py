@@ -190,11 +190,11 @@ class DDPBufferBroadcast:
 
     @contextlib.contextmanager
     def no_sync(self):
-        self.accumulating = True
+        outer, self.accumulating = self.accumulating, True
         try:
             yield
         finally:
-            self.accumulating = False
+            self.accumulating = outer
 
     def attach(self) -> list:
         """Hooks around every forward of the module; remove them with ``handle.remove()``."""
@@ -342,7 +342,13 @@ class ZeroStrategy(DDPStrategy):
             yield
 
     def training_step(self, *args: Any, **kwargs: Any):
-        with self.buffers.forward() if self.buffers is not None else contextlib.nullcontext():
+        if self.buffers is None:
+            return super().training_step(*args, **kwargs)
+        # in manual optimization DDPStrategy runs the training step (manual_backward included) inside DDP's forward
+        # and turns DDP's gradient sync off before the forward ends (its _DDPForwardRedirection), so no forward arms
+        # the next broadcast: DDP broadcasts before the first one only, as inside no_sync
+        manual = not self.lightning_module.automatic_optimization
+        with self.buffers.no_sync() if manual else contextlib.nullcontext(), self.buffers.forward():
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
