@@ -490,8 +490,8 @@ def test_16_mixed_on_cpu_becomes_bf16_with_sharded_clipping():
         trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="zero2", precision="16-mixed",
                                     logger=False, enable_progress_bar=False)
     assert trainer.precision == "bf16-mixed"
-    assert isinstance(trainer.precision_plugin, MixedPrecision) and isinstance(trainer.precision_plugin, ShardedClipping)
-    assert trainer.precision_plugin.scaler is None
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MixedPrecision) and isinstance(plugin, ShardedClipping) and plugin.scaler is None
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero2_offload"])

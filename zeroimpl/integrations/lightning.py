@@ -50,6 +50,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+# (private: the only seam Fabric gives for no_backward_sync)
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -57,7 +58,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim.optimizer import Optimizer
 
-from zeroimpl import ShardedOptimizer, sync_buffers
+from zeroimpl import CPUOffload, ShardedOptimizer, sync_buffers
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 SHARDS_SUFFIX = ".zeroimpl"  # the shard folder beside a Lightning checkpoint: <checkpoint>.zeroimpl/
@@ -154,7 +155,8 @@ def accumulating(optimizers: Iterable[ShardedOptimizer]):
 # -- the model --------------------------------------------------------------------------------------
 @torch.no_grad()
 def broadcast_module_state(module: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank, as DDP's constructor makes them. Collective."""
+    """Rank 0's parameters and buffers on every rank, as DDP's constructor makes them. Collective: one broadcast
+    per parameter (at setup only), then the buffers coalesced by dtype."""
     for param in module.parameters():
         dist.broadcast(param.data, src=0)
     sync_buffers(module)
@@ -164,7 +166,8 @@ class DDPBufferBroadcast:
     """Rank 0's buffers broadcast before a forward exactly when ``DistributedDataParallel(broadcast_buffers=True)``
     broadcasts them (its ``require_forward_param_sync``): before the first forward, and before every forward that
     follows one run with gradients enabled outside ``no_sync``. So after a non-final micro-batch of accumulation,
-    or after an evaluation forward, the next forward keeps each rank's own buffers, as under DDP.
+    or after an evaluation forward, the next forward keeps each rank's own buffers, as under DDP. (DDPStrategy's
+    manual optimization runs its forwards as if inside ``no_sync``: :meth:`ZeroStrategy.training_step`.)
 
     ``forward()`` brackets one forward of the model (the Trainer's training and validation steps); ``attach``
     registers the same rule as hooks on a module (Fabric). ``accumulating`` is set inside ``no_sync``.
@@ -284,7 +287,7 @@ class ZeroStrategy(DDPStrategy):
         The rest: as Lightning's ``DDPStrategy`` (its DDP-only keywords are not taken).
     """
 
-    def __init__(self, stage: int = 2, offload: Optional[str] = None, broadcast_buffers: bool = True,
+    def __init__(self, stage: int = 2, offload: Union[None, str, CPUOffload] = None, broadcast_buffers: bool = True,
                  accelerator=None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
@@ -314,7 +317,7 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync:
+        if fitting and self._layer_sync:  # (DDPStrategy's private attribute: sync_batchnorm=True)
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -423,7 +426,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
     Args: as :class:`ZeroStrategy` (``precision`` instead of ``precision_plugin``, as Fabric's DDPStrategy).
     """
 
-    def __init__(self, stage: int = 2, offload: Optional[str] = None, broadcast_buffers: bool = True,
+    def __init__(self, stage: int = 2, offload: Union[None, str, CPUOffload] = None, broadcast_buffers: bool = True,
                  accelerator=None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision=None, process_group_backend: Optional[str] = None,
@@ -433,7 +436,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         self.zero_options = check_options({"stage": stage, "offload": offload, **options}, type(self).__name__)
         self.broadcast_buffers = broadcast_buffers
-        self._backward_sync_control = ShardedBackwardSync(self)
+        self._backward_sync_control = ShardedBackwardSync(self)  # (private: what fabric.no_backward_sync calls)
         self.modules: list[torch.nn.Module] = []
         self.sharded_optimizers: list[ShardedOptimizer] = []
         self.buffers: dict[int, DDPBufferBroadcast] = {}  # id(module) ->
