@@ -3,8 +3,8 @@
     python docs/render_api.py          # rewrite docs/api.md
     python docs/render_api.py --check  # change nothing; exit 1, with a diff, if docs/api.md is out of date
 
-What it documents: every name in ``zeroimpl.__all__``, every name in ``zeroimpl.checkpoint.__all__`` and
-``zeroimpl.integrations.trainer.ZeroTrainer``, in that order, as the code defines them now: signatures from
+What it documents: every name in ``zeroimpl.__all__``, every name in ``zeroimpl.checkpoint.__all__``,
+``zeroimpl.integrations.trainer.ZeroTrainer``, the Lightning strategies and accelerate's ``prepare``, in that order, as the code defines them now: signatures from
 ``inspect.signature``, text from the docstrings (Google-style ``Args:`` sections become tables of name,
 default and meaning; dataclass fields a table of name, type, default and the field's attribute docstring),
 and the public methods and properties that zeroimpl's own classes define. Nothing names a module file, so
@@ -44,6 +44,8 @@ def sections() -> list[tuple[str, str, list[tuple[str, object]]]]:
     zeroimpl = importlib.import_module("zeroimpl")
     checkpoint = importlib.import_module("zeroimpl.checkpoint")
     trainer = importlib.import_module("zeroimpl.integrations.trainer")
+    lightning = importlib.import_module("zeroimpl.integrations.lightning")
+    accelerate = importlib.import_module("zeroimpl.integrations.accelerate")
     return [
         ("zeroimpl", first_paragraph(zeroimpl.__doc__),
          [(f"zeroimpl.{name}", getattr(zeroimpl, name)) for name in zeroimpl.__all__]),
@@ -53,6 +55,12 @@ def sections() -> list[tuple[str, str, list[tuple[str, object]]]]:
         ("zeroimpl.integrations.trainer", first_paragraph(trainer.__doc__) + " What it relies on in Trainer: "
          "[trainer.md](trainer.md).",
          [("zeroimpl.integrations.trainer.ZeroTrainer", trainer.ZeroTrainer)]),
+        ("zeroimpl.integrations.lightning", first_paragraph(lightning.__doc__) + " What they rely on in Lightning: "
+         "[lightning.md](lightning.md).",
+         [(f"zeroimpl.integrations.lightning.{name}", getattr(lightning, name))
+          for name in ("ZeroStrategy", "FabricZeroStrategy")]),
+        ("zeroimpl.integrations.accelerate", first_paragraph(accelerate.__doc__) + " More: [accelerate.md](accelerate.md).",
+         [("zeroimpl.integrations.accelerate.prepare", accelerate.prepare)]),
     ]
 
 

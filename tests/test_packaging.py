@@ -30,12 +30,15 @@ IMPORTS_IN_FRESH_VENV = textwrap.dedent("""
     import os, sys, sysconfig
     import zeroimpl, zeroimpl.checkpoint
     core_pulled = sorted(m for m in sys.modules
-                         if m.split(".")[0] in ("transformers", "deepspeed", "fairscale", "accelerate")
+                         if m.split(".")[0] in ("transformers", "deepspeed", "fairscale", "accelerate", "lightning",
+                                                "trl", "peft")
                          or m.startswith("zeroimpl.integrations"))
     assert not core_pulled, f"the core imported {core_pulled}"
     from zeroimpl import ShardedOptimizer, CPUOffload, CollectiveError, DivergenceError, estimate_memory
     from zeroimpl.checkpoint import save_checkpoint, load_checkpoint
     from zeroimpl.integrations.trainer import ZeroTrainer
+    from zeroimpl.integrations.accelerate import prepare
+    from zeroimpl.integrations.lightning import ZeroStrategy
     from zeroimpl.integrations.comparison.cli import main
     site = sysconfig.get_paths()["purelib"]
     assert zeroimpl.__file__.startswith(site), zeroimpl.__file__

@@ -88,14 +88,7 @@ def sharded_like(optimizer: Optimizer, options: dict) -> ShardedOptimizer:
         optimizer = optimizer.optimizer
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer
-    if optimizer.state:
-        raise ValueError(f"the {type(optimizer).__name__} handed to the zeroimpl strategy already holds state (it "
-                         "stepped or loaded a state dict), which ShardedOptimizer would drop: hand it over before "
-                         "any step, and resume from a checkpoint instead")
-    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold keys __init__ refuses
-    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    groups = [dict(group) for group in optimizer.param_groups]
-    return ShardedOptimizer(groups, type(optimizer), **options, **defaults)
+    return ShardedOptimizer.from_optimizer(optimizer, **options)  # refuses one that holds state
 
 
 def check_loss_scaling(optimizer: ShardedOptimizer) -> None:
@@ -282,9 +275,18 @@ class ZeroStrategy(DDPStrategy):
     place of DistributedDataParallel (see the module docstring for how each DDP hook is replaced).
 
     Args:
-        stage, offload, **options: ShardedOptimizer's keywords (``bucket_numel``, ``reduce_dtype``, ...).
+        stage: ShardedOptimizer's ``stage``: 1 (shard optimizer state) or 2 (also gradients).
+        offload: ShardedOptimizer's ``offload``: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
         broadcast_buffers: rank 0's buffers broadcast as DDP's ``broadcast_buffers=True`` does (default).
-        The rest: as Lightning's ``DDPStrategy`` (its DDP-only keywords are not taken).
+        accelerator: as Lightning's ``DDPStrategy``.
+        parallel_devices: as Lightning's ``DDPStrategy``.
+        cluster_environment: as Lightning's ``DDPStrategy``.
+        checkpoint_io: as Lightning's ``DDPStrategy`` (the shards go beside its file, through zeroimpl.checkpoint).
+        precision_plugin: as Lightning's ``DDPStrategy``.
+        process_group_backend: as Lightning's ``DDPStrategy``.
+        timeout: as Lightning's ``DDPStrategy``.
+        start_method: as Lightning's ``DDPStrategy`` (its DDP-only keywords are not taken).
+        **options: ShardedOptimizer's other keywords (``bucket_numel``, ``reduce_dtype``, ...).
     """
 
     def __init__(self, stage: int = 2, offload: Union[None, str, CPUOffload] = None, broadcast_buffers: bool = True,
