@@ -197,6 +197,34 @@ def _plain_accelerate_prepare(rank: int) -> str:
     return _outcome(one_step)
 
 
+def _two_models(shared: str) -> dict:
+    """A frozen second model (a DPO reference, a teacher) prepared after the trained one: save_state writes it to
+    ``model_1.safetensors``, and load_state into fresh models must restore each from its own file, the trained one
+    from its shards (accelerate names the files by the models' positions)."""
+    from zeroimpl.integrations.accelerate import prepare
+
+    folder, out = os.path.join(shared, "two models"), {}
+    for phase, shift in (("saved", 1.0), ("loaded", 2.0)):  # the fresh reference differs from the saved one
+        accelerator = _accelerator()
+        model, reference = build_model("gpt2"), build_model("gpt2").requires_grad_(False)
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.add_(shift)
+        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, **ADAMW)
+        model, optimizer = prepare(accelerator, model, optimizer)
+        reference = accelerator.prepare_model(reference, evaluation_mode=True)  # as TRL prepares a reference model
+        if phase == "saved":
+            accelerator.backward(model(**next(iter(_loader(1)))).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            accelerator.save_state(folder)
+        else:
+            accelerator.load_state(folder)
+        out[phase] = [{name: p.detach().clone() for name, p in m.named_parameters()} for m in (model, reference)]
+    return {"restored": all(torch.equal(saved[name], loaded[name]) for saved, loaded in zip(out["saved"], out["loaded"])
+                            for name in saved)}
+
+
 def _all(rank, world_size, shared):
     cases = {}
     for variant, (_, _, _, configs) in VARIANTS.items():
@@ -210,6 +238,7 @@ def _all(rank, world_size, shared):
         cases[("resume", variant, config)] = lambda v=variant, c=config, f=folder: _run(v, c, resume_from=f)
     cases["buffers"] = lambda: _buffers_broadcast(rank)
     cases["refusals"] = lambda: _refusals(shared)
+    cases["two models"] = lambda: _two_models(shared)
     cases["plain accelerate prepare"] = lambda: _plain_accelerate_prepare(rank)  # last: it leaves a DDP wrapper
     return run_cases(cases)
 
@@ -276,6 +305,11 @@ def test_save_state_then_load_state_continues_bitwise(ranks, variant, config):
         assert all(torch.equal(resumed["params"][n], uninterrupted["params"][n]) for n in resumed["params"])
         saved = resumed["checks"]["model.safetensors"]  # whole, not one tensor per flat bucket
         assert saved["names"] == saved["ddp names"] and saved["restored values"]
+
+
+def test_load_state_restores_every_model_from_its_own_file(ranks):
+    for result in case_results(ranks, "two models"):
+        assert result == {"restored": True}
 
 
 def test_returns_what_accelerate_prepare_returns_without_ddp(ranks):

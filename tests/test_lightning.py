@@ -241,9 +241,10 @@ def _trainer_cases(rank, shared):
 
 # -- Fabric -----------------------------------------------------------------------------------------
 def fabric_run(rank, strategy, accumulate=1, clip=None, separate_setup=False, save=None, resume=None,
-               **fabric_kwargs):
+               scheduler_kept=False, **fabric_kwargs):
     """A plain Fabric loop; ``save``: the path to fabric.save after the first epoch (and stop), ``resume``: the
-    path to fabric.load before the second epoch (the first skipped)."""
+    path to fabric.load before the second epoch (the first skipped); ``scheduler_kept``: a SequentialLR (warm-up,
+    then StepLR) built over the torch optimizer and not handed to Fabric, which the loop steps."""
     import lightning
 
     fabric = lightning.Fabric(accelerator="cpu", devices=2, strategy=strategy, **fabric_kwargs)
@@ -254,6 +255,11 @@ def fabric_run(rank, strategy, accumulate=1, clip=None, separate_setup=False, sa
         model = fabric.setup_module(net)
         optimizer = fabric.setup_optimizers(adamw(net)[0])
         scheduler = step_lr(optimizer)
+    elif scheduler_kept:  # its children hold the torch optimizer: the strategy's replacement must follow them
+        optimizer, _ = adamw(net)
+        warm_up = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.25, total_iters=2)
+        scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warm_up, step_lr(optimizer)], milestones=[2])
+        model, optimizer = fabric.setup(net, optimizer)
     else:
         optimizer, scheduler = adamw(net)
         model, optimizer, scheduler = fabric.setup(net, optimizer, scheduler=scheduler)
@@ -324,6 +330,8 @@ def _fabric_cases(rank, shared):
         ("fabric", "zero2_bf16"): lambda: run("zero2", precision="bf16-mixed"),
         ("fabric", "ddp_fp16"): lambda: run(DDPStrategy(), plugins=[_fabric_fp16_plugin()]),
         ("fabric", "zero2_fp16"): lambda: run("zero2", plugins=[_fabric_fp16_plugin()]),
+        ("fabric", "ddp_scheduler_kept"): lambda: run(DDPStrategy(), scheduler_kept=True),
+        ("fabric", "zero2_scheduler_kept"): lambda: run("zero2", scheduler_kept=True),
         ("fabric", "saved"): lambda: run("zero2", save=checkpoint),
         ("fabric", "resumed"): lambda: run("zero2", resume=checkpoint),
         ("fabric", "missing_shards"): lambda: _fabric_missing(rank, shared),
@@ -503,6 +511,12 @@ def test_fabric_matches_ddp_bitwise(ranks, name):
         assert run["model"] == "Sequential" and run["optimizer"] == "ShardedOptimizer"
         assert run["strategy"] == "FabricZeroStrategy" and run["options"] == {"offload": None, **REGISTERED[name]}
         assert run["groups"] == [("AdamW", 0.1, (0.9, 0.999)), ("AdamW", 0.0, (0.9, 0.999))]
+
+
+def test_fabric_a_scheduler_over_the_torch_optimizer_drives_the_sharded_one(ranks):
+    """A SequentialLR built over the torch optimizer before fabric.setup, not handed to it: its children set the
+    ShardedOptimizer's learning rates (ShardedOptimizer.from_optimizer hands the groups over), bitwise as DDP."""
+    compare(ranks, ("fabric", "zero2_scheduler_kept"), ("fabric", "ddp_scheduler_kept"))
 
 
 def test_fabric_no_backward_sync(ranks):

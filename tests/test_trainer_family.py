@@ -312,3 +312,6 @@ def test_plain_trainer_with_a_sharded_optimizer_raises_on_every_rank_naming_zero
     messages = case_results(ranks, route)
     assert all(message is not None for message in messages), messages  # it did not train on any rank
     assert all("zeroimpl.integrations.trainer.ZeroTrainer" in message for message in messages), messages
+    # on CPU, Trainer's copy onto cpu:0 is met first: the message says that Trainer would then wrap it in DDP
+    assert all("transformers' Trainer move the model" in message and "DistributedDataParallel" in message
+               for message in messages), messages

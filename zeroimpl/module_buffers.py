@@ -20,12 +20,15 @@ from torch.utils.hooks import RemovableHandle
 
 from . import shutdown
 
+FLAT_NUMEL = 2 ** 22  # elements a broadcast flattens together at most (16 MiB of fp32), as a bucket holds
+
 
 def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> RemovableHandle:
     """Broadcast ``model``'s buffers from the group's first rank before every forward with gradients enabled
     (training, as DDP's ``broadcast_buffers=True``); ``handle.remove()`` stops it. Call it on every rank.
 
-    Floating and integer buffers alike (BatchNorm's ``num_batches_tracked`` too), one broadcast per dtype.
+    Floating and integer buffers alike (BatchNorm's ``num_batches_tracked`` too), one broadcast per dtype (per
+    ``FLAT_NUMEL`` elements of it).
     Forwards under ``torch.no_grad()`` (evaluation) do not broadcast, as with DDP. One difference: DDP also
     skips the broadcast on the forward that follows a ``no_sync()`` one (so with gradient accumulation it
     broadcasts once per optimizer step); this broadcasts before every such forward.
@@ -40,33 +43,64 @@ def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.Proce
 @torch.no_grad()
 def sync_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Overwrite every rank's buffers with those of the group's first rank, now. Collective."""
+    _overwrite_by_dtype(list(model.buffers()), _broadcaster(process_group))
+
+
+@torch.no_grad()
+def sync_module_states(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Overwrite every rank's parameters (frozen ones too) and buffers with those of the group's first rank, as
+    DDP's constructor does, now: for frameworks that hold the module (a ShardedOptimizer sees only the parameters
+    it is given). Collective."""
+    _overwrite_by_dtype([*model.parameters(), *model.buffers()], _broadcaster(process_group))
+
+
+def _broadcaster(process_group: Optional[dist.ProcessGroup]) -> Callable[[torch.Tensor], None]:
+    """A broadcast in place from the group's first rank."""
     source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
 
     def broadcast(flat: torch.Tensor) -> None:
-        dist.broadcast(flat, src=source, group=process_group)
-        if flat.device.type == "cpu":
-            shutdown.handed_to_gloo(flat)  # gloo's worker thread may let go of it last
+        lent = flat.detach()  # an alias of its own: gloo's worker thread may let go of it last
+        dist.broadcast(lent, src=source, group=process_group)
+        if lent.device.type == "cpu":
+            shutdown.handed_to_gloo(lent)
 
-    _overwrite_by_dtype(list(model.buffers()), broadcast)
+    return broadcast
 
 
 @torch.no_grad()
 def broadcast_parameters(params: Sequence[torch.Tensor], topology, timeout: Optional[float] = None) -> None:
     """Overwrite ``params`` on every rank of ``topology`` (a :class:`zeroimpl.topology.Topology`) with the first
-    rank's, as DDP does at construction: one broadcast per dtype, each bounded by ``timeout``. Collective."""
+    rank's, as DDP does at construction: in runs of at most ``FLAT_NUMEL`` elements per dtype, each broadcast
+    bounded by ``timeout``. Collective."""
     _overwrite_by_dtype(list(params), lambda flat: topology.broadcast_from_first_(
         flat, timeout, "parameter broadcast at construction (init_sync='broadcast')"))
 
 
 def _overwrite_by_dtype(tensors: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None]) -> None:
-    """``broadcast`` each (dtype, device)'s tensors flattened into one, then copy the result back into them."""
+    """``broadcast`` each (dtype, device)'s tensors, flattened together in runs of at most ``FLAT_NUMEL`` elements
+    (the memory this takes beyond the tensors themselves), then copy the result back into them. A contiguous
+    tensor of more elements than that is broadcast in place."""
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
-        by_dtype.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        by_dtype.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
     for members in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        broadcast(flat)
-        offset = 0
+        run: list[torch.Tensor] = []
         for tensor in members:
-            tensor.detach().copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+            if tensor.numel() > FLAT_NUMEL and tensor.is_contiguous():
+                broadcast(tensor)
+                continue
+            if run and sum(t.numel() for t in run) + tensor.numel() > FLAT_NUMEL:
+                _broadcast_flat(run, broadcast)
+                run = []
+            run.append(tensor)
+        if run:
+            _broadcast_flat(run, broadcast)
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None]) -> None:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    broadcast(flat)
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()

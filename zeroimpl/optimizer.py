@@ -133,10 +133,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized},
                                 values=init_sync == "check")
         members = [p for g in self.param_groups for p in g["params"]]  # frozen ones too
-        if init_sync == "broadcast":  # before the parameters move into this optimizer's buffers
-            module_buffers.broadcast_parameters(members, self.topology, collective_timeout)
         optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
         self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])  # frozen: out of the layout
+        if init_sync == "broadcast":  # once this optimizer owns them, before they move into its buffers
+            module_buffers.broadcast_parameters(members, self.topology, collective_timeout)
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         self.layout: ShardLayout = layout
         self._device = trainable[0].device
@@ -170,10 +170,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
-        """A ShardedOptimizer of ``optimizer``'s class, param groups and hyperparameters (``options``: this class's
-        keywords), for code that builds a torch optimizer (nanoGPT's ``configure_optimizers``), before it steps."""
-        groups, optimizer_class = optimizer_kinds.settings_of(optimizer)
-        return cls(groups, optimizer_class, stage, **options)
+        """A ShardedOptimizer of a torch ``optimizer``'s class, groups and defaults (``options``: its own keywords),
+        before that steps; ``optimizer``'s groups become this one's (for its LR schedulers) and its step() raises."""
+        groups, optimizer_class, defaults = optimizer_kinds.settings_of(optimizer)
+        return optimizer_kinds.hand_over(optimizer, cls(groups, optimizer_class, stage, **{**defaults, **options}))
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused after construction: the shard layout is fixed."""

@@ -167,16 +167,34 @@ def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: C
     return groups, works, blocks
 
 
-def settings_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict], type]:
-    """The param groups (copies, every hyperparameter in each) and class of a torch optimizer, for a
-    ShardedOptimizer that steps the same way. Refused once it holds state: that state would be left behind."""
+def settings_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict], type, dict]:
+    """The param groups (copies, every hyperparameter in each), class and defaults (those its constructor takes)
+    of a torch optimizer, for a ShardedOptimizer that steps the same way. Refused once it holds state: that state
+    would be left behind."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"from_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if any(optimizer.state.values()):
         raise ValueError(f"this {type(optimizer).__name__} has stepped (it holds state), which a ShardedOptimizer "
                          "built from it would not keep: wrap it before its first step, or load its state after "
                          "wrapping with zeroimpl.checkpoint.load_torch_optimizer_state")
-    return [dict(group) for group in optimizer.param_groups], type(optimizer)
+    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold keys the constructor refuses
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    return [dict(group) for group in optimizer.param_groups], type(optimizer), defaults
+
+
+def hand_over(optimizer: torch.optim.Optimizer, replacement: torch.optim.Optimizer):
+    """Let a torch ``optimizer`` that ``replacement`` replaced drive it, and return ``replacement``: ``optimizer``'s
+    ``param_groups`` become the replacement's own list, so that an LR scheduler built over it (a SequentialLR's
+    children too) or code that edits its groups sets the replacement's hyperparameters; its ``step()`` raises, since
+    stepping it would update the parameters outside the replacement."""
+    optimizer.param_groups = replacement.param_groups
+
+    def spent(*args, **kwargs):
+        raise RuntimeError(f"this {type(optimizer).__name__} was replaced by a ShardedOptimizer "
+                           "(ShardedOptimizer.from_optimizer): call step() on that one")
+
+    optimizer.step = spent
+    return replacement
 
 
 def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:

@@ -78,12 +78,13 @@ def rebound_message(param_indices: list[int], param: torch.Tensor, home: torch.T
     ``.to(torch.device("cpu", 0))`` copies a tensor on ``cpu`` (accelerate and Trainer place the model so)."""
     if param.dtype != home.dtype:
         cause = f"converted from {home.dtype} to {param.dtype} (.half(), .double(), .to(dtype))"
-    elif param.device.type != home.device.type:
+    elif param.device.type != home.device.type or (param.device.type != "cpu" and param.device != home.device):
         cause = f"moved from {home.device} to {param.device} (model.to(device))"
     else:
         cause = ("copied onto the device it was already on, which is what a framework's device placement does "
                  "(accelerate's prepare and transformers' Trainer move the model to cpu:0 on CPU, and .to() copies "
-                 "it); param.data = ... and resize_token_embeddings copy too")
+                 "it; both would then wrap it in DistributedDataParallel, which all-reduces the gradients this "
+                 "optimizer reduces itself); param.data = ... and resize_token_embeddings copy too")
     return (f"trainable parameters {param_indices[:5]} (the optimizer's numbering) no longer live in the "
             f"optimizer's flat buffers: the model was {cause} after the ShardedOptimizer was built, so the optimizer "
             "would no longer update it. In your own loop: convert and move the model first, then build the "

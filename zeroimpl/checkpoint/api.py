@@ -63,16 +63,16 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     group (it loads onto any mesh or flat world). ``directory`` is replaced only once the new checkpoint is
     complete. A model wrapped by ``torch.compile`` saves and loads under its own parameter names.
 
-    ``when``: for a loop whose master process alone decides to save (nanoGPT's saves when its validation loss
-    improves): call this on every rank with the decision, of which only the first rank's counts; every rank
-    follows it (one broadcast) and saves, or not. ``None``: save. Returns whether it saved.
+    ``when``: the decision to save, of which only the first rank's counts (``None``: save), for a loop whose
+    master process alone decides (nanoGPT's saves when its validation loss improves): every rank follows it
+    (one broadcast, whatever ``when`` is, so that the ranks issue the same collectives) and saves, or not.
+    Returns whether it saved.
     """
     _check_arguments(optimizer, model, "save_checkpoint")
     topology = optimizer.topology
-    if when is not None:
-        decision = torch.tensor([bool(when)], dtype=torch.uint8, device=topology.device)
-        if not topology.broadcast_from_first_(decision, timeout, "the first rank's save decision").item():
-            return False
+    decision = torch.tensor([when is None or bool(when)], dtype=torch.uint8, device=topology.device)
+    if not topology.broadcast_from_first_(decision, timeout, "the first rank's decision to save").item():
+        return False
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
     entry = None

@@ -47,14 +47,14 @@ import torch.distributed as dist
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DDPCommunicationHookType, DistributedType
 
-from zeroimpl import ShardedOptimizer, broadcast_buffers
+from zeroimpl import ShardedOptimizer, broadcast_buffers, sync_module_states
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 CHECKPOINT_SUBDIR = "zeroimpl"  # the first optimizer's shards in a save_state folder; the next "zeroimpl_1", ...
 SHARDS_KEY = "zeroimpl_sharded_checkpoint"  # optimizer.bin's only key: the folder beside it with the shards
 
 # accelerator -> its AcceleratedShardedOptimizers, in the order prepare() met them (their checkpoint folders)
-_PREPARED: "weakref.WeakKeyDictionary[accelerate.Accelerator, list[AcceleratedShardedOptimizer]]" = (
+_PREPARED: "weakref.WeakKeyDictionary[accelerate.Accelerator, list[weakref.ref]]" = (
     weakref.WeakKeyDictionary())
 
 
@@ -196,8 +196,9 @@ def _same_device(device: torch.device, target: torch.device) -> bool:
 
 def _prepare_model(accelerator: accelerate.Accelerator, model: torch.nn.Module,
                    optimizer: ShardedOptimizer) -> torch.nn.Module:
-    """The model as it trains: DDP's buffer broadcast, no_sync as the optimizer's accumulation, accelerate's
+    """The model as it trains: DDP's broadcasts (at construction, and of the buffers before forwards), no_sync as the optimizer's accumulation, accelerate's
     autocast (and torch.compile, if configured), registered with the accelerator, not moved, not wrapped."""
+    sync_module_states(model)  # rank 0's parameters (frozen ones too) and buffers, as DDP's constructor
     handler = accelerator.ddp_handler
     if handler is None or handler.broadcast_buffers:  # DDP's default, as accelerate would have wrapped it
         broadcast_buffers(model)
@@ -211,15 +212,23 @@ def _wrap_optimizer(accelerator: accelerate.Accelerator, optimizer: ShardedOptim
     registered = _PREPARED.get(accelerator)
     if registered is None:
         registered = _PREPARED[accelerator] = []
-        accelerator.register_save_state_pre_hook(
-            lambda models, weights, output_dir: _save_shards(accelerator, registered, models, weights, output_dir))
+        accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: _save_shards(
+            accelerator, _still_prepared(accelerator, registered), models, weights, output_dir))
         accelerator.register_load_state_pre_hook(
-            lambda models, input_dir: _load_shards(registered, models, input_dir))
+            lambda models, input_dir: _load_shards(_still_prepared(accelerator, registered), models, input_dir))
     subdir = CHECKPOINT_SUBDIR if not registered else f"{CHECKPOINT_SUBDIR}_{len(registered)}"
     # the GradScaler of fp16 on accelerators, as accelerate would pass it (on CPU accelerate trains fp16 in fp32)
     wrapped = AcceleratedShardedOptimizer(optimizer, model, subdir, scaler=accelerator.scaler)
-    registered.append(wrapped)
+    registered.append(weakref.ref(wrapped))
     return wrapped
+
+
+def _still_prepared(accelerator: accelerate.Accelerator, registered: list) -> list[AcceleratedShardedOptimizer]:
+    """The optimizers prepare() met that the accelerator still holds, in that order: ``free_memory()`` (as
+    ``find_executable_batch_size`` calls before a retry) lets go of them, and then they are neither kept alive
+    here nor saved. (accelerate's ``_optimizers``: no public seam.)"""
+    alive = [reference() for reference in registered]
+    return [o for o in alive if o is not None and any(o is held for held in accelerator._optimizers)]
 
 
 def _save_shards(accelerator: accelerate.Accelerator, optimizers: list[AcceleratedShardedOptimizer], models: list,
@@ -258,8 +267,9 @@ def _unaliased(state: dict) -> collections.OrderedDict:
 
 def _load_shards(optimizers: list[AcceleratedShardedOptimizer], models: list, input_dir: str) -> None:
     """load_state's hook, run on every process before accelerate reads its files: restore each optimizer and its
-    model from the shards, and take the model off the list accelerate loads ``model.safetensors`` into (that
-    would overwrite the parameters behind the restored master weights)."""
+    model from the shards, and put a :class:`RestoredFromShards` in the model's place in the list accelerate loads
+    ``model.safetensors`` into (loading it would overwrite the parameters behind the restored master weights;
+    taking the model off the list would shift the models after it onto other models' files)."""
     for optimizer in optimizers:
         directory = os.path.join(input_dir, optimizer.checkpoint_subdir)
         if not os.path.isdir(directory):
@@ -269,7 +279,18 @@ def _load_shards(optimizers: list[AcceleratedShardedOptimizer], models: list, in
                 "holds another optimizer's state), so the optimizer cannot resume from it")
         load_checkpoint(directory, optimizer.optimizer, optimizer.model)
         optimizer.restored = True
-        models[:] = [m for m in models if not _is_or_wraps(m, optimizer.model)]
+        models[:] = [RestoredFromShards() if _is_or_wraps(m, optimizer.model) else m for m in models]
+
+
+class RestoredFromShards(torch.nn.Module):
+    """Stands in for a model that its shards restored, at its position in the list of models ``load_state`` loads
+    (accelerate names their files by position): it holds nothing and loads nothing."""
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return [], []  # (missing keys, unexpected keys), as torch's
 
 
 def _is_or_wraps(prepared: torch.nn.Module, model: torch.nn.Module) -> bool:

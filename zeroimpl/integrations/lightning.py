@@ -58,7 +58,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim.optimizer import Optimizer
 
-from zeroimpl import CPUOffload, ShardedOptimizer, sync_buffers
+from zeroimpl import CPUOffload, ShardedOptimizer, sync_buffers, sync_module_states
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 SHARDS_SUFFIX = ".zeroimpl"  # the shard folder beside a Lightning checkpoint: <checkpoint>.zeroimpl/
@@ -146,15 +146,6 @@ def accumulating(optimizers: Iterable[ShardedOptimizer]):
 
 
 # -- the model --------------------------------------------------------------------------------------
-@torch.no_grad()
-def broadcast_module_state(module: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank, as DDP's constructor makes them. Collective: one broadcast
-    per parameter (at setup only), then the buffers coalesced by dtype."""
-    for param in module.parameters():
-        dist.broadcast(param.data, src=0)
-    sync_buffers(module)
-
-
 class DDPBufferBroadcast:
     """Rank 0's buffers broadcast before a forward exactly when ``DistributedDataParallel(broadcast_buffers=True)``
     broadcasts them (its ``require_forward_param_sync``): before the first forward, and before every forward that
@@ -323,7 +314,7 @@ class ZeroStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        broadcast_module_state(self.model)
+        sync_module_states(self.model)
         if fitting:
             self.setup_optimizers(trainer)
             self.buffers = DDPBufferBroadcast(self.model) if self.broadcast_buffers else None
@@ -453,7 +444,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module itself, with rank 0's parameters and buffers (as DDP's constructor) and DDP's buffer rule."""
-        broadcast_module_state(module)
+        sync_module_states(module)
         if self.broadcast_buffers:
             buffers = DDPBufferBroadcast(module)
             self.buffers[id(module)] = buffers
