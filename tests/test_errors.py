@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from zeroimpl.module_buffers import FLAT_NUMEL
 from workloads import build_model
 from zeroimpl import ShardedOptimizer
 
@@ -234,6 +235,14 @@ def _per_rank_seeds(rank):
         ddp_optimizer.zero_grad()
     out["trained"] = [p.detach().clone() for p in model.parameters()]
     out["ddp"] = [p.detach().clone() for p in reference.parameters()]
+    # past the broadcast's flat size (FLAT_NUMEL): a contiguous parameter in place, a transposed one in a flat of
+    # its own, small ones flattened around them
+    torch.manual_seed(7 + rank)
+    large = [torch.nn.Parameter(torch.randn(FLAT_NUMEL + 8)), torch.nn.Parameter(torch.randn(3, 2)),
+             torch.nn.Parameter(torch.randn(8, FLAT_NUMEL // 8 + 1).t()), torch.nn.Parameter(torch.randn(5))]
+    out["large before"] = [p.detach().clone() for p in large]
+    ShardedOptimizer(large, torch.optim.SGD, lr=0.1)
+    out["large after"] = [p.detach().clone() for p in large]
     return out
 
 
@@ -242,6 +251,13 @@ def test_rank_0s_parameters_are_broadcast_at_construction_as_ddp_does(runs):
     assert any(not torch.equal(a, b) for a, b in zip(first, runs[1]["init_sync"]["before"]))  # they differed
     for by_rank in runs:
         assert all(torch.equal(a, b) for a, b in zip(by_rank["init_sync"]["after"], first))
+
+
+def test_parameters_larger_than_a_broadcast_flat_are_broadcast_too(runs):
+    first = runs[0]["init_sync"]["large before"]
+    assert not torch.equal(first[0], runs[1]["init_sync"]["large before"][0])
+    for by_rank in runs:
+        assert all(torch.equal(a, b) for a, b in zip(by_rank["init_sync"]["large after"], first))
 
 
 def test_a_model_seeded_per_rank_trains_bitwise_as_under_ddp(runs):
