@@ -65,14 +65,12 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
 
     ``when``: the decision to save, of which only the first rank's counts (``None``: save), for a loop whose
     master process alone decides (nanoGPT's saves when its validation loss improves): every rank follows it
-    (one broadcast, whatever ``when`` is, so that the ranks issue the same collectives) and saves, or not.
-    Returns whether it saved.
+    and saves, or not, with the same collectives whatever ``when`` is (the decision travels with the first
+    agreement). Returns whether it saved.
     """
     _check_arguments(optimizer, model, "save_checkpoint")
     topology = optimizer.topology
-    decision = torch.tensor([when is None or bool(when)], dtype=torch.uint8, device=topology.device)
-    if not topology.broadcast_from_first_(decision, timeout, "the first rank's decision to save").item():
-        return False
+    decided = when is None or bool(when)
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
     entry = None
@@ -80,11 +78,12 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         whole = [bucket.whole or bool(bucket.block) for bucket in optimizer.layout.buckets]
         split = [(piece, master, *split_state(state, tuple(master.shape), whole[piece.bucket_index], master.stride()))
                  for piece, master, state in optimizer.piece_states()]
-        if topology.is_first:
+        if topology.is_first and decided:
             files.prepare_partial(directory)
     except Exception as caught:  # e.g. no permission: every rank must hear of it, not hang
         error = caught
-    _agree(error, optimizer, timeout, "preparing the checkpoint directory")
+    if not _agree(error, optimizer, timeout, "preparing the checkpoint directory", decided)[0]:
+        return False  # the first rank's decision (topology.all_gather_objects puts it first)
     try:
         if topology.replicate_rank == 0:  # the other replicas hold the same shards
             entry = files.write(_rank_payload(optimizer, split), os.path.join(files.partial_path(directory),
