@@ -205,6 +205,24 @@ def test_misuse_raises_on_every_rank(runs, case):
             assert expected in message, f"{case}, rank {rank}: {message}"
 
 
+def _checkpoint_seen_by_some_ranks(rank):
+    """A checkpoint folder that rank 1 does not see (a disk of one node only), and one both see: the integrations
+    refuse a missing folder only once every rank has said whether it sees it, so that all raise together."""
+    import tempfile
+
+    from zeroimpl.checkpoint import exists_on_every_rank
+
+    optimizer = ShardedOptimizer(_linear().parameters(), torch.optim.AdamW)
+    seen = tempfile.mkdtemp()
+    return {"one rank sees it": exists_on_every_rank(seen if rank == 0 else seen + "-elsewhere", optimizer),
+            "both see it": exists_on_every_rank(seen, optimizer)}
+
+
+def test_a_checkpoint_folder_some_rank_does_not_see_is_missing_on_every_rank(runs):
+    for by_rank in runs:
+        assert by_rank["exists"] == {"one rank sees it": False, "both see it": True}
+
+
 def _seeded_per_rank(rank):
     """A model initialised differently on every rank, as nanoGPT's ``torch.manual_seed(1337 + rank)`` does, with a
     frozen bias among the optimizer's groups."""
@@ -309,7 +327,7 @@ def _lifecycle(rank, world_size):
 
 def _both(rank, world_size):
     return {"lifecycle": _lifecycle(rank, world_size), "misuse": _misuse(rank, world_size),
-            "init_sync": _per_rank_seeds(rank)}
+            "init_sync": _per_rank_seeds(rank), "exists": _checkpoint_seen_by_some_ranks(rank)}
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ See :mod:`.files` (directory layout, crash safety, safe loading), :mod:`.reshard
 :mod:`.api` (save / load) and :mod:`.convert` (torch formats, offline export).
 """
 
-from .api import load_checkpoint, save_checkpoint
+from .api import exists_on_every_rank, load_checkpoint, save_checkpoint
 from .convert import consolidated_optimizer_state_dict, export_fp32_state_dict, load_torch_optimizer_state
 from .files import CheckpointError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "export_fp32_state_dict", "consolidated_optimizer_state_dict",
+__all__ = ["save_checkpoint", "load_checkpoint", "exists_on_every_rank", "export_fp32_state_dict", "consolidated_optimizer_state_dict",
            "load_torch_optimizer_state", "CheckpointError"]

@@ -192,6 +192,14 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, k
 
 
 # -- load ---------------------------------------------------------------------------------------------
+def exists_on_every_rank(directory: str, optimizer: ShardedOptimizer, timeout: Optional[float] = None) -> bool:
+    """Whether every rank of ``optimizer`` sees the folder ``directory``. Collective (one small all-gather): a caller
+    that refuses a missing checkpoint then refuses it on every rank at once, where the ranks that see it would wait
+    in :func:`load_checkpoint`'s collectives for the others (a folder on one node's disk only). ``timeout``: as for
+    :func:`save_checkpoint`."""
+    return all(optimizer.topology.all_gather_objects(os.path.isdir(directory), timeout, "checkpoint existence check"))
+
+
 def _check_arguments(optimizer, model, function: str) -> None:
     """Refuse arguments in the wrong order or of the wrong kind (the same on every rank: no collective yet)."""
     if not isinstance(optimizer, ShardedOptimizer) or not isinstance(model, torch.nn.Module):

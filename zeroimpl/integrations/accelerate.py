@@ -48,7 +48,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DDPCommunicationHookType, DistributedType
 
 from zeroimpl import ShardedOptimizer, broadcast_buffers, sync_module_states
-from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+from zeroimpl.checkpoint import exists_on_every_rank, load_checkpoint, save_checkpoint
 
 CHECKPOINT_SUBDIR = "zeroimpl"  # the first optimizer's shards in a save_state folder; the next "zeroimpl_1", ...
 SHARDS_KEY = "zeroimpl_sharded_checkpoint"  # optimizer.bin's only key: the folder beside it with the shards
@@ -272,7 +272,7 @@ def _load_shards(optimizers: list[AcceleratedShardedOptimizer], models: list, in
     taking the model off the list would shift the models after it onto other models' files)."""
     for optimizer in optimizers:
         directory = os.path.join(input_dir, optimizer.checkpoint_subdir)
-        if not os.path.isdir(directory):
+        if not exists_on_every_rank(directory, optimizer.optimizer):
             raise FileNotFoundError(
                 f"{input_dir} has no {optimizer.checkpoint_subdir}/ folder of zeroimpl shards: it was not saved by "
                 "accelerator.save_state after zeroimpl.integrations.accelerate.prepare (a DDP run's optimizer.bin "

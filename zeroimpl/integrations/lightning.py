@@ -59,7 +59,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim.optimizer import Optimizer
 
 from zeroimpl import CPUOffload, ShardedOptimizer, sync_buffers, sync_module_states
-from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+from zeroimpl.checkpoint import exists_on_every_rank, load_checkpoint, save_checkpoint
 
 SHARDS_SUFFIX = ".zeroimpl"  # the shard folder beside a Lightning checkpoint: <checkpoint>.zeroimpl/
 CHECKPOINT_KEY = "zeroimpl"  # in the Lightning checkpoint: which folder holds the optimizer shards
@@ -218,7 +218,7 @@ def load_shards(checkpoint_path, record: Optional[dict], optimizers: dict[str, S
     directory = os.path.join(os.path.dirname(os.path.realpath(os.fspath(checkpoint_path))), record["directory"])
     for name, optimizer in optimizers.items():
         folder = os.path.join(directory, name)
-        if name not in record["optimizers"] or not os.path.isdir(folder):
+        if name not in record["optimizers"] or not exists_on_every_rank(folder, optimizer):
             raise FileNotFoundError(f"{checkpoint_path}: the optimizer shards of {name!r} should be in {folder}, "
                                     "which is missing; copy the checkpoint's .zeroimpl folder along with it")
         load_checkpoint(folder, optimizer, model_of(optimizer, modules))

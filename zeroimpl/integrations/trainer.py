@@ -54,7 +54,7 @@ import torch
 import transformers
 
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, sync_buffers
-from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+from zeroimpl.checkpoint import exists_on_every_rank, load_checkpoint, save_checkpoint
 from zeroimpl.integrations.models import split_hidden_matrices
 
 CHECKPOINT_SUBDIR = "zeroimpl"
@@ -317,7 +317,7 @@ class ZeroTrainer(transformers.Trainer):
         if checkpoint is None:
             return
         directory = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-        if not os.path.isdir(directory):
+        if not exists_on_every_rank(directory, self.sharded_optimizer):
             raise FileNotFoundError(f"{checkpoint} has no {CHECKPOINT_SUBDIR}/ folder: it was not saved by "
                                     "ZeroTrainer, so its optimizer state cannot be resumed here")
         load_checkpoint(directory, self.sharded_optimizer, self.model)
