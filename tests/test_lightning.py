@@ -178,18 +178,25 @@ def _fp16_plugin():
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=FP16_INITIAL_SCALE))
 
 
-def _missing_shards(rank, shared):
-    """A checkpoint whose shard folder is gone: fit(ckpt_path=...) raises on every rank, naming it."""
-    copy = os.path.join(shared, "missing", "epoch=0.ckpt")
+def _resumed_without_shards(rank, saved: str, copy: str, resume) -> str:
+    """``saved`` copied to ``copy`` without its shard folder, then ``resume(copy)``: the FileNotFoundError's message
+    (it must raise on every rank, naming the folder)."""
     if rank == 0:
         os.makedirs(os.path.dirname(copy), exist_ok=True)
-        shutil.copy(os.path.join(shared, "zero2", "epoch=0-step=4.ckpt"), copy)
+        shutil.copy(saved, copy)
     torch.distributed.barrier()
     try:
-        fit(rank, "zero2", os.path.join(shared, "missing_run"), ckpt_path=copy)
+        resume(copy)
     except FileNotFoundError as error:
         return str(error)
     return "no error"
+
+
+def _missing_shards(rank, shared):
+    """A checkpoint whose shard folder is gone: fit(ckpt_path=...) raises on every rank, naming it."""
+    return _resumed_without_shards(rank, os.path.join(shared, "zero2", "epoch=0-step=4.ckpt"),
+                                   os.path.join(shared, "missing", "epoch=0.ckpt"),
+                                   lambda copy: fit(rank, "zero2", os.path.join(shared, "missing_run"), ckpt_path=copy))
 
 
 def _checkpoint_contents(path):
@@ -299,16 +306,9 @@ def _fabric_fp16_plugin():
 
 
 def _fabric_missing(rank, shared):
-    path = os.path.join(shared, "missing", "fabric.ckpt")
-    if rank == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        shutil.copy(os.path.join(shared, "fabric.ckpt"), path)
-    torch.distributed.barrier()
-    try:
-        fabric_run(rank, "zero2", resume=path)
-    except FileNotFoundError as error:
-        return str(error)
-    return "no error"
+    return _resumed_without_shards(rank, os.path.join(shared, "fabric.ckpt"),
+                                   os.path.join(shared, "missing", "fabric.ckpt"),
+                                   lambda copy: fabric_run(rank, "zero2", resume=copy))
 
 
 def _fabric_cases(rank, shared):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from . import shutdown
+from . import comm
 
 FLAT_NUMEL = 2 ** 22  # elements a broadcast flattens together at most (16 MiB of fp32), as a bucket holds
 
@@ -55,16 +55,9 @@ def sync_module_states(model: torch.nn.Module, process_group: Optional[dist.Proc
 
 
 def _broadcaster(process_group: Optional[dist.ProcessGroup]) -> Callable[[torch.Tensor], None]:
-    """A broadcast in place from the group's first rank."""
-    source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-
-    def broadcast(flat: torch.Tensor) -> None:
-        lent = flat.detach()  # an alias of its own: gloo's worker thread may let go of it last
-        dist.broadcast(lent, src=source, group=process_group)
-        if lent.device.type == "cpu":
-            shutdown.handed_to_gloo(lent)
-
-    return broadcast
+    """A broadcast in place from the group's first rank; on an accelerator the current stream waits for it, not
+    the host (it runs before every training forward)."""
+    return lambda flat: comm.broadcast(flat, process_group, name="buffer broadcast").wait()
 
 
 @torch.no_grad()
@@ -85,14 +78,16 @@ def _overwrite_by_dtype(tensors: list[torch.Tensor], broadcast: Callable[[torch.
         by_dtype.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
     for members in by_dtype.values():
         run: list[torch.Tensor] = []
+        run_numel = 0
         for tensor in members:
             if tensor.numel() > FLAT_NUMEL and tensor.is_contiguous():
                 broadcast(tensor)
                 continue
-            if run and sum(t.numel() for t in run) + tensor.numel() > FLAT_NUMEL:
+            if run and run_numel + tensor.numel() > FLAT_NUMEL:
                 _broadcast_flat(run, broadcast)
-                run = []
+                run, run_numel = [], 0
             run.append(tensor)
+            run_numel += tensor.numel()
         if run:
             _broadcast_flat(run, broadcast)
 

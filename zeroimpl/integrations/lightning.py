@@ -387,12 +387,6 @@ class ZeroStrategy(DDPStrategy):
         self.buffers = None
         super().teardown()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        for name, options in REGISTERED.items():
-            strategy_registry.register(name, cls, description=f"zeroimpl ShardedOptimizer, {options}",
-                                       override=True, **options)
-
 
 # -- Fabric -----------------------------------------------------------------------------------------
 class ShardedBackwardSync(_BackwardSyncControl):
@@ -512,15 +506,16 @@ class FabricZeroStrategy(FabricDDPStrategy):
         self.buffer_hooks, self.buffers = [], {}
         super().teardown()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        for name, options in REGISTERED.items():
-            strategy_registry.register(name, cls, description=f"zeroimpl ShardedOptimizer, {options}",
-                                       override=True, **options)
+
+def register(strategy_class: type, registry) -> None:
+    """Name ``strategy_class`` in a Lightning strategy registry as each of :data:`REGISTERED`, with its options."""
+    for name, options in REGISTERED.items():
+        registry.register(name, strategy_class, description=f"zeroimpl ShardedOptimizer, {options}", override=True,
+                          **options)
 
 
-ZeroStrategy.register_strategies(StrategyRegistry)
-FabricZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+register(ZeroStrategy, StrategyRegistry)
+register(FabricZeroStrategy, FABRIC_STRATEGY_REGISTRY)
 
 __all__ = ["ZeroStrategy", "FabricZeroStrategy", "DDPBufferBroadcast", "sharded_like", "shards_directory",
            "REGISTERED"]
