@@ -513,7 +513,7 @@ def test_whole_parameter_buckets_stop_growing_at_the_documented_limit():
     WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest member) elements (plus the member that
     crossed it), so transient reduction buffers stay bounded."""
     from zeroimpl.layout import ParamSpec, build_layout
-    from zeroimpl.whole_packing import WHOLE_BUCKET_GROWTH
+    from zeroimpl.layout import WHOLE_BUCKET_GROWTH
 
     for sizes, world_size, bucket_numel in (([2] * 200 + [1], 2, 1), ([2] * 200 + [1], 2, 8), ([6] * 300 + [1], 3, 4)):
         specs = [ParamSpec(0, "torch.float32", n, whole=True, work=n) for n in sizes]

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from .optimizer import ShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -101,18 +96,3 @@ def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryR
                       optimizer_state=held_bytes["optimizer_state"] if offload else 0)
     return MemoryReport(device, host)
 
-
-def held_tensors(optimizer: "ShardedOptimizer") -> dict[str, list[torch.Tensor]]:
-    """``optimizer.held_tensors()``: the tensors it holds on this rank now, by kind (see :class:`StateBytes`)."""
-    return {
-        "parameters": [s.param_buffer for s in optimizer.storages]
-        + [s.published for s in optimizer.storages if s.published is not None],
-        "gradients": optimizer.grad_views.full_gradients(),
-        "gradient_shard": optimizer.gradients.device_tensors(),
-        "host_gradient_shard": optimizer.gradients.host_tensors(),
-        "host_staging": [t for buffers in optimizer.param_sync.staging.values() for t in buffers],
-        "master_weights": [s.master for s in optimizer.storages if s.has_separate_master],
-        "optimizer_state": [v for state in optimizer.inner.state.values() for v in state.values()
-                            if torch.is_tensor(v)],
-        "bucket_buffers": optimizer.reducer.live_buffers() + optimizer.param_sync.live_buffers(),
-    }

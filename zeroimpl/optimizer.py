@@ -21,20 +21,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
-from . import module_buffers, optimizer_kinds, optimizer_state, uneven, validation, verify
-from .accounting import MemoryReport, held_tensors, memory_report
+from . import module_buffers, optimizer_kinds, uneven, validation, verify
+from .accounting import MemoryReport, memory_report
 from .buffers import BucketStorage, flatten_params
 from .grad_shards import accumulating
 from .grad_sync import GradientReducer
 from .grad_views import GradViews
 from .inner import OUTER_ONLY_KEYS, PieceMasters, build_on_every_rank, step_pieces
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
-from .offload import CPUOffload, OffloadOption, gradient_store, inner_kwargs, resolve_offload
+from .memory_format import contiguous_strides, same_order
+from .offload import KERNEL_KEYS, CPUOffload, OffloadOption, gradient_store, inner_kwargs, resolve_offload
 from .ownership import Ownership
 from .param_sync import ParamSync
 from .precision import DynamicLossScaler, LossScaleConfig
 from .step_checks import StepChecks, StepState, nonfinite_message, passes_message
 from .topology import Topology, resolve_topology
+
+STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
+OLD_STATE_FORMAT = "zeroimpl.sharded_optimizer/1"
 
 
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
@@ -361,17 +365,92 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                   lambda param: verify.param_name(self.param_groups, param))
 
     # -- state ------------------------------------------------------------------------------------
+    # Each rank's state holds that rank's shard only. A loop that saves ``optimizer.state_dict()`` on the master
+    # process alone (nanoGPT, many scripts written for DDP) hands rank 0's shard to every rank at resume: the rank
+    # that can load it must not go on into the next collective while another refuses, or the job hangs. So a load
+    # gathers every rank's verdict (one small object all-gather) and raises the same refusal on every rank.
     def state_dict(self) -> dict:
-        """This rank's state (tensors by reference, as torch's). Local only: safe to call on one rank alone."""
+        """This rank's state (tensors by reference, as torch's): the inner optimizers' state over the pieces, each
+        group's hyperparameters, the master shards when they are separate from the parameters, and the loss
+        scaler's state. Local only: safe to call on one rank alone."""
         self.sync_masters()
-        return optimizer_state.state_dict(self.rank, self.layout, self.trainable_params, self.inner,
-                                          self.param_groups, self.storages, self.loss_scaler)
+        separate = any(s.has_separate_master for s in self.storages)
+        quantized = any(s.blocks is not None for s in self.storages)
+        return {
+            "format": STATE_FORMAT,
+            "rank": self.rank,
+            "layout": self.layout.fingerprint(),
+            "strides": [tuple(p.stride()) for p in self.trainable_params],  # the flat order of every shard
+            "inner": self.inner.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k not in ("params", "optimizer")}
+                             for g in self.param_groups],
+            "master_weights": [s.master for s in self.storages] if separate else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+            "quantize_param_gather": quantized,
+            "published_shards": [s.published for s in self.storages] if quantized else None,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout. Collective
         (every rank, each with its own state): a state some rank cannot load (another rank's, as a checkpoint
         saved on the master process alone holds) is refused on every rank, before anything changes."""
-        optimizer_state.load(self, state_dict)
+        problem = self._load_problem(state_dict)
+        problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
+        if problem is not None:
+            raise ValueError(problem)
+        refused = next(((rank, text) for rank, text in enumerate(problems) if text is not None), None)
+        if refused is not None:
+            raise ValueError(f"rank {refused[0]} (in all-gather order) refused its optimizer state, so no rank loads "
+                             f"one: {refused[1]}")
+        self._install(state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
+                      state_dict["loss_scaler"])
+        # a quantized all-gather's next step starts from the parameters as saved: the model loads them, before or
+        # after (a state without them, from before zeroimpl sent changes, published the dequantized masters)
+        for storage in (s for s in self.storages if s.blocks is not None):
+            saved = state_dict.get("published_shards")
+            storage.published.copy_(saved[storage.bucket.index] if saved else
+                                    storage.blocks.decoded(storage.blocks.encode(storage.master)))
+
+    def _load_problem(self, state_dict) -> Optional[str]:
+        """Why this rank cannot load ``state_dict``; None if it can. Local."""
+        if isinstance(state_dict, dict) and state_dict.get("format") == OLD_STATE_FORMAT:
+            return ("this state was saved by an older zeroimpl, whose optimizer state was per bucket; it cannot be "
+                    "loaded with load_state_dict. Resume from a checkpoint written by "
+                    "zeroimpl.checkpoint.save_checkpoint instead (those of every version load)")
+        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
+            return (f"not a ShardedOptimizer state dict (missing format tag {STATE_FORMAT!r}); a plain torch "
+                    "optimizer state needs the checkpoint API")
+        fingerprint = self.layout.fingerprint()
+        if state_dict["rank"] != self.rank or state_dict["layout"] != fingerprint:
+            return (f"this state was saved by rank {state_dict['rank']} with world size "
+                    f"{state_dict['layout']['world_size']}"
+                    f"{'' if state_dict['layout'] == fingerprint else ' and another parameter layout'}; this "
+                    f"optimizer is rank {self.rank} of {self.world_size}. Each rank holds its own shard of the "
+                    "optimizer state: save optimizer.state_dict() on every rank (not on the master process alone) "
+                    "and load each rank's own, with the same model, param groups, world size and bucket settings, "
+                    "or use zeroimpl.checkpoint.save_checkpoint / load_checkpoint (which also reshard to another "
+                    "world size)")
+        params = self.trainable_params
+        saved = state_dict.get("strides") or [contiguous_strides(p.shape) for p in params]
+        for index, (strides, param) in enumerate(zip(saved, params)):
+            if not same_order(param.shape, strides, param.stride()):
+                return (f"trainable parameter {index} {tuple(param.shape)} was saved in the memory format of strides "
+                        f"{tuple(strides)} but has strides {tuple(param.stride())} here, so its shard would be read "
+                        "in the wrong order: give the parameters the memory format they had when saved before "
+                        "building the optimizer (model.to(memory_format=...); a state saved before zeroimpl kept "
+                        "memory formats holds every parameter contiguous: p.data = p.data.contiguous())")
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            return "the state has a different number of param groups"
+        if (state_dict["loss_scaler"] is None) == (self.loss_scaler is not None):
+            return "the state's loss scaler does not match this optimizer (loss scaling on in one, off in the other)"
+        quantized = any(s.blocks is not None for s in self.storages)
+        if state_dict.get("quantize_param_gather", False) != quantized:
+            return (f"the state was saved with quantize_param_gather={not quantized} and this optimizer has "
+                    f"{quantized}: the model's saved parameters are within a quantization step of the masters in one "
+                    "and the masters in the other, so the ranks would hold different parameters; switch through "
+                    "zeroimpl.checkpoint (save_checkpoint / load_checkpoint), which all-gathers the parameters from "
+                    "the saved masters")
+        return None
 
     # -- the checkpoint package's seam -----------------------------------------------------------
     def piece_states(self) -> list[tuple[ShardPiece, torch.Tensor, Optional[dict]]]:
@@ -388,12 +467,60 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         all-gathered, unquantized, from them or from ``published`` (per bucket, this rank's shard of the
         parameters as saved: a quantized all-gather's): collective. Without, the masters follow the parameters,
         which the caller loads (local). ``loss_scaler``: a ``LossScaler.state_dict()`` (``None``: keep it)."""
-        optimizer_state.restore(self, piece_states, hyperparameters, masters, loss_scaler, published)
+        number = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
+        state = {number[id(master)]: piece_state for master, piece_state in zip(self.pieces.masters, piece_states)
+                 if piece_state is not None}
+        groups = [{**{k: v for k, v in own.items() if k != "params"},
+                   **{k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS},
+                   "params": [number[id(p)] for p in own["params"]]}
+                  for saved, own in zip(hyperparameters, self.inner.param_groups)]
+        self._install({"state": state, "param_groups": groups}, hyperparameters, masters, loss_scaler)
+        if masters is not None:
+            self.param_sync.publish_exactly(published)
+
+    def _install(self, inner_state: dict, hyperparameters: list[dict], masters: Optional[list[torch.Tensor]],
+                 loss_scaler_state: Optional[dict]) -> None:
+        """Install checked state (``inner_state``: the inner optimizers' state dict, torch's format): each group's
+        hyperparameters (the inner optimizers keep their own kernel choice), optionally the master shards and the
+        loss-scaler state. ``masters`` is ``None`` for a state saved without separate masters (an fp32 model
+        without offload): then the masters keep following the parameters, which the user loads."""
+        self.param_sync.finish()  # no all-gather may still write the parameters
+        self.param_sync.wait_copies()  # no copy may still read the masters
+        kernels = [{k: v for k, v in g.items() if k in KERNEL_KEYS} for g in self.inner.param_groups]
+        # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
+        inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in
+                                                       zip(inner_state["param_groups"], kernels)]}
+        self.inner.load_state_dict(inner_state)  # moves the state to the masters' device and dtype
+        for outer, own, saved, kernel in zip(self.param_groups, self.inner.param_groups, hyperparameters, kernels):
+            # the saved outer groups are the newer: they mirror the inner ones after each step, and a scheduler
+            # may have changed them since (its lr goes into the inner group at the next step)
+            outer.update({k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS})
+            own.update({k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS | KERNEL_KEYS})
+            outer.update(kernel)
+            own.update(kernel)
+        if masters is not None:
+            with torch.no_grad():
+                for storage, master in zip(self.storages, masters):
+                    storage.master.copy_(master)
+                    storage.mark_master_in_sync()
+        if self.loss_scaler is not None and loss_scaler_state is not None:
+            self.loss_scaler.load_state_dict(loss_scaler_state)
+        self.inner.report(self.param_groups)
 
     # -- introspection ----------------------------------------------------------------------------
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This rank's tensors now, by :class:`zeroimpl.StateBytes`'s kinds: what :meth:`memory_report` counts."""
-        return held_tensors(self)
+        return {
+            "parameters": [s.param_buffer for s in self.storages]
+            + [s.published for s in self.storages if s.published is not None],
+            "gradients": self.grad_views.full_gradients(),
+            "gradient_shard": self.gradients.device_tensors(),
+            "host_gradient_shard": self.gradients.host_tensors(),
+            "host_staging": [t for buffers in self.param_sync.staging.values() for t in buffers],
+            "master_weights": [s.master for s in self.storages if s.has_separate_master],
+            "optimizer_state": [v for state in self.inner.state.values() for v in state.values() if torch.is_tensor(v)],
+            "bucket_buffers": self.reducer.live_buffers() + self.param_sync.live_buffers(),
+        }
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds right now, by kind and place (see :class:`zeroimpl.MemoryReport`)."""
