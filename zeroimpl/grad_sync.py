@@ -110,7 +110,7 @@ class GradientReducer:
         self._order = LaunchOrder([bucket.param_indices for bucket in layout.buckets])
         # quantized: per bucket, the blocks its 8-bit reduce-scatter sends on, and those of its shard's 8-bit
         # all-reduce across replicas (or None: not quantized)
-        self._blocks, self._replica_blocks = reduction_blocks(layout, topology, quantized)
+        self._blocks, self._replica_blocks = reduction_blocks(layout, quantized, topology.shard_rank, topology.replica)
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer

@@ -43,7 +43,6 @@ import torch
 
 if TYPE_CHECKING:
     from .layout import ShardLayout
-    from .topology import Topology
 
 BLOCK = 256
 _LEVELS = 255.0
@@ -153,27 +152,30 @@ def _unpadded(values: torch.Tensor, lengths: list[int], padded: list[int]) -> li
     return pieces
 
 
-def reduction_blocks(layout: "ShardLayout", topology: "Topology", quantized: Union[bool, str]) -> tuple:
+def reduction_blocks(layout: "ShardLayout", quantized: Union[bool, str], rank: int,
+                     replica: Optional[tuple[int, int]] = None) -> tuple:
     """Per bucket, the blocks of its 8-bit gradient reduce-scatter (``quantized is True``, world size > 1), and of
     its reduced shard's 8-bit all-reduce across the replicas (``quantized``, hybrid sharding); None for either
-    that is not quantized."""
-    if quantized == "replicas" and topology.replicate is None:
+    that is not quantized. ``rank``: this rank's in the shard group; ``replica``: ``(this rank's replica, the
+    number of replicas)`` under hybrid sharding, ``None`` without a replicate group."""
+    if quantized == "replicas" and replica is None:
         raise ValueError("quantize_grad_reduce='replicas' quantizes the all-reduce across the replicas of a 2-D "
                          "device_mesh, and this optimizer has none: pass a (replicate, shard) device_mesh, or "
                          "quantize_grad_reduce=True for the reduce-scatter")
-    shard = [ShardBlocks.of(layout.edges(b.index), b.shard_numel, layout.world_size, topology.shard_rank, signed=True)
+    shard = [ShardBlocks.of(layout.edges(b.index), b.shard_numel, layout.world_size, rank, signed=True)
              for b in layout.buckets] if quantized is True and layout.world_size > 1 else None
-    replicas = [_replica_blocks(layout, b.index, topology) for b in layout.buckets] \
-        if quantized and topology.replicate is not None else None
+    replicas = [_replica_blocks(layout, b.index, rank, *replica) for b in layout.buckets] \
+        if quantized and replica is not None else None
     return shard, replicas
 
 
-def _replica_blocks(layout: "ShardLayout", bucket_index: int, topology: "Topology") -> ShardBlocks:
-    """The blocks of this rank's gradient shard of a bucket for its 8-bit all-reduce across the replicas: the
-    shard cut into one piece per replica (a multiple of 4 elements each, the last one padded), blocks starting at
-    every parameter and at the padding."""
-    bucket, replicas = layout.buckets[bucket_index], topology.replicate_size
-    start = bucket.shard_range(topology.shard_rank)[0]
+def _replica_blocks(layout: "ShardLayout", bucket_index: int, rank: int, replica_rank: int,
+                    replicas: int) -> ShardBlocks:
+    """The blocks of shard ``rank``'s gradient shard of a bucket for its 8-bit all-reduce across the ``replicas``:
+    the shard cut into one piece per replica (a multiple of 4 elements each, the last one padded), blocks
+    starting at every parameter and at the padding."""
+    bucket = layout.buckets[bucket_index]
+    start = bucket.shard_range(rank)[0]
     piece = -(-bucket.shard_numel // (4 * replicas)) * 4
     edges = [edge - start for edge in layout.edges(bucket_index) if 0 < edge - start < bucket.shard_numel]
-    return ShardBlocks.of(edges + [bucket.shard_numel], piece, replicas, topology.replicate_rank, signed=True)
+    return ShardBlocks.of(edges + [bucket.shard_numel], piece, replicas, replica_rank, signed=True)

@@ -52,6 +52,11 @@ class Topology:
         return 1 if self.replicate is None else dist.get_world_size(self.replicate)
 
     @property
+    def replica(self) -> Optional[tuple[int, int]]:
+        """``(replicate_rank, replicate_size)`` under hybrid sharding; ``None`` without a replicate group."""
+        return None if self.replicate is None else (self.replicate_rank, self.replicate_size)
+
+    @property
     def world_size(self) -> int:
         """Every rank the optimizer spans: shard size times replicate size."""
         return self.shard_size * self.replicate_size
