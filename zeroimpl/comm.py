@@ -27,17 +27,18 @@ that spans nodes (:func:`spans_nodes`: by torchrun's ``GROUP_RANK``, agreed by t
 (207-216 ms).
 
 ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors (read when the collective is
-issued; set it alike on every rank). ``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1`` (for tests) issues the backend's
-reduce-scatter and all-gather (and ``quantize_param_gather``'s 8-bit all-gather, the owner decoding its own
-payload) at world size 1 too, where they would be copies: NCCL and gloo take one-rank
-groups, so a machine with one GPU runs the collective path (tests/test_cuda.py), the reduce-scatter into an
-output of its own as at world size 2 and up (in place, NCCL's one-rank collective moves nothing; the
-all-gather stays in place: the values it writes are those already there, so a separate input could not show
-a missing wait either). Tensors on an accelerator always use ``native``. The
+issued; set it alike on every rank). Tensors on an accelerator always use ``native``. The
 ``torch.distributed`` functions are looked up at call time, so that a test can wrap them to count traffic.
 
-Every wait goes through :class:`zeroimpl.pending.Pending`: bounded by ``timeout`` (``CollectiveError``), kept
-by its caller until it returns. A collective that a gloo worker thread runs (all-reduce, native reduce-scatter
+At world size 1 a reduce-scatter in place (``output`` at the start of ``input``) issues nothing; any other
+reduce-scatter or all-gather issues the backend's one-rank collective (a copy: NCCL and gloo take one-rank
+groups). Whether the optimizer issues them at one rank is decided once, at its construction
+(:func:`issues_collectives`: ``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1``, so that a machine with one GPU runs the
+collective path, tests/test_cuda.py): the reduce-scatter into an output of its own as at world size 2 and
+up, the all-gather (and ``quantize_param_gather``'s 8-bit one, the owner decoding its own payload) issued.
+
+Every wait goes through :class:`zeroimpl.pending.Pending`: bounded by ``timeout`` (``CollectiveError``), and
+failing for good once it raised. A collective that a gloo worker thread runs (all-reduce, native reduce-scatter
 and all-gather) gets fresh aliases of CPU tensors, which it hands to :mod:`zeroimpl.shutdown` after its wait.
 """
 
@@ -46,28 +47,33 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .pending import HOST_POLL_SECONDS, CollectiveError, Pending
 
-if TYPE_CHECKING:
-    from .quantized_comm import ShardBlocks
-
 ALGORITHMS = ("native", "pairwise")
 
 
-def collectives_at_one_rank() -> bool:
-    """Whether to issue the backend's collectives at world size 1 too (``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1``)."""
-    return os.environ.get("ZEROIMPL_COLLECTIVES_AT_ONE_RANK") == "1"
+class PayloadBlocks(Protocol):
+    """What the 8-bit collectives use of a shard's blocks (:class:`zeroimpl.quantized_comm.ShardBlocks`)."""
+
+    shard_numel: int  # elements per rank's piece
+    payload_bytes: int  # bytes per rank's payload
+
+    def encode(self, values: torch.Tensor, rank: Optional[int] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    def decoded(self, payload: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor: ...
 
 
 def issues_collectives(world_size: int) -> bool:
-    """Whether a group of ``world_size`` ranks runs the backend's collectives (and the 8-bit all-gather's
-    encoding): above one rank, or at one under :func:`collectives_at_one_rank`."""
-    return world_size > 1 or collectives_at_one_rank()
+    """Whether an optimizer over ``world_size`` ranks issues the backend's collectives (and the 8-bit
+    all-gather's encoding): above one rank, or at one with ``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1`` (for tests).
+    Asked once, when an optimizer is built."""
+    return world_size > 1 or os.environ.get("ZEROIMPL_COLLECTIVES_AT_ONE_RANK") == "1"
 
 
 def _collective(new_name: str, old_name: str):
@@ -123,9 +129,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     reduce-scatters in flight at once (pairwise), one per bucket."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     name, on_stream = "gradient reduce-scatter", input.device.type != "cpu"
-    if not issues_collectives(world):  # nothing to sum: no backend call (no copy when output is input)
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input[:output.numel()])
+    if world == 1 and output.data_ptr() == input.data_ptr():  # in place at one rank: nothing to sum
         return Pending([], name, timeout)
     if world == 1 or algorithm(group, input) == "native":
         launch = _collective("reduce_scatter_single", "reduce_scatter_tensor")
@@ -143,16 +147,50 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     return Pending(works, name, timeout, add_pieces, buffers=(received,), on_stream=on_stream)
 
 
-def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: ShardBlocks, group,
+def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: PayloadBlocks, group,
                              timeout: Optional[float] = None, tag: int = 0) -> Pending:
     """Start ``output`` = this rank's piece of ``input`` plus every other rank's, each sent to its owner as an
     8-bit payload on the owner's ``blocks`` (:mod:`zeroimpl.quantized_comm`), dequantized and summed in fp32
     (then ``output``'s dtype) on the owner: an all-to-all of payloads, about a quarter of the fp32 bytes of
     :func:`reduce_scatter`. Shapes and ``tag`` as there; this rank's own piece is exact."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    name, on_stream = "gradient reduce-scatter (8-bit)", input.device.type != "cpu"
-    if world == 1:  # nothing crosses a link: nothing to quantize
+    if dist.get_world_size(group) == 1:  # nothing crosses a link: nothing to quantize
         return reduce_scatter(output, input, group, timeout, tag)
+    works, lent, sent, received = _send_payloads(input, blocks, group, tag)
+    return Pending(works, "gradient reduce-scatter (8-bit)", timeout,
+                   lambda: output.copy_(_summed(input, received, blocks, group)), buffers=(sent, received),
+                   lent=lent, on_stream=input.device.type != "cpu")
+
+
+def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, timeout: Optional[float] = None,
+                         tag: int = 0) -> Pending:
+    """Start ``tensor`` = its sum over the group's ranks, in 8 bits both ways: a quantized reduce-scatter of its
+    pieces (as :func:`reduce_scatter_quantized`, ``blocks.shard_numel`` elements each, ``tensor`` zero-padded to
+    ``world_size`` of them), then, at the wait, an all-gather of each owner's fp32 sum as a payload on its
+    ``blocks``, which every rank -- the owner too -- decodes into ``tensor``, so that all ranks hold the same
+    values."""
+    world, rank, n, size = dist.get_world_size(group), dist.get_rank(group), blocks.shard_numel, blocks.payload_bytes
+    name = "gradient shard all-reduce across replicas (8-bit)"
+    if world == 1:  # the sum is the tensor
+        return Pending([], name, timeout)
+    padded = torch.zeros(world * n, dtype=torch.float32, device=tensor.device)
+    padded[:tensor.numel()].copy_(tensor)
+    works, lent, sent, received = _send_payloads(padded, blocks, group, tag)
+
+    def gather_sums():
+        payloads = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
+        own = blocks.encode(_summed(padded, received, blocks, group), out=payloads[rank * size:(rank + 1) * size])
+        all_gather(payloads, own, group, timeout, tag, name).wait()
+        values = torch.cat([blocks.decoded(payloads[r * size:(r + 1) * size], r) for r in range(world)])
+        tensor.copy_(values[:tensor.numel()])
+    return Pending(works, name, timeout, gather_sums, buffers=(padded, sent, received), lent=lent,
+                   on_stream=tensor.device.type != "cpu")
+
+
+def _send_payloads(input: torch.Tensor, blocks: PayloadBlocks, group, tag: int) -> tuple:
+    """Post the all-to-all of 8-bit payloads: each other rank's piece of ``input`` (``world_size`` pieces)
+    encoded on its owner's blocks, sent to it; return the works, the aliases lent to them, and the payloads
+    sent and received (``(world_size, payload_bytes)`` uint8, row r: to / from rank r)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = input.view(world, -1)
     sent = torch.zeros(world, blocks.payload_bytes, dtype=torch.uint8, device=input.device)
     for owner in range(world):
@@ -161,61 +199,31 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: 
     received = torch.empty_like(sent)
     if algorithm(group, input) == "native":
         lent = _aliases(received, sent)
-        works = [dist.all_to_all_single(*lent, group=group, async_op=True)]
-    else:
-        lent = ()
-        works = _exchange([sent[(rank + k) % world] for k in range(1, world)],
-                          [received[(rank - k) % world] for k in range(1, world)], group, 2 * tag)
-
-    def add_pieces():
-        total = pieces[rank].to(torch.float32, copy=True)  # (input stays untouched)
-        for sender in range(world):
-            if sender != rank:
-                total.add_(blocks.decoded(received[sender]))
-        output.copy_(total)
-    return Pending(works, name, timeout, add_pieces, buffers=(sent, received), lent=lent, on_stream=on_stream)
+        return [dist.all_to_all_single(*lent, group=group, async_op=True)], lent, sent, received
+    works = _exchange([sent[(rank + k) % world] for k in range(1, world)],
+                      [received[(rank - k) % world] for k in range(1, world)], group, 2 * tag)
+    return works, (), sent, received
 
 
-def all_reduce_quantized(tensor: torch.Tensor, blocks: ShardBlocks, group, timeout: Optional[float] = None,
-                         tag: int = 0) -> Pending:
-    """Start ``tensor`` = its sum over the group's ranks, in 8 bits both ways: a quantized reduce-scatter of its
-    pieces (:func:`reduce_scatter_quantized`, ``blocks.shard_numel`` elements each, ``tensor`` zero-padded to
-    ``world_size`` of them), then an all-gather of each owner's fp32 sum as a payload on its ``blocks``, which
-    every rank -- the owner too -- decodes into ``tensor``, so that all ranks hold the same values."""
-    world, rank, n, size = dist.get_world_size(group), dist.get_rank(group), blocks.shard_numel, blocks.payload_bytes
-    name = "gradient shard all-reduce across replicas (8-bit)"
-    if world == 1:  # the sum is the tensor
-        return Pending([], name, timeout)
-    padded = torch.zeros(world * n, dtype=torch.float32, device=tensor.device)
-    padded[:tensor.numel()].copy_(tensor)
-    summed = torch.empty(n, dtype=torch.float32, device=tensor.device)
-    pending = reduce_scatter_quantized(summed, padded, blocks, group, timeout, tag)
-    add_pieces, gathered = pending.finish, []
-
-    def gather_sums():  # run again after raising (Pending.wait): the all-gather is issued once
-        if not gathered:
-            add_pieces()
-            payloads = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
-            own = blocks.encode(summed, out=payloads[rank * size:(rank + 1) * size])
-            gathered.append((payloads, all_gather(payloads, own, group, timeout, tag, name)))
-        payloads, gather = gathered[0]
-        gather.wait()  # (one that failed raises its CollectiveError again: not issued or waited for again)
-        values = torch.cat([blocks.decoded(payloads[r * size:(r + 1) * size], r) for r in range(world)])
-        tensor.copy_(values[:tensor.numel()])
-    pending.name, pending.finish, pending.buffers = name, gather_sums, (padded, summed, *pending.buffers)
-    return pending
+def _summed(input: torch.Tensor, received: torch.Tensor, blocks: PayloadBlocks, group) -> torch.Tensor:
+    """This rank's piece of ``input`` plus every other rank's decoded payload in ``received``: fp32, in rank
+    order (``input`` stays untouched)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    total = input.view(world, -1)[rank].to(torch.float32, copy=True)
+    for sender in range(world):
+        if sender != rank:
+            total.add_(blocks.decoded(received[sender]))
+    return total
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
                tag: int = 0, name: str = "parameter all-gather",
                then: Optional[Callable[[], None]] = None) -> Pending:
     """Start ``output[rank * n:(rank + 1) * n] = input`` of every rank; ``input`` may be that slice of ``output``.
-    ``then``: run once the gather has landed, as the wait's last act (run again by the next wait if it raised:
-    it must go on from where it stopped)."""
+    ``then``: run once the gather has landed, as the wait's last act."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     on_stream = output.device.type != "cpu"
-    if (world == 1 and collectives_at_one_rank()) or (
-            world > 1 and algorithm(group, output, gather=True, timeout=timeout) == "native"):
+    if world == 1 or algorithm(group, output, gather=True, timeout=timeout) == "native":
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
         return Pending([launch(*lent, group=group, async_op=True)], name, timeout, then, lent=lent,
@@ -281,6 +289,8 @@ def all_gather_objects(value, group, timeout: Optional[float] = None, name: str 
     model with ``.to(f"cuda:{local_rank}")`` without ``torch.cuda.set_device`` has every rank's current GPU at
     0, where NCCL would see one GPU twice), else on the current GPU."""
     world = dist.get_world_size(group)
+    if world == 1:  # nothing to gather (a copy, as one through the bytes would be)
+        return [pickle.loads(pickle.dumps(value))]
     nccl = dist.get_backend(group) == "nccl"
     if not nccl:
         device = torch.device("cpu")

@@ -65,7 +65,7 @@ import contextlib
 import sys
 import threading
 import weakref
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -88,6 +88,14 @@ COMPILED_READ = ("a function compiled with torch.compile(fullgraph=True) ran whi
 _EVERY = weakref.WeakSet()  # every optimizer's InFlightGathers in this process (guards_lifted)
 
 
+class BucketGather(NamedTuple):
+    """One bucket's all-gather in flight: its wait, and the scratch memory it lands from (every rank's 8-bit
+    payload, ``(world_size * payload_bytes,)`` uint8, for a quantized all-gather; else None)."""
+
+    pending: Pending
+    payloads: Optional[torch.Tensor] = None
+
+
 class InFlightGathers:
     """The all-gathers of one optimizer still in flight, by bucket index, and the guards that wait for them.
 
@@ -95,7 +103,7 @@ class InFlightGathers:
     the forward pre-hook is registered."""
 
     def __init__(self) -> None:
-        self._pending: dict[int, Pending] = {}
+        self._pending: dict[int, BucketGather] = {}
         self._bucket_of_storage: dict[int, int] = {}  # data_ptr of a parameter buffer's storage -> bucket index
         self._bucket_of_param: dict[int, int] = {}  # id(parameter) -> bucket index
         self._guard: Optional[_Guard] = None
@@ -108,7 +116,7 @@ class InFlightGathers:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def start(self, pending: dict[int, Pending], param_buffers: dict[int, torch.Tensor],
+    def start(self, pending: dict[int, BucketGather], param_buffers: dict[int, torch.Tensor],
               params: dict[int, list[torch.nn.Parameter]], guard: bool) -> None:
         """Take over ``pending`` (bucket index -> its gather into ``param_buffers[bucket index]``, whose
         members are ``params[bucket index]``); with ``guard``, install the guards so that they may stay in
@@ -132,8 +140,8 @@ class InFlightGathers:
         """Wait for the gathers of ``buckets`` (default: all), in bucket order."""
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
         for index in chosen:
-            pending = self._pending[index]
-            pending.wait()  # (kept if it raised: the next wait finishes it, or raises again)
+            pending = self._pending[index].pending
+            pending.wait()  # (kept if it raised: every later read raises again)
             if pending.done:  # (not for a read inside the wait's own finish: the outer wait takes it off)
                 self._pending.pop(index)
         if chosen and self._streams:
@@ -154,6 +162,10 @@ class InFlightGathers:
         finally:
             self._pending.clear()
             self._remove_guards()
+
+    def live_buffers(self) -> list[torch.Tensor]:
+        """The scratch memory of the gathers in flight (:attr:`BucketGather.payloads`)."""
+        return [gather.payloads for gather in self._pending.values() if gather.payloads is not None]
 
     def buckets_touched(self, args: tuple, kwargs: dict) -> set[int]:
         """The buckets in flight whose parameter buffer one of these call arguments aliases (all of them for
@@ -177,7 +189,7 @@ class InFlightGathers:
             # the buckets this module reads, and every one that has arrived meanwhile: once none is left in
             # flight the guards leave, and the rest of the forward runs at full speed
             self.finish({self._bucket_of_param.get(id(p)) for p in module.parameters(recurse=False)} - {None}
-                        | {index for index, pending in self._pending.items() if pending.arrived()})
+                        | {index for index, gather in self._pending.items() if gather.pending.arrived()})
         else:
             self._remove_guards()  # only an inert mode was left: it can go now
 

@@ -289,22 +289,19 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Step the inner optimizers on the master shards and all-gather the new parameters: one step over every
         piece, then each bucket's all-gather; with offload bucket by bucket (the next host step overlaps them)."""
         self.inner.follow(self.param_groups)  # hyperparameters the user (or a scheduler) changed
-        self.param_sync.sync_masters()  # parameters edited since the last step, into the masters
+        self.param_sync.finish_param_sync(take_edits=True)  # parameters edited since the last step, into the masters
         grads = [None if grad is None else grad.to(storage.master.dtype)
                  for storage, grad in zip(self.storages, self.gradients.ready())]
         pairs = self.pieces.gradient_pairs(grads, self._step_state.verdict.stepped)
-        self.param_sync.begin()
         in_parts = self.offload is not None and self.inner.steps_in_parts  # the pipeline: a host step per bucket
         step_pieces(self.inner, [] if in_parts else [pair for bucket in pairs.values() for pair in bucket])
-        for storage in self.storages:
-            step_pieces(self.inner, pairs.get(storage.bucket.index, []) if in_parts else [])
-            self.param_sync.publish(storage)
-        self.param_sync.end(defer=True)  # guarded: a landing that raises below leaves the next read to land it
+        self.param_sync.start_param_sync(overlap=True, step_bucket=(  # guarded: a failed landing raises at each read
+            lambda storage: step_pieces(self.inner, pairs.get(storage.bucket.index, []))) if in_parts else None)
         self.inner.report(self.param_groups)
         self._steps_taken += 1
         self._finish_step(overflow=False)
         if not self.overlap_param_gather:
-            self.param_sync.finish()  # after the step's bookkeeping: one that raises leaves a whole step
+            self.param_sync.finish_param_sync()  # after the step's bookkeeping
         if self.verify_every and self._steps_taken % self.verify_every == 0:
             self.verify_ranks_agree()
 
@@ -338,13 +335,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _switch_mode(self, mode: str) -> None:
         self.sync_masters()
         if self.inner.switch_mode(mode, self.param_groups):
-            self.param_sync.publish_all()
+            self.param_sync.start_param_sync()
 
     # -- parameters -------------------------------------------------------------------------------
     def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the parameter all-gathers still in flight (``overlap_param_gather``), of ``buckets`` or of all:
         then the parameters hold this step's values. Local: every rank issued them in ``step()``."""
-        self.param_sync.finish(buckets)
+        self.param_sync.finish_param_sync(buckets)
 
     @property
     def param_gathers_in_flight(self) -> int:
@@ -353,7 +350,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def sync_masters(self) -> None:
         """Take parameters edited since the last step into the master weights (local: ends the gathers in flight)."""
-        self.param_sync.sync_masters()
+        self.param_sync.finish_param_sync(take_edits=True)
 
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
@@ -476,7 +473,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                   for saved, own in zip(hyperparameters, self.inner.param_groups)]
         self._install({"state": state, "param_groups": groups}, hyperparameters, masters, loss_scaler)
         if masters is not None:
-            self.param_sync.publish_exactly(published)
+            self.param_sync.start_param_sync(exact=True, saved_shards=published)
 
     def _install(self, inner_state: dict, hyperparameters: list[dict], masters: Optional[list[torch.Tensor]],
                  loss_scaler_state: Optional[dict]) -> None:
@@ -484,8 +481,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         hyperparameters (the inner optimizers keep their own kernel choice), optionally the master shards and the
         loss-scaler state. ``masters`` is ``None`` for a state saved without separate masters (an fp32 model
         without offload): then the masters keep following the parameters, which the user loads."""
-        self.param_sync.finish()  # no all-gather may still write the parameters
-        self.param_sync.wait_copies()  # no copy may still read the masters
+        self.param_sync.finish_param_sync()  # no all-gather may still write the parameters, no copy read the masters
         kernels = [{k: v for k, v in g.items() if k in KERNEL_KEYS} for g in self.inner.param_groups]
         # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
         inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in

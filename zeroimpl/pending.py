@@ -11,12 +11,14 @@ reads (``comm.all_reduce_(read_on_host=True)``), and offload's gradient copies t
 (``comm.wait_for_stream``). A collective that hangs while only streams wait for it raises at the next of these
 (every step has the check all-reduce).
 
-A wait that raised may be called again, and its caller keeps the Pending until one returns: a failed
-collective raises its ``CollectiveError`` again at once, and a ``finish`` that raised (out of memory while
-landing the result) runs again, so that nothing is lost to an error that the training loop recovers from.
+Fail fast: a collective that failed, or a ``finish`` that raised while landing the result (out of memory
+while summing an 8-bit reduce-scatter or adding a gather's decoded step), marks the Pending failed. The wait
+raises a :class:`CollectiveError` that names the cause and the way on (restart from the last checkpoint), and
+every later wait of it raises it again: what the collective writes may be half-landed, so nothing reads it.
 
-The aliases of CPU tensors that a gloo worker thread was given are dropped after the wait and handed to
-:mod:`zeroimpl.shutdown`, so that the process can wait at exit for gloo to let go of them.
+The aliases of CPU tensors that a gloo worker thread was given are dropped after the wait (or with a Pending
+dropped unwaited) and handed to :mod:`zeroimpl.shutdown`, so that the process waits at exit for gloo to let go
+of them.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from __future__ import annotations
 import datetime
 import math
 import time
+import weakref
 from typing import Callable, Optional
-
-import torch
 
 from . import shutdown
 
@@ -41,22 +42,21 @@ class Pending:
     """Issued communication: ``works`` to wait for (none: it finished when issued), then ``finish()``.
 
     ``timeout`` bounds the wait for all of ``works`` together, not each; ``lent``: the aliases ``works`` were
-    given (``comm._aliases``). A wait may be called again after it raised: the :class:`CollectiveError` of a
-    failed work again (it is not waited for twice), else what was left (a ``finish`` that ran out of memory, run
-    again whole: each ``finish`` is written to be run again after raising part-way), so that a caller keeps what
-    it waits for until a wait returns, and nothing is lost to an error."""
+    given (``comm._aliases``). Once a wait has raised (a work failed, or ``finish`` raised), every wait raises
+    the same :class:`CollectiveError` (``failure``); ``finish`` runs at most once."""
 
     def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
                  buffers: tuple = (), lent: tuple = (), on_stream: bool = False, reports_completion: bool = False):
         self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
         self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
         self.lent = lent
+        # its CPU aliases are gloo's alone once the wait returns, or once the Pending is dropped without one
+        self._hand_over = weakref.finalize(self, shutdown.handed_to_gloo, *(t for t in lent if t.device.type == "cpu"))
+        self._hand_over.atexit = False  # (one alive at exit holds them still: no wait for them)
         self.on_stream = on_stream  # an accelerator's collective: wait() makes the current stream wait
         self.reports_completion = reports_completion  # its works' is_completed() says so before any wait()
-        self.failure: Optional[str] = None  # why a work failed, raised by every wait from then on
+        self.failure: Optional[str] = None  # why a work or the finish failed, raised by every wait from then on
         self._finishing = False
-        self._finish_raised = False
-        self._landed_up_to = None  # CUDA: an event after the work of a finish that raised (a retry's stream waits)
 
     def arrived(self) -> bool:
         """Whether every work has finished, as far as the backend tells without a wait: a collective's work
@@ -99,30 +99,25 @@ class Pending:
         except RuntimeError as error:
             bound = f"within its timeout of {self.timeout} s" if bounded else "within the process group's timeout"
             raise self._failed(f"failed or did not finish {bound} ({error})") from error
-        self.works, self.buffers = [], ()
-        shutdown.handed_to_gloo(*(t for t in self.lent if t.device.type == "cpu"))
-        self.lent = ()
+        self.works, self.buffers, self.lent = [], (), ()
+        self._hand_over()
         if self.finish is not None and not self._finishing:  # (a wait from inside it returns at once)
-            if self._landed_up_to is not None:  # a retry, maybe on another stream: after the collective and the
-                torch.cuda.current_stream(self._landed_up_to.device).wait_event(self._landed_up_to)  # first try
             self._finishing = True
             try:
-                self.finish()  # one that raises (out of memory) runs again at the next wait
-            except BaseException:
-                self._finish_raised = True
-                if self.on_stream and torch.cuda.is_available():
-                    self._landed_up_to = torch.cuda.Event()
-                    self._landed_up_to.record()
+                self.finish()
+            except CollectiveError as error:  # (a collective the finish waits for: its message says it all)
+                self.failure = str(error)
+                raise
+            except BaseException as error:  # (out of memory; a KeyboardInterrupt stays one, the Pending failed)
+                self.failure = (f"ShardedOptimizer's {self.name} arrived, but landing its result raised {error!r}: "
+                                "what it writes may be half-written, so this rank cannot continue. Restart the job "
+                                "from the last checkpoint (zeroimpl.checkpoint.load_checkpoint)")
+                if isinstance(error, Exception):
+                    raise CollectiveError(self.failure) from error
                 raise
             finally:
                 self._finishing = False
             self.finish = None
-
-    @property
-    def landing(self) -> bool:
-        """Whether its works are done and ``finish`` raised: the next wait runs it again (before anything that
-        the other ranks issued after it)."""
-        return self._finish_raised and self.finish is not None
 
     @property
     def done(self) -> bool:

@@ -14,15 +14,17 @@ object after the interpreter has begun to finalize, the decref asks for the GIL,
 ``pthread_exit``, and its unwinding through the work's (noexcept) destructor calls ``std::terminate``:
 "terminate called without an active exception", SIGABRT after a good run (torch 2.13, Python 3.11).
 
-At exit, after every optimizer's finalizer, zeroimpl therefore releases the GIL for ``WORKER_SECONDS`` whatever
-it holds: a worker that is letting go of any Python object -- DDP's bucket tensors, the user's all-gather outputs
-kept alive by a later barrier's reference to their work (a core dump of a plain Trainer + DDP run at 4 ranks
-showed ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` -> ``decref`` -> ``pthread_exit``) -- takes it then.
-Before this wait was unconditional, such a run aborted in about 1 exit in 30. ``tests/test_clean_exit.py`` makes
-the race certain: a gloo all-gather completes while the main thread holds the GIL up to the interpreter's exit.
-The objects zeroimpl itself hands to gloo it drops after the wait (a fresh alias of a tensor for each
-collective, :func:`zeroimpl.comm._aliases`) or when taking a guard off the stack; :func:`handed_to_gloo`
-registers them then, and the exit waits on until they are freed (at most ``EXIT_WAIT_SECONDS``).
+At exit, after every optimizer's finalizer, zeroimpl therefore waits -- only where objects it handed to gloo are
+still held (:func:`handed_to_gloo` registers them: a fresh alias of a CPU tensor for each collective,
+:func:`zeroimpl.comm._aliases`, once its wait returned or its Pending was dropped; a guard taken off the mode
+stack): it releases the GIL for ``WORKER_SECONDS``, which lets any worker letting go of any Python object take
+it then (DDP's bucket tensors, the user's all-gather outputs kept alive by a later barrier's reference to their
+work: a core dump of a plain Trainer + DDP run at 4 ranks showed ``~AsyncBarrierWork`` ->
+``~AsyncAllgatherWork`` -> ``decref`` -> ``pthread_exit``), and then waits on until the registered objects are
+freed (at most ``EXIT_WAIT_SECONDS``). A process that handed gloo nothing of zeroimpl's, or whose works have
+let go of it all (NCCL-only jobs, a process that only imported zeroimpl), exits without a wait.
+``tests/test_clean_exit.py`` makes the race certain: a gloo all-gather completes while the main thread holds
+the GIL up to the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import time
 import weakref
 
 EXIT_WAIT_SECONDS = 5.0  # the longest wait at exit: a work still running, or held in Python, is left be
-# the GIL-free wait every exit makes: a worker lets go within a millisecond once it runs, but on a loaded
-# machine (2 cores, 4 ranks and their launcher exiting together) it may wait tens of milliseconds for a core
+# the GIL-free wait of an exit where gloo holds zeroimpl's objects: a worker lets go within a millisecond once
+# it runs, but on a loaded machine (2 cores, 4 ranks and their launcher exiting together) it may wait tens of
+# milliseconds for a core
 WORKER_SECONDS = 0.2
 
 _held: weakref.WeakSet = weakref.WeakSet()  # registered objects not freed yet
@@ -45,6 +48,8 @@ def handed_to_gloo(*objects) -> None:
 
 
 def _wait_for_gloo() -> None:
+    if not _held:
+        return  # nothing zeroimpl handed to gloo is held still
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
     time.sleep(WORKER_SECONDS)  # releases the GIL to any worker letting go of a Python object, registered or not
     if _held:

@@ -54,7 +54,7 @@ class StepChecks:
     def prepare(self) -> bool:
         """Finish the reduction (and unscaling); return whether there are gradients to step on. Collective:
         every rank calls it at the same point (the first gradient operation after backward, or the step)."""
-        self.param_sync.finish()
+        self.param_sync.finish_param_sync()
         self.reducer.close_left_open()  # before the check-in: the other ranks reduce-scattered it in their backward
         if not self.state.checked_in:  # once per round of gradients, not again at the step after clipping
             self.uneven.check_in()
