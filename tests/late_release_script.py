@@ -11,12 +11,14 @@ returned, for tests/test_clean_exit.py. Deterministic, where a real job's exit i
 
     python tests/late_release_script.py RENDEZVOUS_FILE RANK [--zeroimpl]
 
-``--zeroimpl`` imports zeroimpl, and nothing else of it: its exit wait is what must let the worker through.
+``--zeroimpl`` issues that all-gather through zeroimpl (``zeroimpl.comm.all_gather``, gloo's native one, as
+without it): its exit wait, for the tensors it handed to gloo, is what must let the worker through.
 """
 
 import argparse
 import ctypes
 import datetime
+import os
 import sys
 import time
 
@@ -54,18 +56,22 @@ def main():
     parser.add_argument("--zeroimpl", action="store_true")
     args = parser.parse_args()
     if args.zeroimpl:
-        import zeroimpl  # noqa: F401
+        os.environ["ZEROIMPL_COLLECTIVES"] = "native"  # the collective a gloo worker thread runs
+        from zeroimpl import comm
     dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=args.rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     dist.barrier()
     if args.rank == 1:
         time.sleep(LATE_SECONDS)
     print(f"rank {args.rank}: the last all-gather", flush=True)  # before: writing releases the GIL
-    outputs = [torch.zeros(4) for _ in range(2)]
-    dist.all_gather(outputs, torch.full((4,), MARK if args.rank == 1 else 1.0), async_op=True)
+    output, mine = torch.zeros(8), torch.full((4,), MARK if args.rank == 1 else 1.0)
+    if args.zeroimpl:
+        comm.all_gather(output, mine, None)  # (its handle dropped unwaited, as below)
+    else:
+        dist.all_gather_into_tensor(output, mine, async_op=True)
     if args.rank == 0:
         # read rank 1's slot through its address: a tensor operation would release the GIL
-        slot = ctypes.c_float.from_address(outputs[1].data_ptr())
+        slot = ctypes.c_float.from_address(output[4:].data_ptr())
         hold_the_gil_until(lambda: slot.value == MARK)
 
 
