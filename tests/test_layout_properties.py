@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 
 from layout_checks import check_layout_invariants
 from zeroimpl.buffers import flatten_params
-from zeroimpl.blocks import Blocks
-from zeroimpl.layout import ParamSpec, ShardLayout, build_layout
+from zeroimpl.layout import Blocks, ParamSpec, ShardLayout, build_layout
 
 DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
 

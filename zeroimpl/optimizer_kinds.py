@@ -9,7 +9,7 @@
   but for their state, quantized in blocks counted from a parameter's first element, and 8-bit (4-bit, fp8)
   or fp32 by the tensor's size (:func:`blocks_of`). Flat shards whose cuts fall on block boundaries of
   every parameter, each parameter placed so that its pieces keep its quantization
-  (:func:`zeroimpl.blocks.place_blocked`): every block and every fp32/8-bit choice is the unsharded
+  (:func:`zeroimpl.layout.place_blocked`): every block and every fp32/8-bit choice is the unsharded
   optimizer's. Their quantization maps are replicated in every piece's state.
 * Third-party classes checked against DDP (timm's Adan and Lamb, schedule-free's AdamW, SGD and RAdam) are
   recognised by name, flat or whole as :data:`THIRD_PARTY_SHARDING` says.
@@ -25,7 +25,7 @@ from typing import Callable, Collection, Literal, Optional
 
 import torch
 
-from .blocks import Blocks
+from .layout import Blocks
 
 Sharding = Literal["flat", "whole", "blocked"]
 
