@@ -1,62 +1,44 @@
-"""Parameter all-gathers left in flight after ``step()`` (``overlap_param_gather``), and the two guards that
-keep them out of sight: nothing reads or writes a parameter through torch while its bucket is still being
-gathered.
+"""The parameter all-gathers left in flight after ``step()`` (``overlap_param_gather``), and the guard that keeps
+its promise: every read of a parameter after ``step()`` sees the new values or waits for them (or raises,
+where its all-gather failed: :class:`zeroimpl.pending.Pending`). Results are bitwise those of
+``overlap_param_gather=False``.
 
-* A :class:`torch.overrides.TorchFunctionMode`, at the bottom of the mode stack of the thread that called
-  ``step()``: a torch function or tensor method whose tensor arguments (top level, in a list or tuple, or
-  keyword values) alias the parameter buffer of a bucket in flight first waits for that bucket; an argument
-  whose storage cannot be read (a ``torch.func`` wrapper, a fake tensor) waits for every bucket. So the
-  forward waits for bucket i at its first operation on one of its parameters (the overlap), and every other
-  access through torch sees this step's values: an evaluation, ``model.state_dict()``, ``torch.save``,
-  ``p.clone()``, ``p.tolist()``, an EMA update, a write such as ``p.data.clamp_()``. Attribute reads
-  (``p.shape``, ``p.data``), setting or deleting ``p.grad``, and metadata methods (``p.numel()``,
-  ``p.data_ptr()``) do not wait: they read no values, and an operation on what they return waits then.
-* A global module forward pre-hook (any thread): before a module's forward, the buckets of its own
-  parameters; before a TorchScript or ``torch.compile`` module's, every bucket (their code runs below the
-  mode, as do kernels of C++ extensions and custom ``autograd.Function`` s, which the hook covers for the
-  parameters of the module that calls them).
+Reads that are seen, and how:
 
-On CUDA a wait is a stream's: the guard makes the stream of the read wait for the bucket, and then the
-default stream and the stream ``step()`` ran on (which run the forward) after it, so a read on a side
-stream leaves no later read on either unordered; a third stream that reads the parameters later is not
-ordered (wait on its own with :meth:`InFlightGathers.finish` before the side read, or
-``overlap_param_gather=False``).
+* Through torch, on the thread that called ``step()``: a :class:`~torch.overrides.TorchFunctionMode` at the
+  bottom of its mode stack waits for the buckets whose parameter buffer a tensor argument aliases (top level,
+  in a list or tuple, or a keyword value; an argument whose storage cannot be read -- a ``torch.func``
+  wrapper, a fake tensor -- waits for all). So the forward waits for bucket i at its first operation on one
+  of its parameters (the overlap), and an evaluation, ``state_dict()``, ``torch.save``, ``p.clone()``,
+  ``p.tolist()``, an EMA update or a write (``p.data.clamp_()``) see the new values. Reads of metadata alone
+  (``p.shape``, ``p.data``, ``p.numel()``, ``p.data_ptr()``, setting ``p.grad``) do not wait.
+* A module's forward, on any thread: a global forward pre-hook waits for the module's own parameters'
+  buckets, and for every bucket before a TorchScript or ``torch.compile`` module (whose code, like C++
+  extensions' kernels and custom ``autograd.Function`` s, runs below the mode). Under ``torch.compile`` the
+  wait is a graph break; with ``fullgraph=True`` an error naming the fixes (:data:`COMPILED_READ`).
+* On CUDA a wait is a stream's: the stream of the read waits, and then the default stream and the one
+  ``step()`` ran on wait for it.
 
-Under ``torch.compile`` the wait is a call the compiler does not trace (a graph break; with ``fullgraph=True``
-an error naming the fixes: :data:`COMPILED_READ`); the inner optimizers step with every guard lifted
-(:func:`guards_lifted`), so that an inner step may be compiled code beside another optimizer's gathers.
+Reads that are not seen -- another thread's outside a module's forward, a third CUDA stream, kernels reached
+around torch (a NumPy array or raw pointer taken before ``step()``, apex's multi-tensor kernels, a
+``@torch.jit.script`` function, ``torch.utils.dlpack``, code under ``torch._C.DisableTorchFunction()``): call
+``optimizer.finish_param_gathers()`` first (:meth:`InFlightGathers.finish`), or build the optimizer with
+``overlap_param_gather=False``.
 
-Not covered: tensor reads on another thread outside a module's forward, kernels reached around torch on
-parameters of a module that has not run its forward (a NumPy array or raw pointer taken before ``step()``,
-apex's multi-tensor kernels on the whole model), a ``@torch.jit.script`` function called on the parameters,
-``torch.utils.dlpack.to_dlpack``, code under ``torch._C.DisableTorchFunction()``: :meth:`InFlightGathers.finish`
-is the explicit wait, or ``overlap_param_gather=False``.
-
-The mode and the hook are removed once nothing is in flight: before each module's forward, the buckets whose
-all-gather has arrived are finished without a wait (where the backend tells: NCCL's and gloo's collectives, not
-gloo's point-to-point exchanges, ``comm.algorithm``'s default on one CPU node), so that the guards' cost per
-operation stops as soon as the last gather lands. A wait from inside the mode's own handler
-cannot take the mode off the stack (torch holds it off while the handler runs and puts it back): it stays
-inert and the hook, :meth:`InFlightGathers.finish` or :meth:`InFlightGathers.start` removes it. A gloo
-collective issued while a guard is on the stack (the user's own too) keeps a reference to it: a guard taken
-off the stack goes to :mod:`zeroimpl.shutdown`, which waits at exit for gloo to let go of it.
-
-Contract: what is load-bearing here, and what guards it.
-
-* It edits torch's private torch-function mode stack (``torch._C._push_on_torch_function_stack`` and friends:
-  :func:`_push_at_bottom` / :func:`_remove_from_stack`), so that the guard survives a user's ``with mode:``
-  block and stays under ``torch.set_default_device``'s ``DeviceContext``; a torch upgrade that changes that
-  stack breaks it first. Guarded by ``tests/test_overlap.py::test_reads_below_torch_functions_and_the_mode_stack``
-  (user modes, a default device, the stack left as found).
-* It installs a *process-wide* module forward pre-hook while gathers are in flight, and removes it (and the
-  mode) once none is: every module's forward in the process pays one dict lookup meanwhile. Guarded by the
-  same test (TorchScript, ``torch.compile``, custom ``autograd.Function`` kernels, another thread).
-* :meth:`InFlightGathers.buckets_touched` must see every tensor argument -- positional, in a list or tuple, and
-  keyword (``torch.mul(input=p, other=1.0)``) -- or a read sees stale values. Guarded by test_overlap.py's
-  ``test_every_read_after_step_sees_the_new_parameters`` and ``test_a_users_own_read_or_write_after_step_...``,
-  and test_mutation_guards.py's ``test_a_parameter_passed_by_keyword_right_after_step_sees_the_new_values``.
-* Results must be bitwise those of ``overlap_param_gather=False``:
-  ``test_overlapped_gathers_give_bitwise_the_same_training``. Exit safety: ``tests/test_clean_exit.py``.
+The machinery, kept as small as the promise allows: the mode and the hook exist only while a gather is in
+flight (before each forward the gathers that have arrived, where the backend tells, are finished without a
+wait, so the cost per operation stops as soon as the last one lands); the inner optimizers step with the guards
+lifted (:func:`guards_lifted`: an inner step may be compiled code). A wait from inside the mode's own handler
+cannot take it off the stack (torch holds it off and puts it back): it stays inert until the hook, ``finish``
+or ``start`` removes it. A guard taken off the stack goes to :mod:`zeroimpl.shutdown` (a gloo work issued
+meanwhile may hold it). What is load-bearing, and the tests that guard it: the edits of torch's private mode
+stack (:func:`_push_at_bottom`, :func:`_remove_from_stack`: the guard outlives a user's ``with mode:`` and stays
+above ``torch.set_default_device``'s ``DeviceContext``) and the hook (TorchScript, compile, custom kernels,
+threads): ``tests/test_overlap.py::test_reads_below_torch_functions_and_the_mode_stack``; every argument seen
+(:meth:`InFlightGathers.buckets_touched`): ``test_every_read_after_step_sees_the_new_parameters``,
+``test_a_users_own_read_or_write_after_step_sees_the_new_parameters`` and test_mutation_guards.py's keyword
+case; bitwise results: ``test_overlapped_gathers_give_bitwise_the_same_training``; exit safety:
+``tests/test_clean_exit.py``.
 """
 
 from __future__ import annotations
