@@ -1,8 +1,7 @@
 """zeroimpl: ZeRO stage 1 and 2 as a drop-in torch optimizer wrapper."""
 
-from .accounting import MemoryReport, StateBytes
+from .accounting import MemoryReport, StateBytes, estimate_memory
 from .pending import CollectiveError
-from .estimate import estimate_memory
 from .layout import ShardLayout, build_layout
 from .module_buffers import broadcast_buffers, sync_buffers, sync_module_states
 from .offload import CPUOffload

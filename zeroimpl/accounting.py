@@ -1,9 +1,33 @@
-"""What a ShardedOptimizer holds on this rank, in bytes, by kind of tensor and by where it lives."""
+"""What a ShardedOptimizer holds on this rank, in bytes, by kind of tensor and by where it lives: counted from the
+tensors it holds (:func:`memory_report` of ``ShardedOptimizer.held_tensors()``), or predicted before building one
+(:func:`estimate_memory`).
+
+``estimate_memory`` answers "will it fit?" for a model (exact: it builds the same layout the optimizer
+would) or for a bare parameter count (close: padding is estimated from bucket sizes). It predicts what
+:meth:`ShardedOptimizer.memory_report` reports at the peak of model states in a training loop: right after
+the backward passes of a step, once the optimizer state exists (every parameter stepped). Stage 1 then
+holds the full ``.grad`` (freed bucket by bucket as ``step()`` reduces it into the shard); stage 2 holds
+the gradient shard instead. Transient bucket buffers (0 outside backward and step) and activations are not
+model states and are not included.
+
+Optimizer state is measured, not tabulated: each group's optimizer class takes one step on a 3-element
+tensor, and each state tensor counts per element (same size as the parameter) or per piece -- the part of
+one parameter in one rank's shard, which the inner optimizer sees as one tensor -- (a scalar such as Adam's
+``step``); for a whole-parameter group (Muon, Adafactor) it takes one step on a tensor of each parameter's
+shape (Adafactor's factored state), and a low-bit class on a tensor of each piece's size (its blocks,
+8-bit or fp32 by size). So any optimizer is predicted, with the kernel offload would choose.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Collection, Iterable, Literal, Optional, Union
+
 import torch
+
+from . import comm, optimizer_kinds, validation
+from .layout import ParamSpec, build_layout, trainable_specs
+from .offload import OffloadOption, host_optimizer_kwargs, refuse_capturable, resolve_offload, staging_sizes
 
 
 @dataclass(frozen=True)
@@ -96,3 +120,185 @@ def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryR
                       optimizer_state=held_bytes["optimizer_state"] if offload else 0)
     return MemoryReport(device, host)
 
+
+# -- the prediction: what an optimizer would hold, from the same layout and offload rules
+
+PROBE_NUMEL = 3
+NOT_HYPERPARAMETERS = ("params", "param_names", "optimizer")
+
+
+def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per element, bytes per parameter tensor) of ``optimizer_class``'s state for ``dtype`` tensors."""
+    probe = torch.zeros(PROBE_NUMEL, dtype=dtype, requires_grad=True)
+    probe.grad = torch.ones_like(probe)
+    optimizer = optimizer_class([probe], **optimizer_kwargs)
+    optimizer.step()
+    per_element = per_tensor = 0
+    for value in optimizer.state[probe].values():
+        if isinstance(value, torch.Tensor):
+            if value.numel() == PROBE_NUMEL:
+                per_element += tensor_bytes([value]) // PROBE_NUMEL
+            else:
+                per_tensor += tensor_bytes([value])
+    return per_element, per_tensor
+
+
+def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, shape: tuple) -> int:
+    """Bytes of ``optimizer_class``'s state for one whole parameter of ``shape`` and ``dtype``: one step on a
+    shape-only (meta) tensor, or on a real zero tensor for classes that read values while stepping."""
+    for device in ("meta", "cpu"):
+        probe = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        optimizer = optimizer_class([probe], **optimizer_kwargs)
+        try:
+            optimizer.step()
+        except (NotImplementedError, RuntimeError):
+            if device == "cpu":
+                raise
+            continue
+        return sum(tensor_bytes([v]) for v in optimizer.state[probe].values())
+    raise AssertionError("unreachable")
+
+
+def shared_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, numel: int) -> dict[str, int]:
+    """By key, the bytes of the state tensors that one optimizer shares between its parameters (a low-bit
+    class's quantization maps), held once per optimizer: one step over two ``numel``-element tensors."""
+    probes = [torch.zeros(numel, dtype=dtype, requires_grad=True) for _ in range(2)]
+    for probe in probes:
+        probe.grad = torch.zeros_like(probe)
+    optimizer = optimizer_class(probes, **optimizer_kwargs)
+    optimizer.step()
+    first, second = (optimizer.state[probe] for probe in probes)
+    return {key: tensor_bytes([value]) for key, value in first.items() if torch.is_tensor(value) and value is second.get(key)}
+
+
+def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int, optimizer_class: type,
+                      optimizer_kwargs: dict, per_parameter: Collection[type]) -> tuple[list[dict], list, list]:
+    """The param groups (with their classes), trainable parameters (``None`` for a bare count) and layout
+    input for a model's parameters or param groups (each with its own dtype), or for ``params`` elements of
+    ``dtype`` in one group."""
+    if isinstance(params, int):
+        if params <= 0:
+            raise ValueError(f"the parameter count must be positive, got {params}")
+        if _sharding(optimizer_class, per_parameter) == "whole":
+            raise ValueError(f"{optimizer_class.__name__} is sharded by whole parameters, whose state and padding "
+                             "depend on their shapes: pass the model's parameters or param groups, not a count")
+        sizes = [bucket_numel] * (params // bucket_numel) + ([params % bucket_numel] if params % bucket_numel else [])
+        group = {"optimizer": optimizer_class, **optimizer_kwargs}
+        blocks = _blocks(group, per_parameter)
+        return [group], [None] * len(sizes), [ParamSpec(0, str(dtype), size, blocks=blocks) for size in sizes]
+    groups = optimizer_kinds.groups_with_classes(params, optimizer_class, optimizer_kwargs)
+    for group in groups:
+        group["params"] = list(group["params"])
+    work = [optimizer_kinds.step_work(g["optimizer"])
+            if _sharding(g["optimizer"], per_parameter) == "whole" else None for g in groups]
+    trainable, specs = trainable_specs(groups, work, [_blocks(g, per_parameter) for g in groups])
+    if not specs:
+        raise ValueError("no trainable parameters to estimate")
+    return groups, trainable, specs
+
+
+def _sharding(optimizer_class: type, per_parameter: Collection[type]) -> optimizer_kinds.Sharding:
+    """As the optimizer shards the class; a class zeroimpl does not know is estimated flat."""
+    return optimizer_kinds.sharding_of(optimizer_class, per_parameter,
+                                       assume_elementwise=not optimizer_kinds.is_blockwise(optimizer_class))
+
+
+def _blocks(group: dict, per_parameter: Collection[type]):
+    """A blocked group's quantization (:func:`optimizer_kinds.blocks_of`); ``None`` for another group."""
+    if _sharding(group["optimizer"], per_parameter) != "blocked":
+        return None
+    return optimizer_kinds.blocks_of(group)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Literal[1, 2] = 2, *,
+                    dtype: torch.dtype = torch.float32, offload: OffloadOption = None,
+                    optimizer_class: type = torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None,
+                    reduce_dtype: Optional[torch.dtype] = None, bucket_numel: int = 2 ** 22,
+                    alignment: int = 8, rank: Optional[int] = None,
+                    per_parameter: Collection[type] = (), quantize_param_gather: bool = False,
+                    quantize_grad_reduce: bool = False) -> MemoryReport:
+    """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
+
+    ``world_size``: the ranks that share the shards -- with hybrid sharding (a 2-D ``device_mesh``), the
+    shard group's size. ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact; each
+    parameter's own dtype is used, and each group's optimizer class and hyperparameters), or the number of
+    trainable elements, all of ``dtype``, for a flat optimizer class (padding estimated). ``rank``: the rank
+    to predict (default: the one holding the most). The other arguments are ShardedOptimizer's
+    (``optimizer_kwargs`` are its ``**optimizer_kwargs``). Ranks differ in optimizer state: padding has none,
+    each piece of a flat parameter has its own scalars (Adam's ``step``), and whole parameters differ in size.
+    ``quantize_grad_reduce`` holds nothing between steps (taken for the symmetry of the arguments).
+    """
+    quantize_param_gather = quantize_param_gather and comm.issues_collectives(world_size)  # (not at one rank)
+    validation.check_stage(stage)
+    policy = resolve_offload(offload)
+    groups, trainable, specs = _groups_and_specs(params, dtype, bucket_numel, optimizer_class,
+                                                 dict(optimizer_kwargs or {}), per_parameter)
+    if policy is not None:
+        refuse_capturable(groups)
+    layout = build_layout(specs, world_size, bucket_numel, alignment)
+    probes: dict = {}
+
+    def piece_state(piece, master_dtype: torch.dtype, shared_of_rank: dict) -> int:
+        group = groups[layout.buckets[piece.bucket_index].group_index]
+        kwargs = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
+        if policy is not None:
+            kwargs = host_optimizer_kwargs(group["optimizer"], kwargs, set(), policy)
+        kwargs.pop("capturable", None)  # probed on the host; capturable keeps the same state on the GPU
+        bucket = layout.buckets[piece.bucket_index]
+        whole = bucket.whole or bool(bucket.block)  # blocked: state by the piece's size (blocks, fp32 or 8-bit)
+        shape = (tuple(trainable[piece.param_index].shape) if bucket.whole else (piece.length,)) if whole else None
+        key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype, shape)
+        if key not in probes:
+            probes[key] = (whole_state_bytes(group["optimizer"], kwargs, master_dtype, shape) if whole
+                           else optimizer_state_bytes(group["optimizer"], kwargs, master_dtype))
+        if whole and optimizer_kinds.is_blockwise(group["optimizer"]):  # a low-bit piece (blocked or whole): its
+            shared_key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype)  # shared quantization maps
+            blocks = specs[piece.param_index].blocks or optimizer_kinds.blocks_of(group)  # count once per rank
+            if shared_key not in probes:
+                probes[shared_key] = shared_state_bytes(group["optimizer"], kwargs, master_dtype,
+                                                        max(blocks.threshold, blocks.size))
+            shared = probes[shared_key] if blocks.quantizes(piece.length) else {}
+            shared_of_rank.update({(group["optimizer"], name): size for name, size in shared.items()})
+            return probes[key] - sum(shared.values())
+        if whole:
+            return probes[key]
+        per_element, per_tensor = probes[key]
+        return per_element * piece.length + per_tensor
+
+    parameters = full_gradients = shards = masters = 0
+    state_of_rank = [0] * world_size
+    for r in range(world_size):
+        shared_of_rank: dict = {}  # (class, key) -> bytes of a state tensor shared by the rank's pieces
+        for piece in layout.pieces(r):
+            param_dtype = _dtype(layout.buckets[piece.bucket_index].dtype)
+            state_of_rank[r] += piece_state(piece, torch.promote_types(param_dtype, torch.float32), shared_of_rank)
+        state_of_rank[r] += sum(shared_of_rank.values())
+    for bucket in layout.buckets:
+        param_dtype = _dtype(bucket.dtype)
+        master_dtype = torch.promote_types(param_dtype, torch.float32)
+        parameters += _size(param_dtype) * (bucket.padded_numel + (bucket.shard_numel if quantize_param_gather else 0))
+        full_gradients += _size(param_dtype) * bucket.numel if stage == 1 else 0
+        if policy is not None or master_dtype != param_dtype or quantize_param_gather:
+            masters += _size(master_dtype) * bucket.shard_numel
+        shard_dtype = master_dtype if policy is not None else (reduce_dtype or master_dtype)
+        shards += _size(shard_dtype) * bucket.shard_numel
+    state = max(state_of_rank) if rank is None else state_of_rank[rank]
+    if policy is not None:
+        staging = staging_sizes(layout, [_dtype(layout.buckets[s.bucket_index].dtype) for s in layout.slots])
+        device = StateBytes(parameters=parameters, gradients=full_gradients)
+        host = StateBytes(gradient_shard=shards, master_weights=masters, optimizer_state=state,
+                          bucket_buffers=sum(2 * _size(dtype) * numel for dtype, numel in staging.items()))
+        return MemoryReport(device, host)
+    device = StateBytes(parameters=parameters, gradients=full_gradients,
+                        gradient_shard=shards if stage == 2 else 0,  # stage 1 reduces at step()
+                        master_weights=masters, optimizer_state=state)
+    return MemoryReport(device, StateBytes())
