@@ -66,11 +66,6 @@ class Ownership:
             raise RuntimeError(rebound_message([i for i, _ in rebound], self.params[first], home))
 
 
-def live_claims() -> int:
-    """How many parameters live optimizers manage (a deleted optimizer must let go of its model)."""
-    return len(_OWNERS)
-
-
 def rebound_message(param_indices: list[int], param: torch.Tensor, home: torch.Tensor) -> str:
     """Why the parameters ``param_indices`` no longer live in the optimizer's flat buffers, told from the first of
     them, ``param``, against ``home`` (a flat buffer: the dtype and device they had): a conversion, a move to
