@@ -298,7 +298,9 @@ def _all(rank, world_size, shared):
     for stage in (None, 1, 2):
         cases[("shared regions", stage)] = lambda stage=stage: _shared_in_two_regions(rank, stage)
     for stage in (1, 2):
-        cases[("uneven", stage)] = lambda stage=stage: _under_join(rank, stage, 3 if rank == 0 else 5)[0]
+        for fewer in (0, 1):  # the rank with the fewer batches: each of them
+            cases[("uneven", stage, fewer)] = lambda stage=stage, fewer=fewer: _under_join(
+                rank, stage, 3 if rank == fewer else 5)[0]
         cases[("even", stage)] = lambda stage=stage: (_under_join(rank, stage, 3)[1],
                                                       _utility_free_run(rank, stage))
     for name, config in [("ddp", None), *ZERO_CONFIGS.items()]:
@@ -392,10 +394,12 @@ def test_an_unsupported_operation_on_a_sharded_gradient_names_the_alternatives(r
         assert "sharded across the ranks" in message and "clip_grad_norm_" in message
 
 
+@pytest.mark.parametrize("fewer", [0, 1], ids=["rank-0-fewer", "rank-1-fewer"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_uneven_inputs_under_join_raise_on_every_rank(ranks, stage):
-    """Rank 0 holds 3 batches, rank 1 holds 5: both raise at rank 1's fourth step, naming uneven inputs."""
-    for message in case_results(ranks, ("uneven", stage)):
+def test_uneven_inputs_under_join_raise_on_every_rank(ranks, stage, fewer):
+    """Rank ``fewer`` holds 3 batches, the other 5: both raise at the other's fourth step, naming uneven inputs
+    (either rank may run out first: a flag read on one rank only would pass one of the two)."""
+    for message in case_results(ranks, ("uneven", stage, fewer)):
         assert message.startswith("UnevenInputsError: uneven inputs"), message
         assert "DistributedSampler" in message
 

@@ -3,7 +3,7 @@
 Per configuration (stage 1, stage 2, stage 2 with offload; accumulation 2 and clipping), 2 ranks train a
 tiny GPT-2 for WARMUP + STEPS optimizer steps. Measured after WARMUP, half-way and at the end: the number
 of live tensors and of all gc-tracked Python objects, the hooks on the parameters, zeroimpl's
-parameter-owner registry, and the resident set size (after malloc_trim). A leak of even one small tensor
+parameter owners (live ``Ownership`` objects), and the resident set size (after malloc_trim). A leak of even one small tensor
 or object per step would add STEPS // 2 of them over the second half: the counts must not move at all there
 (the hooks and owners not at all after WARMUP). RSS settles during the first
 half (the allocator's pools fill: about +2.3 MiB measured); over the second half it may move by
@@ -34,13 +34,17 @@ def _rss_mib() -> float:
         return int(statm.read().split()[1]) * 4096 / 2 ** 20
 
 
-def _live_objects() -> tuple[int, int]:
-    """(live tensors, all live Python objects that the garbage collector tracks)."""
+def _live_objects() -> tuple[int, int, int]:
+    """(live tensors, live parameter owners of zeroimpl, all live Python objects that the garbage collector
+    tracks)."""
+    from zeroimpl.ownership import Ownership
+
     gc.collect()
     objects = gc.get_objects()
     with warnings.catch_warnings():  # isinstance() touches torch.distributed's deprecated reduce_op object
         warnings.simplefilter("ignore", FutureWarning)
-        return sum(1 for obj in objects if isinstance(obj, torch.Tensor)), len(objects)
+        return (sum(1 for obj in objects if isinstance(obj, torch.Tensor)),
+                sum(1 for obj in objects if isinstance(obj, Ownership)), len(objects))
 
 
 def _hooks(model) -> int:
@@ -48,10 +52,8 @@ def _hooks(model) -> int:
 
 
 def _measure(model):
-    from zeroimpl import ownership
-    tensors, objects = _live_objects()
-    return {"tensors": tensors, "objects": objects, "hooks": _hooks(model), "owners": ownership.live_claims(),
-            "rss": _rss_mib()}
+    tensors, owners, objects = _live_objects()
+    return {"tensors": tensors, "objects": objects, "hooks": _hooks(model), "owners": owners, "rss": _rss_mib()}
 
 
 def _long_run(rank, world_size, stage, offload):
@@ -83,5 +85,5 @@ def test_hundreds_of_steps_hold_steady(stage, offload):
         # counted from half-way: a leak of one per step adds STEPS // 2 there, while something an installed package
         # makes once, lazily, after WARMUP (torchao, which transformers imports when installed: one object) does not
         assert after["tensors"] == middle["tensors"] and after["objects"] == middle["objects"]
-        assert after["hooks"] == before["hooks"] > 0 and after["owners"] == before["owners"]
+        assert after["hooks"] == before["hooks"] > 0 and after["owners"] == before["owners"] == 1
         assert after["rss"] - middle["rss"] <= RSS_SLACK_MIB
