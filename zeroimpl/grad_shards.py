@@ -6,16 +6,23 @@ one tensor per bucket in ``ready()``. They store; they call nothing above them (
 masters: :mod:`zeroimpl.param_sync`):
 
 * :class:`DeviceGradientShards` -- no offload: the shards stay on the device, in the reduce dtype.
-* :class:`zeroimpl.offload.HostGradientShards` -- CPU offload: fp32 shards in (pinned) host memory.
+* :class:`HostGradientShards` -- CPU offload (:mod:`zeroimpl.offload` holds the policy and carves the host
+  memory): shards in the master's dtype in (pinned) host memory, filled by copies on a side stream.
+
+Shared interface: ``add(bucket_index, reduced)``, ``ready()``, ``clear(set_to_none)``, ``has_gradients``,
+``device_tensors()`` / ``host_tensors()`` (for memory accounting and streams), ``accumulating()`` (a context
+marking non-final micro-batches: offload sums them on the device).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+import enum
+from typing import ContextManager, Iterator, Optional
 
 import torch
 
+from . import comm
 
 
 class DeviceGradientShards:
@@ -23,16 +30,12 @@ class DeviceGradientShards:
 
     def __init__(self, num_buckets: int):
         self.shards: list[Optional[torch.Tensor]] = [None] * num_buckets  # (shard_numel,), reduce dtype
-        self.accumulating = False  # no effect here: shards accumulate on the device anyway
 
     def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
         if self.shards[bucket_index] is None:
             self.shards[bucket_index] = reduced  # the first reduction is taken as is: bitwise like DDP
         else:
             self.shards[bucket_index].add_(reduced)
-
-    def wait_copies(self) -> None:
-        """Nothing to wait for: no copies leave the device."""
 
     def ready(self) -> list[Optional[torch.Tensor]]:
         return self.shards
@@ -55,14 +58,107 @@ class DeviceGradientShards:
     def host_tensors(self) -> list[torch.Tensor]:
         return []
 
+    def accumulating(self) -> ContextManager[None]:
+        """Nothing to change: the shards sum on the device anyway."""
+        return contextlib.nullcontext()
 
-@contextlib.contextmanager
-def accumulating(store) -> Iterator[None]:
-    """Set ``store.accumulating`` (either store) inside the block: the backward passes inside are non-final
-    micro-batches (offload sums them on the device)."""
-    previous = store.accumulating
-    store.accumulating = True
-    try:
-        yield
-    finally:
-        store.accumulating = previous
+
+class ShardFill(enum.Enum):
+    """What one bucket's host gradient shard holds since the last ``clear()``."""
+
+    EMPTY = "empty"  # no gradient (``ready()`` gives None)
+    FILLED = "filled"  # the sum of the reductions since clear(): the next one adds to it
+    ZEROED = "zeroed"  # a zero gradient kept by zero_grad(set_to_none=False): the next reduction overwrites it
+
+
+class HostGradientShards:
+    """Gradient shards on the host, filled by asynchronous copies as each bucket's reduction completes.
+
+    Invariant: after :meth:`ready` every gradient reduced since :meth:`clear` is summed in the host shards
+    (in the order of the reductions, as on the device), and no copy touching host memory is in flight.
+    Host syncs: :meth:`ready` waits once per step, whatever the number of buckets.
+    """
+
+    def __init__(self, device: torch.device, shards: list[torch.Tensor], timeout: Optional[float] = None):
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream
+        self._timeout = timeout  # bounds the wait for the copies (which wait for the reduce-scatters)
+        self.shards = shards  # per bucket: zeroed, shard-sized, in the master's dtype (page-locked on CUDA)
+        self._fill = [ShardFill.EMPTY] * len(shards)  # per bucket: what the host shard holds
+        self._device_sums: list[Optional[torch.Tensor]] = [None] * len(shards)  # device accumulators
+        self._copying = False  # a copy was queued since the last wait
+        self._accumulating = False  # inside accumulating(): keep the sums on the device
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Inside the block, the backward passes are non-final micro-batches: their reductions sum on the device
+        and cross to the host once, at the first one outside it (or at ``ready()``)."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
+        """Take one reduction of a bucket (``reduced``: device, reduce dtype), issued in the current stream."""
+        device_sum = self._device_sums[bucket_index]
+        if device_sum is not None:
+            reduced = device_sum.add_(reduced)
+            self._device_sums[bucket_index] = None
+        if self._accumulating:
+            self._device_sums[bucket_index] = reduced
+        else:
+            self._to_host(bucket_index, reduced)
+
+    def _to_host(self, bucket_index: int, reduced: torch.Tensor) -> None:
+        host = self.shards[bucket_index]
+        if self._fill[bucket_index] is ShardFill.FILLED:
+            self.wait_copies()  # a micro-batch not marked accumulating: sum on the host (blocking)
+            host.add_(reduced.to(host.device))
+            return
+        if self._stream is None:
+            host.copy_(reduced)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(reduced.device))
+            with torch.cuda.stream(self._stream):
+                host.copy_(reduced, non_blocking=True)
+            reduced.record_stream(self._stream)  # the allocator must not reuse it before the copy has run
+            self._copying = True
+        self._fill[bucket_index] = ShardFill.FILLED  # (a ZEROED shard is overwritten)
+
+    def wait_copies(self) -> None:
+        """Block until no gradient copy to the host is in flight (the host shards may then be read or written):
+        a wait on the copy stream when a copy was queued since the last one, else nothing."""
+        if self._copying:
+            comm.wait_for_stream(self._stream, self._timeout, "gradient copies to the host")
+            self._copying = False
+
+    def ready(self) -> list[Optional[torch.Tensor]]:
+        """Every gradient on the host, every copy finished: the host shards, ``None`` where no gradient came."""
+        for index, device_sum in enumerate(self._device_sums):
+            if device_sum is not None:  # accumulating() was still on at step: move the sum over now
+                self._device_sums[index] = None
+                self._to_host(index, device_sum)
+        self.wait_copies()
+        return [None if fill is ShardFill.EMPTY else shard for shard, fill in zip(self.shards, self._fill)]
+
+    def clear(self, set_to_none: bool) -> None:
+        self._device_sums = [None] * len(self.shards)
+        if set_to_none:
+            self._fill = [ShardFill.EMPTY] * len(self.shards)
+        else:  # as on the device: gradients that existed become zeros, and the next reduction replaces them
+            self.wait_copies()
+            for index, shard in enumerate(self.shards):
+                if self._fill[index] is not ShardFill.EMPTY:
+                    shard.zero_()
+                    self._fill[index] = ShardFill.ZEROED
+
+    @property
+    def has_gradients(self) -> bool:
+        return (any(fill is not ShardFill.EMPTY for fill in self._fill)
+                or any(s is not None for s in self._device_sums))
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        return [s for s in self._device_sums if s is not None]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return list(self.shards)

@@ -1,4 +1,4 @@
-"""Gradient reduction: from each rank's full ``param.grad`` to the averaged gradient shard it owns.
+"""Gradient reduction: from each rank's full ``param.grad`` to the averaged gradient shard it owns, one round at a time.
 
 Tensors named here (all 1-D):
 
@@ -18,134 +18,182 @@ With ``quantize_grad_reduce`` each reduce-scatter sends 8-bit payloads instead
 the same order, ``reduced`` summed in fp32 by its owner.
 
 Stage 1 keeps gradients in ``param.grad`` during backward and reduces all buckets once, when the optimizer
-needs them (``finalize()``): one reduce-scatter per step however many micro-batches were accumulated.
+needs them (:meth:`GradientReducer.reduce_held_grads`): one reduce-scatter per step however many micro-batches.
 
-Stage 2 reduces during backward. A post-accumulate-grad hook copies the gradient into its bucket buffer
-and frees ``param.grad``; buckets are *launched strictly in bucket order*, so every rank issues the same
-collectives in the same order whatever order its hooks fire in. At the end of backward (an autograd
-callback) the buckets not yet launched -- those with unused parameters -- are launched with zeros, and
-every reduction is waited for, so no bucket buffer survives backward::
+Stage 2 reduces during backward. A post-accumulate-grad hook copies the gradient into its bucket buffer and
+frees ``param.grad``; a bucket's sync starts (:meth:`~GradientReducer.start_grad_sync`) *strictly in bucket
+order*: once every one of its parameters has a gradient and every bucket before it has started, so that every
+rank issues the same collectives in the same order whatever order its hooks fire in. At the end of backward
+(an autograd-engine callback) the buckets not started yet -- those with unused parameters -- start with zeros,
+and every collective is finished (:meth:`~GradientReducer.finish_grad_sync`), so no bucket buffer survives
+backward::
 
     compute: --grad b0--|--grad b1--|--grad b2--|
     comm:               |--RS b0----|--RS b1----|--RS b2--|  (at most `max_inflight` in flight)
     hybrid:                         |--AR b0----|--AR b1----|--AR b2--|  (across replicas; as many)
 
-A *round* is what one backward pass reduces: each bucket once (:mod:`zeroimpl.backward_round` says when
-one ends, also under reentrant activation checkpointing, and in which order buckets launch). A round still
-open when the optimizer needs the gradients, or when a new backward starts, is closed then. A backward that
-failed part-way leaves its round open too; its gradients are kept, as torch keeps the ``.grad`` that a failed
-backward had already accumulated.
+A *round* is what one backward pass reduces: each bucket once. Its one state machine, :class:`RoundState`:
+
+* ``IDLE`` -> ``RUNNING`` at the round's first gradient: the end-of-backward callback is queued on the backward
+  now running (stage 2: after checking in under torch's ``Join``, see :meth:`GradientReducer._start_round`).
+* ``RUNNING`` -> ``IDLE`` when that callback runs at the end of the outermost backward: the round closes (the
+  buckets not started start, everything is finished, the backward pass is counted). At the end of a nested
+  backward (reentrant activation checkpointing) -> ``DEFERRED``: the next segments fill the same buckets
+  (-> ``RUNNING`` at their first gradient), and whoever needs the gradients next closes it.
+* ``RUNNING`` whose callback the engine dropped: the user's backward failed part-way. Its gradients are kept,
+  as torch keeps the ``.grad`` that a failed backward had already accumulated: the next backward, the step or
+  ``zero_grad()`` closes the round first.
+* any -> ``FAILED`` when zeroimpl's own work raises (a bucket buffer out of memory, a collective that failed or
+  timed out, a landing out of memory): the collectives of this rank are no longer those of the others, so
+  there is no retry. The error says so and names the way on (restart from the last checkpoint); the other
+  ranks raise ``CollectiveError`` at their next collective (within ``collective_timeout``); every later hook,
+  step and ``zero_grad()`` of this rank raises naming the first failure. Terminal.
+
+The buckets of a round: those below ``_started`` have started their sync (each an :class:`InFlight` handle
+until finished, then in the store); the others hold the gradients that arrived (``_arrived``) in their buffer.
 
 Besides the values, the reducer records which parameters received a gradient since the last
-``zero_grad()`` or step (``grad_exists``), so that parameters without one are not stepped, as in torch.
+``zero_grad()`` or step (``grad_exists``), so that parameters without one are not stepped, as in torch, and how
+many backward passes reached them (``backward_passes``), which the step's checks compare across ranks.
 """
 
 from __future__ import annotations
 
+import enum
+import sys
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Optional, Union
+from contextlib import contextmanager
+from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
 from . import comm
-from .backward_round import BackwardRound, LaunchOrder, under_compiled_autograd
 from .buffers import BucketStorage
+from .grad_shards import DeviceGradientShards, HostGradientShards
 from .layout import ShardLayout
 from .memory_format import shaped
-from .quantized_comm import reduction_blocks
 from .ownership import rebound_message
-from .step_state import StepState
+from .pending import CollectiveError, Pending
+from .quantized_comm import reduction_blocks
 from .streams import WorkStream, on_work_stream
 from .topology import Topology
-
-if TYPE_CHECKING:
-    from .grad_shards import DeviceGradientShards
-    from .offload import HostGradientShards
-    from .uneven import UnevenInputs
+from .uneven import UnevenInputs, UnevenInputsError
 
 
-class _Reduction:
-    """One bucket's reduce-scatter in flight (or, hybrid, its reduced shard's all-reduce: no buffer)."""
+class RoundState(enum.Enum):
+    """Where the current round (one backward pass's reductions) stands; see the module docstring."""
 
-    def __init__(self, bucket_index: int, buffer: Optional[torch.Tensor], output: torch.Tensor, work):
-        self.bucket_index = bucket_index
-        self.buffer = buffer  # kept alive until the collective finishes
-        self.output = output
-        self.work = work
+    IDLE = "idle"  # no gradient since the round was last closed
+    RUNNING = "running"  # an end-of-backward callback was queued on a backward (dropped if that backward failed)
+    DEFERRED = "deferred"  # a nested (reentrant) backward ended; the outer one may bring more gradients
+    FAILED = "failed"  # zeroimpl's own work raised: every later operation raises
+
+
+class InFlight(NamedTuple):
+    """One bucket's collective in flight, with what it needs until it finishes: its reduce-scatter (``buffer``:
+    the bucket buffer it reads) or, hybrid, its reduced shard's all-reduce across replicas (``buffer`` None)."""
+
+    bucket_index: int
+    buffer: Optional[torch.Tensor]
+    output: torch.Tensor  # (shard_numel,), reduce dtype: handed to the store once finished
+    work: Pending
 
 
 class GradientReducer:
-    """Owns the hooks and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``."""
+    """Owns the hooks, the round and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``.
 
-    def __init__(self, layout: ShardLayout, storages: list[BucketStorage], topology: Topology,
-                 stage: int, reduce_dtype: Optional[torch.dtype], max_inflight: int,
-                 gradients: Union[DeviceGradientShards, HostGradientShards], step_state: StepState,
-                 uneven: "UnevenInputs", timeout: Optional[float] = None, quantized: Union[bool, str] = False):
-        self.layout = layout
-        self.timeout = timeout  # seconds a reduce-scatter may take before CollectiveError (None: the group's)
-        self.storages = storages
+    Args (keywords):
+        layout, storages: the shard layout and its buckets' storage (the parameters' flat buffers).
+        topology: the shard group (reduce-scatters) and, hybrid, the replicate group (all-reduces of the shards).
+        stage: 1 (reduce at the step) or 2 (reduce during backward).
+        reduce_dtype: the dtype of the bucket buffers and shards (None: fp32, fp64 for fp64 parameters).
+        max_inflight: collectives in flight (each kind) before the oldest is waited for.
+        gradients: the gradient store that finished reductions go to.
+        uneven: the check-in under torch's ``Join`` before each stage-2 round's reduce-scatters.
+        timeout: seconds a collective may take before ``CollectiveError`` (None: the process group's).
+        quantized: ``quantize_grad_reduce`` (True, ``"replicas"`` or False).
+    """
+
+    def __init__(self, *, layout: ShardLayout, storages: list[BucketStorage], topology: Topology, stage: int,
+                 reduce_dtype: Optional[torch.dtype], max_inflight: int,
+                 gradients: Union[DeviceGradientShards, HostGradientShards], uneven: UnevenInputs,
+                 timeout: Optional[float] = None, quantized: Union[bool, str] = False):
+        self.layout, self.storages, self.stage = layout, storages, stage
         self.group = topology.shard  # reduce-scatters
         self.replicate = topology.replicate  # all-reduces of the reduced shards (hybrid sharding), or None
-        self.stage = stage
         # per bucket: the given dtype, or fp32 (fp64 for fp64 parameters)
         self.reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32) for s in storages]
-        self.max_inflight = max_inflight
-        self.step_state = step_state  # told of every gradient arrival (misuse checks)
-        self.uneven = uneven  # checked in before each stage-2 round of reduce-scatters (torch's Join)
+        self.max_inflight, self.gradients, self.uneven, self.timeout = max_inflight, gradients, uneven, timeout
         self._scale = 1.0 / topology.world_size
-        self.gradients = gradients  # where finished reductions go
         self.streams = WorkStream(storages[0].param_buffer.device if storages else "cpu")  # GPU work in host order
-
-        self._inflight: deque[_Reduction] = deque()  # reduce-scatters, in launch order
-        self._replicating: deque[_Reduction] = deque()  # hybrid: reduced shards' all-reduces, in the same order
-        self.backward_passes = 0  # backward passes that reached these parameters since the last step/zero_grad
-        self.round = BackwardRound()
-        num_params = len(layout.slots)
-        self.grad_exists = [False] * num_params  # by parameter index: a gradient arrived since the last clear
-        self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
-        self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
-        self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)
+        self._pieces = layout.pieces(topology.shard_rank)  # this rank's pieces of the gradient shards
         self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
-        self._order = LaunchOrder([bucket.param_indices for bucket in layout.buckets])
         # quantized: per bucket, the blocks its 8-bit reduce-scatter sends on, and those of its shard's 8-bit
         # all-reduce across replicas (or None: not quantized)
         self._blocks, self._replica_blocks = reduction_blocks(layout, quantized, topology.shard_rank, topology.replica)
 
+        # the round (see the module docstring)
+        self.state = RoundState.IDLE
+        self._callback: Optional[weakref.ref] = None  # the end-of-backward callback queued for the round
+        self._failure: Optional[str] = None  # FAILED: what failed first
+        self._arrived: list[set[int]] = [set() for _ in layout.buckets]  # per bucket: params whose gradient came
+        self._started = 0  # buckets below this index have started their sync this round
+        self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)  # buckets not started yet
+        self._reducing: deque[InFlight] = deque()  # reduce-scatters, in start order
+        self._replicating: deque[InFlight] = deque()  # hybrid: reduced shards' all-reduces, in the same order
+        self._after_backward: Optional[weakref.WeakMethod] = None  # told at the end of every backward
+
+        # since the last step or zero_grad()
+        self.backward_passes = 0  # rounds closed: backward passes that reached these parameters
+        num_params = len(layout.slots)
+        self.grad_exists = [False] * num_params  # by parameter index: a gradient arrived since the last clear
+        self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
+        self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
+
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
-        self._handles = []
+        handles = []
         hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
         for storage in storages:
             for index, param in zip(storage.bucket.param_indices, storage.params):
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
                 self._strides[index] = param.stride()  # its memory format: the gradient slot's too
-                self._handles.append(param.register_post_accumulate_grad_hook(hook))
-        weakref.finalize(self, _remove_handles, self._handles)
+                handles.append(param.register_post_accumulate_grad_hook(hook))
+        weakref.finalize(self, remove_hooks, handles)
 
-    # -- hooks ----------------------------------------------------------------------------------
+    def call_after_backward(self, method: Callable[[], None]) -> None:
+        """Call the bound ``method`` (held weakly) at the end of every backward that reached these parameters,
+        after the round is closed or deferred: one end-of-backward callback, in one known order."""
+        self._after_backward = weakref.WeakMethod(method)
+
+    # -- the round ------------------------------------------------------------------------------
     @on_work_stream(joined=False)  # the compute streams do not wait for the reduction during backward
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._refuse_if_failed()
         bucket_index, param_index = self._bucket_of[id(param)]
         problem = self._refused(param, bucket_index, param_index)
         if problem is not None:
-            self._reset_round()  # no reduction of this backward may stay in flight behind the error
+            with self._own_work():  # no reduction of this backward may stay in flight behind the error
+                self._finish_in_flight()
+            self._reset_round()
             raise RuntimeError(problem)
-        self.step_state.gradient_arrived()
-        self._follow_backward()
+        if self._interrupted():  # the user's backward failed part-way: keep what its round reduced
+            self._close_round()
+        if self.stage == 2 and param_index in self._arrived[bucket_index]:
+            # a second gradient in one round: reentrant checkpointing whose outer backward we could not see
+            # end, or a parameter shared by two checkpointed segments. Close the round and start another.
+            self._close_round()
+        self._start_round()
         if self.stage == 1:
             self._grad_versions[param_index] = param.grad._version
             return
         self.grad_exists[param_index] = True
-        if self._order.seen(bucket_index, param_index):
-            # a second gradient in one round: reentrant checkpointing whose outer backward we could not see
-            # end, or a parameter shared by two checkpointed segments. Close the round and start another.
-            self._close_round()
-            self._follow_backward()
-        self._write_grad(bucket_index, param_index, param.grad)
-        param.grad = None
-        for ready in self._order.arrive(bucket_index, param_index):
-            self._launch(ready)
+        with self._own_work():
+            self._write_grad(bucket_index, param_index, param.grad)
+            param.grad = None
+            for ready in range(self._started, complete_through(self._arrived, self.layout.buckets, self._started)):
+                self.start_grad_sync(ready)
 
     def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
         """Why this gradient cannot be taken, or None."""
@@ -160,39 +208,91 @@ class GradientReducer:
             return rebound_message([param_index], param, self.storages[bucket_index].param_buffer)
         return None
 
-    def _follow_backward(self) -> None:
-        """Make sure that the end of the backward now running closes the round (after closing one that a failed
-        backward or close left open); in stage 2, check in (torch's Join) before a round's reduce-scatters."""
-        if self.round.interrupted():
-            self._close_round()  # keep what it reduced, as torch keeps .grad
-        if self.stage == 2 and self.round.idle:
-            self.uneven.check_in()
-        self.round.follow(_weakly_end_of_backward(weakref.ref(self)))
+    def _start_round(self) -> None:
+        """Have the end of the backward now running close the round (unless a callback is queued already).
+
+        A stage-2 round checks in under torch's ``Join`` at its start, here and nowhere else in the round: its
+        reduce-scatters run during backward, and a rank that joined answers the first collective of an iteration
+        with the check-in's all-reduce, so the check-in must come before them (the step checks in again before
+        its own collectives: :meth:`zeroimpl.step_checks.StepChecks.prepare`)."""
+        if self.state is RoundState.RUNNING:
+            return
+        if self.stage == 2 and self.state is RoundState.IDLE:
+            with self._own_work():
+                self.uneven.check_in()
+        callback = _EndOfBackward(weakref.ref(self))
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        self._callback = weakref.ref(callback)  # dies with the backward if it fails
+        self.state = RoundState.RUNNING
 
     def _end_of_backward(self) -> None:
-        if self.round.ended():  # else a reentrant checkpoint's nested backward: the outer one goes on (no join)
+        """The queued callback ran: close the round at the end of the outermost backward, defer it at the end of
+        a nested one (reentrant checkpointing); then tell the listener."""
+        self._callback = None
+        if _inside_outer_backward():
+            self.state = RoundState.DEFERRED
+        else:
             with self.streams.span():
                 self._close_round()
+        listener = self._after_backward() if self._after_backward is not None else None
+        if listener is not None:
+            listener()
+
+    def _interrupted(self) -> bool:
+        """The round's backward failed part-way: the engine dropped its callback."""
+        return self.state is RoundState.RUNNING and self._callback() is None
+
+    def _left_open(self) -> bool:
+        """A round that no callback will close: deferred by a nested backward, or interrupted."""
+        return self.state is RoundState.DEFERRED or self._interrupted()
 
     def _close_round(self) -> None:
-        """Stage 2: launch what is left, in order; wait for everything, and count the backward pass."""
-        if self.stage == 2:
-            self._launch_remaining()
+        """Stage 2: start the sync of every bucket not started yet, in order (each rank issues every bucket's
+        collective once per round, with zeros where no gradient came); finish them all; count the pass."""
+        with self._own_work():
+            if self.stage == 2:
+                for bucket_index in range(self._started, len(self._buffers)):
+                    self.start_grad_sync(bucket_index)
+            self._finish_in_flight()
         self._reset_round()
-        self.backward_passes += 1  # (after the waits: a close that raised is tried again, and counted once)
-
-    def _launch_remaining(self) -> None:
-        """Launch every bucket of the round not launched yet, in order: each rank issues every bucket's
-        collective once per round that began, as the other ranks do, also for a round discarded after an error."""
-        for bucket_index in self._order.remaining():
-            self._launch(bucket_index)
+        self.backward_passes += 1
 
     def _reset_round(self) -> None:
-        """Wait for every reduction and forget the per-round state."""
-        self.wait_all()
-        self.round.reset()
-        self._order.reset()
+        """The round closed (nothing in flight): the next gradient starts another."""
+        self.state, self._callback = RoundState.IDLE, None
+        self._reset_buckets()
+
+    def _reset_buckets(self) -> None:
+        self._started = 0
+        self._arrived = [set() for _ in self._arrived]
         self._buffers = [None] * len(self._buffers)
+
+    # -- failing fast ---------------------------------------------------------------------------
+    @contextmanager
+    def _own_work(self) -> Iterator[None]:
+        """Run zeroimpl's own work of the round: whatever it raises leaves the reducer ``FAILED``."""
+        try:
+            yield
+        except UnevenInputsError:
+            raise  # every rank raises it at the same collective: they stay in step
+        except BaseException as error:
+            if self.state is RoundState.FAILED:
+                raise  # (recorded by an inner block)
+            self.state, self._failure = RoundState.FAILED, f"{type(error).__name__}: {error}"
+            if isinstance(error, CollectiveError) or not isinstance(error, Exception):
+                raise  # CollectiveError names the way on; an interrupt stays one
+            raise RuntimeError(
+                f"ShardedOptimizer's gradient reduction failed on this rank ({self._failure}). This rank's "
+                "collectives are no longer those of the other ranks, which will raise CollectiveError at their next "
+                "collective (within collective_timeout); the optimizer cannot go on. Restart the job from the last "
+                "checkpoint (zeroimpl.checkpoint.load_checkpoint)") from error
+
+    def _refuse_if_failed(self) -> None:
+        if self.state is RoundState.FAILED:
+            raise RuntimeError(
+                f"ShardedOptimizer cannot go on: its gradient reduction failed earlier on this rank ({self._failure}), "
+                "and its collectives are no longer those of the other ranks. Restart the job from the last "
+                "checkpoint (zeroimpl.checkpoint.load_checkpoint)")
 
     # -- buckets --------------------------------------------------------------------------------
     def _buffer(self, bucket_index: int) -> torch.Tensor:
@@ -216,16 +316,18 @@ class GradientReducer:
         else:  # widen first: dividing a 16-bit gradient would round it in 16 bits
             view.copy_(grad)
             view.mul_(self._scale)
+        self._arrived[bucket_index].add(param_index)
 
-    def _launch(self, bucket_index: int) -> None:
-        """Zero the slots no gradient wrote (the padding was zeroed at allocation), then start the bucket's
-        reduce-scatter."""
+    def start_grad_sync(self, bucket_index: int) -> None:
+        """Start the next bucket's reduce-scatter: zero the slots no gradient wrote this round (the padding was
+        zeroed at allocation), issue it, and keep at most ``max_inflight`` in flight (the oldest waited for on the
+        host). Inside :meth:`_own_work`."""
+        assert bucket_index == self._started, (bucket_index, self._started)
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
         self.streams.use(buffer)
-        arrived = self._order.arrived(bucket_index)
         for param_index in bucket.param_indices:
-            if param_index not in arrived:
+            if param_index not in self._arrived[bucket_index]:
                 slot = self.layout.slots[param_index]
                 buffer[slot.offset:slot.end].zero_()
         if not comm.issues_collectives(self.layout.world_size):  # the bucket buffer is the shard
@@ -237,25 +339,23 @@ class GradientReducer:
         else:
             work = comm.reduce_scatter_quantized(output, buffer, self._blocks[bucket_index], self.group,
                                                  self.timeout, tag=bucket_index)
-        self._inflight.append(_Reduction(bucket_index, buffer, output, work))
-        self._buffers[bucket_index] = None  # (kept until issued: a launch that raised is tried again)
-        self._order.launched(bucket_index)
-        while len(self._inflight) > self.max_inflight:  # bound the buffers: wait for the oldest on the host
-            self._complete_oldest(on_host=buffer.is_cuda)
+        self._reducing.append(InFlight(bucket_index, buffer, output, work))
+        self._buffers[bucket_index] = None
+        self._started += 1
+        while len(self._reducing) > self.max_inflight:  # bound the buffers: wait for the oldest on the host
+            self._finish_oldest(on_host=buffer.is_cuda)
 
-    def _complete_oldest(self, on_host: bool = False) -> None:
+    def _finish_oldest(self, on_host: bool = False) -> None:
         """Finish the oldest reduce-scatter and hand its shard to the store; with hybrid sharding start the
-        shard's all-reduce across the replicas instead, finished later (:meth:`_complete_replicated`).
+        shard's all-reduce across the replicas instead, finished later (:meth:`_finish_replicated`).
         ``on_host``: block the host, not the compute stream, until the collective is done (CUDA)."""
-        while self._replicating and self._replicating[0].work.landing:  # (its 8-bit all-gather raised: first, in
-            self._complete_replicated()  # the order of the other ranks, before another collective across replicas)
-        reduction = self._inflight[0]  # taken off once handed on: one that raised (out of memory) is done again
+        reduction = self._reducing[0]
         # before the wait, which lets go of the work's buffers and queues the 8-bit sum that reads them
         self.streams.use(reduction.buffer, reduction.output, *reduction.work.buffers)
         (reduction.work.wait_on_host if on_host else reduction.work.wait)()
+        self._reducing.popleft()
         if self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
-            self._inflight.popleft()
             return
         if self._replica_blocks is None:
             work = comm.all_reduce(reduction.output, torch.distributed.ReduceOp.SUM, self.replicate, self.timeout,
@@ -263,57 +363,57 @@ class GradientReducer:
         else:
             work = comm.all_reduce_quantized(reduction.output, self._replica_blocks[reduction.bucket_index],
                                              self.replicate, self.timeout, tag=reduction.bucket_index)
-        self._replicating.append(_Reduction(reduction.bucket_index, None, reduction.output, work))
-        self._inflight.popleft()
+        self._replicating.append(InFlight(reduction.bucket_index, None, reduction.output, work))
         while len(self._replicating) > self.max_inflight:
-            self._complete_replicated()
+            self._finish_replicated()
 
-    def _complete_replicated(self) -> None:
+    def _finish_replicated(self) -> None:
         reduction = self._replicating[0]
         self.streams.use(reduction.output, *reduction.work.buffers)
         # as for the reduce-scatters: on CUDA block the host, not the compute stream
         (reduction.work.wait_on_host if reduction.output.is_cuda else reduction.work.wait)()
-        self.gradients.add(reduction.bucket_index, reduction.output)
         self._replicating.popleft()
+        self.gradients.add(reduction.bucket_index, reduction.output)
 
-    def wait_all(self) -> None:
-        while self._inflight:
-            self._complete_oldest()
+    def _finish_in_flight(self) -> None:
+        while self._reducing:
+            self._finish_oldest()
         while self._replicating:
-            self._complete_replicated()
+            self._finish_replicated()
 
     # -- the optimizer's verbs ------------------------------------------------------------------
     @on_work_stream()
-    def close_left_open(self) -> None:
-        """Close a round left open by a reentrant backward, or by a backward or close that failed part-way (before
-        any other collective: the other ranks issued its reduce-scatters at the end of their backward)."""
-        if self.round.left_open():
+    def finish_grad_sync(self) -> None:
+        """Every round of backward finished: close one left open by a reentrant backward or by the user's backward
+        that failed (before any other collective: the other ranks issued its reduce-scatters at the end of their
+        backward). Raises if the reducer has failed."""
+        self._refuse_if_failed()
+        if self._left_open():
             self._close_round()
 
     @on_work_stream()
-    def finalize(self) -> None:
-        """Hand every gradient produced so far to the gradient store (stage 1: reduce ``param.grad`` now); after
-        :meth:`close_left_open` (``StepChecks.prepare`` calls it first, before the check-in)."""
-        self.wait_all()
+    def reduce_held_grads(self) -> None:
+        """Stage 1: reduce-scatter the gradients ``param.grad`` holds into the store, every bucket in order (the step's
+        one reduction). Stage 2: refuse a ``param.grad`` set outside the hooks. After :meth:`finish_grad_sync`."""
+        self._refuse_if_failed()
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
             raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside zeroimpl's "
                                "backward hooks would be ignored. If the model is wrapped in DistributedDataParallel, "
                                "unwrap it (DDP writes all-reduced gradients back; ShardedOptimizer reduces them "
                                "itself); if you set param.grad by hand or with torch.autograd.grad, use stage=1")
-        if self.stage == 1 and (with_grad or self._order.begun()):  # (begun: a finalize that raised part-way)
+        if self.stage == 1 and with_grad:
             self._check_grads_unedited()
-            for storage in self.storages:
-                bucket_index = storage.bucket.index
-                for param_index, param in zip(storage.bucket.param_indices, storage.params):
-                    if param.grad is not None:
-                        self._write_grad(bucket_index, param_index, param.grad)
-                        self._order.arrive(bucket_index, param_index)
-                        self.grad_exists[param_index] = True
-                        param.grad = None  # freed as copied: the bucket buffers replace the gradients
-                for launchable in self._order.through(bucket_index):  # this bucket, complete or not
-                    self._launch(launchable)
-            self._reset_round()
+            with self._own_work():
+                for storage in self.storages:
+                    for param_index, param in zip(storage.bucket.param_indices, storage.params):
+                        if param.grad is not None:
+                            self._write_grad(storage.bucket.index, param_index, param.grad)
+                            self.grad_exists[param_index] = True
+                            param.grad = None  # freed as copied: the bucket buffers replace the gradients
+                    self.start_grad_sync(storage.bucket.index)  # complete or not
+                self._finish_in_flight()
+            self._reset_buckets()
         self.streams.hand_over(*self.gradients.device_tensors())  # the step reads them next
 
     def _check_grads_unedited(self) -> None:
@@ -331,8 +431,18 @@ class GradientReducer:
                 "clip_grad_value_ and in-place scaling work on it), or scale the loss. The gradients were cleared; "
                 "nothing was updated")
 
+    @on_work_stream()  # perhaps in a hook of the next backward, on a stream of the forward's
     def forget(self, param_indices: list[int]) -> None:
-        """These parameters' gradients were cleared by the user: they have none since the last step."""
+        """The user cleared these parameters' ``.grad`` (``model.zero_grad()``, ``p.grad = None``): zero their
+        elements of the gradient shards and forget that they had a gradient since the last step, as torch would."""
+        self._refuse_if_failed()
+        cleared = set(param_indices)
+        shards = self.gradients.ready()
+        self.streams.use(*(shard for shard in shards if shard is not None))
+        for piece in self._pieces:
+            shard = shards[piece.bucket_index]
+            if piece.param_index in cleared and shard is not None:
+                shard[piece.shard_offset:piece.shard_offset + piece.length].zero_()
         for index in param_indices:
             self.grad_exists[index] = False
             self._consumed[index] = False
@@ -349,14 +459,15 @@ class GradientReducer:
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
         live = [b for b in self._buffers if b is not None]
-        for reduction in self._inflight:
-            live += [reduction.buffer, reduction.output, *reduction.work.buffers]
-        return live + [t for reduction in self._replicating for t in (reduction.output, *reduction.work.buffers)]
+        for reduction in (*self._reducing, *self._replicating):
+            live += [t for t in (reduction.buffer, reduction.output) if t is not None] + list(reduction.work.buffers)
+        return live
 
     @on_work_stream()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: ``set_to_none`` forgets the gradients; otherwise every parameter that had a gradient
         (now, or when the last step consumed it) keeps a zero gradient, and is stepped with it."""
+        self._refuse_if_failed()
         with_grad = [p for storage in self.storages for p in storage.params if p.grad is not None]
         self.streams.use(*(p.grad for p in with_grad), *self.gradients.device_tensors())  # (from other streams)
         for param in with_grad:
@@ -364,9 +475,8 @@ class GradientReducer:
                 param.grad = None
             else:
                 param.grad.zero_()
-        if self.round.left_open() if self.stage == 2 else self._order.begun():
-            self._launch_remaining()  # (a round that raised part-way)
-        self._reset_round()
+        if self._left_open():
+            self._close_round()  # (its reductions go to the store, cleared below)
         self.backward_passes = 0
         self._grad_versions.clear()
         if set_to_none:
@@ -377,13 +487,39 @@ class GradientReducer:
         self.gradients.clear(set_to_none)
 
 
-def _weakly_end_of_backward(reducer_ref):
-    """The end-of-backward callback, holding the reducer weakly (a deleted optimizer lets go of the model)."""
-    def on_end():
-        reducer = reducer_ref()
-        if reducer is not None:
+def complete_through(arrived: list[set[int]], buckets, start: int) -> int:
+    """The end of the run of complete buckets from ``start``: buckets ``start`` up to it may start their sync, in
+    order (a bucket is complete once every one of its parameters, ``buckets[i].param_indices``, has arrived)."""
+    end = start
+    while end < len(buckets) and len(arrived[end]) == len(buckets[end].param_indices):
+        end += 1
+    return end
+
+
+def under_compiled_autograd() -> bool:
+    """Whether compiled autograd is tracing this backward (its graph cannot hold collectives and callbacks).
+    Reads torch's flag only when torch._dynamo has been imported."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return torch.compiler.is_compiling() or bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
+def _inside_outer_backward() -> bool:
+    """Whether the backward now ending runs inside another one's node (reentrant checkpointing)."""
+    current_node = getattr(torch._C, "_current_autograd_node", None)
+    return current_node is not None and current_node() is not None
+
+
+class _EndOfBackward:
+    """The callback queued on a backward, holding the reducer weakly (a deleted optimizer lets go of the model);
+    the autograd engine drops it with a backward that fails."""
+
+    def __init__(self, reducer_ref):
+        self.reducer_ref = reducer_ref
+
+    def __call__(self) -> None:
+        reducer = self.reducer_ref()  # (a callback of a round closed early, by a second gradient, does nothing)
+        if reducer is not None and reducer.state is RoundState.RUNNING and reducer._callback() is self:
             reducer._end_of_backward()
-    return on_end
 
 
 def _forward_to(reducer_ref):
@@ -394,6 +530,7 @@ def _forward_to(reducer_ref):
     return hook
 
 
-def _remove_handles(handles) -> None:
+def remove_hooks(handles) -> None:
+    """Remove hooks registered on tensors (``RemovableHandle`` s)."""
     for handle in handles:
         handle.remove()

@@ -25,8 +25,9 @@ The first operation on any of the optimizer's gradients after a backward finishe
 the reduce-scatter of the step; with loss scaling: the unscaling) through :meth:`GradViews.prepare`, which
 calls down into :meth:`zeroimpl.step_checks.StepChecks.prepare`, on every rank alike; ``step()`` calls it too.
 
-Lifecycle, per optimizer (:class:`GradViews`): :meth:`~GradViews.expose` at the end of each backward (an
-autograd-engine callback queued by the views' own post-accumulate-grad hook) puts one
+Lifecycle, per optimizer (:class:`GradViews`): :meth:`~GradViews.expose` at the end of each backward (the
+gradient reducer's end-of-backward callback calls :meth:`~GradViews.after_backward` once it has closed or
+deferred its round: :meth:`zeroimpl.grad_sync.GradientReducer.call_after_backward`) puts one
 persistent ``ShardedGrad`` per trainable parameter in ``.grad`` (stage 1: holding the rank's local
 gradient until ``prepare``); before the next backward accumulates (a tensor pre-hook), and at ``step()`` and
 ``zero_grad()``, :meth:`~GradViews.withdraw` takes them off again. A view the user removed in between
@@ -37,12 +38,14 @@ cleared ``.grad``.
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .grad_shards import DeviceGradientShards, HostGradientShards
+from .grad_sync import remove_hooks
 from .host_memory import to_device
 from .layout import ShardPiece
 from .step_checks import StepChecks
@@ -108,25 +111,19 @@ class GradViews:
     Args:
         params: the optimizer's trainable parameters, by parameter index.
         pieces: this rank's pieces (at most one per parameter).
-        stage: 1 (``.grad`` holds the rank's local gradient until ``prepare``) or 2.
         checks: the optimizer's :class:`~zeroimpl.step_checks.StepChecks`: it finishes the reduction and
-            unscaling (after which the gradient shards, ``checks.gradients.ready()``, hold the averaged
-            gradients) and forgets the gradients of parameters whose view the user removed from ``.grad``.
+            unscaling (after which ``gradients``, the gradient store, holds the averaged gradients) and forgets
+            the gradients of parameters whose view the user removed from ``.grad``.
         group, timeout: the shard group (norms and ``found_inf`` are all-reduced there) and the collectives'
             timeout.
-
-    Build it after the optimizer's gradient reducer: its hooks then run after the reducer's, so that the views
-    are exposed after the reducer closed the round.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], pieces: list[ShardPiece], stage: int,
-                 checks: StepChecks, group, timeout: Optional[float]):
+    def __init__(self, *, params: list[torch.nn.Parameter], pieces: list[ShardPiece], checks: StepChecks,
+                 gradients: Union[DeviceGradientShards, HostGradientShards], group, timeout: Optional[float]):
         self.params = params
         self._piece = {piece.param_index: piece for piece in pieces}
-        self.stage = stage
-        self.checks = checks
+        self.checks, self.gradients = checks, gradients
         self.group, self.timeout = group, timeout
-        self._end_of_backward: Optional[weakref.ref] = None  # the expose callback queued on the running backward
         self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
         self._installed: set[int] = set()  # parameter indices whose .grad is its view
         self._local: dict[int, torch.Tensor] = {}  # stage 1, not prepared: the rank's own gradient, by index
@@ -138,10 +135,8 @@ class GradViews:
         # (id, version, device) of a tensor argument -> (it, its copy on the device): clipping's coefficient,
         # on the GPU, multiplies every piece, which offload keeps on the host; until the views are taken out
         self._copies: dict = {}
-        views_ref = weakref.ref(self)
-        self._handles = [p.register_hook(_withdraw_before_accumulating(views_ref)) for p in params]
-        self._handles += [p.register_post_accumulate_grad_hook(_expose_after_backward(views_ref)) for p in params]
-        weakref.finalize(self, _remove_handles, self._handles)
+        handles = [p.register_hook(_withdraw_before_accumulating(weakref.ref(self))) for p in params]
+        weakref.finalize(self, remove_hooks, handles)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def prepare(self) -> bool:
@@ -153,14 +148,10 @@ class GradViews:
         self.expose(prepared=True)
         return True
 
-    def _follow_backward(self) -> None:
-        """Expose the views at the end of the backward now running (every backward, nested ones too: exposing
-        is idempotent, and the next accumulation withdraws them first)."""
-        if self._end_of_backward is not None and self._end_of_backward() is not None:
-            return  # queued already on this backward
-        callback = _ExposeAtEnd(weakref.ref(self))
-        torch.autograd.Variable._execution_engine.queue_callback(callback)
-        self._end_of_backward = weakref.ref(callback)  # dies with the backward (run, or dropped on failure)
+    def after_backward(self) -> None:
+        """A backward that reached the optimizer ended (nested ones too: exposing is idempotent, and the next
+        accumulation withdraws the views first)."""
+        self.expose(prepared=False)
 
     def expose(self, prepared: bool) -> None:
         """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local
@@ -262,7 +253,7 @@ class GradViews:
         piece = self._piece.get(index)
         if piece is None:
             return None
-        shard = self.checks.gradients.ready()[piece.bucket_index]
+        shard = self.gradients.ready()[piece.bucket_index]
         return None if shard is None else shard[piece.shard_offset:piece.shard_offset + piece.length]
 
     def _apply(self, func, view: ShardedGrad, rest: tuple, kwargs: dict) -> None:
@@ -354,30 +345,3 @@ def _withdraw_before_accumulating(views_ref):
             views.withdraw()
         return None
     return hook
-
-
-def _expose_after_backward(views_ref):
-    """A post-accumulate-grad hook: have the views exposed when the backward now running ends."""
-    def hook(param):
-        views = views_ref()
-        if views is not None:
-            views._follow_backward()
-    return hook
-
-
-class _ExposeAtEnd:
-    """The callback queued on a backward (the engine drops it with a backward that fails)."""
-
-    def __init__(self, views_ref):
-        self.views_ref = views_ref
-
-    def __call__(self) -> None:
-        views = self.views_ref()
-        if views is not None:
-            views._end_of_backward = None
-            views.expose(prepared=False)
-
-
-def _remove_handles(handles) -> None:
-    for handle in handles:
-        handle.remove()

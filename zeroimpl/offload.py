@@ -21,15 +21,13 @@ synchronous; the code path is the same, which is what the test suite exercises.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import torch
 
-from . import comm
 from .buffers import HALF_DTYPES, host_master_dtype
-from .grad_shards import DeviceGradientShards
+from .grad_shards import DeviceGradientShards, HostGradientShards
 from .host_memory import HostArena
 
 # torch optimizers with a fused CPU kernel (torch >= 2.4), about 10x faster than their for-loop kernel
@@ -106,98 +104,6 @@ def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: d
     return kwargs
 
 
-class ShardFill(enum.Enum):
-    """What one bucket's host gradient shard holds since the last ``clear()``."""
-
-    EMPTY = "empty"  # no gradient (``ready()`` gives None)
-    FILLED = "filled"  # the sum of the reductions since clear(): the next one adds to it
-    ZEROED = "zeroed"  # a zero gradient kept by zero_grad(set_to_none=False): the next reduction overwrites it
-
-
-class HostGradientShards:
-    """Gradient shards (fp32) on the host, filled by asynchronous copies as each bucket's reduction completes.
-
-    Invariant: after :meth:`ready` every gradient reduced since :meth:`clear` is summed in the host shards
-    (in the order of the reductions, as on the device), and no copy touching host memory is in flight.
-    Host syncs: :meth:`ready` waits once per step, whatever the number of buckets.
-    """
-
-    def __init__(self, device: torch.device, shards: list[torch.Tensor], timeout: Optional[float] = None):
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream
-        self._timeout = timeout  # bounds the wait for the copies (which wait for the reduce-scatters)
-        self.shards = shards  # per bucket: zeroed, shard-sized, in the master's dtype (page-locked on CUDA)
-        self._fill = [ShardFill.EMPTY] * len(shards)  # per bucket: what the host shard holds
-        self._device_sums: list[Optional[torch.Tensor]] = [None] * len(shards)  # device accumulators
-        self._copying = False  # a copy was queued since the last wait
-        self.accumulating = False  # set by ShardedOptimizer.accumulating(): keep sums on the device
-
-    def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
-        """Take one reduction of a bucket (``reduced``: device, reduce dtype), issued in the current stream."""
-        device_sum = self._device_sums[bucket_index]
-        if device_sum is not None:
-            reduced = device_sum.add_(reduced)
-            self._device_sums[bucket_index] = None
-        if self.accumulating:
-            self._device_sums[bucket_index] = reduced
-        else:
-            self._to_host(bucket_index, reduced)
-
-    def _to_host(self, bucket_index: int, reduced: torch.Tensor) -> None:
-        host = self.shards[bucket_index]
-        if self._fill[bucket_index] is ShardFill.FILLED:
-            self.wait_copies()  # a micro-batch not marked accumulating: sum on the host (blocking)
-            host.add_(reduced.to(host.device))
-            return
-        if self._stream is None:
-            host.copy_(reduced)
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream(reduced.device))
-            with torch.cuda.stream(self._stream):
-                host.copy_(reduced, non_blocking=True)  # (a dtype change allocates on the device: may raise)
-            reduced.record_stream(self._stream)  # the allocator must not reuse it before the copy has run
-            self._copying = True
-        self._fill[bucket_index] = ShardFill.FILLED  # (a ZEROED shard is overwritten; once the copy is queued)
-
-    def wait_copies(self) -> None:
-        """Block until no gradient copy to the host is in flight (the host shards may then be read or written):
-        a wait on the copy stream when a copy was queued since the last one, else nothing."""
-        if self._copying:
-            comm.wait_for_stream(self._stream, self._timeout, "gradient copies to the host")
-            self._copying = False
-
-    def ready(self) -> list[Optional[torch.Tensor]]:
-        """Every gradient on the host, every copy finished: the host shards, ``None`` where no gradient came."""
-        for index, device_sum in enumerate(self._device_sums):
-            if device_sum is not None:  # accumulating() was still on at step: move the sum over now
-                self._device_sums[index] = None
-                self._to_host(index, device_sum)
-        self.wait_copies()
-        return [None if fill is ShardFill.EMPTY else shard for shard, fill in zip(self.shards, self._fill)]
-
-    def clear(self, set_to_none: bool) -> None:
-        self._device_sums = [None] * len(self.shards)
-        if set_to_none:
-            self._fill = [ShardFill.EMPTY] * len(self.shards)
-        else:  # as on the device: gradients that existed become zeros, and the next reduction replaces them
-            self.wait_copies()
-            for index, shard in enumerate(self.shards):
-                if self._fill[index] is not ShardFill.EMPTY:
-                    shard.zero_()
-                    self._fill[index] = ShardFill.ZEROED
-
-    @property
-    def has_gradients(self) -> bool:
-        return (any(fill is not ShardFill.EMPTY for fill in self._fill)
-                or any(s is not None for s in self._device_sums))
-
-    def device_tensors(self) -> list[torch.Tensor]:
-        return [s for s in self._device_sums if s is not None]
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        return list(self.shards)
-
-
-
 def staging_sizes(layout, param_dtypes: list[torch.dtype]) -> dict[torch.dtype, int]:
     """For each 16-bit parameter dtype of the layout's buckets, the largest shard of that dtype: the size of
     each of :class:`~zeroimpl.param_sync.ParamSync`' two staging buffers for it (``param_dtypes``: by parameter index)."""
@@ -230,7 +136,7 @@ def gradient_store(policy: Optional[CPUOffload], layout, params: list[torch.nn.P
     """Where the gradient shards live: ``(host arenas, host masters per bucket or None, the gradient store,
     staging buffers per 16-bit dtype)``; without ``policy`` nothing on the host and a
     :class:`~zeroimpl.grad_shards.DeviceGradientShards`, with it one arena holding masters, gradient shards
-    and staging (page-locked when the parameters are on CUDA) and a :class:`HostGradientShards`, whose waits
+    and staging (page-locked when the parameters are on CUDA) and a :class:`~zeroimpl.grad_shards.HostGradientShards`, whose waits
     for its copies ``timeout`` bounds."""
     device = params[0].device
     if policy is None:

@@ -2,7 +2,7 @@
 
 One optimizer step, as seen from one rank (Ψ trainable elements, N ranks), and the module that does each part::
 
-    backward -> gradients reduce-scattered into this rank's gradient shard (Ψ/N)  [grad_sync, backward_round]
+    backward -> gradients reduce-scattered into this rank's gradient shard (Ψ/N)  [grad_sync]
                 kept on the device, or copied to the host with offload              [grad_shards, offload]
                 param.grad: a view of the averaged gradient, for torch's utilities  [grad_views]
     step     -> finish the reduction, unscale, agree on NaN/Inf (and the clipping norm) [step_checks]
@@ -24,7 +24,6 @@ from torch.distributed.algorithms.join import Joinable
 from . import module_buffers, optimizer_kinds, uneven, validation, verify
 from .accounting import MemoryReport, memory_report
 from .buffers import BucketStorage, flatten_params
-from .grad_shards import accumulating
 from .grad_sync import GradientReducer
 from .grad_views import GradViews
 from .inner import OUTER_ONLY_KEYS, PieceMasters, build_on_every_rank, step_pieces
@@ -34,7 +33,7 @@ from .offload import KERNEL_KEYS, CPUOffload, OffloadOption, gradient_store, inn
 from .ownership import Ownership
 from .param_sync import ParamSync
 from .precision import DynamicLossScaler, LossScaleConfig
-from .step_checks import StepChecks, StepState, nonfinite_message, passes_message
+from .step_checks import StepChecks, nonfinite_message, passes_message
 from .topology import Topology, resolve_topology
 
 STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
@@ -158,18 +157,20 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
         self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler.resolve(loss_scale, trainable)
         self.nonfinite, self._skipped_without_scaler = nonfinite, 0
-        self._step_state = StepState(loss_scaling=self.loss_scaler is not None)
         self.uneven = uneven.UnevenInputs(self, self.join_device, self.join_process_group, collective_timeout)
 
-        self.reducer = GradientReducer(self.layout, self.storages, self.topology, stage, reduce_dtype,
-                                       max_inflight_buckets, self.gradients, self._step_state, self.uneven,
-                                       collective_timeout, quantize_grad_reduce)
-        self.checks = StepChecks(self.reducer, self.gradients, self.param_sync, self.ownership, self.storages,
-                                 self.pieces.pieces, self._step_state, self.uneven, self.loss_scaler, self.topology,
-                                 collective_timeout, self._device)
-        # param.grad after backward: views of the averaged gradient (built after the reducer: hooks run after its)
-        self.grad_views = GradViews(trainable, self.pieces.pieces, stage, self.checks, self.topology.shard,
-                                    collective_timeout)
+        self.reducer = GradientReducer(layout=layout, storages=self.storages, topology=self.topology, stage=stage,
+                                       reduce_dtype=reduce_dtype, max_inflight=max_inflight_buckets,
+                                       gradients=self.gradients, uneven=self.uneven, timeout=collective_timeout,
+                                       quantized=quantize_grad_reduce)
+        self.checks = StepChecks(reducer=self.reducer, gradients=self.gradients, param_sync=self.param_sync,
+                                 ownership=self.ownership, storages=self.storages, uneven=self.uneven,
+                                 loss_scaler=self.loss_scaler, topology=self.topology, timeout=collective_timeout,
+                                 device=self._device)
+        # param.grad after backward: views of the averaged gradient, exposed by the reducer's end of backward
+        self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
+                                    gradients=self.gradients, group=self.topology.shard, timeout=collective_timeout)
+        self.reducer.call_after_backward(self.grad_views.after_backward)
         self._constructed = True
 
     @classmethod
@@ -201,7 +202,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """The loss times the loss scale (fp32), for a backward the caller runs; the loss itself without scaling."""
         if self.loss_scaler is None:
             return loss
-        self._step_state.loss_scaled = True
+        self.checks.loss_scaled = True
         return loss.float() * self.loss_scaler.scale
 
     def backward(self, loss: torch.Tensor, **backward_kwargs) -> None:
@@ -210,7 +211,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def accumulating(self) -> ContextManager[None]:
         """Mark the backward passes inside as non-final micro-batches (a hint: offload sums them on the device)."""
-        return accumulating(self.gradients)
+        return self.gradients.accumulating()
 
     # -- torch.distributed.algorithms.Join ---------------------------------------------------------
     def join_hook(self, **kwargs) -> uneven.RefuseUnevenInputs:
@@ -230,10 +231,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
         """The step's agreement all-reduce (:meth:`StepChecks.agree`) unless its verdict stands and no norm is asked
         for; raises on every rank (gradients cleared) when ranks ran different numbers of backward passes."""
-        if self._step_state.verdict is not None and norm_type is None:
+        if self.checks.verdict is not None and norm_type is None:
             return None
         total = self.checks.agree(norm_type)
-        if not self._step_state.verdict.same_passes:
+        if not self.checks.verdict.same_passes:
             passes = self.reducer.backward_passes
             self.zero_grad()
             raise RuntimeError(passes_message(passes))
@@ -246,7 +247,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             if not self.grad_views.prepare():
                 return False
             self._agree()
-        return self._step_state.verdict.nonfinite
+        return self.checks.verdict.nonfinite
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -259,7 +260,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if not self.grad_views.prepare():
             return torch.zeros((), device=self._device)
         total = self._agree(norm_type)
-        if not self._step_state.verdict.nonfinite and self.checks.scale_to_norm(max_norm, total):
+        if not self.checks.verdict.nonfinite and self.checks.scale_to_norm(max_norm, total):
             self.grad_views.changed()
         return total
 
@@ -272,7 +273,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if not self.grad_views.prepare():
             return loss
         self._agree()
-        if not self._step_state.verdict.nonfinite:
+        if not self.checks.verdict.nonfinite:
             self._update()
             return loss
         raises = self.nonfinite == "raise" and (
@@ -292,7 +293,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.param_sync.finish_param_sync(take_edits=True)  # parameters edited since the last step, into the masters
         grads = [None if grad is None else grad.to(storage.master.dtype)
                  for storage, grad in zip(self.storages, self.gradients.ready())]
-        pairs = self.pieces.gradient_pairs(grads, self._step_state.verdict.stepped)
+        pairs = self.pieces.gradient_pairs(grads, self.checks.verdict.stepped)
         in_parts = self.offload is not None and self.inner.steps_in_parts  # the pipeline: a host step per bucket
         step_pieces(self.inner, [] if in_parts else [pair for bucket in pairs.values() for pair in bucket])
         self.param_sync.start_param_sync(overlap=True, step_bucket=(  # guarded: a failed landing raises at each read
@@ -310,16 +311,16 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.grad_views.discard()
-        verdict = self._step_state.verdict
+        verdict = self.checks.verdict
         self.reducer.end_step(stepped=None if verdict is None else verdict.stepped)
         self.gradients.clear(set_to_none=True)
-        self._step_state.reset()
+        self.checks.reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: forget the gradients (``set_to_none=False``: keep zeros, stepped as zeros)."""
         self.grad_views.discard()
         self.reducer.zero_grad(set_to_none)
-        self._step_state.reset()
+        self.checks.reset()
 
     # -- schedule-free modes --------------------------------------------------------------------------
     def train(self) -> None:

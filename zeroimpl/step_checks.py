@@ -1,8 +1,5 @@
-"""The gradients of one optimizer step, from "backward ran" to "ready to step": finishing the reduction, and the
-step's one agreement all-reduce.
-
-The step's progress is a :class:`~zeroimpl.step_state.StepState`, which the reducer also records gradient
-arrivals in.
+"""The gradients of one optimizer step, from "backward ran" to "ready to step": finishing the reduction, the step's
+facts, and the step's one agreement all-reduce.
 
 :meth:`StepChecks.prepare` finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling: the
 step and the first operation on a ``param.grad`` view (:mod:`zeroimpl.grad_views`) both call down into it.
@@ -10,65 +7,100 @@ step and the first operation on a ``param.grad`` view (:mod:`zeroimpl.grad_views
 tells whether any rank's shard holds NaN/Inf, whether every rank ran the same number of backward passes,
 the global gradient norm when clipping, and whether some rank lacks a gradient for some parameter (only
 then does a second all-reduce, one flag per parameter, say which parameters have a gradient on no rank).
+
+The step's facts, each set once and all forgotten by :meth:`StepChecks.reset` (at the end of ``step()`` and at
+``zero_grad()``); the gradient reducer writes none of them (it counts backward passes, which ``prepare`` reads):
+
+* ``loss_scaled`` -- a loss was multiplied by the loss scale (``scale_loss`` / ``backward``). With loss
+  scaling on, a backward pass without it is an error (the user called ``loss.backward()``).
+* ``unscaled`` -- the gradient shards were divided by the loss scale (at the first ``prepare`` after the last
+  backward). With loss scaling on, a backward pass after it is an error.
+* ``checked_in`` -- this rank checked in under torch's ``Join`` (:mod:`zeroimpl.uneven`) before the step's
+  collectives: a later ``prepare`` (the step after clipping) need not check in again until a backward ran.
+* ``verdict`` -- the step's agreement all-reduce ran (:class:`StepVerdict`). A backward pass after it forgets it,
+  so the checks run again.
+
+``prepare`` raises the loss-scaling errors above before any collective of the step, on every rank that misused
+it (every rank runs the same loop), where a backward hook would have raised part-way through the collectives.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import validation
+from .grad_shards import DeviceGradientShards, HostGradientShards
+from .grad_sync import GradientReducer
 from .host_memory import device_tensor, to_device
-from .layout import ShardPiece
-from .step_state import StepState, StepVerdict
 from .topology import Topology
+from .uneven import UnevenInputs
 
 if TYPE_CHECKING:
     from .buffers import BucketStorage
-    from .grad_shards import DeviceGradientShards
-    from .grad_sync import GradientReducer
-    from .offload import HostGradientShards
     from .ownership import Ownership
     from .param_sync import ParamSync
     from .precision import DynamicLossScaler
-    from .uneven import UnevenInputs
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """The agreed outcome of a step's checks, identical on every rank."""
+
+    same_passes: bool  # every rank ran the same number of backward passes since the last step
+    nonfinite: bool  # the averaged gradients hold NaN or Inf
+    stepped: Optional[list[bool]]  # per trainable parameter: a gradient on some rank; None: every parameter
 
 
 class StepChecks:
-    """Finishes this step's gradients and runs the agreement all-reduce, for one optimizer (see the module
-    docstring). ``state`` is the step's :class:`StepState`; the reducer reports gradient arrivals to it."""
+    """Finishes this step's gradients, keeps the step's facts and runs the agreement all-reduce, for one optimizer
+    (see the module docstring). Keyword arguments: the optimizer's parts it reads."""
 
-    def __init__(self, reducer: "GradientReducer", gradients: Union["DeviceGradientShards", "HostGradientShards"],
+    def __init__(self, *, reducer: GradientReducer, gradients: Union[DeviceGradientShards, HostGradientShards],
                  param_sync: "ParamSync", ownership: "Ownership", storages: list["BucketStorage"],
-                 pieces: list[ShardPiece], state: StepState, uneven: "UnevenInputs",
-                 loss_scaler: Optional["DynamicLossScaler"], topology: Topology, timeout: Optional[float],
-                 device: torch.device):
+                 uneven: UnevenInputs, loss_scaler: Optional["DynamicLossScaler"], topology: Topology,
+                 timeout: Optional[float], device: torch.device):
         self.reducer, self.gradients, self.param_sync = reducer, gradients, param_sync
-        self.ownership, self.storages, self.pieces = ownership, storages, pieces
-        self.state, self.uneven, self.loss_scaler = state, uneven, loss_scaler
+        self.ownership, self.storages, self.uneven, self.loss_scaler = ownership, storages, uneven, loss_scaler
         self.topology, self.timeout, self.device = topology, timeout, device
         self._wrapping_checked = False
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: forget its facts."""
+        self.loss_scaled = False
+        self.unscaled = False
+        self.checked_in = False
+        self.verdict: Optional[StepVerdict] = None
+        self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
 
     def prepare(self) -> bool:
         """Finish the reduction (and unscaling); return whether there are gradients to step on. Collective:
         every rank calls it at the same point (the first gradient operation after backward, or the step)."""
         self.param_sync.finish_param_sync()
-        self.reducer.close_left_open()  # before the check-in: the other ranks reduce-scattered it in their backward
-        if not self.state.checked_in:  # once per round of gradients, not again at the step after clipping
+        self.reducer.finish_grad_sync()  # before the check-in: the other ranks reduce-scattered it in their backward
+        if self.reducer.backward_passes != self._passes_seen:  # a backward ran since the last prepare
+            problem = loss_scaling_misuse(self.loss_scaled, self.unscaled) if self.loss_scaler is not None else None
+            if problem is not None:
+                raise RuntimeError(problem)
+            self.verdict, self.checked_in = None, False
+            self._passes_seen = self.reducer.backward_passes
+        if not self.checked_in:  # once per round of gradients, not again at the step after clipping
             self.uneven.check_in()
-            self.state.checked_in = True
+            self.checked_in = True
         if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
             validation.check_not_wrapped_in_ddp(self.ownership.params[0])
             self._wrapping_checked = True
         self.ownership.check_unchanged(self.storages)
-        self.reducer.finalize()
+        self.reducer.reduce_held_grads()
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
             return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
-        if self.loss_scaler is not None and not self.state.unscaled:
+        if self.loss_scaler is not None and not self.unscaled:
             torch._foreach_mul_(self.shards(), 1.0 / self.loss_scaler.scale)
-            self.state.unscaled = True
+            self.unscaled = True
         return True
 
     def shards(self) -> list[torch.Tensor]:
@@ -87,20 +119,11 @@ class StepChecks:
         return True
 
     def forget(self, param_indices: list[int]) -> None:
-        """The user cleared these parameters' ``.grad`` (``model.zero_grad()``, ``p.grad = None``): zero their
-        elements of the gradient shards and forget that they had a gradient, as torch would."""
-        cleared = set(param_indices)
-        with self.reducer.streams.span():  # perhaps in a hook of the next backward, on a stream of the forward's
-            shards = self.gradients.ready()
-            self.reducer.streams.use(*(shard for shard in shards if shard is not None))
-            for piece in self.pieces:
-                shard = shards[piece.bucket_index]
-                if piece.param_index in cleared and shard is not None:
-                    shard[piece.shard_offset:piece.shard_offset + piece.length].zero_()
+        """The user cleared these parameters' ``.grad``: forget their gradients (:meth:`GradientReducer.forget`)."""
         self.reducer.forget(param_indices)
 
     def agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """Run the agreement all-reduce (call after :meth:`prepare`); store the verdict in ``state.verdict``
+        """Run the agreement all-reduce (call after :meth:`prepare`); store the verdict in ``verdict``
         and return the global gradient norm for ``norm_type`` (on the device; ``None`` without one).
 
         NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
@@ -127,11 +150,11 @@ class StepChecks:
         suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum,  # the host sync
                                                       self.topology.world_size)
         if not same_passes:
-            self.state.verdict = StepVerdict(same_passes=False, nonfinite=False, stepped=None)
+            self.verdict = StepVerdict(same_passes=False, nonfinite=False, stepped=None)
             return None
         verdict = StepVerdict(same_passes=True, nonfinite=suspect and self._any_nonfinite(shards),
                               stepped=self._params_with_gradients() if lacking else None)
-        self.state.verdict = verdict
+        self.verdict = verdict
         if norm_type is None:
             return None
         if verdict.nonfinite and maximum:  # a MAX all-reduce need not carry a NaN through
@@ -155,6 +178,18 @@ class StepChecks:
         agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.timeout, "gradient NaN/Inf all-reduce",
                                            read_on_host=True)
         return bool(agreed.item())
+
+
+def loss_scaling_misuse(loss_scaled: bool, unscaled: bool) -> Optional[str]:
+    """With loss scaling on, what is wrong with a backward pass that ran since the last ``prepare`` (or None):
+    its loss was not scaled (``loss_scaled``: one was, this step), or it came after the shards were unscaled."""
+    if not loss_scaled:
+        return ("loss scaling is on (fp16 parameters, or loss_scale=LossScaleConfig(...)), so the loss must be "
+                "scaled: call optimizer.backward(loss) instead of loss.backward()")
+    if unscaled:
+        return ("backward() between clip_grad_norm_() and step() is not supported with loss scaling; run every "
+                "backward of the step before clipping")
+    return None
 
 
 def nonfinite_message(loss_scale: Optional[float]) -> str:
