@@ -11,12 +11,19 @@ raises, before any collective of a step, when the model no longer is what the la
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from .buffers import BucketStorage
 from .validation import FRAMEWORK_ROUTES
+
+
+class HoldsParams(Protocol):
+    """A flat buffer holding parameters as views (:class:`zeroimpl.buffers.BucketStorage`)."""
+
+    param_buffer: torch.Tensor
+
+    def rebound_params(self) -> list[int]: ...
 
 # id(param) -> the live claim on it. A live claim keeps its parameters alive, so an id found here always
 # names the same parameter object.
@@ -43,7 +50,7 @@ class Ownership:
             _OWNERS[id(param)] = self
         _install_registration_hook()
 
-    def check_unchanged(self, storages: list[BucketStorage]) -> None:
+    def check_unchanged(self, storages: Sequence["HoldsParams"]) -> None:
         """Raise if the model no longer is what the layout describes: a frozen member now requires grad, a
         parameter was replaced by another object, or one was rebound out of ``storages``' flat buffers."""
         unfrozen = [i for i, p in enumerate(self.frozen) if p.requires_grad]
