@@ -120,9 +120,10 @@ def _misuse(rank, world_size):
 
     def fp16_without_scaling():
         model = build_model("gpt2", torch.float16)
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW)  # noqa: F841 (kept alive)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW)
         ids = torch.ones(1, 4, dtype=torch.long)
         model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()  # refused where the step prepares, before any of its collectives
     errors["fp16"] = _catch(fp16_without_scaling)
 
     def mixed_devices():

@@ -301,10 +301,9 @@ def _two_ranks(rank, world_size, shared_directory):
             cases[("reduce-scatters", stage, checkpointing)] = (
                 lambda stage=stage, checkpointing=checkpointing: _reduce_scatters_per_backward(stage, checkpointing))
     cases[("local edit", 1)] = _local_gradient_edited_in_stage1
-    for stage, then in ((2, "backward"), (2, "step under Join"), (2, "skip"), (1, "step again")):
-        cases[("out of memory", stage, then)] = lambda stage=stage, then=then: _out_of_memory(rank, stage, then)
-    for where in ("8-bit sum", "8-bit gather", "8-bit gather in the step"):
-        cases[("out of memory", where)] = lambda where=where: _out_of_memory_landing(rank, where)
+    for number, where in enumerate(FAILURES):  # (each over a process group of its own, which it leaves broken)
+        cases[("fail fast", where)] = lambda where=where, number=number: _fail_fast(
+            rank, os.path.join(shared_directory, f"before-failure-{number}"), where)
     cases["rebuild"] = _rebuild_after_delete
     cases["old state dict"] = _old_state_dict
     cases["scalar parameter"] = lambda: _scalar_parameter_from_torch(os.path.join(shared_directory, "scalar"))
@@ -385,46 +384,6 @@ def _address_space_capped(headroom: int):
         resource.setrlimit(resource.RLIMIT_AS, limits)
 
 
-def _out_of_memory(rank, stage, then):
-    """Rank 0 runs out of memory allocating the unused parameter's bucket: at the end of a backward (stage 2: the
-    round's close) or in the step (stage 1: the reduction), and goes on as ``then`` says:
-
-    * ``backward``: a second backward, then the step, without zero_grad() (torch keeps the gradients);
-    * ``step under Join``: the step at once, inside ``with Join([optimizer])``;
-    * ``skip``: zero_grad() at once; the ranks agree that one failed (an all-reduce) and skip the batch: zero_grad()
-      on every rank, a second backward and the step;
-    * ``step again``: the step called again.
-
-    Returns the error, and the parameters, then the same where nothing failed (``skip``: the batch skipped too)."""
-    from torch.distributed.algorithms.join import Join
-    runs = {}
-    for out_of_memory in (True, False):
-        model = _WithUnusedMatrix()
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, bucket_numel=200, lr=0.1)
-        capped = _address_space_capped(UNUSED_NUMEL * 2) if out_of_memory and rank == 0 else contextlib.nullcontext()
-        with Join([optimizer]) if then == "step under Join" else contextlib.nullcontext():
-            if then == "step again":
-                model(small_batch(rank, 0)).backward()
-                with capped:  # 128 MB is out of reach, the rest of the step is not
-                    error = _error_of(optimizer.step)
-                if error != "no error":
-                    optimizer.step()
-            else:
-                with capped:
-                    error = _error_of(lambda: model(small_batch(rank, 0)).backward())
-                if then == "skip":
-                    if error != "no error":
-                        optimizer.zero_grad()
-                    dist.all_reduce(torch.tensor([float(error != "no error")]))  # (every rank skips it)
-                    optimizer.zero_grad()
-                if then in ("backward", "skip"):
-                    model(small_batch(rank, 1)).backward()
-                optimizer.step()
-        runs[out_of_memory] = error, [p.detach().clone() for p in model.parameters() if p is not model.unused]
-        del model, optimizer
-    return runs[True][0], runs[True][1], runs[False][1]
-
-
 class _LayerAndLargeMatrix(torch.nn.Module):
     """A linear layer and a 32M-element parameter (128 MB) whose gradient is the batch's mean everywhere: the same
     value in every 8-bit block, so that its 8-bit reduce-scatter and step gather are exact. Every parameter gets a
@@ -444,65 +403,126 @@ class _LayerAndLargeMatrix(torch.nn.Module):
 LARGE_NUMEL = UNUSED_NUMEL
 
 
-def _out_of_memory_landing(rank, where):
-    """Rank 0 runs out of memory after a collective has arrived, in the work that lands it: the sum of the 8-bit
-    pieces of the large parameter's reduce-scatter (64 MB in fp32, at the end of backward) or the addition of the
-    decoded 8-bit step of its all-gather (in finish_param_gathers(); with ``overlap_param_gather=False``, in the
-    step). Then the step, or the wait again (in the step: nothing, the next forward reads the parameters), and a
-    second backward and step. Returns the error, the parameters, and the parameters where nothing failed."""
-    runs = {}
-    for out_of_memory in (True, False):
-        model = _LayerAndLargeMatrix()
-        quantized = "quantize_grad_reduce" if where == "8-bit sum" else "quantize_param_gather"
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=2, bucket_numel=200, lr=0.1,
-                                     max_inflight_buckets=100, overlap_param_gather=where != "8-bit gather in the step",
-                                     **{quantized: True})  # (all reductions waited in the step)
-        # 16 MB more: the 64 MB the landing allocates first is out of reach, even with the 33 MB of 8-bit payloads
-        # let go between the cap and the sum
-        capped = _address_space_capped(2**24) if out_of_memory and rank == 0 else contextlib.nullcontext()
-        if where == "8-bit sum":
-            # capped once the last parameter's gradient has arrived, after the optimizer's hook for it issued the
-            # last reduce-scatter: the end of backward waits for them and sums their pieces
-            arrived, stack = [], contextlib.ExitStack()
+# The cases where zeroimpl's own work fails on rank 0 (out of memory, for real: see _address_space_capped) and the
+# ranks must fail fast: where rank 0 fails, and with which model and options
+FAILURES = {
+    "bucket buffer at the end of backward": (2, {}),  # stage 2: the unused parameter's bucket, at the round's close
+    "bucket buffer in the step": (1, {}),  # stage 1: the same bucket, in the step's reduction
+    "8-bit sum": (2, {"quantize_grad_reduce": True, "max_inflight_buckets": 100}),
+    "8-bit gather": (2, {"quantize_param_gather": True}),
+    "8-bit gather in the step": (2, {"quantize_param_gather": True, "overlap_param_gather": False}),
+}
+FAIL_FAST_TIMEOUT = 5.0  # the failing optimizer's collective_timeout: rank 1 must raise within it
+LATER = ("backward", "step", "zero_grad")  # the gradient operations that must raise after the failure
 
-            def cap_after_the_last(param):
-                arrived.append(param)
-                if len(arrived) == len(list(model.parameters())):
-                    stack.enter_context(capped)
-            handles = [p.register_post_accumulate_grad_hook(cap_after_the_last) for p in model.parameters()]
-            with stack:
-                error = _error_of(lambda: model(small_batch(rank, 0)).backward())
-            for handle in handles:
-                handle.remove()
-        elif where == "8-bit gather in the step":
-            # capped once the large bucket's all-gather is issued: the end of the step lands it
-            model(small_batch(rank, 0)).backward()
-            issue, stack = comm.all_gather, contextlib.ExitStack()
 
-            def cap_once_issued(output, *args, **kwargs):
-                pending = issue(output, *args, **kwargs)
-                if output.numel() > LARGE_NUMEL // 2:
-                    stack.enter_context(capped)
-                return pending
-            comm.all_gather = cap_once_issued
-            with stack:
-                error = _error_of(optimizer.step)
-            comm.all_gather = issue
-        else:
-            model(small_batch(rank, 0)).backward()
+def _fail_fast_model(where):
+    return _WithUnusedMatrix() if where.startswith("bucket") else _LayerAndLargeMatrix()
+
+
+def _fail_fast_optimizer(where, model, **options):
+    stage, extra = FAILURES[where]
+    return ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, bucket_numel=200, lr=0.1,
+                            **extra, **options)
+
+
+def _train_step(model, optimizer, rank, step):
+    model(small_batch(rank, step)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.finish_param_gathers()
+
+
+def _failing_step(where, model, optimizer, rank) -> str:
+    """Step 1 with rank 0 out of memory at ``where``, then, if this rank raised nothing, step 2 (the rank that did not
+    fail meets the failure at its next collective): the first error."""
+    capped = _address_space_capped(2**24 if where.startswith("8-bit") else UNUSED_NUMEL * 2) if rank == 0 else None
+    stack = contextlib.ExitStack()
+    handles, issue = [], comm.all_gather
+
+    def cap():
+        if capped is not None:
+            stack.enter_context(capped)
+    if where == "8-bit sum":  # once the last gradient's hook issued the last reduce-scatter: the end of backward
+        arrived = []  # waits for them and sums their 8-bit pieces (64 MB for the large one: out of reach)
+
+        def cap_after_the_last(param):
+            arrived.append(param)
+            if len(arrived) == len(list(model.parameters())):
+                cap()
+        handles = [p.register_post_accumulate_grad_hook(cap_after_the_last) for p in model.parameters()]
+    elif where == "8-bit gather in the step":  # once the large bucket's all-gather is issued: the step lands it
+
+        def cap_once_issued(output, *args, **kwargs):
+            pending = issue(output, *args, **kwargs)
+            if output.numel() > LARGE_NUMEL // 2:
+                cap()
+            return pending
+        comm.all_gather = cap_once_issued
+    try:
+        with stack:
+            if where == "bucket buffer at the end of backward":
+                cap()
+            model(small_batch(rank, 1)).backward()
+            if where == "bucket buffer in the step":
+                cap()
             optimizer.step()
-            with capped:
-                error = _error_of(optimizer.finish_param_gathers)
-        if where == "8-bit sum":
-            optimizer.step()
-        elif where == "8-bit gather":
+            optimizer.zero_grad()
+            if where == "8-bit gather":  # (left in flight by the step: their wait lands them)
+                cap()
             optimizer.finish_param_gathers()
-        model(small_batch(rank, 1)).backward()
-        optimizer.step()
-        optimizer.finish_param_gathers()
-        runs[out_of_memory] = error, [p.detach().clone() for p in model.parameters()]
+        _train_step(model, optimizer, rank, 2)
+    except Exception as error:  # the test asserts the type and the message
+        return f"{type(error).__name__}: {error}"
+    finally:
+        comm.all_gather = issue
+        for handle in handles:
+            handle.remove()
+    return "no error"
+
+
+def _fail_fast(rank, directory, where):
+    """Rank 0 runs out of memory in zeroimpl's own work at ``where``, in step 1 of an optimizer over a process group
+    of its own (its collectives are left unmatched), after step 0 and a checkpoint. Returns this rank's error,
+    the seconds it took to raise, the parameters after it (``None``: reading them raised), the errors of the
+    gradient operations tried after it (rank 0; rank 1 where its error left no collective half-issued), then the
+    parameters before step 1 and after step 1 of an uninterrupted run, and those of a fresh model and optimizer
+    loaded from the checkpoint and trained through step 1."""
+    import time
+    from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+
+    group = dist.new_group(backend="gloo")
+    model = _fail_fast_model(where)
+    optimizer = _fail_fast_optimizer(where, model, process_group=group, collective_timeout=FAIL_FAST_TIMEOUT)
+    _train_step(model, optimizer, rank, 0)
+    save_checkpoint(directory, optimizer, model)
+    started = time.monotonic()
+    error = _failing_step(where, model, optimizer, rank)
+    seconds = time.monotonic() - started
+    try:
+        after = [p.detach().clone() for p in model.parameters()]
+    except Exception:  # noqa: BLE001 - a parameter whose landing failed cannot be read (the test says which)
+        after = None
+    later = {}
+    if rank == 0 or where != "8-bit sum":  # (rank 1 raised in the step's check all-reduce: its reducer is fine)
+        later["backward"] = _error_of(lambda: model(small_batch(rank, 3)).backward())
+        later["step"] = _error_of(optimizer.step)
+        later["zero_grad"] = _error_of(optimizer.zero_grad)
+    del model, optimizer
+    dist.destroy_process_group(group)
+    runs = {}
+    for run in ("uninterrupted", "resumed"):
+        model = _fail_fast_model(where)
+        optimizer = _fail_fast_optimizer(where, model)
+        if run == "resumed":
+            load_checkpoint(directory, optimizer, model)
+        else:
+            _train_step(model, optimizer, rank, 0)
+            runs["before"] = [p.detach().clone() for p in model.parameters()]
+        _train_step(model, optimizer, rank, 1)
+        runs[run] = [p.detach().clone() for p in model.parameters()]
         del model, optimizer
-    return runs[True][0], runs[True][1], runs[False][1]
+    return error, seconds, after, later, runs
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -527,36 +547,49 @@ def test_a_failed_backward_retried_without_zero_grad_trains_as_torch(two_ranks, 
         assert max((a - b).abs().max().item() for a, b in zip(ours, reference)) < 1e-6
 
 
-@pytest.mark.parametrize("stage, then", [(2, "backward"), (2, "step under Join"), (2, "skip"), (1, "step again")])
-def test_a_reduction_that_ran_out_of_memory_is_finished_by_what_comes_next(two_ranks, stage, then):
-    """The failed launch issued no collective for the bucket whose buffer it could not allocate; whatever the loop
-    does next (another backward, the step, zero_grad()) launches it and every bucket after it before any other
-    collective, as rank 1 did: the ranks stay in step, and training goes on bitwise as if nothing had failed.
-    Before: TypeError at the next backward (the round's callback gone); under Join the check-in, and after
-    zero_grad() the next round, met rank 1's last reduce-scatters (a hang); the step tried again launched nothing."""
-    for rank, results in enumerate(two_ranks):
-        error, recovered, uninterrupted = case_result(results, ("out of memory", stage, then))
-        if rank == 0:
-            assert error.startswith("RuntimeError") and "can't allocate memory" in error, error
-        else:
-            assert error == "no error"
-        assert all(map(torch.equal, recovered, uninterrupted))
+# which parameters the failed step left updated, on each rank (the step that raised, or the one after it on rank 1)
+UPDATED = {
+    "bucket buffer at the end of backward": ("none", "none"),  # (the step never ran)
+    "bucket buffer in the step": ("none", "none"),  # (the step raised before any update)
+    "8-bit sum": ("none", "none"),  # (rank 1 raised in the step's check all-reduce, before any update)
+    # the step ran on both ranks; rank 0 could not land the large bucket's all-gather, which leaves its parameters
+    # unreadable (every read raises the failure); rank 1 raised in the next step's backward
+    "8-bit gather": ("unreadable", "all"),
+    "8-bit gather in the step": ("unreadable", "all"),
+}
 
 
-@pytest.mark.parametrize("where", ["8-bit sum", "8-bit gather", "8-bit gather in the step"])
-def test_a_collective_whose_landing_ran_out_of_memory_lands_at_the_next_wait(two_ranks, where):
-    """The collective arrived; the work after it (the sum of the 8-bit pieces, the addition of the decoded step)
-    raised on rank 0 and runs again at the next wait: training goes on bitwise as if nothing had failed. Before:
-    the wait was dropped with its work, so rank 0 lost that bucket's gradient shard (or, gathering, the step of
-    its parameters) without a word; and a step that waits for its gathers (overlap_param_gather=False) raised
-    before its bookkeeping, with no guard left on the half-landed parameters for the next forward."""
+@pytest.mark.parametrize("where", sorted(FAILURES))
+def test_a_failure_in_zeroimpls_own_work_fails_fast_on_every_rank(two_ranks, where):
+    """Rank 0 runs out of memory in zeroimpl's own work (allocating a bucket buffer; landing an 8-bit collective):
+    it raises at once, naming the cause and the way on (restart from the last checkpoint); rank 1 raises
+    CollectiveError at its next collective, within the collective timeout; the parameters are all updated or none
+    (UPDATED; rank 0's unlanded ones unreadable); every later backward and step raises, naming the first failure,
+    and zero_grad() too where the gradient reduction failed (a failed gather leaves the gradients alone);
+    and a checkpoint written before the failure resumes training bitwise as an uninterrupted run. Before: rank 0
+    kept the failed work to retry it at the next call (six files of retry machinery)."""
     for rank, results in enumerate(two_ranks):
-        error, recovered, uninterrupted = case_result(results, ("out of memory", where))
+        error, seconds, after, later, runs = case_result(results, ("fail fast", where))
+        assert "Restart the job from the last checkpoint" in error, error
         if rank == 0:
-            assert error.startswith("RuntimeError") and "can't allocate memory" in error, error
+            assert "can't allocate memory" in error, error
         else:
-            assert error == "no error"
-        assert all(map(torch.equal, recovered, uninterrupted))
+            assert error.startswith("CollectiveError") and f"within its timeout of {FAIL_FAST_TIMEOUT} s" in error
+            assert seconds < FAIL_FAST_TIMEOUT + 15, seconds  # (the step's work, then at most the timeout)
+        updated = UPDATED[where][rank]
+        if updated == "unreadable":
+            assert after is None
+        else:
+            assert all(map(torch.equal, after, runs["uninterrupted"] if updated == "all" else runs["before"]))
+        for operation, message in later.items():
+            if rank == 0 and where.startswith("8-bit gather") and operation == "zero_grad":
+                assert message == "no error"  # (the gradients are not what failed: only reads of the parameters)
+                continue
+            assert "Restart the job from the last checkpoint" in message, (operation, message)
+            if rank == 0 and where.startswith("bucket"):  # the reducer's failed state names the first failure
+                assert "failed earlier on this rank" in message and "can't allocate memory" in message
+        assert set(later) == (set(LATER) if rank == 0 or where != "8-bit sum" else set())
+        assert all(map(torch.equal, runs["resumed"], runs["uninterrupted"]))
 
 
 @pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])

@@ -1,5 +1,5 @@
 """Guards for mutants of the step's core modules that survived the rest of the suite (mutation testing of
-optimizer, step_checks, step_state, param_sync, grad_sync, backward_round, ownership, inner, optimizer_state,
+optimizer, step_checks, param_sync, grad_sync, ownership, inner, optimizer_state,
 verify, grad_shards, offload, buffers, uneven, module_buffers and grad_views). Each names the mutant it kills.
 
 In-process (no process group):
@@ -7,17 +7,15 @@ In-process (no process group):
 * inner: ``InnerOptimizers.follow`` takes only the outer values changed since the last sync. Mutant: it copies
   every key again, so a ``momentum`` a scheduler once wrote into an AdamW group overwrites the ``betas`` the
   user set afterwards.
-* offload: ``clear(set_to_none=False)`` leaves a *zeroed* shard, which the next reduction overwrites without a
+* grad_shards (the host store): ``clear(set_to_none=False)`` leaves a *zeroed* shard, which the next reduction overwrites without a
   host sync. Mutant: the shard is marked filled, and every bucket's next reduction waits for the copy stream
   and sums on the host (a host sync per bucket).
 * buffers: ``sync_master_with_params`` records the versions it synced. Mutant: it forgets them, and every later
   sync compares the whole shard of every edited parameter again.
-* backward_round: ``LaunchOrder.seen`` also answers yes for a parameter of a bucket already launched this round
-  (complete or not). Mutant: only parameters whose gradient arrived.
 
 Distributed (one launch of 2 ranks, ``_world_size_2``):
 
-* step_state: a gradient arriving after the step's agreement (``found_nonfinite()`` / ``clip_grad_norm_``)
+* step_checks: a backward pass after the step's agreement (``found_nonfinite()`` / ``clip_grad_norm_``)
   forgets the verdict. Mutant: the verdict stands, and a parameter that got its first gradient in the later
   backward pass is not stepped (the stale verdict said no rank had a gradient for it).
 * param_sync: ``ParamSync.end`` bumps the parameters' autograd versions (the all-gather writes them in place),
@@ -35,11 +33,10 @@ import torch
 from distributed import case_results, run_cases, run_distributed
 from workloads import SmallNet, small_batch
 from zeroimpl import ShardedOptimizer
-from zeroimpl.backward_round import LaunchOrder
 from zeroimpl.buffers import BucketStorage, flatten_params
 from zeroimpl.inner import InnerOptimizers
 from zeroimpl.layout import ParamSpec, build_layout
-from zeroimpl.offload import HostGradientShards
+from zeroimpl.grad_shards import HostGradientShards
 
 
 # -- in-process --------------------------------------------------------------------------------------------
@@ -105,19 +102,6 @@ def test_sync_master_with_params_compares_an_edited_parameter_once():
         assert compared == [], "a sync with no edit since the last one compared the shard again"
     finally:
         BucketStorage.published_values = original
-
-
-def test_launch_order_sees_every_parameter_of_a_launched_bucket():
-    """A bucket launched incomplete (``through``) counts as seen for all its parameters: a late gradient of one of
-    them belongs to the next round, not to the launched buffer."""
-    order = LaunchOrder([[0, 1], [2, 3]])
-    assert order.arrive(0, 0) == []
-    assert order.through(0) == [0]
-    order.launched(0)
-    assert order.seen(0, 0) and order.seen(0, 1)  # parameter 1 never arrived, but its bucket is gone
-    assert not order.seen(1, 2)
-    order.reset()
-    assert not order.seen(0, 1)
 
 
 # -- distributed ------------------------------------------------------------------------------------------

@@ -134,10 +134,11 @@ def _fp32_scaled(rank, world_size, stage):
                                  loss_scale=LossScaleConfig())
     try:
         model(**batch(rank, 0, 0)).loss.backward()
+        optimizer.step()  # refused where the step prepares, before any of its collectives
         forgotten = None
     except RuntimeError as error:
         forgotten = str(error)
-    optimizer.zero_grad()  # the optimizer, alive until here, is what refuses the unscaled backward
+    optimizer.zero_grad()
     return plain, scaled, forgotten
 
 

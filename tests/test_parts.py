@@ -1,5 +1,5 @@
 """In-process unit tests of the step's parts that need no process group: the inner optimizers over pieces, the
-gradient stores, the step state and the backward round. Each names the rule it checks; the references are
+gradient stores and the step's loss-scaling facts. Each names the rule it checks; the references are
 torch's own optimizers and plain tensor arithmetic."""
 
 from __future__ import annotations
@@ -7,13 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroimpl.backward_round import BackwardRound, RoundState
 from zeroimpl.buffers import flatten_params
-from zeroimpl.grad_shards import DeviceGradientShards, accumulating
+from zeroimpl.grad_shards import DeviceGradientShards, HostGradientShards, ShardFill
 from zeroimpl.inner import InnerOptimizers, PieceMasters, step_pieces
 from zeroimpl.layout import ParamSpec, build_layout
-from zeroimpl.offload import HostGradientShards, ShardFill
-from zeroimpl.step_state import StepState
+from zeroimpl.step_checks import loss_scaling_misuse
 
 
 def _params(shapes, seed=0):
@@ -120,7 +118,7 @@ def test_device_store_takes_the_first_reduction_as_is_and_sums_the_rest():
 def test_host_store_moves_device_sums_over_when_ready_is_called_inside_accumulating():
     """step() inside accumulating(): the sums kept on the device must reach the host shards, not be dropped."""
     store = HostGradientShards(torch.device("cpu"), [torch.zeros(2), torch.zeros(3)])
-    with accumulating(store):
+    with store.accumulating():
         store.add(0, torch.tensor([1.0, 2.0]))
         store.add(0, torch.tensor([1.0, 1.0]))
         store.add(1, torch.tensor([3.0, 0.0, 1.0]))
@@ -153,50 +151,24 @@ def test_host_store_fill_states_follow_their_rules():
 
 
 def test_accumulating_restores_the_previous_setting_even_on_error():
-    store = DeviceGradientShards(1)
+    store = HostGradientShards(torch.device("cpu"), [torch.zeros(1)])
     with pytest.raises(ValueError):
-        with accumulating(store):
-            with accumulating(store):
+        with store.accumulating():
+            with store.accumulating():
                 pass
-            assert store.accumulating
+            store.add(0, torch.ones(1))
+            assert store.device_tensors()  # still accumulating: kept on the device
             raise ValueError
-    assert store.accumulating is False
+    store.add(0, torch.ones(1))  # no longer: the sum crosses to the host
+    assert not store.device_tensors() and torch.equal(store.ready()[0], torch.full((1,), 2.0))
 
 
-# -- step state and rounds ----------------------------------------------------------------------------------
-def test_step_state_refuses_an_unscaled_loss_and_a_gradient_after_unscaling():
-    state = StepState(loss_scaling=True)
-    with pytest.raises(RuntimeError, match="optimizer.backward"):
-        state.gradient_arrived()
-    state.loss_scaled = True
-    state.gradient_arrived()
-    state.unscaled = True
-    with pytest.raises(RuntimeError, match="between clip_grad_norm_"):
-        state.gradient_arrived()
-    plain = StepState(loss_scaling=False)
-    plain.verdict = object()
-    plain.gradient_arrived()
-    assert plain.verdict is None  # a new gradient forgets the verdict
+# -- step facts ----------------------------------------------------------------------------------------------
+def test_loss_scaling_refuses_an_unscaled_loss_and_a_backward_after_unscaling():
+    assert "optimizer.backward(loss)" in loss_scaling_misuse(loss_scaled=False, unscaled=False)
+    assert "between clip_grad_norm_" in loss_scaling_misuse(loss_scaled=True, unscaled=True)
+    assert loss_scaling_misuse(loss_scaled=True, unscaled=False) is None
 
-
-def test_a_round_ends_with_its_backward_and_a_failed_backward_leaves_it_open():
-    ended = []
-    round_ = BackwardRound()
-    x = torch.ones(2, requires_grad=True)
-    x.register_hook(lambda grad: round_.follow(lambda: ended.append(round_.ended())))
-    (x * 2).sum().backward()
-    assert ended == [True] and round_.state is RoundState.CLOSING  # (the owner resets it when it closes)
-    assert round_.interrupted() and round_.left_open()  # as it stays when closing raised
-    round_.reset()
-
-    def fail(grad):
-        round_.follow(lambda: ended.append("never"))
-        raise RuntimeError("backward failed")
-    y = torch.ones(2, requires_grad=True)
-    y.register_hook(fail)
-    with pytest.raises(RuntimeError, match="backward failed"):
-        (y * 2).sum().backward()
-    assert round_.interrupted() and round_.left_open() and ended == [True]
 
 
 def test_checkpoint_functions_refuse_swapped_arguments_by_name():

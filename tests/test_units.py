@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zeroimpl.checkpoint.reshard import plan
-from zeroimpl.backward_round import LaunchOrder
+from zeroimpl.grad_sync import complete_through
 from zeroimpl.layout import ParamSpec, build_layout, overlap
 from zeroimpl.precision import DynamicLossScaler, LossScaleConfig
 from zeroimpl.step_checks import decode_checks, encode_checks
@@ -142,49 +142,35 @@ def test_equal_backward_pass_counts_agree_at_large_world_sizes(world, passes):
 
 
 # -- bucket launch order -----------------------------------------------------------------------------
-def _launched(order: LaunchOrder, buckets: list[int]) -> list[int]:
-    """Launch the buckets ``order`` offers, as the reducer does (each reported once its collective is issued)."""
-    for bucket in buckets:
-        order.launched(bucket)
-    return buckets
+class _Bucket:
+    def __init__(self, param_indices):
+        self.param_indices = param_indices
+
+
+def _order(sizes_by_bucket):
+    buckets = [_Bucket(params) for params in sizes_by_bucket]
+    return buckets, [set() for _ in buckets]
 
 
 def test_buckets_launch_in_index_order_whatever_order_gradients_arrive():
-    """Every rank must issue the same collectives in the same order: a bucket is launched only when it is
-    complete and every bucket before it has been launched."""
-    order = LaunchOrder([[0, 1], [2], [3, 4, 5]])  # parameter indices per bucket
-    assert order.arrive(1, 2) == []  # bucket 1 complete, but bucket 0 is not
-    assert order.arrive(0, 0) == []
-    assert order.arrive(2, 5) == []
-    assert _launched(order, order.arrive(0, 1)) == [0, 1]  # bucket 0 completes: 0, then the waiting 1
-    assert order.seen(0, 1) and order.seen(1, 2) and order.seen(2, 5) and not order.seen(2, 3)
-    assert order.arrive(2, 3) == [] and _launched(order, order.arrive(2, 4)) == [2]
-    assert order.remaining() == []
+    """Every rank must issue the same collectives in the same order: a bucket starts only when it is complete
+    and every bucket before it has started."""
+    buckets, arrived = _order([[0, 1], [2], [3, 4, 5]])  # parameter indices per bucket
+    for bucket, param in ((1, 2), (0, 0), (2, 5)):
+        arrived[bucket].add(param)
+        assert complete_through(arrived, buckets, 0) == 0  # bucket 1 complete, but bucket 0 is not
+    arrived[0].add(1)
+    assert complete_through(arrived, buckets, 0) == 2  # bucket 0 completes: 0, then the waiting 1
+    arrived[2].add(3)
+    assert complete_through(arrived, buckets, 2) == 2
+    arrived[2].add(4)
+    assert complete_through(arrived, buckets, 2) == 3
 
 
-def test_the_end_of_backward_launches_the_rest_in_order():
-    order = LaunchOrder([[0], [1, 2], [3]])
-    assert order.arrive(2, 3) == []  # bucket 0 got no gradient on this rank...
-    assert _launched(order, order.remaining()) == [0, 1, 2]  # ...so the end of the round launches all (zeros)
-    assert order.arrived(1) == set() and order.arrived(2) == {3}
-    assert order.remaining() == []
-    order.reset()
-    assert order.arrive(0, 0) == [0] and not order.seen(2, 3)
+def test_a_bucket_without_every_gradient_waits_for_the_end_of_the_round():
+    buckets, arrived = _order([[0], [1, 2], [3]])
+    arrived[2].add(3)  # bucket 0 got no gradient on this rank: nothing starts before the end of the round
+    assert complete_through(arrived, buckets, 0) == 0
+    arrived[0].add(0)
+    assert complete_through(arrived, buckets, 0) == 1  # bucket 1 still lacks parameter 2
 
-
-def test_a_bucket_whose_launch_raised_is_offered_again_and_the_rest_after_it():
-    """A launch that raised (its buffer out of memory) issued no collective: the round's close, tried again,
-    must launch it and every later bucket, in order, as the other ranks did."""
-    order = LaunchOrder([[0], [1], [2]])
-    assert order.arrive(0, 0) == [0] and order.arrive(0, 0) == [0]  # offered until launched
-    _launched(order, [0])
-    assert order.arrive(1, 1) == [1]  # its launch raises: not reported
-    assert not order.seen(2, 2) and order.remaining() == [1, 2]
-    assert _launched(order, order.remaining()) == [1, 2] and order.remaining() == []
-
-
-def test_stage1_launches_each_bucket_once_complete_or_not():
-    order = LaunchOrder([[0, 1], [2]])
-    assert order.arrive(0, 0) == []
-    assert _launched(order, order.through(0)) == [0]  # at the step, bucket 0 goes without parameter 1's gradient
-    assert order.arrive(1, 2) == [1] and _launched(order, order.through(1)) == [1]
