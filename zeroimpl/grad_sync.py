@@ -126,6 +126,7 @@ class GradientReducer:
         self.reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32) for s in storages]
         self.max_inflight, self.gradients, self.uneven, self.timeout = max_inflight, gradients, uneven, timeout
         self._scale = 1.0 / topology.world_size
+        self._in_place = not comm.issues_collectives(layout.world_size)  # the bucket buffer is the shard (one rank)
         self.streams = WorkStream(storages[0].param_buffer.device if storages else "cpu")  # GPU work in host order
         self._pieces = layout.pieces(topology.shard_rank)  # this rank's pieces of the gradient shards
         self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
@@ -330,7 +331,7 @@ class GradientReducer:
             if param_index not in self._arrived[bucket_index]:
                 slot = self.layout.slots[param_index]
                 buffer[slot.offset:slot.end].zero_()
-        if not comm.issues_collectives(self.layout.world_size):  # the bucket buffer is the shard
+        if self._in_place:
             output = buffer
         else:
             output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
