@@ -144,7 +144,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         torch.add(pieces[rank], received[0], out=output)
         for piece in received[1:]:
             output.add_(piece)
-    return Pending(works, name, timeout, add_pieces, buffers=(received,), on_stream=on_stream)
+    return Pending(works, name, timeout, finish=add_pieces, buffers=(received,), on_stream=on_stream)
 
 
 def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: PayloadBlocks, group,
@@ -157,7 +157,7 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: 
         return reduce_scatter(output, input, group, timeout, tag)
     works, lent, sent, received = _send_payloads(input, blocks, group, tag)
     return Pending(works, "gradient reduce-scatter (8-bit)", timeout,
-                   lambda: output.copy_(_summed(input, received, blocks, group)), buffers=(sent, received),
+                   finish=lambda: output.copy_(_summed(input, received, blocks, group)), buffers=(sent, received),
                    lent=lent, on_stream=input.device.type != "cpu")
 
 
@@ -182,7 +182,7 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, tim
         all_gather(payloads, own, group, timeout, tag, name).wait()
         values = torch.cat([blocks.decoded(payloads[r * size:(r + 1) * size], r) for r in range(world)])
         tensor.copy_(values[:tensor.numel()])
-    return Pending(works, name, timeout, gather_sums, buffers=(padded, sent, received), lent=lent,
+    return Pending(works, name, timeout, finish=gather_sums, buffers=(padded, sent, received), lent=lent,
                    on_stream=tensor.device.type != "cpu")
 
 
@@ -226,14 +226,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
     if world == 1 or algorithm(group, output, gather=True, timeout=timeout) == "native":
         launch = _collective("all_gather_single", "all_gather_into_tensor")
         lent = _aliases(output, input)
-        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, then, lent=lent,
+        return Pending([launch(*lent, group=group, async_op=True)], name, timeout, finish=then, lent=lent,
                        on_stream=on_stream, reports_completion=True)
     pieces = output.view(world, -1)
     if input.data_ptr() != pieces[rank].data_ptr():
         pieces[rank].copy_(input)
     works = _exchange([pieces[rank]] * (world - 1), [pieces[(rank - k) % world] for k in range(1, world)],
                       group, 2 * tag + 1)
-    return Pending(works, name, timeout, then, on_stream=on_stream)
+    return Pending(works, name, timeout, finish=then, on_stream=on_stream)
 
 
 def wait_for_stream(stream, timeout: Optional[float], name: str) -> None:

@@ -45,7 +45,7 @@ class Pending:
     given (``comm._aliases``). Once a wait has raised (a work failed, or ``finish`` raised), every wait raises
     the same :class:`CollectiveError` (``failure``); ``finish`` runs at most once."""
 
-    def __init__(self, works: list, name: str, timeout: Optional[float], finish: Optional[Callable[[], None]] = None,
+    def __init__(self, works: list, name: str, timeout: Optional[float], *, finish: Optional[Callable[[], None]] = None,
                  buffers: tuple = (), lent: tuple = (), on_stream: bool = False, reports_completion: bool = False):
         self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
         self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
