@@ -17,12 +17,13 @@ start_ranks_from_forkserver(["torch", "torch.distributed", "transformers",
 # in collection order (--no-loadscope-reorder). These modules take 20 s or more each on 2 cores (pytest --durations
 # under xdist), so they are collected first, longest first: started last, one of them would leave the other worker
 # idle at the end. (Only the order depends on this list: a module missing from it still runs, after these.)
-LONGEST_FIRST = ("test_torchao", "test_trainer", "test_checkpoint", "test_nanogpt_recipe", "test_long_run",
-                 "test_faults", "test_multinode", "test_overlap", "test_training_loops", "test_offload", "test_network",
-                 "test_lowbit", "test_comparison", "test_drop_in_loops", "test_accelerate", "test_trainer_family",
-                 "test_quantized_comm", "test_gpu_kit", "test_whole_parameter", "test_clean_exit", "test_loop_misuse",
-                 "test_lightning", "test_optimizers_and_clipping", "test_parity", "test_third_party_optimizers",
-                 "test_optimizer_semantics")
+LONGEST_FIRST = ("test_loop_misuse", "test_trainer", "test_faults", "test_comparison", "test_offload",
+                 "test_overlap", "test_training_loops", "test_nanogpt_recipe", "test_long_run",
+                 "test_whole_parameter", "test_checkpoint", "test_torchao", "test_drop_in_loops", "test_multinode",
+                 "test_quantized_comm", "test_lowbit", "test_network", "test_clean_exit", "test_gpu_kit",
+                 "test_optimizer_semantics", "test_parity", "test_accelerate", "test_third_party_optimizers",
+                 "test_lightning", "test_packaging", "test_hybrid", "test_mutation_guards",
+                 "test_optimizers_and_clipping", "test_trainer_family")
 
 
 def pytest_collection_modifyitems(items):
