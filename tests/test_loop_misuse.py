@@ -140,6 +140,37 @@ def _retried_backward(rank, world_size, stage):
     return results
 
 
+def _interrupted_backward(rank):
+    """Stage 2: Ctrl-C on every rank during backward, landing inside zeroimpl's gradient hook at the round's first
+    gradient (on CPU the engine runs the hooks on the main thread; injected there, as no real signal can be timed),
+    before any collective of the round was issued; then zero_grad(), a backward and the step, as a notebook goes on.
+    Returns the interrupt seen, and the parameters against those of a run that was never interrupted."""
+    from zeroimpl import grad_sync
+    runs = {}
+    for interrupted in (True, False):
+        model = SmallNet()
+        optimizer = _optimizer(model, 2)
+        write = grad_sync.GradientReducer._write_grad
+
+        def interrupt(*args):
+            raise KeyboardInterrupt
+        seen = "no interrupt"
+        if interrupted:
+            grad_sync.GradientReducer._write_grad = interrupt
+            try:
+                model(small_batch(rank, 0)).backward()
+            except KeyboardInterrupt:
+                seen = "KeyboardInterrupt"
+            finally:
+                grad_sync.GradientReducer._write_grad = write
+            optimizer.zero_grad()
+        model(small_batch(rank, 1)).backward()
+        optimizer.step()
+        runs[interrupted] = seen, [p.detach().clone() for p in model.parameters()]
+        del model, optimizer
+    return runs[True][0], runs[True][1], runs[False][1]
+
+
 def _reduce_scatters_per_backward(stage, checkpointing):
     os.environ["ZEROIMPL_COLLECTIVES"] = "native"
     counter = CollectiveCounter().install()
@@ -301,6 +332,7 @@ def _two_ranks(rank, world_size, shared_directory):
             cases[("reduce-scatters", stage, checkpointing)] = (
                 lambda stage=stage, checkpointing=checkpointing: _reduce_scatters_per_backward(stage, checkpointing))
     cases[("local edit", 1)] = _local_gradient_edited_in_stage1
+    cases["interrupted"] = lambda: _interrupted_backward(rank)  # (stage 2: stage 1's hook writes no bucket)
     for number, where in enumerate(FAILURES):  # (each over a process group of its own, which it leaves broken)
         cases[("fail fast", where)] = lambda where=where, number=number: _fail_fast(
             rank, os.path.join(shared_directory, f"before-failure-{number}"), where)
@@ -537,6 +569,17 @@ def test_compiled_autograd_is_refused_clearly(two_ranks, stage):
     for results in two_ranks:
         message = case_result(results, ("compiled", stage))
         assert "does not support compiled autograd" in message, message
+
+
+def test_a_ctrl_c_in_backward_before_any_collective_leaves_the_optimizer_usable(two_ranks):
+    """An interrupt is the user's, not a failure of zeroimpl's work: raised before the round issued anything, it
+    leaves no rank's collectives out of step, so zero_grad(), backward and step go on bitwise as if it had never
+    come (as torch and DDP do). Before: the reducer turned it into its FAILED state, and every later call said to
+    restart from a checkpoint."""
+    for results in two_ranks:
+        seen, interrupted, uninterrupted = case_result(results, "interrupted")
+        assert seen == "KeyboardInterrupt"
+        assert all(map(torch.equal, interrupted, uninterrupted))
 
 
 @pytest.mark.parametrize("stage", STAGES)
