@@ -47,7 +47,9 @@ A *round* is what one backward pass reduces: each bucket once. Its one state mac
   timed out, a landing out of memory): the collectives of this rank are no longer those of the others, so
   there is no retry. The error says so and names the way on (restart from the last checkpoint); the other
   ranks raise ``CollectiveError`` at their next collective (within ``collective_timeout``); every later hook,
-  step and ``zero_grad()`` of this rank raises naming the first failure. Terminal.
+  step and ``zero_grad()`` of this rank raises naming the first failure. Terminal. An interrupt (Ctrl-C) in the
+  round's work is one too, unless this rank has issued nothing of the round yet: the round then stays open as a
+  failed backward's.
 
 The buckets of a round: those below ``_started`` have started their sync (each an :class:`InFlight` handle
 until finished, then in the store); the others hold the gradients that arrived (``_arrived``) in their buffer.
@@ -123,7 +125,8 @@ class GradientReducer:
         self.group = topology.shard  # reduce-scatters
         self.replicate = topology.replicate  # all-reduces of the reduced shards (hybrid sharding), or None
         # per bucket: the given dtype, or fp32 (fp64 for fp64 parameters)
-        self.reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32) for s in storages]
+        self.reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
+                              for s in storages]
         self.max_inflight, self.gradients, self.uneven, self.timeout = max_inflight, gradients, uneven, timeout
         self._scale = 1.0 / topology.world_size
         self._in_place = not comm.issues_collectives(layout.world_size)  # the bucket buffer is the shard (one rank)
@@ -138,6 +141,7 @@ class GradientReducer:
         self.state = RoundState.IDLE
         self._callback: Optional[weakref.ref] = None  # the end-of-backward callback queued for the round
         self._failure: Optional[str] = None  # FAILED: what failed first
+        self._checking_in = False  # this round checked in under Join (its first collectives)
         self._arrived: list[set[int]] = [set() for _ in layout.buckets]  # per bucket: params whose gradient came
         self._started = 0  # buckets below this index have started their sync this round
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(layout.buckets)  # buckets not started yet
@@ -219,6 +223,7 @@ class GradientReducer:
         if self.state is RoundState.RUNNING:
             return
         if self.stage == 2 and self.state is RoundState.IDLE:
+            self._checking_in = self.uneven.active  # (the round's first collectives, when under Join)
             with self._own_work():
                 self.uneven.check_in()
         callback = _EndOfBackward(weakref.ref(self))
@@ -260,7 +265,7 @@ class GradientReducer:
 
     def _reset_round(self) -> None:
         """The round closed (nothing in flight): the next gradient starts another."""
-        self.state, self._callback = RoundState.IDLE, None
+        self.state, self._callback, self._checking_in = RoundState.IDLE, None, False
         self._reset_buckets()
 
     def _reset_buckets(self) -> None:
@@ -279,6 +284,8 @@ class GradientReducer:
         except BaseException as error:
             if self.state is RoundState.FAILED:
                 raise  # (recorded by an inner block)
+            if not isinstance(error, Exception) and self._nothing_issued():
+                raise  # the user's interrupt (Ctrl-C) before this round issued anything: every rank is still in step
             self.state, self._failure = RoundState.FAILED, f"{type(error).__name__}: {error}"
             if isinstance(error, CollectiveError) or not isinstance(error, Exception):
                 raise  # CollectiveError names the way on; an interrupt stays one
@@ -287,6 +294,11 @@ class GradientReducer:
                 "collectives are no longer those of the other ranks, which will raise CollectiveError at their next "
                 "collective (within collective_timeout); the optimizer cannot go on. Restart the job from the last "
                 "checkpoint (zeroimpl.checkpoint.load_checkpoint)") from error
+
+    def _nothing_issued(self) -> bool:
+        """Whether this rank has issued no collective this round: the round, left open, closes as a failed
+        backward's does (its callback dropped), in step with the other ranks."""
+        return not self._checking_in and self._started == 0 and not self._reducing and not self._replicating
 
     def _refuse_if_failed(self) -> None:
         if self.state is RoundState.FAILED:

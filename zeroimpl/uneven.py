@@ -57,13 +57,18 @@ class UnevenInputs:
         self.device, self.group = device, group  # where the flag is all-reduced: the joinable's own
         self.timeout = timeout  # bounds the flag's all-reduce (collective_timeout)
 
+    @property
+    def active(self) -> bool:
+        """Whether :meth:`check_in` issues collectives: inside an active ``Join``."""
+        joinable = self._joinable()
+        return joinable is not None and joinable._join_config.enable
+
     def check_in(self) -> None:
         """Inside an active ``Join``, announce this rank and raise :class:`UnevenInputsError` (on every rank
         alike) if another rank has joined. Vacuous outside one."""
-        joinable = self._joinable()
-        if joinable is None or not joinable._join_config.enable:
+        if not self.active:
             return
-        config = joinable._join_config
+        config = self._joinable()._join_config
         if config.is_first_joinable:
             # torch's Join.notify_join_context, issued here so that its waits are bounded as every other one: the
             # notification that this rank has not joined, and with throw_on_early_termination, the check whether
