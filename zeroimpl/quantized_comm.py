@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-if TYPE_CHECKING:
-    from .layout import ShardLayout
+from .layout import ShardLayout
 
 BLOCK = 256
 _LEVELS = 255.0
@@ -152,7 +151,7 @@ def _unpadded(values: torch.Tensor, lengths: list[int], padded: list[int]) -> li
     return pieces
 
 
-def reduction_blocks(layout: "ShardLayout", quantized: Union[bool, str], rank: int,
+def reduction_blocks(layout: ShardLayout, quantized: Union[bool, str], rank: int,
                      replica: Optional[tuple[int, int]] = None) -> tuple:
     """Per bucket, the blocks of its 8-bit gradient reduce-scatter (``quantized is True``, world size > 1), and of
     its reduced shard's 8-bit all-reduce across the replicas (``quantized``, hybrid sharding); None for either
@@ -169,7 +168,7 @@ def reduction_blocks(layout: "ShardLayout", quantized: Union[bool, str], rank: i
     return shard, replicas
 
 
-def _replica_blocks(layout: "ShardLayout", bucket_index: int, rank: int, replica_rank: int,
+def _replica_blocks(layout: ShardLayout, bucket_index: int, rank: int, replica_rank: int,
                     replicas: int) -> ShardBlocks:
     """The blocks of shard ``rank``'s gradient shard of a bucket for its 8-bit all-reduce across the ``replicas``:
     the shard cut into one piece per replica (a multiple of 4 elements each, the last one padded), blocks

@@ -27,23 +27,21 @@ it (every rank runs the same loop), where a backward hook would have raised part
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import validation
+from .buffers import BucketStorage
 from .grad_shards import DeviceGradientShards, HostGradientShards
 from .grad_sync import GradientReducer
 from .host_memory import device_tensor, to_device
+from .ownership import Ownership
+from .param_sync import ParamSync
+from .precision import DynamicLossScaler
 from .topology import Topology
 from .uneven import UnevenInputs
-
-if TYPE_CHECKING:
-    from .buffers import BucketStorage
-    from .ownership import Ownership
-    from .param_sync import ParamSync
-    from .precision import DynamicLossScaler
 
 
 @dataclass(frozen=True)
@@ -60,8 +58,8 @@ class StepChecks:
     (see the module docstring). Keyword arguments: the optimizer's parts it reads."""
 
     def __init__(self, *, reducer: GradientReducer, gradients: Union[DeviceGradientShards, HostGradientShards],
-                 param_sync: "ParamSync", ownership: "Ownership", storages: list["BucketStorage"],
-                 uneven: UnevenInputs, loss_scaler: Optional["DynamicLossScaler"], topology: Topology,
+                 param_sync: ParamSync, ownership: Ownership, storages: list[BucketStorage],
+                 uneven: UnevenInputs, loss_scaler: Optional[DynamicLossScaler], topology: Topology,
                  timeout: Optional[float], device: torch.device):
         self.reducer, self.gradients, self.param_sync = reducer, gradients, param_sync
         self.ownership, self.storages, self.uneven, self.loss_scaler = ownership, storages, uneven, loss_scaler
