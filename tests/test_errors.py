@@ -141,6 +141,23 @@ def _misuse(rank, world_size):
     errors["ddp1"] = _catch(lambda: wrapped_in_ddp(1))
     errors["ddp2"] = _catch(lambda: wrapped_in_ddp(2))
 
+    def dropped_ddp_kept_by_a_cycle():  # a wrapper the script dropped, alive until the garbage collector runs
+        import gc
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        gc.disable()  # (so that no automatic collection frees it before the step looks)
+        try:
+            cycle = [torch.nn.parallel.DistributedDataParallel(model)]
+            cycle.append(cycle)
+            del cycle
+            optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+            model(torch.ones(3, 4) * (rank + 1)).sum().backward()
+            optimizer.step()
+        finally:
+            gc.enable()
+    errors["dropped_ddp"] = _catch(dropped_ddp_kept_by_a_cycle)
+
     def different_backward_counts():  # stage 1: no collective in backward, so step() can check the counts
         model = _linear()
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1)
@@ -204,6 +221,13 @@ def test_misuse_raises_on_every_rank(runs, case):
         assert message is not None, f"{case}: rank {rank} raised nothing"
         for expected in MISUSE[case]:
             assert expected in message, f"{case}, rank {rank}: {message}"
+
+
+def test_a_dropped_ddp_wrapper_that_only_a_reference_cycle_keeps_is_not_counted(runs):
+    """The DDP check finds DDP's parameter list among the live objects: one that only a reference cycle keeps
+    (the script dropped the wrapper) must not make step() raise, on any rank."""
+    for by_rank in runs:
+        assert by_rank["misuse"]["dropped_ddp"] is None
 
 
 def _checkpoint_seen_by_some_ranks(rank):
