@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from typing import Optional
 
@@ -87,20 +88,28 @@ def check_not_wrapped_in_ddp(param: torch.Tensor) -> None:
     ShardedOptimizer reduces itself (twice the traffic, DDP's full-size buckets; stage 2 loses its gradients).
 
     DDP keeps its parameters in a list ``_module_parameters``; this finds that list among the parameter's
-    referrers. Two scans of the live objects (``gc.get_referrers``), so ``step()`` does it once.
+    referrers: two scans of the live objects (``gc.get_referrers``), so ``step()`` does it once. Only where it
+    finds one does it collect the garbage and look again, so that a dropped wrapper that a reference cycle
+    keeps alive until the collector runs counts on no rank (a collection costs several scans).
     """
-    import gc
+    if _held_by_ddp(param):
+        gc.collect()
+        if _held_by_ddp(param):
+            raise RuntimeError("the model is wrapped in DistributedDataParallel, which all-reduces every gradient "
+                               "that ShardedOptimizer already reduce-scatters. In your own loop: do not wrap it in "
+                               "DDP (call the bare model; ShardedOptimizer replaces DDP). A framework wraps it when it "
+                               "prepares the model for several processes. " + FRAMEWORK_ROUTES)
 
-    gc.collect()  # a dropped DDP wrapper kept only by a reference cycle must not count on some ranks only
+
+def _held_by_ddp(param: torch.Tensor) -> bool:
+    """Whether a DistributedDataParallel's ``_module_parameters`` list, alive or not yet collected, holds ``param``."""
     lists = [holder for holder in gc.get_referrers(param) if isinstance(holder, list)]
     for owner in gc.get_referrers(*lists) if lists else ():
         held = (owner.get("_module_parameters") if isinstance(owner, dict)
                 else getattr(owner, "_module_parameters", None))
         if any(held is holder for holder in lists):
-            raise RuntimeError("the model is wrapped in DistributedDataParallel, which all-reduces every gradient "
-                               "that ShardedOptimizer already reduce-scatters. In your own loop: do not wrap it in "
-                               "DDP (call the bare model; ShardedOptimizer replaces DDP). A framework wraps it when it "
-                               "prepares the model for several processes. " + FRAMEWORK_ROUTES)
+            return True
+    return False
 
 
 def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
