@@ -26,6 +26,7 @@ Many cases, one launch (a module-scoped fixture)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import traceback
@@ -35,6 +36,7 @@ from typing import Callable, Hashable
 import torch
 import torch.distributed as dist
 
+from zeroimpl import comm
 from zeroimpl.integrations import launch
 
 COLLECTIVE_TIMEOUT = 30.0
@@ -46,6 +48,26 @@ def run_distributed(world_size: int, fn, *args, timeout: float = DEADLINE,
     """``launch.run_distributed`` with the tests' bounds (see the module docstring)."""
     return launch.run_distributed(world_size, fn, *args, timeout=timeout, process_group_timeout=process_group_timeout,
                                   **kwargs)
+
+
+@contextlib.contextmanager
+def issuing_collectives_at_one_rank():
+    """Optimizers built inside run the backend's reduce-scatters and all-gathers at world size 1 too, where they
+    would otherwise be copies (``zeroimpl.comm.issues_collectives``, asked at construction): so that a machine with
+    one GPU runs the collective path (tests/test_cuda.py)."""
+    original = comm.issues_collectives
+    comm.issues_collectives = lambda world_size: True
+    try:
+        yield
+    finally:
+        comm.issues_collectives = original
+
+
+def collectives_at_one_rank(rank: int, world_size: int, fn, *args):
+    """``fn(rank, world_size, *args)`` under :func:`issuing_collectives_at_one_rank`: pass it to
+    :func:`run_distributed` in ``fn``'s place, ``fn`` first among the arguments."""
+    with issuing_collectives_at_one_rank():
+        return fn(rank, world_size, *args)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from functools import partial
 import pytest
 import torch
 
-from distributed import case_results, run_cases, run_distributed
+from distributed import case_results, issuing_collectives_at_one_rank, run_cases, run_distributed
 from zeroimpl.integrations.collectives import CollectiveCounter, summarize
 from workloads import batch, build_model, param_groups
 from zeroimpl import ShardedOptimizer
@@ -209,7 +209,7 @@ def _reduce_scatters_into_their_input(seen: list):
 
 
 def _one_rank(rank, world_size):
-    """Stage 2 (and stage 1 with offload) at world size 1, with and without ZEROIMPL_COLLECTIVES_AT_ONE_RANK:
+    """Stage 2 (and stage 1 with offload) at world size 1, as built and with collectives issued at one rank:
     (the collectives issued per step, the parameters after 3 steps, whether each reduce-scatter wrote into
     its own input)."""
     results = {}
@@ -217,7 +217,7 @@ def _one_rank(rank, world_size):
         for stage, offload in ((2, None), (1, "cpu")):
             counter, in_place = CollectiveCounter().install(), []
             try:
-                with (_environment("ZEROIMPL_COLLECTIVES_AT_ONE_RANK", switch),
+                with (issuing_collectives_at_one_rank() if switch else contextlib.nullcontext(),
                       _reduce_scatters_into_their_input(in_place)):
                     model = build_model("gpt2", torch.float32)
                     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, offload=offload,
@@ -237,7 +237,7 @@ def _one_rank(rank, world_size):
 
 
 def test_a_test_switch_issues_the_real_collectives_at_world_size_1():
-    """ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1: the backend's reduce-scatter and all-gather run at world size 1 (the
+    """Collectives issued at one rank: the backend's reduce-scatter and all-gather run at world size 1 (the
     GPU kit's path on a one-GPU machine), once per bucket per step, each reduce-scatter into an output of its
     own (in place, NCCL's one-rank collective moves nothing: a missing wait before reading a shard would go
     unseen), and train bitwise as the copies do; without it, none runs."""

@@ -3,7 +3,8 @@
     python -m pytest tests/test_cuda.py -q          # on a GPU machine (each rank needs its own GPU)
 
 World size: the GPUs present, at most 2. On one GPU the ranks' reduce-scatters and all-gathers are real NCCL
-collectives all the same (``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1``: at world size 1 they would be copies). The
+collectives all the same (:func:`on_gpus`, through tests/distributed.py's ``collectives_at_one_rank``: at world
+size 1 they would be copies). The
 reference is DDP + the same torch optimizer on the same GPUs, with deterministic kernels. Bitwise in fp32 where
 the math allows (no clipping: the clipping norm is summed in another order; offload steps AdamW on the CPU,
 whose kernels may round the last bit differently from DDP's CUDA foreach kernel: within 1e-6 there), as on
@@ -19,15 +20,22 @@ import warnings
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import collectives_at_one_rank, run_distributed
 from workloads import (HALF_LOSS_ATOL, HALF_PARAM_RTOL, RunConfig, batch, build_model, max_param_diff, param_groups,
                        relative_l2, train)
 from zeroimpl import CPUOffload, ShardedOptimizer, estimate_memory
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 WORLD_SIZE = min(torch.cuda.device_count(), 2)
-# deterministic cuBLAS (with torch.use_deterministic_algorithms in the ranks); real collectives on one GPU
-ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **({"ZEROIMPL_COLLECTIVES_AT_ONE_RANK": "1"} if WORLD_SIZE == 1 else {})}
+ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # deterministic cuBLAS (with torch.use_deterministic_algorithms in the ranks)
+
+
+def on_gpus(fn, *args, world_size: int = WORLD_SIZE, collectives: bool = True) -> list:
+    """``fn(rank, world_size, *args)`` on ``world_size`` GPUs over NCCL; at one GPU with real one-rank collectives
+    unless ``collectives`` is False."""
+    if world_size == 1 and collectives:
+        fn, args = collectives_at_one_rank, (fn, *args)
+    return run_distributed(world_size, fn, *args, backend="nccl", timeout=600, env=ENV)
 # the host's AdamW against the CUDA kernel, fp32: last-bit differences, which Adam at lr 1e-2 can turn into
 # steps of up to lr on near-zero gradients (measured on an H100, torch 2.11: 2.8e-5 against DDP, 4.2e-5 in
 # the delayed-copy test, the same with no delay at all)
@@ -63,7 +71,7 @@ def _train_all(rank, world_size):
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(WORLD_SIZE, _train_all, backend="nccl", timeout=600, env=ENV)
+    return on_gpus(_train_all)
 
 
 @pytest.mark.parametrize("case", ["stage 1", "stage 2", "stage 2, gathers waited in step()"])
@@ -164,8 +172,7 @@ def _offload_under_delayed_copies(rank, world_size, dtype):
 def test_offload_side_stream_waits_for_delayed_copies(dtype):
     """A missing wait moves parameters by about lr (1e-2); fp32 differs by the host step's last bits (bf16: 0)."""
     bound = OFFLOAD_TOLERANCE if dtype == torch.float32 else 0.0
-    for difference in run_distributed(WORLD_SIZE, _offload_under_delayed_copies, dtype, backend="nccl", timeout=600,
-                                      env=ENV):
+    for difference in on_gpus(_offload_under_delayed_copies, dtype):
         assert difference <= bound, difference
 
 
@@ -199,8 +206,7 @@ def test_host_syncs_per_step(offload, clip, syncs):
     offload the clipping coefficient is copied to the host once more (docs/design.md), also when torch's
     clip_grad_norm_ multiplies each parameter's gradient by it (a copy per parameter would block per parameter).
     The waits on events that sync-debug mode does not see are not counted here."""
-    for counts in run_distributed(WORLD_SIZE, _host_syncs_per_step, offload, clip, backend="nccl", timeout=600,
-                                  env=ENV):
+    for counts in on_gpus(_host_syncs_per_step, offload, clip):
         assert counts == [syncs] * 3, counts
 
 
@@ -229,7 +235,7 @@ def _memory(rank, world_size):
 
 
 def test_cuda_memory_is_what_estimate_memory_says():
-    for report, expected, held in run_distributed(WORLD_SIZE, _memory, backend="nccl", timeout=600, env=ENV):
+    for report, expected, held in on_gpus(_memory):
         assert report.as_dict() == expected.as_dict()
         # the caching allocator rounds each block up to 512 bytes: allow that per tensor, nothing more
         assert expected.device.total <= held <= expected.device.total * 1.01 + 512 * 200
@@ -248,8 +254,7 @@ def _pinned(rank, world_size):
 
 
 def test_offload_pins_what_the_report_counts_up_to_whole_pages():
-    for arenas_registered, tensors_pinned, pinned_bytes, reported in run_distributed(
-            WORLD_SIZE, _pinned, backend="nccl", timeout=600, env=ENV):
+    for arenas_registered, tensors_pinned, pinned_bytes, reported in on_gpus(_pinned):
         # each arena registers whole pages of its own (less than a page more than its slices), no fallback
         assert arenas_registered and tensors_pinned and reported <= pinned_bytes < reported + mmap.PAGESIZE
 
@@ -328,7 +333,7 @@ def test_offload_is_unchanged_by_a_forked_child():
     moves a page away from under a copy). A regression test on kernels before 5.9 or drivers that pin without
     ``pin_user_pages``; on newer ones, where fork copies pinned pages for the child, a check that the advice
     breaks nothing."""
-    assert all(run_distributed(WORLD_SIZE, _offload_around_a_fork, backend="nccl", timeout=600, env=ENV))
+    assert all(on_gpus(_offload_around_a_fork))
 
 
 def _checkpoint_without_set_device(rank, world_size, directory):
@@ -396,8 +401,7 @@ def _side_stream_read(rank, world_size, loop_stream: bool, quantized: bool):
 @pytest.mark.parametrize("loop_stream, quantized", [(False, False), (True, False), (False, True)],
                          ids=["default stream", "the loop's own stream", "8-bit all-gathers"])
 def test_a_side_stream_read_leaves_the_loops_stream_ordered(loop_stream, quantized):
-    assert run_distributed(2, _side_stream_read, loop_stream, quantized, backend="nccl", timeout=600,
-                           env=ENV) == [True, True]
+    assert on_gpus(_side_stream_read, loop_stream, quantized, world_size=2) == [True, True]
 
 
 
@@ -474,11 +478,7 @@ def test_a_gradient_written_late_on_another_stream_is_reduced_after_it(late, per
     fill new tensors with it; else garbage or last step's gradients): the step then fails or moves parameters by
     about lr, 1e-2. One bucket: within 1e-6, the same fp32 math summed in the same order (world size 2: each half
     of it exact). Offload: within OFFLOAD_TOLERANCE (the host's AdamW against the CUDA one)."""
-    if per_branch:
-        world_size, env = 1, {**ENV, "ZEROIMPL_COLLECTIVES_AT_ONE_RANK": "0"}
-    else:
-        world_size, env = WORLD_SIZE, ENV
     bound = OFFLOAD_TOLERANCE if per_branch else 1e-6
-    for difference in run_distributed(world_size, _branches_on_two_streams, late, per_branch, backend="nccl",
-                                      timeout=600, env=env):
+    for difference in on_gpus(_branches_on_two_streams, late, per_branch, world_size=1 if per_branch else WORLD_SIZE,
+                              collectives=not per_branch):
         assert difference <= bound, difference

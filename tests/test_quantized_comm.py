@@ -39,7 +39,7 @@ import os
 import pytest
 import torch
 
-from distributed import case_results, run_cases, run_distributed
+from distributed import case_results, collectives_at_one_rank, run_cases, run_distributed
 from workloads import batch, build_model, param_groups, relative_l2
 from zeroimpl import CPUOffload, ShardedOptimizer, estimate_memory, quantized_comm
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
@@ -214,10 +214,10 @@ def _one_rank_runs(rank, world_size):
 
 
 def test_at_one_rank_the_test_switch_runs_the_8_bit_all_gather():
-    """ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1 (the GPU kit's path on one GPU): at world size 1 the 8-bit parameter
+    """Collectives issued at one rank (the GPU kit's path on one GPU): at world size 1 the 8-bit parameter
     all-gather runs too, the owner decoding its own payload, with the invariant and the tolerances of 2 and 3
     ranks (without the switch nothing is quantized at one rank)."""
-    (results,) = run_distributed(1, _one_rank_runs, env={"ZEROIMPL_COLLECTIVES_AT_ONE_RANK": "1"})
+    (results,) = run_distributed(1, collectives_at_one_rank, _one_rank_runs)
     plain, quantized = results["plain"], results["quantized"]
     assert plain["exact"] and quantized["exact"]
     assert plain["losses"][0] == quantized["losses"][0]

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .comm import issues_collectives
+from . import comm
 from .layout import Bucket, ShardLayout, overlap
 from .memory_format import dense_strides, shaped
 from .quantized_comm import ShardBlocks
@@ -137,7 +137,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
     each storage gets its blocks, a copy of its published shard, and a master of its own also for fp32 (or wider)
     models.
     """
-    quantized = quantized and issues_collectives(layout.world_size)  # (at one rank nothing crosses a link)
+    quantized = quantized and comm.issues_collectives(layout.world_size)  # (at one rank nothing crosses a link)
     storages = []
     for bucket in layout.buckets:
         members = [params[i] for i in bucket.param_indices]

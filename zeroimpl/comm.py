@@ -32,10 +32,11 @@ issued; set it alike on every rank). Tensors on an accelerator always use ``nati
 
 At world size 1 a reduce-scatter in place (``output`` at the start of ``input``) issues nothing; any other
 reduce-scatter or all-gather issues the backend's one-rank collective (a copy: NCCL and gloo take one-rank
-groups). Whether the optimizer issues them at one rank is decided once, at its construction
-(:func:`issues_collectives`: ``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1``, so that a machine with one GPU runs the
-collective path, tests/test_cuda.py): the reduce-scatter into an output of its own as at world size 2 and
-up, the all-gather (and ``quantize_param_gather``'s 8-bit one, the owner decoding its own payload) issued.
+groups). An optimizer at one rank issues none: it asks :func:`issues_collectives` once, at its construction,
+looked up on this module then, so that a test on a machine with one GPU can answer True in its ranks and run
+the collective path there (tests/distributed.py's ``collectives_at_one_rank``): the reduce-scatter into an
+output of its own as at world size 2 and up, the all-gather (and ``quantize_param_gather``'s 8-bit one, the
+owner decoding its own payload) issued.
 
 Every wait goes through :class:`zeroimpl.pending.Pending`: bounded by ``timeout`` (``CollectiveError``), and
 failing for good once it raised. A collective that a gloo worker thread runs (all-reduce, native reduce-scatter
@@ -71,9 +72,9 @@ class PayloadBlocks(Protocol):
 
 def issues_collectives(world_size: int) -> bool:
     """Whether an optimizer over ``world_size`` ranks issues the backend's collectives (and the 8-bit
-    all-gather's encoding): above one rank, or at one with ``ZEROIMPL_COLLECTIVES_AT_ONE_RANK=1`` (for tests).
-    Asked once, when an optimizer is built."""
-    return world_size > 1 or os.environ.get("ZEROIMPL_COLLECTIVES_AT_ONE_RANK") == "1"
+    all-gather's encoding): above one rank (at one they would be copies). Asked once, when an optimizer is
+    built."""
+    return world_size > 1
 
 
 def _collective(new_name: str, old_name: str):
