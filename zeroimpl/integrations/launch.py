@@ -29,14 +29,16 @@ def start_ranks_from_forkserver(preload: Sequence[str]) -> None:
     """Start the ranks of later :func:`run_distributed` calls from a fork server that imports ``preload`` once.
 
     The server starts at the next launch, with this process's environment and ``sys.path`` at that moment,
-    imports the modules and then only forks. Call it before any launch. Modules whose import reads an
+    imports the modules, freezes their objects out of the garbage collector's reach
+    (:mod:`zeroimpl.integrations.freeze_heap`: a rank's collections then leave the shared pages alone) and then
+    only forks. Call it before any launch. Modules whose import reads an
     environment variable that ``env`` of :func:`run_distributed` sets (DeepSpeed's ``DS_ACCELERATOR``)
     must not be preloaded: ``env`` is applied in the rank, after the fork. NCCL launches keep ``spawn``: a
     forked process cannot use CUDA if its parent initialised it.
     """
     global _forkserver
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(preload))
+    context.set_forkserver_preload([*preload, "zeroimpl.integrations.freeze_heap"])
     _forkserver = context
 
 
