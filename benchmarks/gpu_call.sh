@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_call.sh               # on the GPU machine (device run, carry ["build/wheels"]), $OUT set
 #
 # The GPU machine has torch and transformers but no DeepSpeed and no internet: DeepSpeed 0.19.8 (a source package,
-# built here into a wheel) and its dependencies travel as wheels, the compiled ones for Python 3.10 to 3.12; pip
+# built here into a wheel) and its dependencies travel as wheels, the compiled ones for Python 3.10 to 3.13; pip
 # there takes only what the machine lacks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" deepspeed==0.19.8
     python3 -m pip download -q --no-deps -d "$WHEELS" einops hjson py-cpuinfo tqdm packaging annotated-types \
         typing-inspection typing-extensions pydantic==2.14.4
-    for version in 3.10 3.11 3.12; do
+    for version in 3.10 3.11 3.12 3.13; do
         python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
             --python-version "$version" -d "$WHEELS" msgpack psutil ninja pydantic-core==2.50.5
     done
