@@ -197,6 +197,22 @@ def test_bf16_runs_each_implementations_recipe(tmp_path):
                                                                                        "comparison.md")).read()
 
 
+def test_the_table_is_written_as_each_row_finishes(tmp_path):
+    """A run cut short (a GPU lease that ends) keeps the rows that finished: when the second row starts,
+    comparison.md already holds DDP's row, judged as the reference, and says how many rows are still to run."""
+    seen = {}
+
+    def progress(message):
+        if message.startswith("[2/2]") and message.endswith("..."):
+            seen["table"] = (tmp_path / "comparison.md").read_text()
+    compare(Workload("gpt2", "tiny", world_size=2, steps=2), str(tmp_path),
+            [i for i in all_implementations() if i.name in ("DDP", "zeroimpl stage 2")], progress=progress)
+    assert "| DDP " in seen["table"] and "reference" in seen["table"], seen["table"]
+    assert "zeroimpl stage 2" not in seen["table"] and "(1 of 2 rows still to run.)" in seen["table"]
+    final = (tmp_path / "comparison.md").read_text()
+    assert "zeroimpl stage 2" in final and "still to run" not in final
+
+
 def test_model_state_bytes_count_each_byte_once_by_the_kind_that_holds_it():
     """A flat buffer counts whole (its padding with its views' kind); one allocation shared by several kinds
     (zeroimpl's host arena) is split between them; a tensor listed twice counts once."""

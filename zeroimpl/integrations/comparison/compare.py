@@ -52,19 +52,11 @@ def compare(workload: Workload, outdir: str, implementations: Optional[list[Impl
             progress: Callable[[str], None] = print, command: Optional[str] = None) -> tuple[list[Row], list[RunResult]]:
     """Run every implementation (default: all) on ``workload``; write ``comparison.{md,csv,json,png}``.
 
-    ``command``: the command line that reproduces the run, recorded in ``comparison.md``."""
+    ``comparison.md`` is written again as each implementation finishes, with the rows so far (judged once DDP,
+    the reference, has run), so that a run cut short keeps what ran. ``command``: the command line that
+    reproduces the run, recorded in ``comparison.md``."""
     implementations = implementations or all_implementations()
     os.makedirs(outdir, exist_ok=True)
-    with tempfile.TemporaryDirectory() as parameters_dir:  # final parameters: large, needed only here
-        results = run_comparison(implementations, workload, parameters_dir, progress)
-        reference = next((r for r in results if r.stage == 0), None)
-        if reference is None or not reference.ranks:
-            raise RuntimeError("the reference (DDP) did not run, so nothing can be judged: "
-                               + (reference.failed if reference else "include DDP in the implementations"))
-        verdicts = {r.implementation: v for r in results
-                    if (v := judge(r, reference, workload.settings)) is not None}
-    predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
-    rows = build_rows(results, verdicts, predicted)
     with contextlib.nullcontext() if is_directory_model(workload.family) else torch.device("meta"):
         parameters = sum(p.numel() for p in build_model(workload.family, workload.size).parameters())
     title = caption(workload, parameters)
@@ -72,8 +64,32 @@ def compare(workload: Workload, outdir: str, implementations: Optional[list[Impl
     command_note = f"Machine: {env['device']}; " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device")
     if command:
         command_note += f".  \nCommand: `{command}`"
-    with open(os.path.join(outdir, "comparison.md"), "w") as handle:
-        handle.write(f"{title}\n\n{command_note}\n\n{markdown_table(rows)}\n")
+    predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
+
+    verdicts, judged = {}, set()  # each run judged once, when it and the reference have both finished
+
+    def judged_rows(results: list[RunResult]) -> list[Row]:
+        reference = next((r for r in results if r.stage == 0 and r.ranks), None)
+        for result in results if reference is not None else ():
+            if result.implementation not in judged:
+                judged.add(result.implementation)
+                if (verdict := judge(result, reference, workload.settings)) is not None:
+                    verdicts[result.implementation] = verdict
+        return build_rows(results, verdicts, predicted)
+
+    def write_markdown(results: list[RunResult]) -> None:
+        left = len(implementations) - len(results)
+        partial = f"\n\n({left} of {len(implementations)} rows still to run.)" if left else ""
+        with open(os.path.join(outdir, "comparison.md"), "w") as handle:
+            handle.write(f"{title}\n\n{command_note}\n\n{markdown_table(judged_rows(results))}{partial}\n")
+
+    with tempfile.TemporaryDirectory() as parameters_dir:  # final parameters: large, needed only here
+        results = run_comparison(implementations, workload, parameters_dir, progress, finished=write_markdown)
+        reference = next((r for r in results if r.stage == 0), None)
+        if reference is None or not reference.ranks:
+            raise RuntimeError("the reference (DDP) did not run, so nothing can be judged: "
+                               + (reference.failed if reference else "include DDP in the implementations"))
+        rows = judged_rows(results)
     write_csv(rows, os.path.join(outdir, "comparison.csv"))
     write_json(rows, results, workload, env, os.path.join(outdir, "comparison.json"))
     write_chart(rows, title, os.path.join(outdir, "comparison.png"))

@@ -187,8 +187,10 @@ def run_implementation(implementation: Implementation, workload: Workload, workd
 
 
 def run_comparison(implementations: list[Implementation], workload: Workload, workdir: str,
-                   progress: Callable[[str], None] = lambda message: None) -> list[RunResult]:
-    """Run each implementation in turn; ``progress`` gets one line as each starts and ends."""
+                   progress: Callable[[str], None] = lambda message: None,
+                   finished: Callable[[list[RunResult]], None] = lambda results: None) -> list[RunResult]:
+    """Run each implementation in turn; ``progress`` gets one line as each starts and ends, ``finished`` the
+    results so far as each ends."""
     os.makedirs(workdir, exist_ok=True)
     results = []
     for index, implementation in enumerate(implementations, 1):
@@ -199,4 +201,5 @@ def run_comparison(implementations: list[Implementation], workload: Workload, wo
                    "FAILED" if result.failed else f"done in {time.monotonic() - started:.0f} s")
         progress(f"[{index}/{len(implementations)}] {implementation.name}: {outcome}")
         results.append(result)
+        finished(results)
     return results
