@@ -7,13 +7,13 @@
 
 Writes ``benchmarks/results/gpu/`` (``--out``):
 
-1. ``comparison``: the comparison harness (``zeroimpl-compare --device cuda --precision bf16``) on GPT-2 1b
-   (1.07B parameters) in bf16, world size = the GPUs present: zeroimpl stage 1, stage 2 and stage 1/2 +
+1. ``comparison``: the comparison harness (``zeroimpl-compare --device cuda --precision bf16``) on GPT-2 350m
+   (0.34B parameters) in bf16, world size = the GPUs present: zeroimpl stage 1, stage 2 and stage 1/2 +
    offload against DDP, PyTorch ZeRO, FairScale and DeepSpeed ZeRO-1/2 (+ offload), whichever are installed;
    step time (median after warm-up) and CUDA peak per rank, as ratios to DDP in the same run, and each
-   row's verdict against DDP. -> ``comparison.md`` (and .csv, .json, .png). On one H200 each row took 47-65 s
-   (start-up, saving and comparing 1B parameters; measured when the model was still initialised on the CPU:
-   ``results/gpu/comparison-attempt.md``).
+   row's verdict against DDP. -> ``comparison.md`` (rewritten as each row finishes; .csv, .json, .png at the
+   end). At 1B parameters each row took 47-65 s on one H200 (start-up, saving and comparing the parameters:
+   ``results/gpu/comparison-attempt.md``), so 11 rows outran a 15-minute lease: 350m is sized for 5 minutes.
 2. ``knobs``: zeroimpl stage 2 on the same model, the parameter all-gather overlapped with the next forward
    (the default) or waited for in ``step()``, and the reduce-scatter window ``max_inflight_buckets`` 2 (the
    default: the host waits for reduce-scatter i-2, polling, and the compute stream runs on), 8 and 64, against
@@ -480,7 +480,8 @@ def main() -> None:
     for section in args.sections:
         started = time.monotonic()
         if section == "comparison":
-            path = comparison(args.out, device, world_size, size, args.steps, args.only)
+            path = comparison(args.out, device, world_size, "350m" if device == "cuda" else size, args.steps,
+                              args.only)
         elif section == "knobs":
             path = knobs(args.out, device, world_size, size, args.steps)
         elif section == "largest":

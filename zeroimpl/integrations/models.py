@@ -25,6 +25,7 @@ SIZES = {  # (hidden, layers, heads, vocabulary, sequence length)
     "small": (128, 4, 4, 2048, 64),
     "base": (512, 8, 8, 8192, 128),
     "large": (768, 12, 12, 32000, 256),
+    "350m": (1024, 24, 16, 32000, 512),  # GPT-2 0.34B: the GPU benchmark's comparison (benchmarks/gpu.py)
     "1b": (2048, 20, 16, 32000, 512),  # GPT-2 1.07B, LLaMA 0.89B: the GPU benchmark's (benchmarks/gpu.py)
 }
 
