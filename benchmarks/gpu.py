@@ -13,7 +13,8 @@ Writes ``benchmarks/results/gpu/`` (``--out``):
    step time (median after warm-up) and CUDA peak per rank, as ratios to DDP in the same run, and each
    row's verdict against DDP. -> ``comparison.md`` (rewritten as each row finishes; .csv, .json, .png at the
    end). At 1B parameters each row took 47-65 s on one H200 (start-up, saving and comparing the parameters:
-   ``results/gpu/comparison-attempt.md``), so 11 rows outran a 15-minute lease: 350m is sized for 5 minutes.
+   ``results/gpu/comparison-attempt.md``), so 11 rows outran a 15-minute lease: 350m, a third of the parameters, is meant to fit 5 minutes (not yet
+   measured on a GPU).
 2. ``knobs``: zeroimpl stage 2 on the same model, the parameter all-gather overlapped with the next forward
    (the default) or waited for in ``step()``, and the reduce-scatter window ``max_inflight_buckets`` 2 (the
    default: the host waits for reduce-scatter i-2, polling, and the compute stream runs on), 8 and 64, against

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one prepared call of a lent GPU (issue 46): DeepSpeed installed from carried wheels, its CPU Adam built,
-# then benchmarks/gpu.py's offload section (zeroimpl stage 2 + offload against DeepSpeed ZeRO-2 + offload) and,
-# if time is left, its comparison; every table is written row by row into $OUT, so a call cut short keeps
-# what ran.
+# then one section of benchmarks/gpu.py: offload (zeroimpl stage 2 + offload against DeepSpeed ZeRO-2 + offload)
+# or, in a call of its own (a command may run 10 minutes), the comparison; every table is written row by row into
+# $OUT, so a call cut short keeps what ran.
 #
 #   bash benchmarks/gpu_call.sh --prepare     # here, where pip reaches the registries: the wheels into build/wheels
-#   bash benchmarks/gpu_call.sh               # on the GPU machine (device run, carry ["build/wheels"]), $OUT set
+#   bash benchmarks/gpu_call.sh [SECTION]     # on the GPU machine (device run, carry ["build/wheels"]), $OUT set:
+#                                             # offload (the default, at most 8 minutes) or comparison (5)
 #
 # The GPU machine has torch and transformers but no DeepSpeed and no internet: DeepSpeed 0.19.8 (a source package,
 # built here into a wheel) and its dependencies travel as wheels, the compiled ones for Python 3.10 to 3.13; pip
@@ -32,4 +33,6 @@ python3 -m pip install -q --no-index --find-links "$WHEELS" deepspeed==0.19.8 2>
 # DeepSpeed's offload steps with its CPU Adam, compiled on first use: here, before any timed row
 DS_ACCELERATOR=cuda timeout 240 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu_adam built')" \
     2>&1 | tail -3 | tee "$OUT/cpu_adam.txt" || echo "cpu_adam did not build: DeepSpeed's rows will say why" | tee -a "$OUT/cpu_adam.txt"
-timeout 480 python3 benchmarks/gpu.py --sections offload --out "$OUT" 2>&1 | tail -20 | tee "$OUT/offload.log" || true
+SECTION=${1:-offload}
+LIMIT=$([[ "$SECTION" == offload ]] && echo 480 || echo 300)
+timeout "$LIMIT" python3 benchmarks/gpu.py --sections "$SECTION" --out "$OUT" 2>&1 | tail -20 | tee "$OUT/$SECTION.log" || true
