@@ -27,6 +27,11 @@ Writes ``benchmarks/results/gpu/`` (``--out``):
    configuration that needs more than 90% of the host's memory is not tried. zeroimpl's ladder took 240 s on
    one H200 (1.35B, 3.38B, 6.74B). -> ``largest.md``
 
+4. ``offload``: zeroimpl stage 2 + offload against DeepSpeed ZeRO-2 + offload (its CPU Adam) on one device,
+   LLaMA-style about 1.3B and 6.7B in bf16 (a run that would not fit the host is not tried), 4 micro-batches of
+   2 x 1024 tokens per step, AdamW, clipping: tokens/s, model TFLOPS, the phases, host bytes per parameter and
+   CUDA peak, each row appended as it finishes. -> ``offload.md``. ``benchmarks/gpu_call.sh`` prepares and runs it.
+
 DeepSpeed and FairScale are optional: rows for a missing one say how to install it. On a machine without
 internet, build their wheels where pip works (``pip wheel --no-deps deepspeed==0.19.8 fairscale==0.4.13``)
 and install them there.
@@ -302,13 +307,21 @@ def _offload_rank(rank: int, world_size: int, implementation: str, hidden: int, 
     clipping at 1.0. Step 0 warms up; step 1 synchronizes the device at each phase's end (forward, backward
     with the gradients' copies to the host, step: the host's AdamW and the parameters' copies back and
     gathers) and times the phases; the later steps synchronize only at their end and give the step time. Host
-    bytes: the peak resident memory past start-up (after the imports, before the model) over the parameters."""
+    bytes: the peak resident memory past start-up (the imports, the CUDA context and cuBLAS loaded: before the
+    model) over the parameters. With them, the loss of the last step's last micro-batch."""
+    import transformers  # noqa: F401 - (loaded before the start-up's resident memory is read)
+
+    from zeroimpl.integrations.models import param_groups
+
+    if implementation == "deepspeed":
+        import deepspeed  # noqa: F401
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    warm = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+    (warm @ warm).sum().item()  # the CUDA context and cuBLAS, out of the host bytes counted
     sequences, tokens, micro_batches = batch
     started_resident = _resident_bytes()
     model = _llama(hidden, layers, device, positions=tokens)
     parameters = sum(p.numel() for p in model.parameters())
-    from zeroimpl.integrations.models import param_groups
 
     generator = torch.Generator().manual_seed(0)
     ids = [torch.randint(2, 32000, (sequences, tokens), generator=generator).to(device) for _ in range(micro_batches)]
@@ -352,7 +365,7 @@ def _offload_rank(rank: int, world_size: int, implementation: str, hidden: int, 
 
         def step():
             engine.step()
-    phases, step_seconds, losses = dict.fromkeys(PHASES, 0.0), [], []
+    phases, step_seconds = dict.fromkeys(PHASES, 0.0), []
     for index in range(steps):
         timed_phases = index == 1
         if index == 1:
@@ -370,7 +383,6 @@ def _offload_rank(rank: int, world_size: int, implementation: str, hidden: int, 
             if timed_phases:
                 _synchronize(device)
                 phases["backward"] += time.perf_counter() - mark
-            losses.append(loss.item() if number == micro_batches - 1 else None)
         mark = time.perf_counter()
         step()
         _synchronize(device)
@@ -379,8 +391,9 @@ def _offload_rank(rank: int, world_size: int, implementation: str, hidden: int, 
         elif index >= 2:
             step_seconds.append(time.perf_counter() - started)
     return {"parameters": parameters, "tokens": sequences * tokens * micro_batches, "phases": phases,
-            "step_seconds": statistics.median(step_seconds) if step_seconds else sum(phases.values()),
-            "losses": [loss for loss in losses if loss is not None], "peak": _peak(device),
+            "step_seconds": statistics.median(step_seconds),
+            # (zeroimpl's forward divides by the micro-batches, DeepSpeed's backward does)
+            "loss": loss.item() * (micro_batches if implementation == "zeroimpl" else 1), "peak": _peak(device),
             "host_bytes": _resident_bytes("VmHWM") - started_resident}
 
 
@@ -389,7 +402,7 @@ def _offload_row(name: str, shape: str, result: dict) -> str:
     phases = " / ".join(f"{result['phases'][phase]:.2f}" for phase in PHASES)
     return (f"| {name} | {shape} | {parameters / 1e9:.2f}B | {tokens / seconds:,.0f} | "
             f"{6 * parameters * tokens / seconds / 1e12:.1f} | {seconds:.2f} | {phases} | "
-            f"{result['host_bytes'] / parameters:.1f} | {result['peak'] / 2 ** 30:.1f} |")
+            f"{result['host_bytes'] / parameters:.1f} | {result['peak'] / 2 ** 30:.1f} | {result['loss']:.4f} |")
 
 
 def offload(out: str, device: str, ladder: list[tuple[int, int]], batch: tuple[int, int, int], steps: int,
@@ -413,20 +426,20 @@ def offload(out: str, device: str, ladder: list[tuple[int, int]], batch: tuple[i
             "tokens/s and model TFLOPS = 6 x parameters x tokens / s). Host bytes per parameter: the peak resident "
             "memory past start-up over the parameters. Each row is written when it finishes.", "",
             "| implementation | hidden x layers | parameters | tokens/s | model TFLOPS | s / step | "
-            "phases s: forward / backward / step | host bytes / parameter | CUDA peak GiB |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", ""]))
+            "phases s: forward / backward / step | host bytes / parameter | CUDA peak GiB | last loss |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", ""]))
     for hidden, layers in ladder:
         count = sum(p.numel() for p in _llama(hidden, layers, torch.device("meta")).parameters())
         for implementation in LARGEST_IMPLEMENTATIONS:
             name, shape = OFFLOAD_NAMES[implementation], f"{hidden} x {layers}"
             needed = OFFLOAD_HOST_BYTES[implementation] * count
             if implementation not in implementations:
-                row = f"| {name} | {shape} | {count / 1e9:.2f}B | not tried in this run | | | | | |"
+                row = f"| {name} | {shape} | {count / 1e9:.2f}B | not tried in this run | | | | | | |"
             elif implementation == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-                row = f"| {name} | {shape} | {count / 1e9:.2f}B | skipped: DeepSpeed is not installed | | | | | |"
+                row = f"| {name} | {shape} | {count / 1e9:.2f}B | skipped: DeepSpeed is not installed | | | | | | |"
             elif needed > 0.9 * _host_memory():
                 row = (f"| {name} | {shape} | {count / 1e9:.2f}B | not tried: about {needed / 2 ** 30:.0f} GiB of "
-                       f"host memory ({OFFLOAD_HOST_BYTES[implementation]} bytes per parameter) | | | | | |")
+                       f"host memory ({OFFLOAD_HOST_BYTES[implementation]} bytes per parameter) | | | | | | |")
             else:
                 env = {"DS_ACCELERATOR": "cuda" if device == "cuda" else "cpu"}
                 try:
@@ -435,11 +448,18 @@ def offload(out: str, device: str, ladder: list[tuple[int, int]], batch: tuple[i
                     row = _offload_row(name, shape, result)
                 except AssertionError as error:  # a rank raised, died or hung: the row says so, the next runs
                     last = str(error).strip().splitlines()[-1][:200] if str(error).strip() else "no message"
-                    row = f"| {name} | {shape} | {count / 1e9:.2f}B | failed: {last} | | | | | |"
+                    row = f"| {name} | {shape} | {count / 1e9:.2f}B | failed: {last} | | | | | | |"
             print(row, flush=True)
             with open(path, "a") as handle:
                 handle.write(row + "\n")
     return path
+
+
+def _three_or_more(text: str) -> int:
+    if not text.isdigit() or int(text) < 3:
+        raise argparse.ArgumentTypeError(f"{text!r}: section 4 needs 3 steps or more (a warm-up, one timed by phase, "
+                                         "one timed whole)")
+    return int(text)
 
 
 def main() -> None:
@@ -453,10 +473,10 @@ def main() -> None:
                         help="the implementations section 3 climbs the ladder with (each takes minutes per rung)")
     parser.add_argument("--offload", nargs="+", choices=LARGEST_IMPLEMENTATIONS, default=list(LARGEST_IMPLEMENTATIONS),
                         help="the implementations section 4 runs at each size")
-    parser.add_argument("--offload-steps", type=int, default=4,
+    parser.add_argument("--offload-steps", type=_three_or_more, default=4, metavar="N",
                         help="steps per row of section 4: a warm-up, one timed by phase, the rest timed whole")
     parser.add_argument("--dry-run", action="store_true",
-                        help="CPU, gloo, 2 ranks, tiny models: check the script, measure nothing")
+                        help="CPU, gloo, tiny models (2 ranks; offload and largest: 1): check the script, measure nothing")
     args = parser.parse_args()
     if args.only:
         from zeroimpl.integrations.adapters import all_implementations
