@@ -59,6 +59,7 @@ SECTIONS = ("comparison", "knobs", "largest", "offload")
 LADDER = [(2048, 24), (3072, 28), (4096, 32), (5120, 40)]
 DRY_LADDER = [(64, 2)]  # (one rung: the ladder's code is the same at every rung)
 LARGEST_IMPLEMENTATIONS = ("zeroimpl", "deepspeed")
+OFFLOAD_NAMES = {"zeroimpl": "zeroimpl stage 2 + offload", "deepspeed": "DeepSpeed ZeRO-2 + offload"}
 # offload's host bytes per parameter: fp32 master, gradient shard and two AdamW moments (both implementations)
 HOST_BYTES_PER_PARAMETER = 16
 
@@ -187,6 +188,24 @@ def _llama(hidden: int, layers: int, device: torch.device, positions: int = 512)
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
+def _deepspeed_offload(model: torch.nn.Module, device: torch.device, sequences: int = 1, micro_batches: int = 1,
+                       clipping: float = 0.0):
+    """DeepSpeed ZeRO-2 + CPU offload (its CPU Adam) over ``model`` in bf16: AdamW at lr 1e-5, weight decay 0.01
+    on the matrices, ``micro_batches`` of ``sequences`` per step, clipping at ``clipping`` (0: none)."""
+    import deepspeed
+
+    from zeroimpl.integrations.models import param_groups
+
+    config = {"train_micro_batch_size_per_gpu": sequences, "gradient_accumulation_steps": micro_batches,
+              "bf16": {"enabled": True}, "gradient_clipping": clipping,
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                      "pin_memory": device.type == "cuda"}},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
+              "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01), config=config)
+    return engine
+
+
 def _largest_rank(rank: int, world_size: int, implementation: str, hidden: int, layers: int, tokens: int) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = _llama(hidden, layers, device)
@@ -200,14 +219,7 @@ def _largest_rank(rank: int, world_size: int, implementation: str, hidden: int, 
         optimizer = ShardedOptimizer(param_groups(model, 0.01), torch.optim.AdamW, stage=2, offload="cpu", lr=1e-5)
         forward, backward, step = model, optimizer.backward, optimizer.step
     else:
-        import deepspeed
-
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
-                                                                          "pin_memory": device.type == "cuda"}},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
-                  "steps_per_print": 10 ** 9}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01), config=config)
+        engine = _deepspeed_offload(model, device)
         forward, backward, step = engine, engine.backward, engine.step
     losses, started = [], time.perf_counter()
     for _ in range(2):
@@ -244,7 +256,7 @@ def largest(out: str, device: str, ladder: list[tuple[int, int]], tokens: int,
 
     rows = []
     for implementation in LARGEST_IMPLEMENTATIONS:
-        name = {"zeroimpl": "zeroimpl stage 2 + offload", "deepspeed": "DeepSpeed ZeRO-2 + offload"}[implementation]
+        name = OFFLOAD_NAMES[implementation]
         if implementation not in implementations:
             rows.append(f"| {name} | - | - | not tried in this run (--largest {' '.join(implementations)}) | - | - |")
             continue
@@ -291,7 +303,6 @@ DRY_OFFLOAD_BATCH = (1, 16, 2)
 # host bytes per parameter assumed when deciding whether a run fits the host: zeroimpl's fp32 master, gradient
 # and two moments and its bf16 staging (18, the issue's goal); DeepSpeed's measured 28 (its issue #7693)
 OFFLOAD_HOST_BYTES = {"zeroimpl": 18, "deepspeed": 28}
-OFFLOAD_NAMES = {"zeroimpl": "zeroimpl stage 2 + offload", "deepspeed": "DeepSpeed ZeRO-2 + offload"}
 PHASES = ("forward", "backward", "step")
 
 
@@ -345,15 +356,7 @@ def _offload_rank(rank: int, world_size: int, implementation: str, hidden: int, 
             optimizer.step()
             optimizer.zero_grad()
     else:
-        import deepspeed
-
-        config = {"train_micro_batch_size_per_gpu": sequences, "gradient_accumulation_steps": micro_batches,
-                  "bf16": {"enabled": True}, "gradient_clipping": 1.0,
-                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
-                                                                          "pin_memory": device.type == "cuda"}},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
-                  "steps_per_print": 10 ** 9}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01), config=config)
+        engine = _deepspeed_offload(model, device, sequences, micro_batches, clipping=1.0)
 
         def forward(micro):
             return engine(input_ids=micro, labels=micro).loss

@@ -66,15 +66,13 @@ def compare(workload: Workload, outdir: str, implementations: Optional[list[Impl
         command_note += f".  \nCommand: `{command}`"
     predicted = {i.name: p for i in implementations if (p := predicted_model_state(i, workload)) is not None}
 
-    verdicts, judged = {}, set()  # each run judged once, when it and the reference have both finished
+    verdicts = {}  # each run judged once (None: it did not finish), when it and the reference have both finished
 
     def judged_rows(results: list[RunResult]) -> list[Row]:
         reference = next((r for r in results if r.stage == 0 and r.ranks), None)
         for result in results if reference is not None else ():
-            if result.implementation not in judged:
-                judged.add(result.implementation)
-                if (verdict := judge(result, reference, workload.settings)) is not None:
-                    verdicts[result.implementation] = verdict
+            if result.implementation not in verdicts:
+                verdicts[result.implementation] = judge(result, reference, workload.settings)
         return build_rows(results, verdicts, predicted)
 
     def write_markdown(results: list[RunResult]) -> None:

@@ -42,7 +42,8 @@ def first_error(failure: str) -> str:
     return errors[0] if errors else failure.strip().splitlines()[-1]
 
 
-def build_rows(results: list[RunResult], verdicts: dict[str, Verdict], predicted: dict[str, int]) -> list[Row]:
+def build_rows(results: list[RunResult], verdicts: dict[str, Optional[Verdict]],
+               predicted: dict[str, int]) -> list[Row]:
     reference = next((r for r in results if r.stage == 0 and r.ranks), None)
     rows = []
     for result in results:
