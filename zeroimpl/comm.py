@@ -69,6 +69,8 @@ class PayloadBlocks(Protocol):
 
     def decoded(self, payload: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor: ...
 
+    def accumulate(self, payload: torch.Tensor, total: torch.Tensor, rank: Optional[int] = None) -> None: ...
+
 
 def issues_collectives(world_size: int) -> bool:
     """Whether an optimizer over ``world_size`` ranks issues the backend's collectives (and the 8-bit
@@ -213,7 +215,7 @@ def _summed(input: torch.Tensor, received: torch.Tensor, blocks: PayloadBlocks, 
     total = input.view(world, -1)[rank].to(torch.float32, copy=True)
     for sender in range(world):
         if sender != rank:
-            total.add_(blocks.decoded(received[sender]))
+            blocks.accumulate(received[sender], total)
     return total
 
 

@@ -36,7 +36,7 @@ NaN check stops training, as it would unquantized.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -44,6 +44,7 @@ import torch
 from .layout import ShardLayout
 
 BLOCK = 256
+CHUNK = 256 * BLOCK  # elements quantized or decoded at a time on the CPU: their temporaries stay in cache
 _LEVELS = 255.0
 _SIGNED_LEVELS = 127.0
 _TINY = torch.finfo(torch.float32).tiny
@@ -54,16 +55,78 @@ def _blocks_of(lengths: list[int]) -> int:
 
 
 @dataclass(frozen=True)
+class _Plan:
+    """How one rank's shard lies on its blocks, for work over whole stretches of it rather than block by block.
+
+    ``runs``: ``(start, count, first block)`` -- stretches of whole blocks (``count`` a multiple of BLOCK),
+    neighbours merged, so that ``values[start:start + count].view(-1, BLOCK)`` are blocks ``first block ...``;
+    ``tails``: ``(start, count, block)`` of every shorter block (a segment's last, ``0 < count < BLOCK``).
+    ``tail_source`` -- ``(len(tails) * BLOCK,)`` int64: per padded tail element the shard element it reads (a
+    tail's padding repeats its last element, which leaves its range alone); ``tail_elements`` -- the shard
+    elements of the tails, in order; ``tail_slots`` -- where each of them sits in the padded tails;
+    ``tail_blocks`` -- the tails' block numbers."""
+
+    blocks: int
+    runs: tuple[tuple[int, int, int], ...]
+    tails: tuple[tuple[int, int, int], ...]
+    tail_source: torch.Tensor
+    tail_elements: torch.Tensor
+    tail_slots: torch.Tensor
+    tail_blocks: torch.Tensor
+    tail_rows: torch.Tensor
+
+    @staticmethod
+    def of(lengths: tuple[int, ...]) -> "_Plan":
+        runs, tails, first, block = [], [], 0, 0
+        for length in lengths:
+            whole = length // BLOCK * BLOCK
+            if whole:
+                if runs and runs[-1][0] + runs[-1][1] == first:  # continues the run before: merge
+                    runs[-1] = (runs[-1][0], runs[-1][1] + whole, runs[-1][2])
+                else:
+                    runs.append((first, whole, block))
+                block += whole // BLOCK
+            if length > whole:
+                tails.append((first + whole, length - whole, block))
+                block += 1
+            first += length
+        source = [start + min(i, count - 1) for start, count, _ in tails for i in range(BLOCK)]
+        elements = [start + i for start, count, _ in tails for i in range(count)]
+        slots = [t * BLOCK + i for t, (_, count, _) in enumerate(tails) for i in range(count)]
+        as_index = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+        return _Plan(block, tuple(runs), tuple(tails), as_index(source), as_index(elements), as_index(slots),
+                     as_index([b for _, _, b in tails]), as_index([b for _, count, b in tails for _ in range(count)]))
+
+    def on(self, device: torch.device) -> "_Plan":
+        if self.tail_source.device == device:
+            return self
+        return _Plan(self.blocks, self.runs, self.tails, *(t.to(device) for t in (
+            self.tail_source, self.tail_elements, self.tail_slots, self.tail_blocks, self.tail_rows)))
+
+    def chunks(self, on_cpu: bool):
+        """``(start, count, first block)`` of the runs, cut into pieces of at most CHUNK elements on the CPU."""
+        for start, count, block in self.runs:
+            step = CHUNK if on_cpu else count
+            for offset in range(0, count, step):
+                yield start + offset, min(step, count - offset), block + offset // BLOCK
+
+
+@dataclass(frozen=True)
 class ShardBlocks:
     """The quantization blocks of every rank's shard of one bucket, for ``rank``'s encoding and everyone's
     decoding. ``segments[r]``: rank r's shard cut at its parameters' boundaries (lengths, summing to
-    ``shard_numel``)."""
+    ``shard_numel``).
+
+    Encoding and decoding run over whole stretches of blocks (:class:`_Plan`), on the CPU a chunk of
+    :data:`CHUNK` elements at a time through one scratch buffer; only the short last block of each segment
+    goes through an index (all of a shard's at once)."""
 
     rank: int
     shard_numel: int
     segments: tuple[tuple[int, ...], ...]
     payload_bytes: int  # what each rank sends: its codes, and room for the ranges of the shard with the most blocks
     signed: bool = False  # symmetric codes (gradients), else affine (parameters)
+    plans: dict = field(default_factory=dict, compare=False, repr=False)  # (rank, device) -> _Plan
 
     @staticmethod
     def of(boundaries: list[int], shard_numel: int, world_size: int, rank: int,
@@ -80,9 +143,12 @@ class ShardBlocks:
         payload = shard_numel + range_bytes * max(_blocks_of(list(lengths)) for lengths in segments)
         return ShardBlocks(rank, shard_numel, tuple(segments), payload, signed)
 
-    def _padded(self, rank: int) -> list[int]:
-        """Rank's segments, each rounded up to whole blocks."""
-        return [math.ceil(length / BLOCK) * BLOCK for length in self.segments[rank]]
+    def _plan(self, rank: int, device: torch.device) -> _Plan:
+        key = (rank, device)
+        if key not in self.plans:
+            cpu = self.plans.get((rank, torch.device("cpu"))) or _Plan.of(self.segments[rank])
+            self.plans[key] = cpu.on(device)
+        return self.plans[key]
 
     def encode(self, values: torch.Tensor, rank: Optional[int] = None,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -91,26 +157,40 @@ class ShardBlocks:
         the reduce-scatter. Written into ``out`` (``payload_bytes`` uint8, e.g. this rank's slice of a gather's
         buffer), or a new uint8 tensor on ``values``' device."""
         rank = self.rank if rank is None else rank
-        n, lengths = self.shard_numel, self.segments[rank]
-        pieces, first = [], 0
-        for length, padded in zip(lengths, self._padded(rank)):
-            segment = values[first:first + length].float()
-            pieces += [segment, segment[-1:].expand(padded - length)]  # (padding that leaves the range alone)
-            first += length
-        values = torch.cat(pieces).view(-1, BLOCK)  # every segment from a block's start
+        device, n = values.device, self.shard_numel
+        plan, on_cpu = self._plan(rank, device), values.device.type == "cpu"
+        values = values.float()  # (itself when fp32)
+        low, high = torch.empty(plan.blocks, device=device), torch.empty(plan.blocks, device=device)
+        for start, count, block in plan.runs:  # (amin and amax: torch.aminmax along rows is 10x slower on CPU)
+            rows, blocks = values[start:start + count].view(-1, BLOCK), slice(block, block + count // BLOCK)
+            torch.amin(rows, dim=1, out=low[blocks])
+            torch.amax(rows, dim=1, out=high[blocks])
+        tails = values[plan.tail_source].view(-1, BLOCK) if plan.tails else None
+        if tails is not None:
+            low.index_copy_(0, plan.tail_blocks, tails.amin(dim=1))
+            high.index_copy_(0, plan.tail_blocks, tails.amax(dim=1))
         if self.signed:
-            step = values.abs().amax(dim=1, keepdim=True) / _SIGNED_LEVELS
-            ranges, low, (least, most), dtype = step, 0.0, (-_SIGNED_LEVELS, _SIGNED_LEVELS), torch.int8
+            step = torch.maximum(high, low.neg_()).div_(_SIGNED_LEVELS)
+            ranges, low, dtype = step, None, torch.int8
         else:
-            low, high = values.amin(dim=1, keepdim=True), values.amax(dim=1, keepdim=True)
-            step = (high - low) / _LEVELS
-            ranges, (least, most), dtype = torch.cat([low, step], dim=1), (0, _LEVELS), torch.uint8
+            step = (high - low).div_(_LEVELS)
+            ranges, dtype = torch.stack([low, step], dim=1), torch.uint8
         inverse = torch.where(step >= _TINY, 1 / step, 0.0)  # a constant block (or nearly): one code
-        codes = torch.mul(values - low, inverse).round_().clamp_(least, most).to(dtype).view(torch.uint8).view(-1)
-        payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=values.device) if out is None else out
+        payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=device) if out is None else out
         payload[n + 4 * ranges.numel():].zero_()  # (alignment bytes: sent, never read)
         payload[n:n + 4 * ranges.numel()].view(torch.float32).copy_(ranges.view(-1))
-        payload[:n].copy_(torch.cat(_unpadded(codes, lengths, self._padded(rank))))
+        codes = payload[:n].view(dtype)
+        scratch = torch.empty(min(CHUNK, n), device=device) if on_cpu else None
+        for start, count, block in plan.chunks(on_cpu):
+            blocks = slice(block, block + count // BLOCK)
+            _quantize(values[start:start + count].view(-1, BLOCK), None if low is None else low[blocks, None],
+                      inverse[blocks, None], codes[start:start + count],
+                      None if scratch is None else scratch[:count].view(-1, BLOCK))
+        if tails is not None:
+            tail_codes = torch.empty(tails.numel(), dtype=dtype, device=device)
+            _quantize(tails, None if low is None else low[plan.tail_blocks, None], inverse[plan.tail_blocks, None],
+                      tail_codes, None)
+            codes.index_copy_(0, plan.tail_elements, tail_codes[plan.tail_slots])
         return payload
 
     def add_decoded(self, gathered: torch.Tensor, out: torch.Tensor, ranks: Optional[range] = None) -> None:
@@ -120,35 +200,69 @@ class ShardBlocks:
         n, dtype = self.shard_numel, torch.promote_types(out.dtype, torch.float32)
         payloads, shards = gathered.view(-1, self.payload_bytes), out.view(-1, n)
         for rank in range(len(shards)) if ranks is None else ranks:
-            shards[rank].copy_(shards[rank].to(dtype) + self.decoded(payloads[rank], rank))
+            decoded = self.decoded(payloads[rank], rank)
+            if shards[rank].dtype == torch.float32:
+                shards[rank].add_(decoded)
+            else:
+                shards[rank].copy_(shards[rank].to(dtype) + decoded)
 
     def decoded(self, payload: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor:
         """The values of ``payload``, encoded on ``rank``'s blocks (default: this rank's): fp32, 1-D."""
+        values = torch.empty(self.shard_numel, dtype=torch.float32, device=payload.device)
+        self._decode(payload, rank, values, accumulate=False)
+        return values
+
+    def accumulate(self, payload: torch.Tensor, total: torch.Tensor, rank: Optional[int] = None) -> None:
+        """``total += `` the values of ``payload`` (as :meth:`decoded`), ``total`` fp32 (1-D, ``shard_numel``)."""
+        self._decode(payload, rank, total, accumulate=True)
+
+    def _decode(self, payload: torch.Tensor, rank: Optional[int], into: torch.Tensor, accumulate: bool) -> None:
         rank = self.rank if rank is None else rank
-        n, lengths, padded = self.shard_numel, self.segments[rank], self._padded(rank)
+        device, n = payload.device, self.shard_numel
+        plan, on_cpu = self._plan(rank, device), device.type == "cpu"
         width = 1 if self.signed else 2  # fp32 numbers per block: its step, or its minimum and step
-        blocks = sum(padded) // BLOCK
-        ranges = payload[n:n + 4 * width * blocks].clone().view(torch.float32).view(-1, width)  # (4-byte aligned)
-        codes, first = [], 0
-        for length, rounded in zip(lengths, padded):
-            codes += [payload[first:first + length],
-                      torch.zeros(rounded - length, dtype=torch.uint8, device=payload.device)]
-            first += length
-        codes = torch.cat(codes).view(-1, BLOCK)
-        if self.signed:
-            values = torch.mul(codes.view(torch.int8).float(), ranges).view(-1)
-        else:
-            values = torch.addcmul(ranges[:, :1], codes.float(), ranges[:, 1:]).view(-1)
-        return torch.cat(_unpadded(values, lengths, padded))
+        ranges = payload[n:n + 4 * width * plan.blocks].clone().view(torch.float32).view(-1, width)  # (4-byte aligned)
+        low, step = (None, ranges) if self.signed else (ranges[:, :1], ranges[:, 1:])
+        codes = payload[:n].view(torch.int8 if self.signed else torch.uint8)
+        scratch = torch.empty(min(CHUNK, n), device=device) if on_cpu else None
+        for start, count, block in plan.chunks(on_cpu):
+            blocks = slice(block, block + count // BLOCK)
+            target = into[start:start + count].view(-1, BLOCK)
+            _dequantize(codes[start:start + count].view(-1, BLOCK), None if low is None else low[blocks],
+                        step[blocks], target, accumulate, None if scratch is None else scratch[:count].view(-1, BLOCK))
+        if plan.tails:
+            tail_codes = codes[plan.tail_elements]
+            tail_values = torch.empty(tail_codes.numel(), device=device)
+            rows = plan.tail_rows
+            _dequantize(tail_codes, None if low is None else low[rows, 0], step[rows, 0], tail_values, False, None)
+            if accumulate:
+                into.index_add_(0, plan.tail_elements, tail_values)
+            else:
+                into.index_copy_(0, plan.tail_elements, tail_values)
 
 
-def _unpadded(values: torch.Tensor, lengths: list[int], padded: list[int]) -> list[torch.Tensor]:
-    """The segments of ``values`` (laid out padded to whole blocks), without their padding."""
-    pieces, first = [], 0
-    for length, rounded in zip(lengths, padded):
-        pieces.append(values[first:first + length])
-        first += rounded
-    return pieces
+def _quantize(values: torch.Tensor, low: Optional[torch.Tensor], inverse: torch.Tensor, codes: torch.Tensor,
+              scratch: Optional[torch.Tensor]) -> None:
+    """``codes`` (1-D, int8 or uint8) = round((values - low) * inverse), the blocks' rows of ``values``; in finite
+    arithmetic within [0, 255] (affine) or [-127, 127] (signed) without clamping: ``values - low`` is at most the
+    block's range and ``inverse`` its levels over it, so the product rounds to at most the top level."""
+    scaled = torch.sub(values, low, out=scratch) if low is not None else None
+    scaled = torch.mul(values if scaled is None else scaled, inverse, out=scratch if low is None else scaled)
+    codes.copy_(scaled.round_().view(-1))
+
+
+def _dequantize(codes: torch.Tensor, low: Optional[torch.Tensor], step: torch.Tensor, into: torch.Tensor,
+                accumulate: bool, scratch: Optional[torch.Tensor]) -> None:
+    """``into`` (+)= ``low + codes * step`` (``low`` None: ``codes * step``), shapes broadcast row by row; added,
+    the decoded value is rounded to fp32 first (as :meth:`ShardBlocks.decoded` gives it), then added."""
+    wide = codes.to(torch.float32) if scratch is None else scratch.copy_(codes)
+    if accumulate:
+        decoded = wide.mul_(step) if low is None else torch.addcmul(low, wide, step, out=wide)
+        into.add_(decoded)
+    elif low is None:
+        torch.mul(wide, step, out=into)
+    else:
+        torch.addcmul(low, wide, step, out=into)
 
 
 def reduction_blocks(layout: ShardLayout, quantized: Union[bool, str], rank: int,

@@ -1,0 +1,90 @@
+"""What the 8-bit collectives' own arithmetic costs per element, held against one pass over memory (issue 47).
+
+    python benchmarks/codec_cost.py [--numel 4600000] [--repeats 7]
+
+One shard of ``--numel`` elements, cut where GPT-2's parameters start and end (hidden 512: matrices, biases,
+LayerNorms, a 65536 x 512 embedding; so the shard has whole-block stretches and short last blocks), on one CPU
+thread. Per operation of :class:`zeroimpl.quantized_comm.ShardBlocks` -- encode (symmetric, the gradients'
+reduce-scatter; affine, the parameters' all-gather), decode, decode-and-add (the reduce-scatter's sum) -- the
+fastest of ``--repeats`` runs, in nanoseconds per element and in passes of memory: one pass is an fp32 copy of
+the shard (``out.copy_(values)``: 4 bytes read and 4 written per element), timed the same way. Writes
+benchmarks/results/codec_cost.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from zeroimpl.quantized_comm import ShardBlocks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gpt2_boundaries(numel: int, hidden: int = 512) -> list[int]:
+    """Parameter boundaries of GPT-2 layers (hidden ``hidden``) repeated to cover ``numel`` elements."""
+    sizes = [65536 * hidden, 16 * hidden]  # the (tied) embedding and the positions
+    layer = [hidden, hidden, hidden * 3 * hidden, 3 * hidden, hidden * hidden, hidden, hidden, hidden,
+             hidden * 4 * hidden, 4 * hidden, 4 * hidden * hidden, hidden]
+    edges, end = [0], 0
+    while end < numel:
+        for size in sizes + layer * 4:
+            end += size
+            edges.append(end)
+    return edges
+
+
+def fastest(function, repeats: int) -> float:
+    function()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=4_600_000, help="shard elements (a multiple of 4)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "codec_cost.md"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    n, world = args.numel, 4
+    edges = [e for e in gpt2_boundaries(world * n) if e < world * n] + [world * n]
+    values, copy = torch.randn(n), torch.empty(n)
+    one_pass = fastest(lambda: copy.copy_(values), args.repeats)
+    rows = []
+    for signed, use in ((True, "gradients' reduce-scatter"), (False, "parameters' all-gather")):
+        blocks = ShardBlocks.of(edges, n, world, 1, signed=signed)
+        payload = blocks.encode(values)
+        total = torch.zeros(n)
+        timed = [("encode", lambda: blocks.encode(values, out=payload)), ("decode", lambda: blocks.decoded(payload))]
+        if signed:
+            timed.append(("decode and add", lambda: blocks.accumulate(payload, total)))
+        for name, function in timed:
+            seconds = fastest(function, args.repeats)
+            rows.append((f"{'symmetric' if signed else 'affine'} ({use})", name, seconds))
+    blocks_per_shard = ShardBlocks.of(edges, n, world, 1).segments[1]
+    lines = ["# 8-bit collectives: encode and decode per element", "",
+             f"Command: `python benchmarks/codec_cost.py{''.join(' ' + a for a in (argv or sys.argv[1:]))}`; one shard "
+             f"of {n:,} elements cut at GPT-2 (hidden 512) parameter boundaries ({len(blocks_per_shard)} segments), "
+             f"blocks of 256, torch {torch.__version__}, 1 CPU thread. Fastest of {args.repeats} runs. One pass of "
+             f"memory (an fp32 copy of the shard, 8 bytes per element moved): {one_pass / n * 1e9:.2f} ns per "
+             "element.", "", "| codes | operation | ns per element | passes of memory |", "|---|---|---|---|"]
+    for codes, name, seconds in rows:
+        lines.append(f"| {codes} | {name} | {seconds / n * 1e9:.2f} | {seconds / one_pass:.1f} |")
+    text = "\n".join(lines) + "\n"
+    with open(args.out, "w") as handle:
+        handle.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
