@@ -4,8 +4,10 @@
 
 One shard of ``--numel`` elements, cut where GPT-2's parameters start and end (hidden 512: matrices, biases,
 LayerNorms, a 65536 x 512 embedding; so the shard has whole-block stretches and short last blocks), on one CPU
-thread. Per operation of :class:`zeroimpl.quantized_comm.ShardBlocks` -- encode (symmetric, the gradients'
-reduce-scatter; affine, the parameters' all-gather), decode, decode-and-add (the reduce-scatter's sum) -- the
+thread. Per operation of :class:`zeroimpl.quantized_comm.ShardBlocks` as the collectives use it -- the
+gradients' reduce-scatter encodes each piece it sends (symmetric codes) and its owner decodes and adds each
+piece it receives; the parameters' all-gather encodes the step from the published parameters to the master
+(affine codes) and every rank decodes and adds each rank's step to its parameters -- the
 fastest of ``--repeats`` runs, in nanoseconds per element and in passes of memory: one pass is an fp32 copy of
 the shard (``out.copy_(values)``: 4 bytes read and 4 written per element), timed the same way. Writes
 benchmarks/results/codec_cost.md.
@@ -62,11 +64,17 @@ def main(argv=None) -> int:
     rows = []
     for signed, use in ((True, "gradients' reduce-scatter"), (False, "parameters' all-gather")):
         blocks = ShardBlocks.of(edges, n, world, 1, signed=signed)
-        payload = blocks.encode(values)
+        published = values - torch.rand(n) * 1e-3  # the all-gather sends the step from these to the master
+        payload = blocks.encode(values, minus=None if signed else published)
         total = torch.zeros(n)
-        timed = [("encode", lambda: blocks.encode(values, out=payload)), ("decode", lambda: blocks.decoded(payload))]
         if signed:
-            timed.append(("decode and add", lambda: blocks.accumulate(payload, total)))
+            timed = [("encode", lambda: blocks.encode(values, out=payload)),
+                     ("decode and add (the owner's sum)", lambda: blocks.accumulate(payload, total))]
+        else:
+            gathered, parameters = payload.repeat(world), torch.zeros(world * n)
+            timed = [("encode the step from the published parameters",
+                      lambda: blocks.encode(values, out=payload, minus=published)),
+                     ("decode and add (to the parameters)", lambda: blocks.add_decoded(gathered, parameters, [1]))]
         for name, function in timed:
             seconds = fastest(function, args.repeats)
             rows.append((f"{'symmetric' if signed else 'affine'} ({use})", name, seconds))

@@ -67,7 +67,8 @@ class PayloadBlocks(Protocol):
     def encode(self, values: torch.Tensor, rank: Optional[int] = None,
                out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
-    def decoded(self, payload: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor: ...
+    def decoded(self, payload: torch.Tensor, rank: Optional[int] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
     def accumulate(self, payload: torch.Tensor, total: torch.Tensor, rank: Optional[int] = None) -> None: ...
 
@@ -160,7 +161,7 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: 
         return reduce_scatter(output, input, group, timeout, tag)
     works, lent, sent, received = _send_payloads(input, blocks, group, tag)
     return Pending(works, "gradient reduce-scatter (8-bit)", timeout,
-                   finish=lambda: output.copy_(_summed(input, received, blocks, group)), buffers=(sent, received),
+                   finish=lambda: _summed(input, received, blocks, group, output), buffers=(sent, received),
                    lent=lent, on_stream=input.device.type != "cpu")
 
 
@@ -175,16 +176,18 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, tim
     name = "gradient shard all-reduce across replicas (8-bit)"
     if world == 1:  # the sum is the tensor
         return Pending([], name, timeout)
-    padded = torch.zeros(world * n, dtype=torch.float32, device=tensor.device)
+    padded = torch.empty(world * n, dtype=torch.float32, device=tensor.device)
     padded[:tensor.numel()].copy_(tensor)
+    padded[tensor.numel():].zero_()
     works, lent, sent, received = _send_payloads(padded, blocks, group, tag)
 
     def gather_sums():
         payloads = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
         own = blocks.encode(_summed(padded, received, blocks, group), out=payloads[rank * size:(rank + 1) * size])
         all_gather(payloads, own, group, timeout, tag, name).wait()
-        values = torch.cat([blocks.decoded(payloads[r * size:(r + 1) * size], r) for r in range(world)])
-        tensor.copy_(values[:tensor.numel()])
+        for r, values in enumerate(padded.view(world, n)):  # (the sums are taken: padded is free)
+            blocks.decoded(payloads[r * size:(r + 1) * size], r, out=values)
+        tensor.copy_(padded[:tensor.numel()])
     return Pending(works, name, timeout, finish=gather_sums, buffers=(padded, sent, received), lent=lent,
                    on_stream=tensor.device.type != "cpu")
 
@@ -195,7 +198,8 @@ def _send_payloads(input: torch.Tensor, blocks: PayloadBlocks, group, tag: int) 
     sent and received (``(world_size, payload_bytes)`` uint8, row r: to / from rank r)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = input.view(world, -1)
-    sent = torch.zeros(world, blocks.payload_bytes, dtype=torch.uint8, device=input.device)
+    sent = torch.empty(world, blocks.payload_bytes, dtype=torch.uint8, device=input.device)
+    sent[rank].zero_()  # (sent to itself by a native all-to-all, never read)
     for owner in range(world):
         if owner != rank:
             blocks.encode(pieces[owner], owner, out=sent[owner])
@@ -208,15 +212,20 @@ def _send_payloads(input: torch.Tensor, blocks: PayloadBlocks, group, tag: int) 
     return works, (), sent, received
 
 
-def _summed(input: torch.Tensor, received: torch.Tensor, blocks: PayloadBlocks, group) -> torch.Tensor:
-    """This rank's piece of ``input`` plus every other rank's decoded payload in ``received``: fp32, in rank
-    order (``input`` stays untouched)."""
+def _summed(input: torch.Tensor, received: torch.Tensor, blocks: PayloadBlocks, group,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's piece of ``input`` plus every other rank's decoded payload in ``received``, summed in fp32 in
+    rank order (``input`` stays untouched), into ``out`` (then its dtype) or a new fp32 tensor."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    total = input.view(world, -1)[rank].to(torch.float32, copy=True)
+    own = input.view(world, -1)[rank]
+    in_place = out is not None and out.dtype == torch.float32
+    total = out.copy_(own) if in_place else own.to(torch.float32, copy=True)
     for sender in range(world):
         if sender != rank:
             blocks.accumulate(received[sender], total)
-    return total
+    if out is not None and not in_place:
+        out.copy_(total)
+    return total if out is None else out
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,

@@ -121,11 +121,14 @@ class InFlightGathers:
     def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the gathers of ``buckets`` (default: all), in bucket order."""
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
-        for index in chosen:
-            pending = self._pending[index].pending
-            pending.wait()  # (kept if it raised: every later read raises again)
-            if pending.done:  # (not for a read inside the wait's own finish: the outer wait takes it off)
-                self._pending.pop(index)
+        # a landing is zeroimpl's own work on its own buffers (an 8-bit gather's decoding: thousands of operations
+        # per bucket), which the guards need not see
+        with guards_lifted() if chosen else contextlib.nullcontext():
+            for index in chosen:
+                pending = self._pending[index].pending
+                pending.wait()  # (kept if it raised: every later read raises again)
+                if pending.done:  # (not for a read inside the wait's own finish: the outer wait takes it off)
+                    self._pending.pop(index)
         if chosen and self._streams:
             # on CUDA the wait is the current stream's; a read on a side stream (an EMA on its own stream) must
             # order the streams of the training loop too, which run the next forward and no longer wait for

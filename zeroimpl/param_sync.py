@@ -168,8 +168,7 @@ class ParamSync:
         gathered = torch.empty(len(blocks.segments) * size, dtype=torch.uint8, device=storage.param_buffer.device)
         # on the parameters' device: a host master (offload) crosses as it would unquantized, queued on the stream
         master = storage.master.to(storage.published.device, non_blocking=True)
-        own = blocks.encode(master - storage.published.to(master.dtype),
-                            out=gathered[blocks.rank * size:(blocks.rank + 1) * size])
+        own = blocks.encode(master, minus=storage.published, out=gathered[blocks.rank * size:(blocks.rank + 1) * size])
         parameters = storage.param_buffer.data
 
         def land() -> None:

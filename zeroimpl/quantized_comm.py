@@ -44,7 +44,7 @@ import torch
 from .layout import ShardLayout
 
 BLOCK = 256
-CHUNK = 256 * BLOCK  # elements quantized or decoded at a time on the CPU: their temporaries stay in cache
+CHUNK = 1 << 20  # elements encoded or decoded at a time on the CPU (4 MB of fp32 scratch): the passes over a chunk
 _LEVELS = 255.0
 _SIGNED_LEVELS = 127.0
 _TINY = torch.finfo(torch.float32).tiny
@@ -150,70 +150,83 @@ class ShardBlocks:
             self.plans[key] = cpu.on(device)
         return self.plans[key]
 
-    def encode(self, values: torch.Tensor, rank: Optional[int] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def encode(self, values: torch.Tensor, rank: Optional[int] = None, out: Optional[torch.Tensor] = None,
+               minus: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The payload of ``values`` (1-D, ``shard_numel`` elements of any float dtype) on ``rank``'s blocks
-        (default: this rank's): its master shard for the all-gather, or its piece of rank r's gradient shard for
-        the reduce-scatter. Written into ``out`` (``payload_bytes`` uint8, e.g. this rank's slice of a gather's
-        buffer), or a new uint8 tensor on ``values``' device."""
+        (default: this rank's): its piece of rank r's gradient shard for the reduce-scatter, or -- ``minus``: the
+        parameters as last published -- the step from them to the master for the all-gather, ``values - minus``
+        taken a chunk at a time. Written into ``out`` (``payload_bytes`` uint8, e.g. this rank's slice of a
+        gather's buffer), or a new uint8 tensor on ``values``' device.
+
+        Each chunk of whole blocks is read once from memory: its ranges, then its codes, from a scratch buffer
+        in cache (on the CPU)."""
         rank = self.rank if rank is None else rank
         device, n = values.device, self.shard_numel
-        plan, on_cpu = self._plan(rank, device), values.device.type == "cpu"
-        values = values.float()  # (itself when fp32)
-        low, high = torch.empty(plan.blocks, device=device), torch.empty(plan.blocks, device=device)
-        for start, count, block in plan.runs:  # (amin and amax: torch.aminmax along rows is 10x slower on CPU)
-            rows, blocks = values[start:start + count].view(-1, BLOCK), slice(block, block + count // BLOCK)
-            torch.amin(rows, dim=1, out=low[blocks])
-            torch.amax(rows, dim=1, out=high[blocks])
-        tails = values[plan.tail_source].view(-1, BLOCK) if plan.tails else None
-        if tails is not None:
-            low.index_copy_(0, plan.tail_blocks, tails.amin(dim=1))
-            high.index_copy_(0, plan.tail_blocks, tails.amax(dim=1))
-        if self.signed:
-            step = torch.maximum(high, low.neg_()).div_(_SIGNED_LEVELS)
-            ranges, low, dtype = step, None, torch.int8
-        else:
-            step = (high - low).div_(_LEVELS)
-            ranges, dtype = torch.stack([low, step], dim=1), torch.uint8
-        inverse = torch.where(step >= _TINY, 1 / step, 0.0)  # a constant block (or nearly): one code
+        plan, on_cpu = self._plan(rank, device), device.type == "cpu"
+        width, dtype = (1, torch.int8) if self.signed else (2, torch.uint8)
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=device) if out is None else out
-        payload[n + 4 * ranges.numel():].zero_()  # (alignment bytes: sent, never read)
-        payload[n:n + 4 * ranges.numel()].view(torch.float32).copy_(ranges.view(-1))
+        payload[n + 4 * width * plan.blocks:].zero_()  # (alignment bytes: sent, never read)
+        ranges = payload[n:n + 4 * width * plan.blocks].view(torch.float32).view(-1, width)
         codes = payload[:n].view(dtype)
         scratch = torch.empty(min(CHUNK, n), device=device) if on_cpu else None
+        tails = _difference(values[plan.tail_source], None if minus is None else minus[plan.tail_source], None)
         for start, count, block in plan.chunks(on_cpu):
-            blocks = slice(block, block + count // BLOCK)
-            _quantize(values[start:start + count].view(-1, BLOCK), None if low is None else low[blocks, None],
-                      inverse[blocks, None], codes[start:start + count],
-                      None if scratch is None else scratch[:count].view(-1, BLOCK))
-        if tails is not None:
-            tail_codes = torch.empty(tails.numel(), dtype=dtype, device=device)
-            _quantize(tails, None if low is None else low[plan.tail_blocks, None], inverse[plan.tail_blocks, None],
-                      tail_codes, None)
+            rows = _difference(values[start:start + count], None if minus is None else minus[start:start + count],
+                               None if scratch is None else scratch[:count])
+            self._encode_rows(rows.view(-1, BLOCK), ranges[block:block + count // BLOCK], codes[start:start + count],
+                              None if scratch is None else scratch[:count].view(-1, BLOCK))
+        if plan.tails:
+            tail_ranges, tail_codes = torch.empty(len(plan.tails), width, device=device), torch.empty_like(tails,
+                                                                                                      dtype=dtype)
+            self._encode_rows(tails.view(-1, BLOCK), tail_ranges, tail_codes, None)
+            ranges.index_copy_(0, plan.tail_blocks, tail_ranges)
             codes.index_copy_(0, plan.tail_elements, tail_codes[plan.tail_slots])
         return payload
+
+    def _encode_rows(self, rows: torch.Tensor, ranges: torch.Tensor, codes: torch.Tensor,
+                     scratch: Optional[torch.Tensor]) -> None:
+        """Blocks ``rows`` (``(k, BLOCK)`` fp32) -> their ``ranges`` (``(k, 1)`` steps or ``(k, 2)`` minimum and
+        step) and ``codes`` (``k * BLOCK``, int8 or uint8); ``scratch`` (``rows``' shape, may be ``rows``): where
+        the scaled values go. In finite arithmetic the codes need no clamping: ``rows - low`` is at most the
+        block's range and the inverse step its levels over it, so the product rounds to at most the top level.
+        (amin and amax, not aminmax: along rows that is 10x slower on the CPU.)"""
+        low, high = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
+        if self.signed:
+            step = torch.maximum(high, low.neg_()).div_(_SIGNED_LEVELS)
+            ranges.copy_(step)
+            scaled = rows
+        else:
+            step = (high - low).div_(_LEVELS)
+            ranges[:, :1].copy_(low)
+            ranges[:, 1:].copy_(step)
+            scaled = torch.sub(rows, low, out=scratch)
+        inverse = torch.where(step >= _TINY, 1 / step, 0.0)  # a constant block (or nearly): one code
+        codes.copy_(torch.mul(scaled, inverse, out=scratch).round_().view(-1))
 
     def add_decoded(self, gathered: torch.Tensor, out: torch.Tensor, ranks: Optional[range] = None) -> None:
         """Add each rank's decoded payload in ``gathered`` to its shard of ``out`` (the bucket's parameter
         buffer), in fp32 (or ``out``'s wider dtype), then ``out``'s dtype: the ranks of ``ranks`` (default: all),
-        one at a time, each shard written only after its sum is computed (one that raises leaves it as it was)."""
+        one at a time, each shard written only once everything its sum needs is allocated (one that raises
+        leaves it as it was)."""
         n, dtype = self.shard_numel, torch.promote_types(out.dtype, torch.float32)
         payloads, shards = gathered.view(-1, self.payload_bytes), out.view(-1, n)
         for rank in range(len(shards)) if ranks is None else ranks:
-            decoded = self.decoded(payloads[rank], rank)
-            if shards[rank].dtype == torch.float32:
-                shards[rank].add_(decoded)
+            if shards[rank].dtype == torch.float32:  # in place, a chunk at a time
+                self.accumulate(payloads[rank], shards[rank], rank)
             else:
-                shards[rank].copy_(shards[rank].to(dtype) + decoded)
+                shards[rank].copy_(shards[rank].to(dtype) + self.decoded(payloads[rank], rank))
 
-    def decoded(self, payload: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor:
-        """The values of ``payload``, encoded on ``rank``'s blocks (default: this rank's): fp32, 1-D."""
-        values = torch.empty(self.shard_numel, dtype=torch.float32, device=payload.device)
+    def decoded(self, payload: torch.Tensor, rank: Optional[int] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The values of ``payload``, encoded on ``rank``'s blocks (default: this rank's): fp32, 1-D, written into
+        ``out`` (``shard_numel`` fp32) when given."""
+        values = torch.empty(self.shard_numel, dtype=torch.float32, device=payload.device) if out is None else out
         self._decode(payload, rank, values, accumulate=False)
         return values
 
     def accumulate(self, payload: torch.Tensor, total: torch.Tensor, rank: Optional[int] = None) -> None:
-        """``total += `` the values of ``payload`` (as :meth:`decoded`), ``total`` fp32 (1-D, ``shard_numel``)."""
+        """``total += `` the values of ``payload`` (as :meth:`decoded` gives them, then added), ``total`` fp32
+        (1-D, ``shard_numel``). Everything it needs is allocated before ``total`` is first written."""
         self._decode(payload, rank, total, accumulate=True)
 
     def _decode(self, payload: torch.Tensor, rank: Optional[int], into: torch.Tensor, accumulate: bool) -> None:
@@ -225,30 +238,31 @@ class ShardBlocks:
         low, step = (None, ranges) if self.signed else (ranges[:, :1], ranges[:, 1:])
         codes = payload[:n].view(torch.int8 if self.signed else torch.uint8)
         scratch = torch.empty(min(CHUNK, n), device=device) if on_cpu else None
+        tail_values = None
+        if plan.tails:
+            rows, tail_values = plan.tail_rows, torch.empty(len(plan.tail_elements), device=device)
+            _dequantize(codes[plan.tail_elements], None if low is None else low[rows, 0], step[rows, 0], tail_values,
+                        False, None)
         for start, count, block in plan.chunks(on_cpu):
             blocks = slice(block, block + count // BLOCK)
             target = into[start:start + count].view(-1, BLOCK)
             _dequantize(codes[start:start + count].view(-1, BLOCK), None if low is None else low[blocks],
                         step[blocks], target, accumulate, None if scratch is None else scratch[:count].view(-1, BLOCK))
-        if plan.tails:
-            tail_codes = codes[plan.tail_elements]
-            tail_values = torch.empty(tail_codes.numel(), device=device)
-            rows = plan.tail_rows
-            _dequantize(tail_codes, None if low is None else low[rows, 0], step[rows, 0], tail_values, False, None)
+        if tail_values is not None:
             if accumulate:
                 into.index_add_(0, plan.tail_elements, tail_values)
             else:
                 into.index_copy_(0, plan.tail_elements, tail_values)
 
 
-def _quantize(values: torch.Tensor, low: Optional[torch.Tensor], inverse: torch.Tensor, codes: torch.Tensor,
-              scratch: Optional[torch.Tensor]) -> None:
-    """``codes`` (1-D, int8 or uint8) = round((values - low) * inverse), the blocks' rows of ``values``; in finite
-    arithmetic within [0, 255] (affine) or [-127, 127] (signed) without clamping: ``values - low`` is at most the
-    block's range and ``inverse`` its levels over it, so the product rounds to at most the top level."""
-    scaled = torch.sub(values, low, out=scratch) if low is not None else None
-    scaled = torch.mul(values if scaled is None else scaled, inverse, out=scratch if low is None else scaled)
-    codes.copy_(scaled.round_().view(-1))
+def _difference(values: torch.Tensor, minus: Optional[torch.Tensor], scratch: Optional[torch.Tensor]) -> torch.Tensor:
+    """``values - minus`` (``values`` without ``minus``) in fp32: in ``scratch`` when given and needed, else
+    ``values`` itself when it is fp32, else a new tensor."""
+    if minus is not None:
+        return torch.sub(values, minus, out=scratch) if scratch is not None else torch.sub(values, minus).float()
+    if values.dtype == torch.float32:
+        return values
+    return scratch.copy_(values) if scratch is not None else values.float()
 
 
 def _dequantize(codes: torch.Tensor, low: Optional[torch.Tensor], step: torch.Tensor, into: torch.Tensor,
