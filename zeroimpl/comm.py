@@ -176,18 +176,24 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, tim
     name = "gradient shard all-reduce across replicas (8-bit)"
     if world == 1:  # the sum is the tensor
         return Pending([], name, timeout)
-    padded = torch.empty(world * n, dtype=torch.float32, device=tensor.device)
-    padded[:tensor.numel()].copy_(tensor)
-    padded[tensor.numel():].zero_()
+    if tensor.numel() == world * n and tensor.dtype == torch.float32 and tensor.is_contiguous():
+        padded = tensor  # in place: no copy in, none out
+    else:
+        padded = torch.empty(world * n, dtype=torch.float32, device=tensor.device)
+        padded[:tensor.numel()].copy_(tensor)
+        padded[tensor.numel():].zero_()
     works, lent, sent, received = _send_payloads(padded, blocks, group, tag)
 
     def gather_sums():
         payloads = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
-        own = blocks.encode(_summed(padded, received, blocks, group), out=payloads[rank * size:(rank + 1) * size])
+        mine = padded.view(world, n)[rank]
+        _summed(padded, received, blocks, group, out=mine)  # (the pieces sent are encoded: padded is free)
+        own = blocks.encode(mine, out=payloads[rank * size:(rank + 1) * size])
         all_gather(payloads, own, group, timeout, tag, name).wait()
-        for r, values in enumerate(padded.view(world, n)):  # (the sums are taken: padded is free)
+        for r, values in enumerate(padded.view(world, n)):
             blocks.decoded(payloads[r * size:(r + 1) * size], r, out=values)
-        tensor.copy_(padded[:tensor.numel()])
+        if padded is not tensor:
+            tensor.copy_(padded[:tensor.numel()])
     return Pending(works, name, timeout, finish=gather_sums, buffers=(padded, sent, received), lent=lent,
                    on_stream=tensor.device.type != "cpu")
 
@@ -219,7 +225,10 @@ def _summed(input: torch.Tensor, received: torch.Tensor, blocks: PayloadBlocks, 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     own = input.view(world, -1)[rank]
     in_place = out is not None and out.dtype == torch.float32
-    total = out.copy_(own) if in_place else own.to(torch.float32, copy=True)
+    if in_place:
+        total = out if out.data_ptr() == own.data_ptr() else out.copy_(own)
+    else:
+        total = own.to(torch.float32, copy=True)
     for sender in range(world):
         if sender != rank:
             blocks.accumulate(received[sender], total)
