@@ -103,6 +103,72 @@ def test_a_block_of_a_tiny_range_comes_back_as_its_minimum_and_an_unusable_align
         ShardedOptimizer([torch.nn.Parameter(torch.ones(4))], torch.optim.AdamW, quantize_grad_reduce="nodes")
 
 
+def _reference_payload(values: torch.Tensor, lengths, signed: bool, payload_bytes: int) -> torch.Tensor:
+    """The payload as the module docstring defines it, computed block by block: each segment of ``lengths`` cut
+    into blocks of 256 from its start; per block its codes, and its range (step; or minimum and step)."""
+    codes, ranges, first = [], [], 0
+    for length in lengths:
+        for start in range(first, first + length, 256):
+            block = values[start:min(start + 256, first + length)]
+            if signed:
+                low, step = torch.tensor(0.0), block.abs().max() / 127
+                ranges.append(step.view(1))
+            else:
+                low, step = block.min(), (block.max() - block.min()) / 255
+                ranges.append(torch.stack([low, step]))
+            inverse = 1 / step if step >= torch.finfo(torch.float32).tiny else torch.tensor(0.0)
+            codes.append(((block - low) * inverse).round().to(torch.int8 if signed else torch.uint8).view(torch.uint8))
+        first += length
+    payload = torch.zeros(payload_bytes, dtype=torch.uint8)
+    range_bytes = torch.cat(ranges).view(torch.uint8)
+    payload[:first], payload[first:first + range_bytes.numel()] = torch.cat(codes), range_bytes
+    return payload
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["affine", "symmetric"])
+def test_a_shard_of_several_chunks_encodes_and_decodes_as_block_by_block(signed):
+    """The codec works on stretches of whole blocks, a chunk (``quantized_comm.CHUNK`` elements) at a time, and on
+    all short last blocks at once: over a shard of 2.3 chunks whose parameters' boundaries fall mid-block,
+    mid-chunk and at a chunk's edge, its payload is bitwise the block-by-block definition's, and decoding gives
+    each element its own block's ``low + code * step``: assigned, or added to a total (the value rounded to fp32,
+    then added)."""
+    chunk = quantized_comm.CHUNK
+    n = 2 * chunk + 300_000
+    edges = [0, 1000, 1000 + 77, chunk, chunk + 256 * 5, chunk + 256 * 5 + 3, 2 * chunk + 10, 2 * n, 3 * n]
+    torch.manual_seed(1)
+    blocks = quantized_comm.ShardBlocks.of(edges, n, 3, 1, signed=signed)
+    values = torch.randn(n) * torch.logspace(-3, 1, n)
+    published = values - torch.randn(n) * 1e-3  # the all-gather's step from these
+    step = values - published
+    expected = _reference_payload(step if not signed else values, blocks.segments[1], signed, blocks.payload_bytes)
+    payload = blocks.encode(values, minus=None if signed else published)
+    assert torch.equal(payload, expected)
+    # decoding: per element low + code * step of its block (as torch.addcmul rounds it)
+    low, step_size = _reference_ranges(expected, blocks.segments[1], signed, n)
+    codes = expected[:n].view(torch.int8 if signed else torch.uint8).float()
+    decoded = codes * step_size if signed else torch.addcmul(low, codes, step_size)
+    assert torch.equal(blocks.decoded(payload), decoded)
+    total = torch.randn(n)
+    summed = total + decoded
+    blocks.accumulate(payload, total)
+    assert torch.equal(total, summed)
+
+
+def _reference_ranges(payload: torch.Tensor, lengths, signed: bool, n: int) -> tuple:
+    """Per element, its block's minimum (0 for symmetric codes) and step, read from ``payload``."""
+    width = 1 if signed else 2
+    ranges, low, step, first, block = payload[n:].clone().view(torch.float32), torch.zeros(n), torch.zeros(n), 0, 0
+    for length in lengths:
+        for start in range(first, first + length, 256):
+            end = min(start + 256, first + length)
+            if not signed:
+                low[start:end] = ranges[width * block]
+            step[start:end] = ranges[width * block + width - 1]
+            block += 1
+        first += length
+    return low, step
+
+
 PARAMS, GRADS = {"quantize_param_gather": True}, {"quantize_grad_reduce": True}
 
 
