@@ -8,10 +8,11 @@ all-gather, the ring minimum):
 * ``pairwise`` -- N - 1 point-to-point exchanges, in step k sending to rank ``r + k`` and receiving from
   ``r - k`` (mod N), all posted at once and then waited for; a reduce-scatter then sums the N
   pieces of its shard locally (fixed order: own piece, then ``r - 1``, ``r - 2``, ...; at N = 2 the one
-  sum ``own + other`` equals the native sum bitwise). The default on gloo, whose native reduce-scatter and
+  sum ``own + other`` equals the native sum bitwise). The piece from ``r - 1`` is received into the output
+  itself, which saves a shard-sized buffer (fresh memory, whose page faults cost more on the CPU than the sum). The default on gloo, whose native reduce-scatter and
   all-gather cost 1.2x and 0.65x its all-reduce of the same 4M-element buckets on 2 ranks, pairwise
   0.85x and 0.5x (``benchmarks/results/collectives-gloo.md``). A pairwise reduce-scatter holds a receive
-  buffer of ``(N - 1) / N`` of its bucket until its wait.
+  buffer of ``(N - 2) / N`` of its bucket until its wait.
 
 :func:`reduce_scatter_quantized` sends 8-bit payloads instead (``quantize_grad_reduce=True``): an all-to-all,
 ``all_to_all_single`` natively, else the same pairwise exchange, each rank summing what it received in fp32.
@@ -141,12 +142,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         return Pending([launch(*lent, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout, lent=lent,
                        on_stream=on_stream)
     pieces = input.view(world, -1)
-    received = torch.empty(world - 1, output.numel(), dtype=input.dtype, device=input.device)
-    works = _exchange([pieces[(rank + k) % world] for k in range(1, world)], list(received), group, 2 * tag)
+    # rank r - 1's piece lands in ``output`` itself (own + it is it + own, bitwise), the others beside it
+    received = torch.empty(world - 2, output.numel(), dtype=input.dtype, device=input.device)
+    works = _exchange([pieces[(rank + k) % world] for k in range(1, world)], [output, *received], group, 2 * tag)
 
     def add_pieces():
-        torch.add(pieces[rank], received[0], out=output)
-        for piece in received[1:]:
+        output.add_(pieces[rank])
+        for piece in received:
             output.add_(piece)
     return Pending(works, name, timeout, finish=add_pieces, buffers=(received,), on_stream=on_stream)
 
