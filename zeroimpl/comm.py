@@ -9,7 +9,8 @@ all-gather, the ring minimum):
   ``r - k`` (mod N), all posted at once and then waited for; a reduce-scatter then sums the N
   pieces of its shard locally (fixed order: own piece, then ``r - 1``, ``r - 2``, ...; at N = 2 the one
   sum ``own + other`` equals the native sum bitwise). The piece from ``r - 1`` is received into the output
-  itself, which saves a shard-sized buffer (fresh memory, whose page faults cost more on the CPU than the sum). The default on gloo, whose native reduce-scatter and
+  itself, which saves a shard-sized buffer (fresh memory, whose page faults cost more on the CPU than the
+  sum). The default on gloo, whose native reduce-scatter and
   all-gather cost 1.2x and 0.65x its all-reduce of the same 4M-element buckets on 2 ranks, pairwise
   0.85x and 0.5x (``benchmarks/results/collectives-gloo.md``). A pairwise reduce-scatter holds a receive
   buffer of ``(N - 2) / N`` of its bucket until its wait.
@@ -142,13 +143,19 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         return Pending([launch(*lent, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout, lent=lent,
                        on_stream=on_stream)
     pieces = input.view(world, -1)
-    # rank r - 1's piece lands in ``output`` itself (own + it is it + own, bitwise), the others beside it
-    received = torch.empty(world - 2, output.numel(), dtype=input.dtype, device=input.device)
-    works = _exchange([pieces[(rank + k) % world] for k in range(1, world)], [output, *received], group, 2 * tag)
+    # rank r - 1's piece lands in ``output`` itself (own + it is it + own, bitwise), the others beside it; an
+    # output that cannot take it (another dtype, not contiguous, or over ``input``) gets all of them beside it
+    direct = output.dtype == input.dtype and output.is_contiguous() and not _overlap(output, input)
+    received = torch.empty(world - 1 - direct, output.numel(), dtype=input.dtype, device=input.device)
+    works = _exchange([pieces[(rank + k) % world] for k in range(1, world)],
+                      [output, *received] if direct else list(received), group, 2 * tag)
 
     def add_pieces():
-        output.add_(pieces[rank])
-        for piece in received:
+        if direct:
+            output.add_(pieces[rank])
+        else:
+            torch.add(pieces[rank], received[0], out=output)
+        for piece in received[0 if direct else 1:]:
             output.add_(piece)
     return Pending(works, name, timeout, finish=add_pieces, buffers=(received,), on_stream=on_stream)
 
@@ -173,7 +180,7 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, tim
     pieces (as :func:`reduce_scatter_quantized`, ``blocks.shard_numel`` elements each, ``tensor`` zero-padded to
     ``world_size`` of them), then, at the wait, an all-gather of each owner's fp32 sum as a payload on its
     ``blocks``, which every rank -- the owner too -- decodes into ``tensor``, so that all ranks hold the same
-    values."""
+    values. ``tensor`` must stay untouched until the wait, which works in it (when it needs no padding)."""
     world, rank, n, size = dist.get_world_size(group), dist.get_rank(group), blocks.shard_numel, blocks.payload_bytes
     name = "gradient shard all-reduce across replicas (8-bit)"
     if world == 1:  # the sum is the tensor
@@ -330,6 +337,12 @@ def all_gather_objects(value, group, timeout: Optional[float] = None, name: str 
     all_gather(gathered, padded, group, timeout, name=name).wait_on_host()
     rows = gathered.view(world, longest).cpu()
     return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (contiguous) meet."""
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
 
 
 def _aliases(*tensors: torch.Tensor) -> tuple:

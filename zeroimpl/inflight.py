@@ -127,7 +127,7 @@ class InFlightGathers:
             for index in chosen:
                 pending = self._pending[index].pending
                 pending.wait()  # (kept if it raised: every later read raises again)
-                if pending.done:  # (not for a read inside the wait's own finish: the outer wait takes it off)
+                if pending.done:  # (not when this wait re-entered itself from its own landing: the outer one pops it)
                     self._pending.pop(index)
         if chosen and self._streams:
             # on CUDA the wait is the current stream's; a read on a side stream (an EMA on its own stream) must

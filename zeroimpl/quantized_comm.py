@@ -44,7 +44,9 @@ import torch
 from .layout import ShardLayout
 
 BLOCK = 256
-CHUNK = 1 << 20  # elements encoded or decoded at a time on the CPU (4 MB of fp32 scratch): the passes over a chunk
+# elements encoded or decoded at a time on the CPU: a chunk's passes (its ranges, then its codes) run over 4 MB
+# of fp32 in cache, and the chunks are large enough that each operation's own overhead stays small
+CHUNK = 1 << 20
 _LEVELS = 255.0
 _SIGNED_LEVELS = 127.0
 _TINY = torch.finfo(torch.float32).tiny
@@ -158,8 +160,8 @@ class ShardBlocks:
         taken a chunk at a time. Written into ``out`` (``payload_bytes`` uint8, e.g. this rank's slice of a
         gather's buffer), or a new uint8 tensor on ``values``' device.
 
-        Each chunk of whole blocks is read once from memory: its ranges, then its codes, from a scratch buffer
-        in cache (on the CPU)."""
+        On the CPU a chunk of whole blocks at a time: its difference, its ranges, then its codes, each pass over
+        the same few MB in cache."""
         rank = self.rank if rank is None else rank
         device, n = values.device, self.shard_numel
         plan, on_cpu = self._plan(rank, device), device.type == "cpu"
@@ -168,7 +170,7 @@ class ShardBlocks:
         payload[n + 4 * width * plan.blocks:].zero_()  # (alignment bytes: sent, never read)
         ranges = payload[n:n + 4 * width * plan.blocks].view(torch.float32).view(-1, width)
         codes = payload[:n].view(dtype)
-        scratch = torch.empty(min(CHUNK, n), device=device) if on_cpu else None
+        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32, device=device) if on_cpu else None
         tails = _difference(values[plan.tail_source], None if minus is None else minus[plan.tail_source], None)
         for start, count, block in plan.chunks(on_cpu):
             rows = _difference(values[start:start + count], None if minus is None else minus[start:start + count],
@@ -176,8 +178,8 @@ class ShardBlocks:
             self._encode_rows(rows.view(-1, BLOCK), ranges[block:block + count // BLOCK], codes[start:start + count],
                               None if scratch is None else scratch[:count].view(-1, BLOCK))
         if plan.tails:
-            tail_ranges, tail_codes = torch.empty(len(plan.tails), width, device=device), torch.empty_like(tails,
-                                                                                                      dtype=dtype)
+            tail_ranges = torch.empty(len(plan.tails), width, dtype=torch.float32, device=device)
+            tail_codes = torch.empty_like(tails, dtype=dtype)
             self._encode_rows(tails.view(-1, BLOCK), tail_ranges, tail_codes, None)
             ranges.index_copy_(0, plan.tail_blocks, tail_ranges)
             codes.index_copy_(0, plan.tail_elements, tail_codes[plan.tail_slots])
@@ -192,7 +194,8 @@ class ShardBlocks:
         (amin and amax, not aminmax: along rows that is 10x slower on the CPU.)"""
         low, high = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
         if self.signed:
-            step = torch.maximum(high, low.neg_()).div_(_SIGNED_LEVELS)
+            # (abs of both: the largest magnitude, +0 for a block of zeros, where maximum(high, -low) may be -0)
+            step = torch.maximum(high.abs_(), low.abs_()).div_(_SIGNED_LEVELS)
             ranges.copy_(step)
             scaled = rows
         else:
@@ -237,17 +240,21 @@ class ShardBlocks:
         ranges = payload[n:n + 4 * width * plan.blocks].clone().view(torch.float32).view(-1, width)  # (4-byte aligned)
         low, step = (None, ranges) if self.signed else (ranges[:, :1], ranges[:, 1:])
         codes = payload[:n].view(torch.int8 if self.signed else torch.uint8)
-        scratch = torch.empty(min(CHUNK, n), device=device) if on_cpu else None
+        # everything allocated before ``into`` is first written: a chunk's scratch (on an accelerator the largest
+        # run's), and the tails' values
+        largest = min(CHUNK, n) if on_cpu else max((count for _, count, _ in plan.runs), default=0)
+        scratch = torch.empty(largest, dtype=torch.float32, device=device)
         tail_values = None
         if plan.tails:
-            rows, tail_values = plan.tail_rows, torch.empty(len(plan.tail_elements), device=device)
+            rows = plan.tail_rows
+            tail_values = torch.empty(len(plan.tail_elements), dtype=torch.float32, device=device)
             _dequantize(codes[plan.tail_elements], None if low is None else low[rows, 0], step[rows, 0], tail_values,
                         False, None)
         for start, count, block in plan.chunks(on_cpu):
             blocks = slice(block, block + count // BLOCK)
             target = into[start:start + count].view(-1, BLOCK)
             _dequantize(codes[start:start + count].view(-1, BLOCK), None if low is None else low[blocks],
-                        step[blocks], target, accumulate, None if scratch is None else scratch[:count].view(-1, BLOCK))
+                        step[blocks], target, accumulate, scratch[:count].view(-1, BLOCK))
         if tail_values is not None:
             if accumulate:
                 into.index_add_(0, plan.tail_elements, tail_values)

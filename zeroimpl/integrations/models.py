@@ -25,10 +25,10 @@ SIZES = {  # (hidden, layers, heads, vocabulary, sequence length)
     "small": (128, 4, 4, 2048, 64),
     "base": (512, 8, 8, 8192, 128),
     "large": (768, 12, 12, 32000, 256),
-    "55m": (768, 6, 12, 16384, 128),
+    "55m": (768, 6, 12, 16384, 128),  # GPT-2 55M: what zeroimpl adds over the compute (benchmarks/overhead.py)
     # GPT-2 36.8M whose bytes are large against its compute (a tied 65536-word embedding, one layer, 16 tokens):
     # the link-bound workload of benchmarks/network.py
-    "link": (512, 1, 8, 65536, 16),  # GPT-2 55M: what zeroimpl adds over the compute (benchmarks/overhead.py)
+    "link": (512, 1, 8, 65536, 16),
     "350m": (1024, 24, 16, 32000, 512),  # GPT-2 0.34B: the GPU benchmark's comparison (benchmarks/gpu.py)
     "1b": (2048, 20, 16, 32000, 512),  # GPT-2 1.07B, LLaMA 0.89B: the GPU benchmark's (benchmarks/gpu.py)
 }
