@@ -154,6 +154,29 @@ def test_a_shard_of_several_chunks_encodes_and_decodes_as_block_by_block(signed)
     assert torch.equal(total, summed)
 
 
+def test_blocks_of_zeros_come_back_positive_zeros_whatever_the_default_dtype():
+    """Symmetric codes of a gradient with whole blocks of zeros (unused embedding rows): the steps and the decoded
+    values are +0.0 bit for bit (a vectorised maximum of +0 and -0 may give -0), and a float64 default dtype
+    changes nothing (the codec's buffers are fp32)."""
+    blocks = quantized_comm.ShardBlocks.of([0, 300, 20 * 256 + 300], 20 * 256 + 300, 1, 0, signed=True)
+    values = torch.zeros(blocks.shard_numel)
+    values[:300] = torch.linspace(-1, 1, 300)
+    expected = blocks.encode(values)
+    ranges = expected[blocks.shard_numel:].view(torch.float32)
+    assert not torch.signbit(ranges[2:]).any()
+    decoded = blocks.decoded(expected)
+    assert not torch.signbit(decoded[300:]).any()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        payload = blocks.encode(values)
+        total = torch.zeros(blocks.shard_numel, dtype=torch.float32)
+        blocks.accumulate(payload, total)
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(payload, expected) and torch.equal(total, decoded)
+
+
 def _reference_ranges(payload: torch.Tensor, lengths, signed: bool, n: int) -> tuple:
     """Per element, its block's minimum (0 for symmetric codes) and step, read from ``payload``."""
     width = 1 if signed else 2
