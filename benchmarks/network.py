@@ -6,6 +6,12 @@ hybrid, and each with its collectives across the link in 8 bits) cost when the l
     python benchmarks/network.py --sizes small --rates 1gbit --only ddp zeroimpl-2   # one cell
     python benchmarks/network.py --count-collectives      # also count each rank's bytes sent to the other node
     python benchmarks/network.py --collectives 8000000    # time each collective across the link instead
+    python benchmarks/network.py --sizes link --micro-batch 1 --rates 1gbit 10gbit none --report link-bound
+
+The last is the link-bound workload (issue 47): GPT-2 with one layer, hidden 512 and a tied 65536-word
+embedding (36.8M parameters, a dense embedding gradient), 1 x 16 tokens per rank, so that the bytes each step
+moves are large against its compute; ``none`` is the same pair of namespaces with the veth unshaped (no tc),
+which shows how far the step is from compute-bound. It writes ``link-bound.json`` and ``link-bound.md``.
 
 The simulation (root and iproute2 needed: ``apt-get install iproute2``; it says so and exits without them)::
 
@@ -13,6 +19,7 @@ The simulation (root and iproute2 needed: ``apt-get install iproute2``; it says 
     node 0: torchrun agent, ranks 0 and 1         node 1: torchrun agent, ranks 2 and 3
     veth <prefix>a 10.77.0.1/24  <-- link -->  veth <prefix>b 10.77.0.2/24
     tc on each end: tbf rate R (and netem delay D, where the kernel has netem), shaping what that end sends
+                  (rate ``none``: no tc at all, the veth pair as fast as the kernel copies)
 
 Each namespace runs one ``torchrun --nnodes 2 --node_rank i`` agent (static rendezvous on node 0's address) and
 its ranks bind gloo to their end of the veth pair (``GLOO_SOCKET_IFNAME``): the ranks of one node reach each
@@ -51,6 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES, RANKS_PER_NODE = 2, 2
 SUBNET = "10.77.0"  # node i has address SUBNET.(i + 1)
 MASTER_PORT = 29517
+UNSHAPED = "none"  # a rate: the veth pair without tc
 IMPLEMENTATIONS = ("ddp", "deepspeed-2", "zeroimpl-2", "zeroimpl-2-hybrid", "zeroimpl-2-int8",
                    "zeroimpl-2-hybrid-int8")
 
@@ -89,7 +97,7 @@ def _run(*command: str) -> None:
 class Link:
     """Two namespaces joined by a shaped veth pair (see the module docstring); use as a context manager."""
 
-    rate: str  # tc's spelling: "1gbit", "10gbit"
+    rate: str  # tc's spelling: "1gbit", "10gbit"; "none": unshaped
     delay_ms: float = 0.0  # one way, each direction (netem); 0: none
     prefix: str = f"zi{os.getpid() % 100000}"  # short: interface names have at most 15 characters
 
@@ -114,6 +122,8 @@ class Link:
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev)
                 _run("ip", "-n", ns, "link", "set", dev, "up")
                 tbf = ["tbf", "rate", self.rate, "burst", "512kb", "latency", "100ms"]
+                if self.rate == UNSHAPED:
+                    continue
                 if self.delay_ms:
                     _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
                          f"{self.delay_ms}ms")
@@ -139,6 +149,17 @@ class Link:
                 time.sleep(0.1)
             # deleting a namespace deletes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def bits_per_second(rate: str) -> float | None:
+    """tc's rate spelling ("1gbit", "100mbit", "10gbit") in bits per second; None for ``none`` (unshaped)."""
+    if rate == UNSHAPED:
+        return None
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise ValueError(f"rate {rate!r}: write it as tc does, e.g. 1gbit, 100mbit, or {UNSHAPED!r}")
 
 
 def link_bytes(device: str) -> int:
@@ -174,6 +195,7 @@ class Cell:
     size: str
     rate: str
     delay_ms: float
+    micro_batch: int  # sequences per rank and step
     median_step_seconds: float
     link_bytes_per_step: float  # both directions, timed steps only
     final_loss: float  # the last step's micro-batch losses, mean over ranks
@@ -223,11 +245,11 @@ def run_on_nodes(link: Link, script: list[str], env: dict, timeout: float = 900.
 
 
 def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_collectives: bool,
-             workdir: str) -> Cell:
-    """Train ``key`` on GPT-2 ``size`` across the two nodes of ``link``."""
+             workdir: str, micro_batch: int = 4) -> Cell:
+    """Train ``key`` on GPT-2 ``size`` across the two nodes of ``link``, ``micro_batch`` sequences per rank."""
     out = os.path.join(workdir, f"{key}-{size}-{link.rate}.json")
     run_on_nodes(link, [os.path.abspath(__file__), "worker", key, size, str(steps), str(warmup), out,
-                        *(["--count-collectives"] if count_collectives else [])],
+                        str(micro_batch), *(["--count-collectives"] if count_collectives else [])],
                  implementation(key).environment("cpu"))
     ranks = json.load(open(out))
     os.remove(out)
@@ -239,7 +261,7 @@ def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_col
         counted = sum(numel * getattr(torch, dtype.removeprefix("torch.")).itemsize
                       for rank, r in enumerate(ranks) for calls in r["collectives"] for name, numel, dtype, peer in calls
                       if name == "isend" and peer // RANKS_PER_NODE != rank // RANKS_PER_NODE) / (steps - warmup)
-    return Cell(key, size, link.rate, link.delay_ms,
+    return Cell(key, size, link.rate, link.delay_ms, micro_batch,
                 median_step_seconds=statistics.median(t for r in ranks for t in r["step_seconds"]),
                 link_bytes_per_step=statistics.median(crossings) / (steps - warmup),
                 final_loss=statistics.mean(statistics.mean(r["losses"][-(len(r["losses"]) // steps):]) for r in ranks),
@@ -247,20 +269,22 @@ def run_cell(link: Link, key: str, size: str, steps: int, warmup: int, count_col
                 peak_rss_mib=max(r["peak_bytes"] for r in ranks) / 2**20, counted_cross_node_bytes_per_step=counted)
 
 
-def worker(key: str, size: str, steps: int, warmup: int, out: str, count_collectives: bool) -> None:
+def worker(key: str, size: str, steps: int, warmup: int, out: str, micro_batch: int, count_collectives: bool) -> None:
     """One torchrun rank: train through the comparison harness, reading the counters of its node's end of the
     link (``GLOO_SOCKET_IFNAME``) at step boundaries; rank 0 writes every rank's result to ``out``."""
     import datetime
 
     import torch.distributed as dist
 
+    from zeroimpl.integrations.adapters import TrainSettings
     from zeroimpl.integrations.comparison.harness import Workload, train_rank
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     readings: list[int] = []
     device = os.environ["GLOO_SOCKET_IFNAME"]
-    workload = Workload("gpt2", size, world, steps=steps, warmup_steps=warmup, count_collectives=count_collectives)
+    workload = Workload("gpt2", size, world, steps=steps, warmup_steps=warmup, count_collectives=count_collectives,
+                        settings=TrainSettings(micro_batch_size=micro_batch))
     with tempfile.TemporaryDirectory() as scratch:
         result = train_rank(rank, world, implementation(key), workload, os.path.join(scratch, "parameters.pt"),
                             step_boundary=lambda step: readings.append(link_bytes(device)))
@@ -289,27 +313,37 @@ def time_collectives(rate: str, delay_ms: float, numel: int, out: str, command: 
 # -- the report ----------------------------------------------------------------------------------------------
 
 def markdown(cells: list[Cell], command: str) -> str:
-    """The results table, one row per (size, link, implementation), with the step time as a ratio to DDP's."""
+    """The results table, one row per (size, link, implementation): the step time (and as a ratio to DDP's), the
+    bytes across the link per step and the time the link alone needs for them at its rate."""
     ddp = {(c.size, c.rate): c.median_step_seconds for c in cells if c.implementation == "ddp"}
+    micro_batches = ", ".join(sorted({str(c.micro_batch) for c in cells}))
     lines = ["# Two nodes over a shaped link", "",
-             f"{NODES} nodes x {RANKS_PER_NODE} ranks (network namespaces joined by a veth pair shaped with tc tbf), "
-             "gloo, GPT-2 of the comparison's sizes, AdamW, fp32, micro-batch 4, clip 1.0. Bytes across the link "
-             "are both directions, per timed step, from the veth counters (headers and ACKs included).  ",
+             f"{NODES} nodes x {RANKS_PER_NODE} ranks (network namespaces joined by a veth pair shaped with tc tbf; "
+             f"link `{UNSHAPED}`: unshaped), gloo, GPT-2 of the comparison's sizes, AdamW, fp32, micro-batch "
+             f"{micro_batches}, clip 1.0. Bytes across the link are both directions, per timed step, from the veth "
+             "counters (headers and ACKs included); the link alone needs the larger direction's share of them at "
+             "its rate (here half: the traffic is symmetric).  ",
              f"Command: `{command}`.", "",
-             "| model | link | implementation | step time | vs DDP | MB across the link per step | final loss "
-             "| model states per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+             "| model | link | implementation | step time | vs DDP | MB across the link per step | link alone "
+             "| final loss | model states per rank (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         ratio = f"{c.median_step_seconds / ddp[(c.size, c.rate)]:.2f}x" if (c.size, c.rate) in ddp else "-"
+        rate = bits_per_second(c.rate)
+        alone = "-" if rate is None else f"{c.link_bytes_per_step / 2 * 8 / rate:.3f} s"
         lines.append(f"| gpt2 {c.size} | {c.rate} | {c.implementation} | {c.median_step_seconds:.3f} s | {ratio} "
-                     f"| {c.link_bytes_per_step / 1e6:.1f} | {c.final_loss:.4f} | {c.model_state_mib:.1f} |")
+                     f"| {c.link_bytes_per_step / 1e6:.1f} | {alone} | {c.final_loss:.4f} | {c.model_state_mib:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["small", "base"], choices=["tiny", "small", "base", "large"])
-    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="tc rates of the link")
+    parser.add_argument("--sizes", nargs="+", default=["small", "base"], choices=["tiny", "small", "base", "large",
+                                                                                   "link"])
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"],
+                        help=f"tc rates of the link; {UNSHAPED!r}: the veth pair unshaped")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank and step")
+    parser.add_argument("--report", default="network", help="the results' file names: <report>.json, <report>.md")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (netem; the kernel must have it)")
     parser.add_argument("--only", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
     parser.add_argument("--steps", type=int, default=6)
@@ -325,8 +359,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "worker":
-        key, size, steps, warmup, out = sys.argv[2:7]
-        worker(key, size, int(steps), int(warmup), out, "--count-collectives" in sys.argv[7:])
+        key, size, steps, warmup, out, micro_batch = sys.argv[2:8]
+        worker(key, size, int(steps), int(warmup), out, int(micro_batch), "--count-collectives" in sys.argv[8:])
         return 0
     args = parse_args(argv)
     missing = missing_requirements()
@@ -348,15 +382,15 @@ def main(argv=None) -> int:
                     for key in args.only:
                         started = time.monotonic()
                         cells.append(run_cell(link, key, size, args.steps, args.warmup, args.count_collectives,
-                                              workdir))
+                                              workdir, args.micro_batch))
                         print(f"{key} gpt2 {size} over {rate}: {cells[-1].median_step_seconds:.3f} s/step, "
                               f"{cells[-1].link_bytes_per_step / 1e6:.1f} MB/step across the link "
                               f"({time.monotonic() - started:.0f} s)", flush=True)
-    with open(os.path.join(args.out, "network.json"), "w") as handle:
+    with open(os.path.join(args.out, f"{args.report}.json"), "w") as handle:
         json.dump({"command": command, "cells": [asdict(c) for c in cells]}, handle, indent=1)
-    with open(os.path.join(args.out, "network.md"), "w") as handle:
+    with open(os.path.join(args.out, f"{args.report}.md"), "w") as handle:
         handle.write(markdown(cells, command))
-    print(f"wrote {args.out}/network.json and network.md")
+    print(f"wrote {args.out}/{args.report}.json and {args.report}.md")
     return 0
 
 

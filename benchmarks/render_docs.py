@@ -96,32 +96,56 @@ def verify() -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
-def network() -> str:
-    """``benchmarks/network.py``'s two simulated nodes: step time (and vs DDP) and bytes across the link per step,
-    one row per model and implementation, one column pair per link rate."""
-    results = json.load(open(os.path.join(RESULTS, "network", "network.json")))
+def network(report: str = "network") -> str:
+    """``benchmarks/network.py``'s two simulated nodes (``report``: its results' stem): step time (and vs DDP)
+    and bytes across the link per step -- with the time the link alone needs for them where a rate is shaped
+    in the link-bound report -- one row per model and implementation, one column group per link rate."""
+    results = json.load(open(os.path.join(RESULTS, "network", f"{report}.json")))
     cells = {(c["size"], c["rate"], c["implementation"]): c for c in results["cells"]}
     rates = list(dict.fromkeys(c["rate"] for c in results["cells"]))
-    header = "| model | implementation | " + " | ".join(f"{r}: step time (vs DDP) | {r}: MB across per step"
-                                                           for r in rates) + " | loss | model states (MiB) |"
-    lines = [header, "|" + " --- |" * (4 + 2 * len(rates))]
+    # the link-alone column, for a shaped rate of the link-bound report: bits per second, else None
+    alone = {rate: bits_per_second(rate) if report != "network" else None for rate in rates}
+    header = "| model | implementation | " + " | ".join(
+        f"{r}: step time (vs DDP) | {r}: MB across per step" + (f" | {r}: link alone" if alone[r] else "")
+        for r in rates) + " | loss | model states (MiB) |"
+    lines = [header, "|" + " --- |" * (4 + sum(3 if alone[r] else 2 for r in rates))]
     for size, implementation in dict.fromkeys((c["size"], c["implementation"]) for c in results["cells"]):
         row, last = [], None
         for rate in rates:
             cell, ddp = cells.get((size, rate, implementation)), cells.get((size, rate, "ddp"))
             if cell is None:
-                row += ["-", "-"]
+                row += ["-"] * (3 if alone[rate] else 2)
                 continue
             ratio = f" ({cell['median_step_seconds'] / ddp['median_step_seconds']:.2f}x)" if ddp else ""
             row += [f"{cell['median_step_seconds']:.3f} s{ratio}", f"{cell['link_bytes_per_step'] / 1e6:.1f}"]
+            if alone[rate]:
+                row.append(f"{cell['link_bytes_per_step'] / 2 * 8 / alone[rate]:.3f} s")
             last = cell
         lines.append(f"| gpt2 {size} | {implementation} | " + " | ".join(row)
                      + f" | {last['final_loss']:.4f} | {last['model_state_mib']:.1f} |")
     return "\n".join(lines) + f"\n\nCommand: `{results['command']}`\n"
 
 
+def bits_per_second(rate: str):
+    """benchmarks/network.py's reading of a tc rate (None: unshaped)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from network import bits_per_second as read
+
+    return read(rate)
+
+
+def results_table(name: str) -> str:
+    """A results Markdown file as it is (``name``: under results/), less its headings, which would be the page's."""
+    lines = open(os.path.join(RESULTS, name)).read().strip().splitlines()
+    text = "\n".join(line for line in lines if not line.startswith("#")).strip()
+    return re.sub(r"\n{3,}", "\n\n", text) + "\n"
+
+
 RENDERERS = {"comparison": comparison, "peers": peers, "host-step": host_step, "overlap": overlap, "verify": verify,
-             "network": network}
+             "network": network, "link-bound": lambda: network("link-bound"),
+             "overhead": lambda: results_table("overhead/overhead.md"),
+             "overhead-phases": lambda: results_table("overhead/phases.md"),
+             "codec-cost": lambda: results_table("codec_cost.md")}
 
 
 def render(text: str) -> str:

@@ -2,7 +2,8 @@
 
     python benchmarks/step_phases.py [--size base] [--micro-batch 4] [--steps 16] [--rounds 2] [--world-sizes 1 2]
 
-Explains the step-time ratios of benchmarks/peers.py. Per world size and round, DDP + AdamW, zeroimpl stage 1
+Explains the step-time ratios of benchmarks/peers.py and benchmarks/overhead.py. Per world size and round,
+"compute" (forward and backward of the bare model: no communication, no step), DDP + AdamW, zeroimpl stage 1
 and stage 2 (AdamW) each train the harness's GPT-2 on CPU ranks (gloo, OMP_NUM_THREADS=1) in fresh processes,
 one after the other, so that slow drifts of the machine hit every implementation alike. Median milliseconds
 per phase on rank 0 after 3 warm-up steps; a phase ends when the call returns, so communication overlapped
@@ -24,7 +25,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("DDP", "zeroimpl stage 1", "zeroimpl stage 2")
+KINDS = ("compute", "DDP", "zeroimpl stage 1", "zeroimpl stage 2")
 PHASES = ("forward", "backward", "clip", "step", "total")
 
 
@@ -39,7 +40,9 @@ def rank_main(kind: str, size: str, micro_batch: int, steps: int) -> None:
     rank = dist.get_rank()
     model = build_model("gpt2", size)
     settings = {"lr": 1e-4, "weight_decay": 0.0}
-    if kind == "DDP":
+    if kind == "compute":
+        network, optimizer = model, None
+    elif kind == "DDP":
         network = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), **settings)
     else:
@@ -54,13 +57,18 @@ def rank_main(kind: str, size: str, micro_batch: int, steps: int) -> None:
         marks.append(time.perf_counter())
         loss.backward()
         marks.append(time.perf_counter())
-        if kind == "DDP":
+        if kind == "compute":
+            pass
+        elif kind == "DDP":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         else:
             optimizer.clip_grad_norm_(1.0)
         marks.append(time.perf_counter())
-        optimizer.step()
-        optimizer.zero_grad()
+        if optimizer is None:
+            model.zero_grad()
+        else:
+            optimizer.step()
+            optimizer.zero_grad()
         marks.append(time.perf_counter())
         if step >= 3:
             for phase, start, end in zip(PHASES, marks, marks[1:]):
