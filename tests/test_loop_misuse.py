@@ -417,21 +417,24 @@ def _address_space_capped(headroom: int):
 
 
 class _LayerAndLargeMatrix(torch.nn.Module):
-    """A linear layer and a 32M-element parameter (128 MB) whose gradient is the batch's mean everywhere: the same
-    value in every 8-bit block, so that its 8-bit reduce-scatter and step gather are exact. Every parameter gets a
-    gradient in every backward (no bucket waits for the end of backward to launch)."""
+    """A linear layer and a 32M-element bf16 parameter (64 MB) whose gradient is the batch's mean everywhere: the
+    same value in every 8-bit block, so that its 8-bit reduce-scatter and step gather are exact. Every parameter
+    gets a gradient in every backward (no bucket waits for the end of backward to launch). bf16, so that landing
+    its 8-bit gather, and summing its 8-bit reduce-scatter in a bf16 reduce dtype, widen a shard to fp32 (64 MB,
+    out of reach under the cap): in fp32 both work in place through a 4 MB scratch, which glibc may serve from
+    memory the process already maps."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(8, 4)
-        self.large = torch.nn.Parameter(torch.zeros(LARGE_NUMEL))
+        self.large = torch.nn.Parameter(torch.zeros(LARGE_NUMEL, dtype=torch.bfloat16))
 
     def forward(self, x):
         return self.layer(x).square().mean() + self.large.sum() * x.mean()
 
 
-# a shard of 64 MB in fp32 at world size 2: over glibc's largest mmap threshold (32 MB), so a new mapping
+# a shard of 64 MB once widened to fp32 at world size 2: over glibc's largest mmap threshold (32 MB), so a new mapping
 LARGE_NUMEL = UNUSED_NUMEL
 
 
@@ -440,7 +443,7 @@ LARGE_NUMEL = UNUSED_NUMEL
 FAILURES = {
     "bucket buffer at the end of backward": (2, {}),  # stage 2: the unused parameter's bucket, at the round's close
     "bucket buffer in the step": (1, {}),  # stage 1: the same bucket, in the step's reduction
-    "8-bit sum": (2, {"quantize_grad_reduce": True, "max_inflight_buckets": 100}),
+    "8-bit sum": (2, {"quantize_grad_reduce": True, "max_inflight_buckets": 100, "reduce_dtype": torch.bfloat16}),
     "8-bit gather": (2, {"quantize_param_gather": True}),
     "8-bit gather in the step": (2, {"quantize_param_gather": True, "overlap_param_gather": False}),
 }
