@@ -42,22 +42,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERHEAD_VS_DDP = 0.9  # zeroimpl's time over the compute, at most this times DDP's
 
 
-class _NoOptimizer:
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+class ComputeRunner(WrapperLoopRunner):
+    """Forward and backward on the bare model; no optimizer, no communication, no step (the parameters never
+    change)."""
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
     def step(self) -> None:
-        pass
-
-
-class ComputeRunner(WrapperLoopRunner):
-    """Forward and backward on the bare model; no communication, no step (the parameters never change)."""
-
-    def step(self) -> None:
-        pass
+        """Nothing to step: this row is the compute alone."""
 
     def model_state(self) -> dict[str, list[torch.Tensor]]:
         return self.common_state()
@@ -70,7 +63,7 @@ class ComputeAlone(Implementation):
     stage = -1
 
     def build(self, model, settings: TrainSettings, device) -> Runner:
-        return ComputeRunner(model, model, _NoOptimizer(model), settings, device)
+        return ComputeRunner(model, model, None, settings, device)
 
 
 def rows(only=None) -> list[Implementation]:

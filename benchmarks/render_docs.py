@@ -24,6 +24,9 @@ PAGES = ("README.md",) + tuple(sorted(os.path.join("docs", name) for name in os.
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)", re.S)
 MIB = 2**20
 
+# benchmarks/network.py's reading of a tc rate (this script's folder is on the path)
+from network import bits_per_second  # noqa: E402
+
 
 def comparison() -> str:
     """The side-by-side run's table, with its caption and the command and machine it came from."""
@@ -124,14 +127,6 @@ def network(report: str = "network") -> str:
         lines.append(f"| gpt2 {size} | {implementation} | " + " | ".join(row)
                      + f" | {last['final_loss']:.4f} | {last['model_state_mib']:.1f} |")
     return "\n".join(lines) + f"\n\nCommand: `{results['command']}`\n"
-
-
-def bits_per_second(rate: str):
-    """benchmarks/network.py's reading of a tc rate (None: unshaped)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from network import bits_per_second as read
-
-    return read(rate)
 
 
 def results_table(name: str) -> str:

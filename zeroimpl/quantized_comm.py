@@ -66,7 +66,7 @@ class _Plan:
     ``tail_source`` -- ``(len(tails) * BLOCK,)`` int64: per padded tail element the shard element it reads (a
     tail's padding repeats its last element, which leaves its range alone); ``tail_elements`` -- the shard
     elements of the tails, in order; ``tail_slots`` -- where each of them sits in the padded tails;
-    ``tail_blocks`` -- the tails' block numbers."""
+    ``tail_blocks`` -- the tails' block numbers; ``tail_rows`` -- the block of each tail element."""
 
     blocks: int
     runs: tuple[tuple[int, int, int], ...]
@@ -105,12 +105,17 @@ class _Plan:
         return _Plan(self.blocks, self.runs, self.tails, *(t.to(device) for t in (
             self.tail_source, self.tail_elements, self.tail_slots, self.tail_blocks, self.tail_rows)))
 
-    def chunks(self, on_cpu: bool):
+    def chunks(self, device: torch.device):
         """``(start, count, first block)`` of the runs, cut into pieces of at most CHUNK elements on the CPU."""
         for start, count, block in self.runs:
-            step = CHUNK if on_cpu else count
+            step = CHUNK if device.type == "cpu" else count
             for offset in range(0, count, step):
                 yield start + offset, min(step, count - offset), block + offset // BLOCK
+
+    def scratch(self, device: torch.device) -> torch.Tensor:
+        """fp32 room for the largest of :meth:`chunks` (on an accelerator, of the runs)."""
+        return torch.empty(max((count for _, count, _ in self.chunks(device)), default=0), dtype=torch.float32,
+                           device=device)
 
 
 @dataclass(frozen=True)
@@ -164,19 +169,19 @@ class ShardBlocks:
         the same few MB in cache."""
         rank = self.rank if rank is None else rank
         device, n = values.device, self.shard_numel
-        plan, on_cpu = self._plan(rank, device), device.type == "cpu"
+        plan = self._plan(rank, device)
         width, dtype = (1, torch.int8) if self.signed else (2, torch.uint8)
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=device) if out is None else out
         payload[n + 4 * width * plan.blocks:].zero_()  # (alignment bytes: sent, never read)
         ranges = payload[n:n + 4 * width * plan.blocks].view(torch.float32).view(-1, width)
         codes = payload[:n].view(dtype)
-        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32, device=device) if on_cpu else None
+        scratch = plan.scratch(device)
         tails = _difference(values[plan.tail_source], None if minus is None else minus[plan.tail_source], None)
-        for start, count, block in plan.chunks(on_cpu):
+        for start, count, block in plan.chunks(device):
             rows = _difference(values[start:start + count], None if minus is None else minus[start:start + count],
-                               None if scratch is None else scratch[:count])
+                               scratch[:count])
             self._encode_rows(rows.view(-1, BLOCK), ranges[block:block + count // BLOCK], codes[start:start + count],
-                              None if scratch is None else scratch[:count].view(-1, BLOCK))
+                              scratch[:count].view(-1, BLOCK))
         if plan.tails:
             tail_ranges = torch.empty(len(plan.tails), width, dtype=torch.float32, device=device)
             tail_codes = torch.empty_like(tails, dtype=dtype)
@@ -235,22 +240,20 @@ class ShardBlocks:
     def _decode(self, payload: torch.Tensor, rank: Optional[int], into: torch.Tensor, accumulate: bool) -> None:
         rank = self.rank if rank is None else rank
         device, n = payload.device, self.shard_numel
-        plan, on_cpu = self._plan(rank, device), device.type == "cpu"
+        plan = self._plan(rank, device)
         width = 1 if self.signed else 2  # fp32 numbers per block: its step, or its minimum and step
         ranges = payload[n:n + 4 * width * plan.blocks].clone().view(torch.float32).view(-1, width)  # (4-byte aligned)
         low, step = (None, ranges) if self.signed else (ranges[:, :1], ranges[:, 1:])
         codes = payload[:n].view(torch.int8 if self.signed else torch.uint8)
-        # everything allocated before ``into`` is first written: a chunk's scratch (on an accelerator the largest
-        # run's), and the tails' values
-        largest = min(CHUNK, n) if on_cpu else max((count for _, count, _ in plan.runs), default=0)
-        scratch = torch.empty(largest, dtype=torch.float32, device=device)
+        # everything allocated before ``into`` is first written: the chunks' scratch, and the tails' values
+        scratch = plan.scratch(device)
         tail_values = None
         if plan.tails:
             rows = plan.tail_rows
             tail_values = torch.empty(len(plan.tail_elements), dtype=torch.float32, device=device)
             _dequantize(codes[plan.tail_elements], None if low is None else low[rows, 0], step[rows, 0], tail_values,
                         False, None)
-        for start, count, block in plan.chunks(on_cpu):
+        for start, count, block in plan.chunks(device):
             blocks = slice(block, block + count // BLOCK)
             target = into[start:start + count].view(-1, BLOCK)
             _dequantize(codes[start:start + count].view(-1, BLOCK), None if low is None else low[blocks],
