@@ -227,23 +227,20 @@ def _send_payloads(input: torch.Tensor, blocks: PayloadBlocks, group, tag: int) 
     return works, (), sent, received
 
 
-def _summed(input: torch.Tensor, received: torch.Tensor, blocks: PayloadBlocks, group,
-            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """This rank's piece of ``input`` plus every other rank's decoded payload in ``received``, summed in fp32 in
-    rank order (``input`` stays untouched), into ``out`` (then its dtype) or a new fp32 tensor."""
+def _summed(input: torch.Tensor, received: torch.Tensor, blocks: PayloadBlocks, group, out: torch.Tensor) -> None:
+    """``out`` = this rank's piece of ``input`` plus every other rank's decoded payload in ``received``, summed in
+    fp32 in rank order (in ``out`` itself when it is fp32, which may be that piece; else then cast to its dtype)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     own = input.view(world, -1)[rank]
-    in_place = out is not None and out.dtype == torch.float32
-    if in_place:
-        total = out if out.data_ptr() == own.data_ptr() else out.copy_(own)
-    else:
+    if out.dtype != torch.float32:
         total = own.to(torch.float32, copy=True)
+    else:
+        total = out if out.data_ptr() == own.data_ptr() else out.copy_(own)
     for sender in range(world):
         if sender != rank:
             blocks.accumulate(received[sender], total)
-    if out is not None and not in_place:
+    if total is not out:
         out.copy_(total)
-    return total if out is None else out
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
