@@ -138,8 +138,7 @@ def _misuse(rank, world_size):
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage)
         ddp(torch.ones(3, 4) * (rank + 1)).sum().backward()
         optimizer.step()
-    errors["ddp1"] = _catch(lambda: wrapped_in_ddp(1))
-    errors["ddp2"] = _catch(lambda: wrapped_in_ddp(2))
+    errors["ddp2"] = _catch(lambda: wrapped_in_ddp(2))  # (stage 1 under DDP trains: tests/test_one_line_swap.py)
 
     def dropped_ddp_kept_by_a_cycle():  # a wrapper the script dropped, alive until the garbage collector runs
         import gc
@@ -204,9 +203,8 @@ MISUSE = {  # case -> what its error must say
     "fp16": ["call optimizer.backward(loss)"],
     "devices": ["several devices"],
     "frozen": ["no trainable parameters"],
-    "ddp1": ["wrapped in DistributedDataParallel", "strategy=\"zero2\"", "zeroimpl.integrations.accelerate.prepare",
-             "ZeroTrainer"],
-    "ddp2": ["do not wrap it in DDP"],
+    "ddp2": ["wrapped in DistributedDataParallel", "use stage=1", "drop the DDP wrap", "strategy=\"zero2\"",
+             "zeroimpl.integrations.accelerate.prepare", "ZeroTrainer"],
     "backward_counts": ["different numbers of backward passes"],
     "sharding": ["ranks differ in the number, shapes or memory formats", "or the shard layout (param groups"],
     "muon_differing": ["ranks differ in the values of the parameters"],

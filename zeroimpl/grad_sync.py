@@ -19,6 +19,9 @@ the same order, ``reduced`` summed in fp32 by its owner.
 
 Stage 1 keeps gradients in ``param.grad`` during backward and reduces all buckets once, when the optimizer
 needs them (:meth:`GradientReducer.reduce_held_grads`): one reduce-scatter per step however many micro-batches.
+Under torch's DistributedDataParallel (found at the first gradient: ``under_ddp``), DDP has already averaged
+``param.grad``: stage 1 then copies this rank's pieces of it into the store and reduces nothing (as torch's
+ZeroRedundancyOptimizer does: DDP's all-reduce, 2Ψ, then the parameters' all-gather, Ψ); stage 2 refuses.
 
 Stage 2 reduces during backward. A post-accumulate-grad hook copies the gradient into its bucket buffer and
 frees ``param.grad``; a bucket's sync starts (:meth:`~GradientReducer.start_grad_sync`) *strictly in bucket
@@ -70,11 +73,11 @@ from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
-from . import comm
+from . import comm, validation
 from .buffers import BucketStorage
 from .grad_shards import DeviceGradientShards, HostGradientShards
 from .layout import ShardLayout
-from .memory_format import shaped
+from .memory_format import flattened, shaped
 from .ownership import rebound_message
 from .pending import CollectiveError, Pending
 from .quantized_comm import reduction_blocks
@@ -155,17 +158,22 @@ class GradientReducer:
         self.grad_exists = [False] * num_params  # by parameter index: a gradient arrived since the last clear
         self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
         self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
+        # whether DistributedDataParallel holds the parameters (it averages param.grad): None until the first gradient
+        self.under_ddp: Optional[bool] = None
+        self._taken_at: Optional[int] = None  # under DDP: backward_passes when param.grad was last taken
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
+        self._params: dict[int, torch.nn.Parameter] = {}  # param index -> the parameter
         self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
         handles = []
         hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
         for storage in storages:
             for index, param in zip(storage.bucket.param_indices, storage.params):
                 self._bucket_of[id(param)] = (storage.bucket.index, index)
+                self._params[index] = param
                 self._strides[index] = param.stride()  # its memory format: the gradient slot's too
                 handles.append(param.register_post_accumulate_grad_hook(hook))
-        weakref.finalize(self, remove_hooks, handles)
+        self.remove_hooks = weakref.finalize(self, remove_hooks, handles)  # (callable: the optimizer rebuilt)
 
     def call_after_backward(self, method: Callable[[], None]) -> None:
         """Call the bound ``method`` (held weakly) at the end of every backward that reached these parameters,
@@ -177,6 +185,8 @@ class GradientReducer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._refuse_if_failed()
         bucket_index, param_index = self._bucket_of[id(param)]
+        if self.under_ddp is None:  # the first gradient ever: one look for a DDP wrapper (a scan of the heap)
+            self.under_ddp = validation.wrapped_in_ddp(param)
         problem = self._refused(param, bucket_index, param_index)
         if problem is not None:
             with self._own_work():  # no reduction of this backward may stay in flight behind the error
@@ -206,6 +216,8 @@ class GradientReducer:
             return ("ShardedOptimizer does not support compiled autograd (torch._dynamo.config.compiled_autograd): "
                     "its gradient hooks reduce-scatter during backward. Compile the model's forward "
                     "(torch.compile(model)) and run backward without compiled autograd")
+        if self.under_ddp and self.stage == 2:
+            return validation.ddp_stage_2_message()
         if param.grad.is_sparse:
             return ("ShardedOptimizer got a sparse gradient; sparse gradients cannot be sharded. Use dense "
                     "embeddings (e.g. nn.Embedding(sparse=False)).")
@@ -409,6 +421,10 @@ class GradientReducer:
         """Stage 1: reduce-scatter the gradients ``param.grad`` holds into the store, every bucket in order (the step's
         one reduction). Stage 2: refuse a ``param.grad`` set outside the hooks. After :meth:`finish_grad_sync`."""
         self._refuse_if_failed()
+        if self.under_ddp:
+            self._take_averaged_grads()
+            self.streams.hand_over(*self.gradients.device_tensors())
+            return
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
             raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside zeroimpl's "
@@ -428,6 +444,30 @@ class GradientReducer:
                 self._finish_in_flight()
             self._reset_buckets()
         self.streams.hand_over(*self.gradients.device_tensors())  # the step reads them next
+
+    def _take_averaged_grads(self) -> None:
+        """Under DDP (stage 1): copy this rank's pieces of ``param.grad``, which DDP has averaged, into the store,
+        every bucket (zeros where no gradient came, as a reduce-scatter would), once per backward pass: edits of
+        ``param.grad`` before the step (``torch.nn.utils.clip_grad_norm_``, GradScaler's unscaling) are taken in,
+        and ``param.grad`` stays the full gradient DDP left, as with a torch optimizer."""
+        if self._taken_at == self.backward_passes:
+            return  # (taken since the last backward: the step after found_nonfinite() or clip_grad_norm_())
+        with_grad = {i for i, p in self._params.items() if p.grad is not None}
+        self.gradients.clear(set_to_none=True)  # param.grad holds every micro-batch's sum
+        self._taken_at = self.backward_passes
+        if not with_grad:
+            return
+        shards = [torch.zeros(bucket.shard_numel, dtype=dtype, device=storage.param_buffer.device)
+                  for bucket, dtype, storage in zip(self.layout.buckets, self.reduce_dtypes, self.storages)]
+        for piece in self._pieces:
+            if piece.param_index in with_grad:
+                grad = flattened(self._params[piece.param_index].grad, self._strides[piece.param_index])
+                shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length].copy_(
+                    grad[piece.param_start:piece.param_end])
+        for index in with_grad:
+            self.grad_exists[index] = True
+        for bucket_index, shard in enumerate(shards):
+            self.gradients.add(bucket_index, shard)
 
     def _check_grads_unedited(self) -> None:
         """Stage 1 reduces ``param.grad`` at the step: an in-place edit since backward of a local gradient (kept
@@ -468,6 +508,7 @@ class GradientReducer:
         self._consumed = list(stepped) if stepped is not None else [True] * len(self.grad_exists)
         self.grad_exists = [False] * len(self.grad_exists)
         self._grad_versions.clear()
+        self._taken_at = None
 
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
@@ -492,6 +533,7 @@ class GradientReducer:
             self._close_round()  # (its reductions go to the store, cleared below)
         self.backward_passes = 0
         self._grad_versions.clear()
+        self._taken_at = None
         if set_to_none:
             self.grad_exists = [False] * len(self.grad_exists)
         else:

@@ -136,7 +136,7 @@ class GradViews:
         # on the GPU, multiplies every piece, which offload keeps on the host; until the views are taken out
         self._copies: dict = {}
         handles = [p.register_hook(_withdraw_before_accumulating(weakref.ref(self))) for p in params]
-        weakref.finalize(self, remove_hooks, handles)
+        self.remove_hooks = weakref.finalize(self, remove_hooks, handles)  # (callable: the optimizer rebuilt)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def prepare(self) -> bool:
@@ -156,6 +156,8 @@ class GradViews:
     def expose(self, prepared: bool) -> None:
         """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local
         gradient it holds). ``prepared``: the shards already hold the averaged gradients."""
+        if self.checks.grads_averaged_by_ddp:
+            return  # DDP's param.grad is the full averaged gradient already: no view replaces it
         for index, (param, view) in enumerate(zip(self.params, self._views)):
             if not param.requires_grad or param.grad is view:
                 continue

@@ -195,15 +195,19 @@ def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs:
     """:class:`InnerOptimizers` over this rank's pieces (of the model's trainable ``params``); a constructor that
     refuses them (a class refusing a shape that only this rank owns) raises the same error on every rank,
     never a later collective failure or hang: one object all-gather of each rank's outcome (``topology``: the
-    ranks that build together)."""
+    ranks that build together; ``None``: this rank alone, which raises its own error)."""
     error, inner = None, None
     try:
         inner = InnerOptimizers(groups, classes, kwargs)
         inner.refuse_parameter_overrides(params)
-        if topology.shard_size > 1:
+        if topology is not None and topology.shard_size > 1:  # (None: refused at construction already)
             inner.refuse_global_clipping()
     except Exception as exc:  # any refusal by a class's constructor: shared below, then raised everywhere
         error = exc
+    if topology is None:
+        if error is not None:
+            raise error
+        return inner
     gathered = topology.all_gather_objects(None if error is None else _portable(error), timeout,
                                            "inner optimizer construction agreement")
     refused = next(((rank, found) for rank, found in enumerate(gathered) if found is not None), None)

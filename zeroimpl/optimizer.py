@@ -15,7 +15,7 @@ This module builds those parts and runs the step; it calls down into them and no
 
 from __future__ import annotations
 
-from typing import Callable, Collection, ContextManager, Iterable, Literal, Optional, Union
+from typing import Any, Callable, Collection, ContextManager, Iterable, Literal, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from .inner import OUTER_ONLY_KEYS, PieceMasters, build_on_every_rank, step_piec
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .memory_format import contiguous_strides, same_order
 from .offload import KERNEL_KEYS, CPUOffload, OffloadOption, gradient_store, inner_kwargs, resolve_offload
-from .ownership import Ownership
+from .ownership import ModelFollower, Ownership
 from .param_sync import ParamSync
 from .precision import DynamicLossScaler, LossScaleConfig
 from .step_checks import StepChecks, nonfinite_message, passes_message
@@ -40,13 +40,34 @@ STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per buc
 OLD_STATE_FORMAT = "zeroimpl.sharded_optimizer/1"
 
 
+class _PartSettings(NamedTuple):
+    """The constructor's choices that the parts holding the parameters' memory are built from (again, when the
+    model moves before the first step)."""
+
+    step_works: list  # per group: the cost of stepping a whole parameter (whole-parameter groups), or None
+    blocks: list  # per group: a low-bit class's quantization blocks, or None
+    classes: list[type]  # per group: its optimizer class
+    optimizer_class: type
+    optimizer_kwargs: dict[str, Any]
+    bucket_numel: int
+    alignment: int
+    quantize_param_gather: bool
+    quantize_grad_reduce: Union[bool, str]
+    reduce_dtype: Optional[torch.dtype]
+    max_inflight_buckets: int
+    loss_scale: Any
+
+
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """Shards optimizer state (stage 1) and gradients (stage 2) of ``params`` across data-parallel ranks.
 
     Args:
         params: parameters or param-group dicts, as any torch optimizer takes. Frozen parameters (``requires_grad=
             False``) are left alone. Rank 0's values overwrite the others' at construction, as DDP's (``init_sync``).
-            The model must not be wrapped in DistributedDataParallel (this optimizer reduces the gradients itself).
+            Stage 2 reduces the gradients itself: call the bare model. Stage 1 also takes a model wrapped in
+            DistributedDataParallel (found at the first backward), as torch's ZeroRedundancyOptimizer does: DDP
+            averages ``param.grad``, this optimizer steps its shard of it and all-gathers the parameters (3Ψ of
+            traffic per step against 2Ψ unwrapped).
             A group may name its own class under ``"optimizer"`` (``{"params": matrices, "optimizer":
             torch.optim.Muon, "lr": 0.02}``); its other keys are that class's hyperparameters.
         optimizer_class: the ``torch.optim.Optimizer`` subclass of the groups that name none. Elementwise classes
@@ -114,6 +135,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                  quantize_grad_reduce: Union[bool, Literal["replicas"]] = False,
                  init_sync: Literal["broadcast", "check"] = "broadcast", **optimizer_kwargs):
         quantized = {"quantize_param_gather": bool(quantize_param_gather), "quantize_grad_reduce": quantize_grad_reduce}
+        validation.refuse_peer_arguments(optimizer_kwargs)
         validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
                                  alignment, quantized, init_sync)
         self.collective_timeout = collective_timeout
@@ -130,8 +152,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
         self.stage, self.process_group = stage, self.topology.shard  # reduce-scatter and all-gather run here
         self.rank, self.world_size = self.topology.shard_rank, self.topology.shard_size
-        trainable, specs = trainable_specs(self.param_groups, step_works, blocks)
-        layout = build_layout(specs, self.world_size, bucket_numel, alignment)
+        self.nonfinite, self._skipped_without_scaler = nonfinite, 0
+        self._settings = _PartSettings(step_works, blocks, classes, optimizer_class, optimizer_kwargs, bucket_numel,
+                                       alignment, bool(quantize_param_gather), quantize_grad_reduce, reduce_dtype,
+                                       max_inflight_buckets, loss_scale)
+        trainable, layout = self._lay_out()
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
         validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized},
                                 values=init_sync == "check")
@@ -140,38 +165,80 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])  # frozen: out of the layout
         if init_sync == "broadcast":  # once this optimizer owns them, before they move into its buffers
             module_buffers.broadcast_parameters(members, self.topology, collective_timeout)
+        self._build_parts(trainable, layout, agree=True)
+        self._constructed = True
+        # until the first step, a model moved, converted or given new parameters is followed (:meth:`_follow_model`)
+        self._follower: Optional[ModelFollower] = ModelFollower(self._follow_model, self.ownership)
+        self._follower.remember(self.trainable_params)
+
+    def _lay_out(self) -> tuple[list[torch.nn.Parameter], ShardLayout]:
+        """The trainable parameters of the groups as they are now, and their shard layout."""
+        settings = self._settings
+        trainable, specs = trainable_specs(self.param_groups, settings.step_works, settings.blocks)
+        return trainable, build_layout(specs, self.world_size, settings.bucket_numel, settings.alignment)
+
+    def _build_parts(self, trainable: list[torch.nn.Parameter], layout: ShardLayout, agree: bool) -> None:
+        """Build the parts that hold the parameters' memory from ``trainable`` as they are now: flat buffers,
+        masters, gradient store, inner optimizers, hooks. ``agree``: the inner optimizers' construction is agreed
+        across the ranks (at construction; a rebuild before the first step is local, as the move that caused it)."""
+        settings, timeout = self._settings, self.collective_timeout
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         self.layout: ShardLayout = layout
         self._device = trainable[0].device
         self.host_arenas, host_masters, self.gradients, staging = gradient_store(self.offload, layout, trainable,
-                                                                                collective_timeout)
+                                                                                timeout)
         self.storages: list[BucketStorage] = flatten_params(layout, trainable, self.rank, host_masters,
-                                                            quantize_param_gather)
-        self.param_sync = ParamSync(self.storages, self.process_group, collective_timeout, staging)
+                                                            settings.quantize_param_gather)
+        self.param_sync = ParamSync(self.storages, self.process_group, timeout, staging)
         self.pieces = PieceMasters(layout, layout.pieces(self.rank), self.storages, trainable)
-        self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), classes,
-                                         inner_kwargs(classes, optimizer_class, optimizer_kwargs, self.param_groups,
-                                                      self.offload), self.topology, collective_timeout, trainable)
+        self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), settings.classes,
+                                         inner_kwargs(settings.classes, settings.optimizer_class,
+                                                      settings.optimizer_kwargs, self.param_groups, self.offload),
+                                         self.topology if agree else None, timeout, trainable)
         self.inner.fill_defaults(self.param_groups)
         self.defaults = self.inner.defaults
 
-        self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler.resolve(loss_scale, trainable)
-        self.nonfinite, self._skipped_without_scaler = nonfinite, 0
-        self.uneven = uneven.UnevenInputs(self, self.join_device, self.join_process_group, collective_timeout)
-
-        self.reducer = GradientReducer(layout=layout, storages=self.storages, topology=self.topology, stage=stage,
-                                       reduce_dtype=reduce_dtype, max_inflight=max_inflight_buckets,
-                                       gradients=self.gradients, uneven=self.uneven, timeout=collective_timeout,
-                                       quantized=quantize_grad_reduce)
+        self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler.resolve(settings.loss_scale, trainable)
+        self.uneven = uneven.UnevenInputs(self, self.join_device, self.join_process_group, timeout)
+        self.reducer = GradientReducer(layout=layout, storages=self.storages, topology=self.topology, stage=self.stage,
+                                       reduce_dtype=settings.reduce_dtype, max_inflight=settings.max_inflight_buckets,
+                                       gradients=self.gradients, uneven=self.uneven, timeout=timeout,
+                                       quantized=settings.quantize_grad_reduce)
         self.checks = StepChecks(reducer=self.reducer, gradients=self.gradients, param_sync=self.param_sync,
                                  ownership=self.ownership, storages=self.storages, uneven=self.uneven,
-                                 loss_scaler=self.loss_scaler, topology=self.topology, timeout=collective_timeout,
+                                 loss_scaler=self.loss_scaler, topology=self.topology, timeout=timeout,
                                  device=self._device)
         # param.grad after backward: views of the averaged gradient, exposed by the reducer's end of backward
         self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
-                                    gradients=self.gradients, group=self.topology.shard, timeout=collective_timeout)
+                                    gradients=self.gradients, group=self.topology.shard, timeout=timeout)
         self.reducer.call_after_backward(self.grad_views.after_backward)
-        self._constructed = True
+
+    def _follow_model(self) -> None:
+        """Before the first step, take the parameters as the model now holds them, as a torch optimizer built before
+        ``model.to(device)``, ``.half()``, ``load_state_dict(assign=True)`` or a framework's placement would:
+        rebuild the flat buffers, masters and inner optimizers from the moved, converted or replacing parameters.
+        Local (every rank moves its model alike). Once a step has run, or gradients are held, nothing is followed:
+        the step refuses a changed model (:meth:`Ownership.check_unchanged`)."""
+        if self._follower is None:
+            return
+        successors = self.ownership.successors()
+        if not successors and not any(storage.rebound_params() for storage in self.storages):
+            return
+        if self.reducer.backward_passes or self.gradients.has_gradients or self._steps_taken:
+            return  # (gradients of the old parameters: the step's check names the change)
+        self.param_sync.finish_param_sync()
+        for group in self.param_groups:
+            group["params"] = [successors.get(id(p), p) for p in group["params"]]
+        trainable, layout = self._lay_out()
+        validation.check_moved_params(trainable, self.process_group)
+        members = [p for g in self.param_groups for p in g["params"]]
+        self.reducer.remove_hooks()
+        self.grad_views.remove_hooks()
+        self.ownership.release()
+        self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])
+        self._follower.ownership = self.ownership
+        self._build_parts(trainable, layout, agree=False)
+        self._follower.remember(trainable)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
@@ -243,6 +310,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def found_nonfinite(self) -> bool:
         """Whether this step's averaged gradients hold NaN or Inf on any rank, so that ``step()`` will skip (or raise:
         ``nonfinite``). Same on every rank; collective: the step's small all-reduce, which ``step()`` reuses."""
+        self._follow_model()
         with torch.no_grad():
             if not self.grad_views.prepare():
                 return False
@@ -257,6 +325,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        self._follow_model()
         if not self.grad_views.prepare():
             return torch.zeros((), device=self._device)
         total = self._agree(norm_type)
@@ -270,6 +339,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective."""
         with torch.enable_grad():
             loss = closure() if closure is not None else None
+        self._follow_model()
         if not self.grad_views.prepare():
             return loss
         self._agree()
@@ -308,6 +378,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _finish_step(self, overflow: bool) -> None:
         """The step consumed the gradients, as ``zero_grad()`` would clear them (``model.zero_grad()`` sees none)."""
+        if self._follower is not None:  # from now on the model must stay where the optimizer holds it
+            self._follower.close()
+            self._follower = None
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.grad_views.discard()
@@ -351,6 +424,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def sync_masters(self) -> None:
         """Take parameters edited since the last step into the master weights (local: ends the gathers in flight)."""
+        self._follow_model()
         self.param_sync.finish_param_sync(take_edits=True)
 
     @torch.no_grad()
@@ -392,6 +466,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout. Collective
         (every rank, each with its own state): a state some rank cannot load (another rank's, as a checkpoint
         saved on the master process alone holds) is refused on every rank, before anything changes."""
+        self._follow_model()
         problem = self._load_problem(state_dict)
         problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
         if problem is not None:
@@ -454,6 +529,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def piece_states(self) -> list[tuple[ShardPiece, torch.Tensor, Optional[dict]]]:
         """This rank's pieces, in ``layout.pieces(rank)`` order, each with its view of the master shard and
         the inner optimizer's state for it (``None``: never stepped)."""
+        self._follow_model()
         return self.pieces.states(self.inner)
 
     def restore_state(self, piece_states: list[Optional[dict]], hyperparameters: list[dict],
@@ -465,6 +541,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         all-gathered, unquantized, from them or from ``published`` (per bucket, this rank's shard of the
         parameters as saved: a quantized all-gather's): collective. Without, the masters follow the parameters,
         which the caller loads (local). ``loss_scaler``: a ``LossScaler.state_dict()`` (``None``: keep it)."""
+        self._follow_model()
         number = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
         state = {number[id(master)]: piece_state for master, piece_state in zip(self.pieces.masters, piece_states)
                  if piece_state is not None}

@@ -1,11 +1,15 @@
 """Which ShardedOptimizer manages which parameter, and the parameters a model swapped out from under it.
 
-A parameter may be managed by one live optimizer only (two would shard and step it twice). Once built, the
-optimizer's parameters must stay the objects and the memory it flattened: a module that *replaces* one
-(``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``) or a conversion that *rebinds* one
-to other memory (``model.to(...)``, ``.half()``, ``param.data = ...``) would leave the optimizer updating
-what the model no longer uses. :class:`Ownership` records the claim and :meth:`Ownership.check_unchanged`
-raises, before any collective of a step, when the model no longer is what the layout describes.
+A parameter may be managed by one live optimizer only (two would shard and step it twice). A module that
+*replaces* one (``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``) or a conversion that
+*rebinds* one to other memory (``model.to(...)``, ``.half()``, ``param.data = ...``) would leave the optimizer
+updating what the model no longer uses. :class:`Ownership` records the claim and the replacements.
+
+Before the first step the optimizer follows such changes, as a torch optimizer built before ``model.to(device)``
+does (it holds no state yet): :class:`ModelFollower` notices them at the first forward of a module that holds a
+moved or replacing parameter, and the step, the gradient operations and the state operations look too
+(``ShardedOptimizer._follow_model``). After it, :meth:`Ownership.check_unchanged` raises, before any collective
+of a step, when the model no longer is what the layout describes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class HoldsParams(Protocol):
 # id(param) -> the live claim on it. A live claim keeps its parameters alive, so an id found here always
 # names the same parameter object.
 _OWNERS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDictionary()
+# id(frozen member of the param groups) -> the live claim whose groups hold it (several may)
+_FROZEN_OWNERS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDictionary()
 _REGISTRATION_HOOK = None  # the global parameter-registration hook, installed with the first claim
 
 
@@ -46,9 +52,28 @@ class Ownership:
         self.params = list(params)
         self.frozen = list(frozen)
         self.replaced: list[str] = []  # "Module.name" of parameters a module replaced by other objects
+        self._successors: dict[int, torch.nn.Parameter] = {}  # id(owned parameter) -> the Parameter replacing it
         for param in self.params:
             _OWNERS[id(param)] = self
+        for param in self.frozen:
+            _FROZEN_OWNERS[id(param)] = self
         _install_registration_hook()
+
+    def successors(self) -> dict[int, torch.nn.Parameter]:
+        """``id(parameter)`` -> the Parameter a module put in its place, for the owned parameters (frozen members
+        too) replaced since construction."""
+        return dict(self._successors)
+
+    @property
+    def has_successors(self) -> bool:
+        return bool(self._successors)
+
+    def release(self) -> None:
+        """Give up the claim (a new one over the parameters as the model now holds them replaces it)."""
+        for registry, params in ((_OWNERS, self.params), (_FROZEN_OWNERS, self.frozen)):
+            for param in params:
+                if registry.get(id(param)) is self:
+                    del registry[id(param)]
 
     def check_unchanged(self, storages: Sequence["HoldsParams"]) -> None:
         """Raise if the model no longer is what the layout describes: a frozen member now requires grad, a
@@ -65,8 +90,8 @@ class Ownership:
             raise RuntimeError(
                 f"the model replaced parameters that this optimizer manages ({', '.join(self.replaced[:5])}) "
                 "with other Parameter objects (load_state_dict(assign=True), module.weight = nn.Parameter(...)), "
-                "so the optimizer would keep updating the old ones. Load with assign=False (the default), or "
-                "build the ShardedOptimizer after changing the model")
+                "after the optimizer had taken gradients or stepped, so it would keep updating the old ones. Load with "
+                "assign=False (the default), or change the model before the first backward")
         rebound = [(i, s.param_buffer) for s in storages for i in s.rebound_params()]
         if rebound:
             first, home = rebound[0]
@@ -88,9 +113,10 @@ def rebound_message(param_indices: list[int], param: torch.Tensor, home: torch.T
                  "it; both would then wrap it in DistributedDataParallel, which all-reduces the gradients this "
                  "optimizer reduces itself); param.data = ... and resize_token_embeddings copy too")
     return (f"trainable parameters {param_indices[:5]} (the optimizer's numbering) no longer live in the "
-            f"optimizer's flat buffers: the model was {cause} after the ShardedOptimizer was built, so the optimizer "
-            "would no longer update it. In your own loop: convert and move the model first, then build the "
-            "optimizer (to change the model later, save a checkpoint, build a new ShardedOptimizer and load it). "
+            f"optimizer's flat buffers: the model was {cause} after the ShardedOptimizer had taken gradients or "
+            "stepped, so the optimizer would no longer update it (before that, it follows such a change). In your "
+            "own loop: convert and move the model before the first backward (to change the model later, save a "
+            "checkpoint, build a new ShardedOptimizer and load it). "
             + FRAMEWORK_ROUTES)
 
 
@@ -104,6 +130,52 @@ def _install_registration_hook() -> None:
 
 def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
     old = getattr(module, name, None)  # still the old parameter: the hook runs before the assignment
-    owner = _OWNERS.get(id(old)) if isinstance(old, torch.Tensor) and old is not param else None
+    if not isinstance(old, torch.Tensor) or old is param:
+        return
+    frozen_owner = _FROZEN_OWNERS.get(id(old))
+    if frozen_owner is not None and isinstance(param, torch.nn.Parameter) and not param.requires_grad:
+        frozen_owner._successors[id(old)] = param  # (out of the layout: followed, or nothing to follow)
+    owner = _OWNERS.get(id(old))
     if owner is not None:
         owner.replaced.append(f"{type(module).__name__}.{name}")
+        if isinstance(param, torch.nn.Parameter) and param.shape == old.shape and param.requires_grad:
+            owner._successors[id(old)] = param
+
+
+class ModelFollower:
+    """Until the first step, a global forward pre-hook that calls ``follow`` (held weakly) before the forward of a
+    module holding a parameter that ``ownership`` replaced or that left the memory it had when last
+    :meth:`remember` ed: the optimizer then takes the model as it now is before any of it is used. Per module
+    call it looks at that module's own parameters only. :meth:`close` takes the hook off."""
+
+    def __init__(self, follow, ownership: Ownership):
+        self._follow = weakref.WeakMethod(follow)
+        self.ownership = ownership
+        self._addresses: dict[int, int] = {}  # id(owned trainable parameter) -> its data_ptr when remembered
+        # the hook holds this follower weakly (the optimizer owns it): a deleted optimizer lets go of its claim
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(_forward_to(weakref.ref(self)))
+        weakref.finalize(self, self._hook.remove)
+
+    def remember(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Where ``params`` (the trainable ones, now in the flat buffers) live."""
+        self._addresses = {id(p): p.data_ptr() for p in params}
+
+    def _before_forward(self, module: torch.nn.Module, args) -> None:
+        addresses = self._addresses
+        moved = any(id(p) in addresses and p.data_ptr() != addresses[id(p)]
+                    for p in module._parameters.values() if p is not None)
+        if moved or self.ownership.has_successors:
+            follow = self._follow()
+            if follow is not None:
+                follow()
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def _forward_to(follower_ref):
+    def hook(module, args):
+        follower = follower_ref()
+        if follower is not None:
+            follower._before_forward(module, args)
+    return hook

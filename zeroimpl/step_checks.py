@@ -32,7 +32,6 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import validation
 from .buffers import BucketStorage
 from .grad_shards import DeviceGradientShards, HostGradientShards
 from .grad_sync import GradientReducer
@@ -64,7 +63,6 @@ class StepChecks:
         self.reducer, self.gradients, self.param_sync = reducer, gradients, param_sync
         self.ownership, self.storages, self.uneven, self.loss_scaler = ownership, storages, uneven, loss_scaler
         self.topology, self.timeout, self.device = topology, timeout, device
-        self._wrapping_checked = False
         self.reset()
 
     def reset(self) -> None:
@@ -74,6 +72,11 @@ class StepChecks:
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
         self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
+
+    @property
+    def grads_averaged_by_ddp(self) -> bool:
+        """DistributedDataParallel averages ``param.grad`` (stage 1 under DDP): it stays the full gradient."""
+        return bool(self.reducer.under_ddp)
 
     def prepare(self) -> bool:
         """Finish the reduction (and unscaling); return whether there are gradients to step on. Collective:
@@ -89,9 +92,6 @@ class StepChecks:
         if not self.checked_in:  # once per round of gradients, not again at the step after clipping
             self.uneven.check_in()
             self.checked_in = True
-        if not self._wrapping_checked:  # the first time only: a DDP wrapper exists by the first step
-            validation.check_not_wrapped_in_ddp(self.ownership.params[0])
-            self._wrapping_checked = True
         self.ownership.check_unchanged(self.storages)
         self.reducer.reduce_held_grads()
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):

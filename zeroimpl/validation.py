@@ -43,6 +43,28 @@ def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight
                          f"construction) or 'check' (raise if the ranks' parameters differ), got {init_sync!r}")
 
 
+# arguments of torch's ZeroRedundancyOptimizer and FairScale's OSS that mean nothing here -> why, and what to do
+PEER_ARGUMENTS = {
+    "parameters_as_bucket_view": "the parameters always live in flat buckets here (bucket_numel sets their size)",
+    "overlap_with_ddp": ("under DDP, stage 1 steps after DDP's all-reduce; to overlap the reduction with backward, "
+                         "drop the DDP wrap and use stage=2"),
+    "broadcast_buffer_size": "the parameters' all-gather is bucketed by bucket_numel",
+    "broadcast_fp16": "to send the parameters in 8 bits, pass quantize_param_gather=True",
+    "force_broadcast_object": "the optimizer sends no Python objects while training",
+    "group": "pass process_group= (or device_mesh=)",
+    "optim": "pass the torch optimizer class as optimizer_class, the second argument",
+}
+
+
+def refuse_peer_arguments(optimizer_kwargs: dict) -> None:
+    """Refuse, by name, an argument of ZeroRedundancyOptimizer or OSS, which would otherwise reach the inner
+    optimizer's constructor as a hyperparameter."""
+    for name in optimizer_kwargs:
+        if name in PEER_ARGUMENTS:
+            raise TypeError(f"ShardedOptimizer takes no {name!r} (an argument of torch's ZeroRedundancyOptimizer or "
+                            f"FairScale's OSS): {PEER_ARGUMENTS[name]}")
+
+
 def check_stage(stage) -> None:
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 (shard optimizer state) or 2 (also shard gradients), got {stage!r}")
@@ -83,22 +105,28 @@ def check_verify_every(verify_every) -> None:
         raise ValueError(f"verify_every must be None (never) or a number of steps >= 1, got {verify_every!r}")
 
 
-def check_not_wrapped_in_ddp(param: torch.Tensor) -> None:
-    """Raise if torch's DistributedDataParallel also holds ``param``: it would all-reduce every gradient that
-    ShardedOptimizer reduces itself (twice the traffic, DDP's full-size buckets; stage 2 loses its gradients).
+def wrapped_in_ddp(param: torch.Tensor) -> bool:
+    """Whether torch's DistributedDataParallel holds ``param``: then DDP all-reduces (averages) its gradients, and
+    a stage-1 ShardedOptimizer takes its shard of them as they are, as torch's ZeroRedundancyOptimizer does.
 
     DDP keeps its parameters in a list ``_module_parameters``; this finds that list among the parameter's
-    referrers: two scans of the live objects (``gc.get_referrers``), so ``step()`` does it once. Only where it
-    finds one does it collect the garbage and look again, so that a dropped wrapper that a reference cycle
-    keeps alive until the collector runs counts on no rank (a collection costs several scans).
+    referrers: two scans of the live objects (``gc.get_referrers``), so the reducer asks once, at the first
+    gradient. Only where it finds one does it collect the garbage and look again, so that a dropped wrapper that a
+    reference cycle keeps alive until the collector runs counts on no rank (a collection costs several scans).
     """
     if _held_by_ddp(param):
         gc.collect()
-        if _held_by_ddp(param):
-            raise RuntimeError("the model is wrapped in DistributedDataParallel, which all-reduces every gradient "
-                               "that ShardedOptimizer already reduce-scatters. In your own loop: do not wrap it in "
-                               "DDP (call the bare model; ShardedOptimizer replaces DDP). A framework wraps it when it "
-                               "prepares the model for several processes. " + FRAMEWORK_ROUTES)
+        return _held_by_ddp(param)
+    return False
+
+
+def ddp_stage_2_message() -> str:
+    """Why stage 2 refuses a model wrapped in DistributedDataParallel."""
+    return ("the model is wrapped in DistributedDataParallel, which all-reduces every full gradient and keeps it in "
+            "param.grad, so stage 2 has no gradient left to shard (and would reduce each one a second time). Either "
+            "keep the DDP wrap and use stage=1 (the ZeroRedundancyOptimizer way: DDP averages the gradients, the "
+            "optimizer steps its shard and all-gathers the parameters), or drop the DDP wrap and call the bare model "
+            "(stage 2 then reduce-scatters the gradients itself during backward). " + FRAMEWORK_ROUTES)
 
 
 def _held_by_ddp(param: torch.Tensor) -> bool:
@@ -114,9 +142,20 @@ def _held_by_ddp(param: torch.Tensor) -> bool:
 
 def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
                  layout: Optional[dict] = None, values: bool = True) -> None:
-    """Local checks, then one cheap cross-rank check that every rank holds the same parameters (and, given its
-    ``fingerprint()``, builds the same shard layout from them); ``values=False``: the same shapes only (the
-    caller broadcasts the values)."""
+    """Local checks (:func:`check_moved_params`), then one cheap cross-rank check that every rank holds the same
+    parameters (and, given its ``fingerprint()``, builds the same shard layout from them); ``values=False``: the
+    same shapes only (the caller broadcasts the values)."""
+    check_moved_params(params, topology.shard)
+    device = params[0].device
+    backend = dist.get_backend(topology.shard)
+    _check_same_across_ranks(params, topology, device if backend == "nccl" else torch.device("cpu"), timeout, layout,
+                             values)
+
+
+def check_moved_params(params: list[torch.Tensor], group) -> None:
+    """The checks of one rank's trainable ``params`` alone (at construction, and when the optimizer follows a model
+    moved or converted before the first step): some, on one device, floating point, where ``group``'s backend
+    reaches them."""
     if not params:
         raise ValueError("ShardedOptimizer got no trainable parameters (all have requires_grad=False?)")
     devices = {p.device for p in params}
@@ -128,12 +167,9 @@ def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] 
         if not p.dtype.is_floating_point:
             raise ValueError(f"a trainable parameter has dtype {p.dtype}; only floating-point parameters can "
                              "be optimized")
-    backend = dist.get_backend(topology.shard)
-    if backend == "nccl" and device.type != "cuda":
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
         raise ValueError(f"process group backend is nccl but parameters are on {device}; move the model to "
                          "its GPU (model.to(f'cuda:{local_rank}')) or use backend='gloo' for CPU training")
-    _check_same_across_ranks(params, topology, device if backend == "nccl" else torch.device("cpu"), timeout, layout,
-                             values)
 
 
 def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch.device,

@@ -1,0 +1,243 @@
+"""The one-line swap: ShardedOptimizer where a torch optimizer (or torch's ZeroRedundancyOptimizer) goes in a DDP
+script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
+
+* PyTorch's DDP tutorial (examples/ddp_tutorial.py: the optimizer built before the model moves to ``cpu:0``,
+  which copies it, then DDP's wrap), 3 epochs of SGD and a resume from its model snapshot: stage 1 with DDP
+  kept (the one changed line) and stage 2 without DDP (two more), bitwise the tutorial's own run.
+* Stage 1 under DDP, AdamW, bitwise DDP + AdamW: plain; ``no_sync()`` accumulation; ``torch.nn.utils.
+  clip_grad_norm_`` on DDP's full gradients; a GradScaler with a scale that overflows at first (both skip the
+  same steps); an LR scheduler; CPU offload (the for-loop AdamW kernel, as DDP + AdamW's); and the optimizer's
+  own collectives per step: no reduction, only the parameters' all-gather (Ψ) and the 5-element check.
+* Stage 2 under DDP: refused at the first backward, on every rank, naming stage 1 and the unwrapped route.
+* Built before the model changes: ``.to(cpu:0)``, ``load_state_dict(assign=True)``, ``.double()`` and
+  ``.bfloat16()``, DDP-wrapped or not: bitwise an optimizer built after the change (the documented route); a
+  conversion to fp16 turns the automatic loss scaling on, as one built after it has.
+"""
+
+import contextlib
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import case_results, run_cases, run_distributed
+from zeroimpl import CPUOffload, ShardedOptimizer
+from zeroimpl.integrations.collectives import CollectiveCounter, summarize
+from zeroimpl.validation import PEER_ARGUMENTS
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "ddp_tutorial.py")
+
+
+def _tutorial():
+    spec = importlib.util.spec_from_file_location("ddp_tutorial", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tutorial_runs(rank, shared):
+    """Each optimizer: 3 epochs uninterrupted, and 1 epoch then a resume from the snapshot to 3 (a fresh
+    optimizer, as the tutorial's snapshot holds the model only)."""
+    os.environ["LOCAL_RANK"] = os.environ["RANK"] = str(rank)
+    tutorial = _tutorial()
+    out = {}
+    for stage in (0, 1, 2):
+        snapshot = os.path.join(shared, f"tutorial-{stage}.pt")
+        whole = tutorial.run(1, 3, 32, os.path.join(shared, f"unused-{stage}-{rank}.pt"), stage)
+        tutorial.run(1, 1, 32, snapshot, stage)
+        resumed = tutorial.run(1, 3, 32, snapshot, stage)
+        out[stage] = {name: [p.detach().clone() for p in trainer.model.parameters()] + [trainer.losses]
+                      for name, trainer in (("whole", whole), ("resumed", resumed))}
+    return out
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+
+
+def _ddp_run(rank, optimizer_of, accumulate=1, clip=False, scaler=None, steps=5, counter=None):
+    """AdamW-style training of a DDP-wrapped model: ``optimizer_of(params)``; returns the parameters, the losses and,
+    with ``counter``, zeroimpl's collectives per step."""
+    model = _model()
+    optimizer = optimizer_of(model.parameters())
+    ddp = DDP(model)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
+    generator = torch.Generator().manual_seed(rank)
+    losses, calls = [], []
+    for _ in range(steps):
+        if counter is not None:
+            counter.take()
+        optimizer.zero_grad()
+        for micro in range(accumulate):
+            x, y = torch.randn(8, 20, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+            with ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                loss = torch.nn.functional.cross_entropy(ddp(x), y) / accumulate
+                (scaler.scale(loss) if scaler else loss).backward()
+            losses.append(loss.item())
+        if scaler:
+            scaler.unscale_(optimizer)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        schedule.step()
+        if counter is not None:
+            calls.append(summarize(counter.take()))
+    return [p.detach().clone() for p in model.parameters()], losses, calls
+
+
+VARIANTS = {"plain": {}, "no_sync": dict(accumulate=3), "clip": dict(clip=True), "scaler": dict(scaler=True),
+            "offload": dict(offload=CPUOffload(fused_step=False))}
+
+
+def _under_ddp(rank):
+    out = {}
+    for name, variant in VARIANTS.items():
+        options = {k: v for k, v in variant.items() if k not in ("offload", "scaler")}
+
+        def scaler():  # its first scales overflow fp32 gradients: both runs skip those steps and back off alike
+            return torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=2) if "scaler" in variant else None
+
+        reference = _ddp_run(rank, lambda ps: torch.optim.AdamW(ps, lr=1e-2), scaler=scaler(), **options)
+        zero = _ddp_run(rank, lambda ps: ShardedOptimizer(ps, torch.optim.AdamW, stage=1, lr=1e-2, bucket_numel=500,
+                                                          offload=variant.get("offload")), scaler=scaler(), **options)
+        out[name] = (reference[:2], zero[:2])
+    counter = CollectiveCounter().install()
+    try:
+        out["collectives"] = _ddp_run(rank, lambda ps: ShardedOptimizer(ps, torch.optim.AdamW, stage=1, lr=1e-2,
+                                                                        bucket_numel=500), counter=counter)[2]
+    finally:
+        counter.uninstall()
+    out["psi"] = sum(p.numel() for p in _model().parameters())
+
+    def stage_2():
+        model = _model()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+        reached_step = False
+        try:
+            ddp = DDP(model)  # (held: a wrapper dropped before backward is no wrapper)
+            ddp(torch.ones(2, 20)).sum().backward()
+            reached_step = True
+            optimizer.step()
+        except RuntimeError as error:
+            return reached_step, str(error)
+        return reached_step, None
+    out["stage 2"] = stage_2()
+    return out
+
+
+CHANGES = {
+    "cpu:0": lambda model: model.to(torch.device("cpu", 0)),
+    "assign": lambda model: model.load_state_dict({k: v.clone() for k, v in _model().state_dict().items()},
+                                                  assign=True),
+    "double": lambda model: model.double(),
+    "bfloat16": lambda model: model.bfloat16(),
+}
+
+
+def _changed_run(rank, change, stage, wrap, before):
+    """Build the optimizer ``before`` the model change or after it, then train 4 steps."""
+    model = _model()
+    build = lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2,  # noqa: E731
+                                     bucket_numel=500)
+    optimizer = build() if before else None
+    CHANGES[change](model)
+    optimizer = optimizer or build()
+    forward = DDP(model) if wrap else model
+    generator = torch.Generator().manual_seed(rank)
+    dtype = next(model.parameters()).dtype
+    for _ in range(4):
+        optimizer.zero_grad()
+        x, y = torch.randn(8, 20, generator=generator, dtype=dtype), torch.randint(0, 3, (8,), generator=generator)
+        torch.nn.functional.cross_entropy(forward(x).float(), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _fp16_follows(rank):
+    """A model converted to fp16 after construction: loss scaling turns on as for one built fp16."""
+    model = _model()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+    model.half()
+    x = torch.ones(2, 20, dtype=torch.float16)
+    optimizer.backward(model(x).float().sum())
+    optimizer.step()
+    return optimizer.loss_scale, next(model.parameters()).dtype
+
+
+def _all(rank, world_size, shared):
+    cases = {"tutorial": lambda: _tutorial_runs(rank, shared), "under ddp": lambda: _under_ddp(rank),
+             "fp16": lambda: _fp16_follows(rank)}
+    for change in CHANGES:
+        for stage, wrap in ((1, True), (1, False), (2, False)):
+            cases[(change, stage, wrap)] = lambda change=change, stage=stage, wrap=wrap: (
+                _changed_run(rank, change, stage, wrap, before=True), _changed_run(rank, change, stage, wrap, False))
+    return run_cases(cases)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_distributed(2, _all, str(tmp_path_factory.mktemp("swap")))
+
+
+def _bitwise(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_ddp_tutorial_with_the_swap_trains_bitwise_as_the_tutorial_and_resumes(ranks, stage):
+    for out in case_results(ranks, "tutorial"):
+        for run in ("whole", "resumed"):
+            assert _bitwise(out[stage][run], out[0][run]), (stage, run)
+        assert _bitwise(out[stage]["resumed"][:-1], out[stage]["whole"][:-1])  # the parameters at the end
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_stage_1_under_ddp_is_bitwise_ddp_with_the_same_torch_optimizer(ranks, variant):
+    for out in case_results(ranks, "under ddp"):
+        (reference, reference_losses), (zero, zero_losses) = out[variant]
+        assert _bitwise(zero, reference) and zero_losses == reference_losses
+
+
+def test_under_ddp_the_optimizer_reduces_nothing_and_gathers_the_parameters_once(ranks):
+    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction: zeroimpl's calls per step are the
+    5-element check all-reduce and the all-gather of the parameters, Ψ (padded) per step."""
+    for out in case_results(ranks, "under ddp"):
+        for per_step in out["collectives"]:
+            assert not any("reduce_scatter" in name for name in per_step), per_step
+            assert per_step["all_reduce"][:2] == (1, 5), per_step
+            sent = sum(per_step.get(name, (0, 0))[1] for name in ("isend", "all_gather_into_tensor"))
+            assert out["psi"] <= sent * (2 if "isend" in per_step else 1) <= out["psi"] + 64 * 8, per_step
+
+
+def test_stage_2_under_ddp_is_refused_at_the_first_backward_on_every_rank(ranks):
+    for reached_step, message in (out["stage 2"] for out in case_results(ranks, "under ddp")):
+        assert not reached_step
+        for expected in ("wrapped in DistributedDataParallel", "use stage=1", "drop the DDP wrap"):
+            assert expected in message
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+@pytest.mark.parametrize("stage, wrap", [(1, True), (1, False), (2, False)])
+def test_a_model_changed_after_the_optimizer_was_built_trains_as_if_built_after(ranks, change, stage, wrap):
+    for before, after in case_results(ranks, (change, stage, wrap)):
+        assert _bitwise(before, after)
+
+
+def test_a_conversion_to_fp16_turns_loss_scaling_on(ranks):
+    for scale, dtype in case_results(ranks, "fp16"):
+        assert dtype == torch.float16 and scale is not None
+
+
+@pytest.mark.parametrize("name", sorted(PEER_ARGUMENTS))
+def test_arguments_of_zero_redundancy_optimizer_and_oss_are_refused_by_name(name):
+    """They would otherwise reach the inner optimizer as hyperparameters (no process group needed: refused first)."""
+    with pytest.raises(TypeError, match=f"no '{name}'"):
+        ShardedOptimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.AdamW, stage=1, **{name: True})
