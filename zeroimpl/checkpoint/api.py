@@ -21,7 +21,7 @@ A state value is per element (one entry per element of the parameter's piece), a
 or -- for a parameter of a whole-parameter bucket -- any tensor of that parameter, which moves whole with it
 to its new owner; or -- for a piece of a blocked bucket (a low-bit optimizer) -- its scales, one per
 quantization block, which move with their blocks, and its quantization map (torchao's quantized state, kept
-as tensor subclasses, is stored as such parts: :mod:`.subclass_state`); anything else is refused at save
+as tensor subclasses, is stored as such parts: :mod:`zeroimpl.state_format`); anything else is refused at save
 time.
 """
 
@@ -36,13 +36,13 @@ import torch.distributed as dist
 
 from ..memory_format import flattened, same_order, shaped
 from ..optimizer import ShardedOptimizer
+from ..state_format import (CheckpointError, block_range, describe_groups, is_per_block, joined, require_logical_order,
+                            split_state)
 from . import files
-from .files import EXTRAS, INDEX, CheckpointError, rank_file
-from .format import (FORMAT, READABLE_FORMATS, block_range, class_name, copy_scalars, describe_groups, file_keys,
-                     group_classes, is_per_block, key_offsets, merge_scalars, param_scalars, read_rank, saved_layout,
-                     saved_memory_order, split_state, state_dtypes)
+from .files import EXTRAS, INDEX, rank_file
+from .format import (FORMAT, READABLE_FORMATS, class_name, copy_scalars, file_keys, group_classes, key_offsets,
+                     merge_scalars, param_scalars, read_rank, saved_layout, saved_memory_order, state_dtypes)
 from .reshard import plan
-from .subclass_state import joined, require_logical_order
 
 _UNCOMPILED = re.compile(r"(^|\.)_orig_mod\.")  # torch.compile's OptimizedModule in a state-dict name
 

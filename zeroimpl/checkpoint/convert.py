@@ -17,11 +17,12 @@ import torch
 
 from ..memory_format import flattened, shaped
 from ..optimizer import ShardedOptimizer
+from ..state_format import (CheckpointError, block_range, describe_groups, is_per_block, joined, plain_parts,
+                            require_logical_order, split_state)
 from . import files
-from .format import (READABLE_FORMATS, block_range, describe_groups, file_keys, is_per_block, key_offsets, param_scalars,
-                     read_rank, saved_layout, saved_memory_order, split_state, state_dtypes)
-from .files import EXTRAS, INDEX, CheckpointError
-from .subclass_state import joined, plain_parts, require_logical_order
+from .files import EXTRAS, INDEX
+from .format import (READABLE_FORMATS, file_keys, key_offsets, param_scalars, read_rank, saved_layout,
+                     saved_memory_order, state_dtypes)
 
 
 def _read_full(directory: str):

@@ -22,12 +22,12 @@ import shutil
 
 import torch
 
+from ..state_format import CheckpointError
+
 INDEX = "index.pt"
 EXTRAS = "model-extras.pt"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this optimizer: corrupt, incomplete or from another model."""
 
 
 def rank_file(rank: int) -> str:

@@ -11,68 +11,13 @@ from typing import Optional
 import torch
 
 from ..layout import ShardLayout
-from ..memory_format import contiguous_strides, flattened
+from ..memory_format import contiguous_strides
+from ..state_format import CheckpointError
 from . import files
-from .files import CheckpointError, rank_file
-from .subclass_state import is_part, is_recipe, plain_parts
+from .files import rank_file
 
-FORMAT = "zeroimpl.checkpoint/4"  # /4 may hold torchao's state as parts (subclass_state), which /3 readers misread
+FORMAT = "zeroimpl.checkpoint/4"  # /4 may hold torchao's state as parts (zeroimpl.state_format), which /3 readers misread
 READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", "zeroimpl.checkpoint/3", FORMAT)
-
-
-def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optional[tuple] = None):
-    """A piece's inner state -> (per-element tensors, flattened; scalars; piece-level tensors), or
-    ``(None, None, None)`` for no state yet.
-
-    Per element: a tensor of the piece's ``shape`` (1-D for a flat piece; the parameter's shape for a
-    parameter of a whole-parameter bucket). Piece-level tensors are any other tensor of a piece that may hold
-    them (``whole``): of a whole-parameter bucket -- Adafactor's factored ``row_var``/``col_var``, which move
-    with their parameter, never split -- or of a blocked bucket -- a low-bit optimizer's scales, one per
-    block (:func:`is_per_block`), and its quantization map, the same in every piece. Quantized state kept as a
-    tensor subclass (torchao's) is split into such plain parts first (:mod:`.subclass_state`). ``strides``: the piece's
-    memory format (per-element tensors are flattened in that order, the order of the flat buffers); ``None``
-    for 1-D pieces.
-    """
-    if not state:
-        return None, None, None
-    elementwise, scalars, whole_state = {}, {}, {}
-    for key, value in plain_parts(state).items():
-        if torch.is_tensor(value) and whole and is_piece_level(key):  # (may have the piece's shape: a 256-element
-            whole_state[key] = value.detach().cpu().clone()  # piece's quantization map, a 1-element piece's scale)
-        elif torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
-            elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
-        elif torch.is_tensor(value) and value.dim() == 0:
-            scalars[key] = value.detach().cpu().clone()
-        elif value is None or isinstance(value, (bool, int, float)) or is_recipe(key, value):
-            scalars[key] = value
-        elif torch.is_tensor(value) and whole:
-            whole_state[key] = value.detach().cpu().clone()
-        else:
-            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-            raise CheckpointError(f"optimizer state {key!r} ({shape}) is neither one value per element nor a "
-                                  "scalar, so it cannot be resharded; this optimizer is not elementwise (shard it "
-                                  "by whole parameters: ShardedOptimizer(..., per_parameter=[its class]))")
-    return elementwise, scalars, whole_state
-
-
-def is_piece_level(key: str) -> bool:
-    """Whether a low-bit optimizer's state ``key`` is piece-level whatever its shape: per-block scales
-    (:func:`is_per_block`) and quantization maps (bitsandbytes' ``qmap1``/``qmap2``, torchao's ``.../qmap``)."""
-    return is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")
-
-
-def is_per_block(key: str) -> bool:
-    """Whether a low-bit optimizer's piece-level state ``key`` holds one value per quantization block
-    (bitsandbytes' ``absmax1``/``absmax2``, torchao's ``.../scale``); its other piece-level state is the same
-    in every piece."""
-    return key.startswith("absmax") or is_part(key, "scale")
-
-
-def block_range(start: int, end: int, block: int) -> tuple[int, int]:
-    """The blocks ``[first, last)`` that elements ``[start, end)`` of a parameter span (``start`` on a block)."""
-    if start % block:
-        raise CheckpointError(f"element {start} is not on a quantization block of {block}: the layouts disagree")
-    return start // block, -(-end // block)
 
 
 def file_keys(index: dict, layout: ShardLayout) -> list[tuple[str, ...]]:
@@ -93,13 +38,6 @@ def key_offsets(pieces: list, keys_of_param: list[tuple[str, ...]]) -> dict[str,
             offsets.setdefault(key, [None] * len(pieces))[position] = filled.get(key, 0)
             filled[key] = filled.get(key, 0) + piece.length
     return offsets
-
-
-def describe_groups(optimizer) -> list[dict]:
-    """Each param group of a ShardedOptimizer: its hyperparameters and members (trainable index, -1: frozen)."""
-    index_of = {id(p): i for i, p in enumerate(optimizer.trainable_params)}
-    return [{"hyperparameters": {k: v for k, v in group.items() if k not in ("params", "optimizer")},
-             "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
 
 
 def class_name(cls: type) -> str:

@@ -1,9 +1,12 @@
-"""Quantized optimizer state kept as tensor subclasses -- torchao's ``OptimState8bit``, ``OptimState4bit`` and
-``OptimStateFp8`` -- as plain tensors, and back: what a checkpoint stores of them, so that they reshard and
-export as bitsandbytes' 8-bit state does.
+"""An inner optimizer's state of one piece (or parameter), split into what reshards and joined back.
 
-A state value ``key`` of one of these classes, over ``n`` elements (a piece, or a whole parameter) with
-blocks of ``b``, is stored as
+A piece's state (torch's ``optimizer.state[param]`` for the piece's view of the master) splits into per-element
+tensors (one value per element of the piece, flattened in the parameter's memory order), scalars (Adam's
+``step``) and piece-level tensors (a whole-parameter bucket's factored state, a low-bit optimizer's per-block
+scales and quantization map): :func:`split_state`. Quantized state kept as tensor subclasses -- torchao's
+``OptimState8bit``, ``OptimState4bit`` and ``OptimStateFp8`` -- is split into plain parts first, so that it
+reshards and exports as bitsandbytes' 8-bit state does (:func:`plain_parts`, :func:`joined`). A value ``key`` of
+one of these classes, over ``n`` elements (a piece, or a whole parameter) with blocks of ``b``, is held as
 
 * ``key/codes``: one uint8 per element, of the value's shape (4-bit codes unpacked from their two per byte,
   fp8 codes reinterpreted as bytes), so that it reshards as per-element state;
@@ -11,8 +14,9 @@ blocks of ``b``, is stored as
 * ``key/qmap``: the quantization map (8-bit and 4-bit only), the same in every piece;
 * ``key/tensor``: a scalar recipe ``(class name, signed, dtype)`` that rebuilds the value around them.
 
-Rebuilding reads the class from torchao itself (only these three are accepted), so a checkpoint of torchao
-state loads where torchao is installed.
+Rebuilding reads the class from torchao itself (only these three are accepted), so state of torchao's loads
+where torchao is installed. The checkpoint package writes these parts to files; the optimizer's own
+consolidation (``ShardedOptimizer.consolidate_state_dict``) sends them to one rank.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from typing import Optional
 
 import torch
 
-from ..memory_format import contiguous_strides, same_order
-from .files import CheckpointError
+from .memory_format import contiguous_strides, flattened, same_order
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this optimizer: corrupt, incomplete or from another model."""
+
 
 CLASSES = {"OptimState8bit": "torchao.optim.subclass_8bit", "OptimState4bit": "torchao.optim.subclass_4bit",
            "OptimStateFp8": "torchao.optim.subclass_fp8"}
@@ -114,3 +122,65 @@ def joined(state: Optional[dict], shape: tuple) -> Optional[dict]:
         else:
             whole[key] = cls(codes.reshape(shape), scale, state[f"{key}/qmap"], signed, dtype=dtype)
     return whole
+
+
+def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optional[tuple] = None):
+    """A piece's inner state -> (per-element tensors, flattened; scalars; piece-level tensors), or
+    ``(None, None, None)`` for no state yet.
+
+    Per element: a tensor of the piece's ``shape`` (1-D for a flat piece; the parameter's shape for a
+    parameter of a whole-parameter bucket). Piece-level tensors are any other tensor of a piece that may hold
+    them (``whole``): of a whole-parameter bucket -- Adafactor's factored ``row_var``/``col_var``, which move
+    with their parameter, never split -- or of a blocked bucket -- a low-bit optimizer's scales, one per
+    block (:func:`is_per_block`), and its quantization map, the same in every piece. Quantized state kept as a
+    tensor subclass (torchao's) is split into such plain parts first (:func:`plain_parts`). ``strides``: the piece's
+    memory format (per-element tensors are flattened in that order, the order of the flat buffers); ``None``
+    for 1-D pieces.
+    """
+    if not state:
+        return None, None, None
+    elementwise, scalars, whole_state = {}, {}, {}
+    for key, value in plain_parts(state).items():
+        if torch.is_tensor(value) and whole and is_piece_level(key):  # (may have the piece's shape: a 256-element
+            whole_state[key] = value.detach().cpu().clone()  # piece's quantization map, a 1-element piece's scale)
+        elif torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
+            elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
+        elif torch.is_tensor(value) and value.dim() == 0:
+            scalars[key] = value.detach().cpu().clone()
+        elif value is None or isinstance(value, (bool, int, float)) or is_recipe(key, value):
+            scalars[key] = value
+        elif torch.is_tensor(value) and whole:
+            whole_state[key] = value.detach().cpu().clone()
+        else:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise CheckpointError(f"optimizer state {key!r} ({shape}) is neither one value per element nor a "
+                                  "scalar, so it cannot be resharded; this optimizer is not elementwise (shard it "
+                                  "by whole parameters: ShardedOptimizer(..., per_parameter=[its class]))")
+    return elementwise, scalars, whole_state
+
+
+def is_piece_level(key: str) -> bool:
+    """Whether a low-bit optimizer's state ``key`` is piece-level whatever its shape: per-block scales
+    (:func:`is_per_block`) and quantization maps (bitsandbytes' ``qmap1``/``qmap2``, torchao's ``.../qmap``)."""
+    return is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")
+
+
+def is_per_block(key: str) -> bool:
+    """Whether a low-bit optimizer's piece-level state ``key`` holds one value per quantization block
+    (bitsandbytes' ``absmax1``/``absmax2``, torchao's ``.../scale``); its other piece-level state is the same
+    in every piece."""
+    return key.startswith("absmax") or is_part(key, "scale")
+
+
+def block_range(start: int, end: int, block: int) -> tuple[int, int]:
+    """The blocks ``[first, last)`` that elements ``[start, end)`` of a parameter span (``start`` on a block)."""
+    if start % block:
+        raise CheckpointError(f"element {start} is not on a quantization block of {block}: the layouts disagree")
+    return start // block, -(-end // block)
+
+
+def describe_groups(optimizer) -> list[dict]:
+    """Each param group of a ShardedOptimizer: its hyperparameters and members (trainable index, -1: frozen)."""
+    index_of = {id(p): i for i, p in enumerate(optimizer.trainable_params)}
+    return [{"hyperparameters": {k: v for k, v in group.items() if k not in ("params", "optimizer")},
+             "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
