@@ -477,7 +477,7 @@ def test_invalid_verify_every_and_timeouts_are_refused():
 
 
 def test_pieces_of_one_parameter_with_different_scalar_state_are_refused():
-    from zeroimpl.checkpoint.files import CheckpointError
+    from zeroimpl.checkpoint import CheckpointError
     from zeroimpl.checkpoint.format import merge_scalars
 
     assert merge_scalars([None, None]) is None

@@ -239,7 +239,7 @@ def test_stored_codes_are_one_per_element_in_order_and_rebuild_the_same_state(na
     is the original, code for code."""
     import importlib
 
-    from zeroimpl.checkpoint.subclass_state import CLASSES as MODULES, joined, plain_parts
+    from zeroimpl.state_format import CLASSES as MODULES, joined, plain_parts
     cls = getattr(importlib.import_module(MODULES[name]), name)
     values = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     state = cls.zeros(values.shape, block_size=128) if name == "OptimStateFp8" else cls.zeros(values.shape, True, 128)
@@ -258,7 +258,7 @@ def test_export_or_import_of_a_non_contiguous_quantized_parameter_is_refused():
     """zeroimpl's blocks follow a parameter's memory order, the plain class's its logical order: a channels-last
     weight's state would land its scales on other elements, so it is refused (a sharded resume stays exact)."""
     from zeroimpl.checkpoint import CheckpointError
-    from zeroimpl.checkpoint.subclass_state import plain_parts, require_logical_order
+    from zeroimpl.state_format import plain_parts, require_logical_order
     from torchao.optim.subclass_8bit import OptimState8bit
     parts = plain_parts({"exp_avg": OptimState8bit.zeros((16, 64, 2, 2), True, 256)})
     require_logical_order(parts, (16, 64, 2, 2), (256, 4, 2, 1), 0)  # contiguous: fine

@@ -27,7 +27,7 @@ from workloads import (NormalizedSGD, RunConfig, TransposedMomentum, batch, bitw
 from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict, load_checkpoint,
                                  save_checkpoint)
-from zeroimpl.checkpoint.files import CheckpointError
+from zeroimpl.checkpoint import CheckpointError
 from zeroimpl.integrations.models import hidden_matrices, split_hidden_matrices
 
 WHOLE_ATOL = 1e-4
