@@ -143,24 +143,28 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
 
 
 class ModelFollower:
-    """Until the first step, a global forward pre-hook that calls ``follow`` (held weakly) before the forward of a
-    module holding a parameter that ``ownership`` replaced or that left the memory it had when last
-    :meth:`remember` ed: the optimizer then takes the model as it now is before any of it is used. Per module
-    call it looks at that module's own parameters only. :meth:`close` takes the hook off."""
+    """Until :meth:`close` (the first step), calls ``follow`` (held weakly) before the forward of a module holding a
+    parameter that ``ownership`` replaced or that left the memory it had when last :meth:`remember` ed: the
+    optimizer then takes the model as it now is before any of it is used. Per module call it looks at that
+    module's own parameters only.
+
+    One module-level forward pre-hook serves every follower, installed with the first and never removed: a hook
+    taken off at the first step would change the hooks that a ``torch.compile`` d forward was traced with (a
+    recompilation), and a compiled forward skips it (it cannot rebuild an optimizer; the step still follows). Once
+    no follower is open it returns at once."""
 
     def __init__(self, follow, ownership: Ownership):
         self._follow = weakref.WeakMethod(follow)
         self.ownership = ownership
         self._addresses: dict[int, int] = {}  # id(owned trainable parameter) -> its data_ptr when remembered
-        # the hook holds this follower weakly (the optimizer owns it): a deleted optimizer lets go of its claim
-        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(_forward_to(weakref.ref(self)))
-        weakref.finalize(self, self._hook.remove)
+        _OPEN_FOLLOWERS.add(self)
+        _install_forward_hook()
 
     def remember(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Where ``params`` (the trainable ones, now in the flat buffers) live."""
         self._addresses = {id(p): p.data_ptr() for p in params}
 
-    def _before_forward(self, module: torch.nn.Module, args) -> None:
+    def before_forward(self, module: torch.nn.Module) -> None:
         addresses = self._addresses
         moved = any(id(p) in addresses and p.data_ptr() != addresses[id(p)]
                     for p in module._parameters.values() if p is not None)
@@ -170,12 +174,21 @@ class ModelFollower:
                 follow()
 
     def close(self) -> None:
-        self._hook.remove()
+        _OPEN_FOLLOWERS.discard(self)
 
 
-def _forward_to(follower_ref):
-    def hook(module, args):
-        follower = follower_ref()
-        if follower is not None:
-            follower._before_forward(module, args)
-    return hook
+_OPEN_FOLLOWERS: "weakref.WeakSet[ModelFollower]" = weakref.WeakSet()  # of optimizers not stepped yet
+_FORWARD_HOOK = None  # the module-level forward pre-hook, installed with the first follower
+
+
+def _install_forward_hook() -> None:
+    global _FORWARD_HOOK
+    if _FORWARD_HOOK is None:
+        _FORWARD_HOOK = torch.nn.modules.module.register_module_forward_pre_hook(_before_any_forward)
+
+
+def _before_any_forward(module: torch.nn.Module, args) -> None:
+    if torch.compiler.is_compiling() or not _OPEN_FOLLOWERS:
+        return
+    for follower in list(_OPEN_FOLLOWERS):
+        follower.before_forward(module)
