@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .memory_format import contiguous_strides, flattened, same_order
+from .memory_format import contiguous_strides, flattened, same_order, shaped
 
 
 class CheckpointError(ValueError):
@@ -184,3 +184,103 @@ def describe_groups(optimizer) -> list[dict]:
     index_of = {id(p): i for i, p in enumerate(optimizer.trainable_params)}
     return [{"hyperparameters": {k: v for k, v in group.items() if k not in ("params", "optimizer")},
              "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
+
+
+# -- torch's own format: one state per parameter, numbered over the param groups ----------------------------------
+def place_piece(state: dict, numel: int, piece, per_element: dict, piece_level: dict, block: int,
+                dtypes: Optional[dict] = None) -> None:
+    """Write one piece's split state (:func:`split_state`) into its parameter's full ``state`` (key -> a flat
+    tensor of the parameter's ``numel`` elements, in memory order, created here): per-element values at the piece's
+    elements (in ``dtypes[key]`` where given), a low-bit piece's per-block scales at its blocks (``block``: the
+    bucket's block size, 0 for none), other piece-level state as it is."""
+    target = slice(piece.param_start, piece.param_end)
+    for key, values in per_element.items():
+        dtype = (dtypes or {}).get(key, values.dtype)
+        state.setdefault(key, torch.empty(numel, dtype=dtype))[target] = values
+    for key, value in piece_level.items():
+        if block and is_per_block(key):
+            first, last = block_range(piece.param_start, piece.param_end, block)
+            state.setdefault(key, torch.empty(-(-numel // block), dtype=value.dtype))[first:last] = value
+        else:
+            state[key] = value
+
+
+def torch_optimizer_state(groups: list[dict], shapes: list[tuple], strides: list[tuple], states: list[dict],
+                          scalars: list[Optional[dict]]) -> dict:
+    """``torch.optim.Optimizer.state_dict()`` of the plain inner optimizer over ``groups`` (as
+    :func:`describe_groups` gives them; frozen members are numbered too, as torch numbers them), from each
+    trainable parameter's full state (``states``: key -> flat per-element tensor or piece-level state, see
+    :func:`place_piece`), its ``scalars`` (``None``: never stepped, so no state) and its shape and memory order."""
+    state, param_groups, number = {}, [], 0
+    for group in groups:
+        numbers = []
+        for member in group["members"]:
+            if member >= 0 and scalars[member] is not None:
+                shape, order = tuple(shapes[member]), tuple(strides[member])
+                numel = 1
+                for size in shape:
+                    numel *= size
+                parts = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars[member].items()},
+                         **{key: shaped(value, shape, order) if value.numel() == numel else value
+                            for key, value in states[member].items()}}
+                require_logical_order(parts, shape, order, member)
+                state[number] = joined(parts, shape)
+            numbers.append(number)
+            number += 1
+        param_groups.append({**group["hyperparameters"], "params": numbers})
+    return {"state": state, "param_groups": param_groups}
+
+
+def pieces_of_torch_state(state_dict: dict, groups: list[dict], params: list[torch.Tensor], layout,
+                          pieces: list[tuple]) -> tuple[list[Optional[dict]], list[dict]]:
+    """The reverse of :func:`torch_optimizer_state` for one rank: a plain torch optimizer's ``state_dict()`` (the
+    same classes over the same ``groups``) split into the state of each of this rank's ``pieces`` (``(piece,
+    master view)``, in ``layout.pieces(rank)`` order; ``None``: never stepped) and each group's hyperparameters.
+    ``params``: the trainable parameters, by index. Local: every rank checks the whole state dict, so that each
+    raises the same :class:`CheckpointError` for a state that does not fit."""
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if saved_groups is None or [len(g["params"]) for g in saved_groups] != [len(g["members"]) for g in groups]:
+        raise CheckpointError("the state dict's param groups do not match this optimizer's (same groups, same "
+                              "parameters, in the same order, are needed)")
+    number_of = {}  # trainable index -> torch's parameter number
+    for group, saved in zip(groups, saved_groups):
+        for member, number in zip(group["members"], saved["params"]):
+            if member >= 0:
+                number_of[member] = number
+    saved_state = state_dict["state"]
+    # which keys are per element: told by a parameter that is not a scalar (for a 0-dim parameter, Adam's
+    # `step` and `exp_avg` have the same shape)
+    per_element = {k for i, number in number_of.items() if params[i].dim() > 0
+                   for k, v in (saved_state.get(number) or {}).items()
+                   if torch.is_tensor(v) and v.shape == params[i].shape}
+
+    def split(index: int):
+        """Parameter ``index``'s saved state split (per element, flattened; scalars; whole), or Nones."""
+        param, saved = params[index], plain_parts(saved_state.get(number_of[index]))
+        require_logical_order(saved, param.shape, param.stride(), index)
+        flat = {k: (flattened(v, param.stride()) if torch.is_tensor(v) and v.shape == param.shape
+                    and (param.dim() > 0 or k in per_element) else v) for k, v in (saved or {}).items()}
+        return split_state(flat, (param.numel(),), whole=True)
+
+    buckets = layout.buckets
+    for index, slot in enumerate(layout.slots):  # every parameter, whichever rank owns it
+        whole = split(index)[2]
+        if whole and not buckets[slot.bucket_index].whole and not buckets[slot.bucket_index].block:
+            raise CheckpointError(f"the state of parameter {number_of[index]} holds whole-parameter tensors "
+                                  f"({', '.join(whole)}), but this optimizer shards it flat; shard its group by "
+                                  "whole parameters (per_parameter=[its class])")
+    piece_states = []
+    for piece, master in pieces:
+        elementwise, scalars, whole = split(piece.param_index)
+        if elementwise is None:
+            piece_states.append(None)
+            continue
+        window, block = slice(piece.param_start, piece.param_end), buckets[piece.bucket_index].block
+        if block:  # a low-bit piece: the scales of its blocks, and the quantization map
+            first, last = block_range(piece.param_start, piece.param_end, block)
+            whole = {key: value[first:last].clone() if is_per_block(key) else value for key, value in whole.items()}
+        piece_states.append(joined({**scalars, **whole, **{key: shaped(values[window].clone(), master.shape,
+                                                                       master.stride())
+                                                           for key, values in elementwise.items()}},
+                                   tuple(master.shape)))
+    return piece_states, saved_groups
