@@ -239,6 +239,12 @@ def _trainer_cases(rank, shared):
         "ddp_fp16": lambda: run(DDPStrategy(), plugins=[_fp16_plugin()]),
         "zero2_fp16": lambda: run("zero2", plugins=[_fp16_plugin()]),
         "resumed": lambda: run("zero2", folder("resumed"), ckpt_path=folder("zero2", "epoch=0-step=4.ckpt")),
+        # strategy="ddp" with a stage-1 ShardedOptimizer from configure_optimizers: the one-line swap
+        "ddp_sharded": lambda: run("ddp", folder("ddp_sharded"), save_top_k=-1, prebuilt_options={"stage": 1}),
+        "ddp_sharded_resumed": lambda: run("ddp", folder("ddp_sharded_resumed"), prebuilt_options={"stage": 1},
+                                           ckpt_path=folder("ddp_sharded", "epoch=0-step=4.ckpt")),
+        "ddp_sharded_checkpoint": lambda: torch.load(folder("ddp_sharded", "epoch=0-step=4.ckpt"),
+                                                     weights_only=True)["optimizer_states"],
         "checkpoint": lambda: _checkpoint_contents(folder("zero2", "epoch=0-step=4.ckpt")),
         "kept_one": lambda: sorted(os.listdir(folder("zero1"))),
         "missing_shards": lambda: _missing_shards(rank, shared),
@@ -437,6 +443,26 @@ def test_trainer_resume_is_bitwise(ranks):
         assert resumed["learning_rates"] == whole["learning_rates"][len(whole["learning_rates"]) // 2:]
         names = [n for n in whole["state"] if rank == 0 or n.split(".")[-1] in ("weight", "bias")]
         assert max_difference(resumed, whole, names) == 0.0
+
+
+def test_strategy_ddp_with_a_stage_1_sharded_optimizer_trains_and_resumes_bitwise_as_ddp(ranks):
+    """The one-line swap in Lightning: strategy="ddp" and configure_optimizers returning ShardedOptimizer(stage=1).
+    DDP wraps the model and averages the gradients; Lightning calls consolidate_state_dict() before it checkpoints,
+    so rank 0's file holds the full state in torch's format (every parameter's exp_avg, of its full shape), and
+    fit(ckpt_path=) loads it on every rank, each taking its shard: bitwise DDPStrategy + AdamW, uninterrupted or
+    resumed."""
+    compare(ranks, "ddp_sharded", "ddp")
+    two, _ = ranks
+    for run in case_results(two, "ddp_sharded"):
+        assert run["strategy"] == "DDPStrategy" and run["optimizer"] == "ShardedOptimizer"
+    for rank, (resumed, whole) in enumerate(zip(case_results(two, "ddp_sharded_resumed"),
+                                                case_results(two, "ddp_sharded"))):
+        assert resumed["losses"] == whole["losses"][len(whole["losses"]) // 2:]
+        names = [n for n in whole["state"] if rank == 0 or n.split(".")[-1] in ("weight", "bias")]
+        assert max_difference(resumed, whole, names) == 0.0
+    (saved,) = case_results(two, "ddp_sharded_checkpoint")[0]
+    shapes = sorted(tuple(state["exp_avg"].shape) for state in saved["state"].values())
+    assert shapes == sorted(tuple(p.shape) for p in build_net().parameters())
 
 
 def test_trainer_checkpoint_holds_every_rank_shard(ranks):

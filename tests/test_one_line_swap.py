@@ -172,9 +172,73 @@ def _fp16_follows(rank):
     return optimizer.loss_scale, next(model.parameters()).dtype
 
 
+def _train(rank, stage, steps=3):
+    """AdamW on the small model, 3 steps: torch's under DDP (``stage`` None), stage 1 under DDP, stage 2 without."""
+    model = _model()
+    if stage is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2, bucket_numel=500)
+    forward = model if stage == 2 else DDP(model)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        x, y = torch.randn(8, 20, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        torch.nn.functional.cross_entropy(forward(x), y).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _consolidated(rank, shared):
+    """consolidate_state_dict(to=0) after 3 steps: rank 0's state_dict() against DDP + AdamW's, and what rank 1's
+    says; rank 0's file saved alone, then loaded by every rank (the model first) and consolidated again; a plain
+    AdamW in one process continuing from it against the sharded run continued, after whose step state_dict() is
+    the shard again."""
+    out = {}
+    reference = _train(rank, None)[1].state_dict()
+    for stage in (1, 2):
+        model, optimizer = _train(rank, stage)
+        optimizer.consolidate_state_dict(0)
+        full = optimizer.state_dict()
+        path = os.path.join(shared, f"full-{stage}.pt")
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": full}, path)
+        dist.barrier()
+        saved = torch.load(path, weights_only=True)
+        fresh_model, fresh = _train(rank, stage, steps=0)
+        fresh_model.load_state_dict(saved["model"])
+        fresh.load_state_dict(saved["optimizer"])
+        fresh.consolidate_state_dict(0)
+        again = fresh.state_dict()
+        plain_model = _model()
+        plain_model.load_state_dict(saved["model"])
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+        plain.load_state_dict(saved["optimizer"])  # the plain inner optimizer, one process
+        inputs = torch.randn(8, 20, generator=torch.Generator().manual_seed(7)), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+        for net, opt in ((plain_model, plain), (fresh_model, fresh)):  # the same batch on both ranks: the average
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(inputs[0]), inputs[1]).backward()
+            opt.step()
+        out[stage] = {"full": full if rank == 0 else full.get("format"), "again": again if rank == 0 else None,
+                      "after a step": fresh.state_dict().get("format"),
+                      "continued": _bitwise(list(plain_model.parameters()), list(fresh_model.parameters()))}
+    out["reference"] = reference if rank == 0 else None
+    return out
+
+
+def _resharded(rank, world_size, shared):
+    """At 3 ranks: the full state saved at 2 (stage 2), loaded by every rank and consolidated again."""
+    saved = torch.load(os.path.join(shared, "full-2.pt"), weights_only=True)
+    model, optimizer = _train(rank, 2, steps=0)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    optimizer.consolidate_state_dict(0)
+    return optimizer.state_dict() if rank == 0 else None, saved["optimizer"]
+
+
 def _all(rank, world_size, shared):
     cases = {"tutorial": lambda: _tutorial_runs(rank, shared), "under ddp": lambda: _under_ddp(rank),
-             "fp16": lambda: _fp16_follows(rank)}
+             "fp16": lambda: _fp16_follows(rank), "consolidated": lambda: _consolidated(rank, shared)}
     for change in CHANGES:
         for stage, wrap in ((1, True), (1, False), (2, False)):
             cases[(change, stage, wrap)] = lambda change=change, stage=stage, wrap=wrap: (
@@ -183,8 +247,13 @@ def _all(rank, world_size, shared):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_distributed(2, _all, str(tmp_path_factory.mktemp("swap")))
+def shared(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("swap"))
+
+
+@pytest.fixture(scope="module")
+def ranks(shared):
+    return run_distributed(2, _all, shared)
 
 
 def _bitwise(a, b):
@@ -241,3 +310,38 @@ def test_arguments_of_zero_redundancy_optimizer_and_oss_are_refused_by_name(name
     """They would otherwise reach the inner optimizer as hyperparameters (no process group needed: refused first)."""
     with pytest.raises(TypeError, match=f"no '{name}'"):
         ShardedOptimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.AdamW, stage=1, **{name: True})
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    """Two torch-format optimizer states hold the same tensors, bitwise, and the same hyperparameters."""
+    return a["state"].keys() == b["state"].keys() and all(
+        a["state"][i].keys() == b["state"][i].keys() and all(torch.equal(a["state"][i][k], b["state"][i][k])
+                                                             for k in a["state"][i]) for i in a["state"]) and [
+        {k: v for k, v in g.items()} for g in a["param_groups"]] == [{k: v for k, v in g.items()}
+                                                                     for g in b["param_groups"]]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_consolidate_state_dict_gives_rank_to_the_full_state_in_torchs_format(ranks, stage):
+    """ZeroRedundancyOptimizer's contract: after consolidate_state_dict(to=0), state_dict() on rank 0 is the full
+    state of DDP + AdamW, bitwise (the plain optimizer's numbering and hyperparameters); rank 1's keeps its own
+    shard; a step ends the consolidated state."""
+    first, second = case_results(ranks, "consolidated")
+    assert _same_state(first[stage]["full"], first["reference"])
+    assert second[stage]["full"] == "zeroimpl.sharded_optimizer/2"
+    assert first[stage]["after a step"] == second[stage]["after a step"] == "zeroimpl.sharded_optimizer/2"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_full_state_saved_by_rank_0_alone_loads_on_every_rank_and_continues(ranks, stage):
+    """torch.save on rank 0 after consolidation is a complete checkpoint: every rank loads it (each takes its shard),
+    consolidates the same state back bitwise, and steps as the plain AdamW that loaded it in one process."""
+    first, second = case_results(ranks, "consolidated")
+    assert _same_state(first[stage]["again"], first[stage]["full"])
+    assert first[stage]["continued"] and second[stage]["continued"]
+
+
+def test_a_full_state_saved_at_2_ranks_loads_at_3(ranks, shared):
+    case_results(ranks, "consolidated")  # (it wrote the file)
+    consolidated, saved = run_distributed(3, _resharded, shared)[0]
+    assert _same_state(consolidated, saved)

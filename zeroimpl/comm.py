@@ -336,6 +336,35 @@ def all_gather_objects(value, group, timeout: Optional[float] = None, name: str 
     return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]
 
 
+def gather_objects(value, to: int, group, timeout: Optional[float] = None, name: str = "object gather",
+                   device: Optional[torch.device] = None) -> Optional[list]:
+    """Every rank's ``value`` (anything picklable) on group rank ``to``, in group-rank order; ``None`` on the
+    others. Bounded by ``timeout`` as :func:`all_gather_objects`: an all-gather of the pickled sizes, then each
+    pickle sent to ``to`` alone, so that only ``to`` holds them all."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return [pickle.loads(pickle.dumps(value))]
+    if dist.get_backend(group) != "nccl":
+        device = torch.device("cpu")
+    elif device is None or device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,
+               name=name).wait_on_host()
+    if rank != to:
+        lent = _aliases(mine)
+        Pending([dist.isend(*lent, _peer(group, to), group=group)], name, timeout, lent=lent).wait_on_host()
+        return None
+    received = [torch.empty(int(sizes[r]), dtype=torch.uint8, device=device) for r in range(world)]
+    received[rank] = mine
+    lent = _aliases(*(received[r] for r in range(world) if r != rank))
+    works = [dist.irecv(tensor, _peer(group, r), group=group)
+             for tensor, r in zip(lent, (r for r in range(world) if r != rank))]
+    Pending(works, name, timeout, lent=lent).wait_on_host()
+    return [pickle.loads(tensor.cpu().numpy().tobytes()) for tensor in received]
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory spans of ``a`` and ``b`` (contiguous) meet."""
     a_start, b_start = a.data_ptr(), b.data_ptr()

@@ -33,6 +33,8 @@ from .offload import KERNEL_KEYS, CPUOffload, OffloadOption, gradient_store, inn
 from .ownership import ModelFollower, Ownership
 from .param_sync import ParamSync
 from .precision import DynamicLossScaler, LossScaleConfig
+from .state_format import (describe_groups, pieces_of_torch_state, place_piece, split_state,
+                           torch_optimizer_state)
 from .step_checks import StepChecks, nonfinite_message, passes_message
 from .topology import Topology, resolve_topology
 
@@ -146,6 +148,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         validation.check_process_group(process_group)
         self.verify_every, self.overlap_param_gather = verify_every, bool(overlap_param_gather)
         self._steps_taken, self._constructed = 0, False  # updates applied (skipped steps do not count)
+        self._consolidated: Optional[dict] = None  # consolidate_state_dict's full state, on its rank, until a change
         super().__init__(groups, {})  # refuses duplicates
         Joinable.__init__(self)  # under torch's Join: uneven inputs raise on every rank (zeroimpl/uneven.py)
         self.topology: Topology = resolve_topology(process_group, device_mesh, self.param_groups)
@@ -378,6 +381,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _finish_step(self, overflow: bool) -> None:
         """The step consumed the gradients, as ``zero_grad()`` would clear them (``model.zero_grad()`` sees none)."""
+        self._consolidated = None  # (the state it holds is no longer this optimizer's)
         if self._follower is not None:  # from now on the model must stay where the optimizer holds it
             self._follower.close()
             self._follower = None
@@ -441,10 +445,45 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     # process alone (nanoGPT, many scripts written for DDP) hands rank 0's shard to every rank at resume: the rank
     # that can load it must not go on into the next collective while another refuses, or the job hangs. So a load
     # gathers every rank's verdict (one small object all-gather) and raises the same refusal on every rank.
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full, unsharded state on rank ``to`` (of the shard group; with hybrid sharding on that rank of
+        every replica), as torch's ZeroRedundancyOptimizer does: its :meth:`state_dict` then returns it in
+        ``torch.optim.Optimizer.state_dict()`` format, loadable by the plain inner optimizer over the same param
+        groups (and by :meth:`load_state_dict` at any world size), until the next step or load. Collective; the
+        other ranks send their state and keep none. Lightning calls it before it checkpoints an optimizer."""
+        self.sync_masters()
+        whole = [bucket.whole or bool(bucket.block) for bucket in self.layout.buckets]
+        split = [(piece, *(_on_host(part) for part in split_state(state, tuple(master.shape),
+                                                                  whole[piece.bucket_index], master.stride())))
+                 for piece, master, state in self.piece_states()]
+        gathered = self.topology.gather_objects(split, to, self.collective_timeout, "state dict consolidation")
+        self._consolidated = None if gathered is None else self._full_state(gathered)
+
+    def _full_state(self, gathered: list[list[tuple]]) -> dict:
+        """The full state in torch's format from every shard rank's split pieces (:meth:`consolidate_state_dict`)."""
+        params = self.trainable_params
+        states: list[dict] = [{} for _ in params]
+        scalars: list[Optional[dict]] = [None] * len(params)
+        for split in gathered:
+            for piece, per_element, piece_scalars, piece_level in split:
+                if per_element is None:
+                    continue  # (never stepped)
+                place_piece(states[piece.param_index], params[piece.param_index].numel(), piece, per_element,
+                            piece_level, self.layout.buckets[piece.bucket_index].block)
+                scalars[piece.param_index] = scalars[piece.param_index] or piece_scalars
+        full = torch_optimizer_state(describe_groups(self), [tuple(p.shape) for p in params],
+                                     [p.stride() for p in params], states, scalars)
+        if self.loss_scaler is not None:
+            full["loss_scaler"] = self.loss_scaler.state_dict()
+        return full
+
     def state_dict(self) -> dict:
         """This rank's state (tensors by reference, as torch's): the inner optimizers' state over the pieces, each
         group's hyperparameters, the master shards when they are separate from the parameters, and the loss
-        scaler's state. Local only: safe to call on one rank alone."""
+        scaler's state. Local only: safe to call on one rank alone. After :meth:`consolidate_state_dict`, on its
+        rank ``to`` and until the next step or load: the full state it gathered, in torch's format."""
+        if self._consolidated is not None:
+            return self._consolidated
         self.sync_masters()
         separate = any(s.has_separate_master for s in self.storages)
         quantized = any(s.blocks is not None for s in self.storages)
@@ -463,10 +502,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout. Collective
-        (every rank, each with its own state): a state some rank cannot load (another rank's, as a checkpoint
-        saved on the master process alone holds) is refused on every rank, before anything changes."""
+        """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout, or a full
+        state in ``torch.optim.Optimizer.state_dict()`` format (:meth:`consolidate_state_dict`'s, or a plain torch
+        optimizer's over the same param groups and classes), given to every rank, at any world size: each rank takes
+        its shard, and the master weights follow the parameters (load the model first). Collective: a state some
+        rank cannot load (another rank's, as a checkpoint saved on the master process alone holds) is refused on
+        every rank, before anything changes."""
         self._follow_model()
+        self._consolidated = None
+        if _is_torch_format(state_dict):
+            self._load_full(state_dict)
+            return
         problem = self._load_problem(state_dict)
         problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
         if problem is not None:
@@ -483,6 +529,22 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             saved = state_dict.get("published_shards")
             storage.published.copy_(saved[storage.bucket.index] if saved else
                                     storage.blocks.decoded(storage.blocks.encode(storage.master)))
+
+    def _load_full(self, state_dict: dict) -> None:
+        """Load a full state in torch's format (see :meth:`load_state_dict`), refused on every rank if some rank
+        cannot split it."""
+        pieces = [(piece, master) for piece, master, _ in self.piece_states()]
+        problem, split = None, None
+        try:
+            split = pieces_of_torch_state(state_dict, describe_groups(self), self.trainable_params, self.layout, pieces)
+        except (ValueError, KeyError, TypeError, IndexError) as error:  # (a damaged or foreign state dict)
+            problem = f"{type(error).__name__}: {error}"
+        problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
+        refused = next(((rank, text) for rank, text in enumerate(problems) if text is not None), None)
+        if refused is not None:
+            raise ValueError(f"the full optimizer state cannot be loaded (rank {refused[0]} in all-gather order): "
+                             f"{refused[1]}")
+        self.restore_state(*split, loss_scaler=state_dict.get("loss_scaler"))
 
     def _load_problem(self, state_dict) -> Optional[str]:
         """Why this rank cannot load ``state_dict``; None if it can. Local."""
@@ -599,3 +661,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds right now, by kind and place (see :class:`zeroimpl.MemoryReport`)."""
         return memory_report(self.held_tensors(), offload=self.offload is not None)
+
+
+def _is_torch_format(state_dict) -> bool:
+    """Whether ``state_dict`` is a full state in ``torch.optim.Optimizer.state_dict()`` format (no zeroimpl tag)."""
+    return isinstance(state_dict, dict) and "format" not in state_dict and {"state", "param_groups"} <= state_dict.keys()
+
+
+def _on_host(part):
+    """A split piece state's part with its tensors on the host, to be sent (``None`` stays ``None``)."""
+    if part is None:
+        return None
+    return {key: value.detach().cpu() if torch.is_tensor(value) else value for key, value in part.items()}

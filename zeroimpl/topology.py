@@ -105,6 +105,11 @@ class Topology:
         return [item for rows in comm.all_gather_objects(row, self.replicate, timeout, name, self.device)
                 for item in rows]
 
+    def gather_objects(self, value, to: int, timeout: Optional[float] = None, name: str = "object gather") -> Optional[list]:
+        """Every shard rank's ``value`` on shard rank ``to`` of each replica (they hold the same shards), in
+        shard-rank order; ``None`` on the other ranks."""
+        return comm.gather_objects(value, to, self.shard, timeout, name, self.device)
+
 
 def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh, groups: list[dict]) -> Topology:
     """The topology of ``ShardedOptimizer(process_group=..., device_mesh=...)`` (at most one of them), over the
