@@ -15,6 +15,7 @@ This module builds those parts and runs the step; it calls down into them and no
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Collection, ContextManager, Iterable, Literal, NamedTuple, Optional, Union
 
 import torch
@@ -234,6 +235,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             group["params"] = [successors.get(id(p), p) for p in group["params"]]
         trainable, layout = self._lay_out()
         validation.check_moved_params(trainable, self.process_group)
+        self.topology = dataclasses.replace(self.topology, device=trainable[0].device)  # (NCCL's object collectives)
         members = [p for g in self.param_groups for p in g["params"]]
         self.reducer.remove_hooks()
         self.grad_views.remove_hooks()
