@@ -40,7 +40,9 @@ VARIANTS = {"clip value": (1, ("value", 0.01), "no", ["stage 1", "stage 2"]),
             "accumulated, clipped": (2, ("norm", 0.3), "no", ["stage 1", "stage 2", "offload"]),
             "bf16": (2, ("norm", 0.3), "bf16", ["stage 2"])}
 CONFIGS = {"stage 1": dict(stage=1), "stage 2": dict(stage=2),
-           "offload": dict(stage=2, offload=CPUOffload(fused_step=False))}
+           "offload": dict(stage=2, offload=CPUOffload(fused_step=False)),
+           "plain stage 1": dict(stage=1)}  # accelerator.prepare itself: the model moved to cpu:0 and DDP-wrapped
+PLAIN = [("clip value", "plain stage 1"), ("accumulated, clipped", "plain stage 1")]
 RESUMED = [("accumulated, clipped", "stage 2"), ("accumulated, clipped", "offload"), ("bf16", "stage 2")]
 
 
@@ -78,7 +80,8 @@ def _build(variant: str, config):
                                      **ADAMW)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
     objects = (model, optimizer, _loader(accumulation), scheduler)
-    prepared = accelerator.prepare(*objects) if config is None else prepare(accelerator, *objects)
+    plain = config is None or config.startswith("plain")
+    prepared = accelerator.prepare(*objects) if plain else prepare(accelerator, *objects)
     return accelerator, model, prepared
 
 
@@ -233,6 +236,10 @@ def _all(rank, world_size, shared):
         for config in configs:
             folder = os.path.join(shared, f"{variant}-{config}")
             cases[("run", variant, config)] = lambda v=variant, c=config, f=folder: _run(v, c, save_to=f)
+    for variant, config in PLAIN:
+        cases[("run", variant, config)] = lambda v=variant, c=config: _run(v, c)
+    cases["plain save_state"] = lambda: _outcome(lambda: _run("clip value", "plain stage 1",
+                                                              save_to=os.path.join(shared, "plain")))
     for variant, config in RESUMED:
         folder = os.path.join(shared, f"{variant}-{config}")
         cases[("resume", variant, config)] = lambda v=variant, c=config, f=folder: _run(v, c, resume_from=f)
@@ -276,6 +283,25 @@ def test_accumulated_and_clipped_within_tolerance_of_ddp(ranks, config):
             assert abs(norm - reference) <= NORM_RTOL * reference
         assert any(norm > 0.3 for norm in expected["norms"]), "the test must clip"
         assert _max_param_diff(got, expected) <= ADAM_ATOL
+
+
+@pytest.mark.parametrize("variant", [variant for variant, _ in PLAIN])
+def test_accelerator_prepare_itself_trains_a_stage_1_sharded_optimizer_bitwise_as_ddp(ranks, variant):
+    """accelerator.prepare(model, ShardedOptimizer(stage=1), loader, scheduler): accelerate moves the model to cpu:0
+    (followed: nothing was stepped yet) and wraps it in DDP, which averages the gradients (accumulate() is its
+    no_sync, clip_grad_norm_ torch's on DDP's full gradients): bitwise DDP + AdamW, with and without accumulation."""
+    for got, expected in zip(case_results(ranks, ("run", variant, "plain stage 1")),
+                             case_results(ranks, ("run", variant, "ddp"))):
+        assert got["checks"]["types"][0] == "DistributedDataParallel"
+        assert _bitwise(got, expected), f"max parameter difference {_max_param_diff(got, expected):.3g}"
+
+
+def test_save_state_on_accelerator_prepares_route_is_refused_at_save_time_on_every_rank(ranks):
+    """accelerate's save_state writes the main process's optimizer.state_dict() alone: under DDP that is refused (as
+    torch's ZeroRedundancyOptimizer refuses it unconsolidated), never a checkpoint holding one rank's shard."""
+    for outcome in case_results(ranks, "plain save_state"):
+        assert outcome.startswith("RuntimeError: ") and "consolidate_state_dict(to=0)" in outcome, outcome
+        assert "zeroimpl.integrations.accelerate.prepare" in outcome
 
 
 def test_offload_is_bitwise_stage_2(ranks):

@@ -254,10 +254,11 @@ def _trainer_cases(rank, shared):
 
 # -- Fabric -----------------------------------------------------------------------------------------
 def fabric_run(rank, strategy, accumulate=1, clip=None, separate_setup=False, save=None, resume=None,
-               scheduler_kept=False, **fabric_kwargs):
+               scheduler_kept=False, sharded=False, **fabric_kwargs):
     """A plain Fabric loop; ``save``: the path to fabric.save after the first epoch (and stop), ``resume``: the
     path to fabric.load before the second epoch (the first skipped); ``scheduler_kept``: a SequentialLR (warm-up,
-    then StepLR) built over the torch optimizer and not handed to Fabric, which the loop steps."""
+    then StepLR) built over the torch optimizer and not handed to Fabric, which the loop steps; ``sharded``: a
+    ShardedOptimizer(stage=1) over the same groups in the torch optimizer's place (the one-line swap)."""
     import lightning
 
     fabric = lightning.Fabric(accelerator="cpu", devices=2, strategy=strategy, **fabric_kwargs)
@@ -275,6 +276,10 @@ def fabric_run(rank, strategy, accumulate=1, clip=None, separate_setup=False, sa
         model, optimizer = fabric.setup(net, optimizer)
     else:
         optimizer, scheduler = adamw(net)
+        if sharded:
+            from zeroimpl import ShardedOptimizer
+            optimizer = ShardedOptimizer(optimizer.param_groups, torch.optim.AdamW, stage=1, lr=2e-2)
+            scheduler = step_lr(optimizer)
         model, optimizer, scheduler = fabric.setup(net, optimizer, scheduler=scheduler)
     data = fabric.setup_dataloaders(loader(fabric.global_rank, fabric.world_size), use_distributed_sampler=False)
     losses, learning_rates = [], []
@@ -341,6 +346,9 @@ def _fabric_cases(rank, shared):
         ("fabric", "saved"): lambda: run("zero2", save=checkpoint),
         ("fabric", "resumed"): lambda: run("zero2", resume=checkpoint),
         ("fabric", "missing_shards"): lambda: _fabric_missing(rank, shared),
+        ("fabric", "ddp_sharded"): lambda: run(DDPStrategy(), sharded=True),
+        ("fabric", "ddp_sharded_saved"): lambda: run(DDPStrategy(), sharded=True, save=checkpoint + ".ddp"),
+        ("fabric", "ddp_sharded_resumed"): lambda: run(DDPStrategy(), sharded=True, resume=checkpoint + ".ddp"),
     }
 
 
@@ -568,3 +576,15 @@ def test_fabric_save_and_load(ranks):
     for message in case_results(two, ("fabric", "missing_shards")):
         assert "is missing" in message
 
+
+
+def test_fabric_ddp_with_a_stage_1_sharded_optimizer_trains_saves_and_loads_bitwise(ranks):
+    """Fabric(strategy=DDPStrategy()) and fabric.setup(model, ShardedOptimizer(stage=1), scheduler): bitwise Fabric's
+    DDP + AdamW; fabric.save consolidates the state on rank 0 (Fabric calls consolidate_state_dict), and fabric.load
+    on every rank continues the second epoch bitwise as the uninterrupted run."""
+    compare(ranks, ("fabric", "ddp_sharded"), ("fabric", "ddp"))
+    two, _ = ranks
+    for resumed, whole in zip(case_results(two, ("fabric", "ddp_sharded_resumed")),
+                              case_results(two, ("fabric", "ddp_sharded"))):
+        assert resumed["losses"] == whole["losses"][len(whole["losses"]) // 2:]
+        assert max_difference(resumed, whole, [n for n in whole["state"] if "num_batches" not in n]) == 0.0

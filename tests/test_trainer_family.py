@@ -192,6 +192,25 @@ def plain_trainer_with_sharded_optimizer(directory: str, route: str):
     return None
 
 
+def plain_trainer(directory: str, sharded: bool) -> dict:
+    """transformers.Trainer(optimizers=(optimizer, scheduler)) on its own DDP path: torch's AdamW, or (``sharded``)
+    ShardedOptimizer(stage=1) in its place, the one-line swap; no checkpoints (save_strategy="no")."""
+    import transformers
+
+    from zeroimpl import ShardedOptimizer
+
+    model = tiny_llama(len(WORDS) + 3)
+    ids = torch.randint(3, len(WORDS) + 3, (16, 8), generator=torch.Generator().manual_seed(0))
+    arguments = transformers.TrainingArguments(**run_settings(directory, fp32=True))
+    optimizer = (ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-3) if sharded
+                 else torch.optim.AdamW(model.parameters(), lr=1e-3))
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=[{"input_ids": row, "labels": row}
+                                                                               for row in ids],
+                                   optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)))
+    trainer.train()
+    return outcome(trainer)
+
+
 def _all_cases(rank, world_size, directory):
     place = functools.partial(os.path.join, directory)
     return run_cases({
@@ -207,6 +226,8 @@ def _all_cases(rank, world_size, directory):
         "lora_resumed": functools.partial(train_sft, place("lora_resumed"), 2, fp32=False, lora=True,
                                           resume=place("lora_stage2", "checkpoint-2")),
         "base_orders": base_orders,
+        "plain_trainer": functools.partial(plain_trainer, place("plain"), False),
+        "plain_trainer_stage1": functools.partial(plain_trainer, place("plain_stage1"), True),
         # last: these leave a DDP-wrapped model whose backward raised
         "trainer_optimizers": functools.partial(plain_trainer_with_sharded_optimizer, place("optimizers"),
                                                 "optimizers"),
@@ -303,6 +324,16 @@ def test_an_override_zero_trainer_replaces_is_named_when_the_class_is_defined(ra
     own = case_results(ranks, "base_orders")[0]["own_create_optimizer"]
     assert own["refused"] is None and len(own["warnings"]) == 1
     assert "OwnOptimizerTrainer.create_optimizer" in own["warnings"][0]
+
+
+def test_plain_trainer_with_a_stage_1_sharded_optimizer_trains_bitwise_as_its_ddp_path(ranks):
+    """Trainer(optimizers=(ShardedOptimizer(stage=1), scheduler)): Trainer moves the model to cpu:0 (followed) and
+    wraps it in DDP, which averages the gradients; its accumulation (no_sync) and clipping (torch's, on DDP's full
+    gradients) act as with torch's AdamW: bitwise, on every rank."""
+    for zero, ddp in zip(case_results(ranks, "plain_trainer_stage1"), case_results(ranks, "plain_trainer")):
+        assert zero["wrapper"] == ddp["wrapper"] == "DistributedDataParallel"
+        assert zero["losses"] == ddp["losses"] and zero["grad_norms"] == ddp["grad_norms"]
+        assert all(torch.equal(zero["params"][name], ddp["params"][name]) for name in ddp["params"])
 
 
 @pytest.mark.parametrize("route", ["trainer_optimizers", "trainer_optimizer_cls"])

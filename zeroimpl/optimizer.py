@@ -483,9 +483,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """This rank's state (tensors by reference, as torch's): the inner optimizers' state over the pieces, each
         group's hyperparameters, the master shards when they are separate from the parameters, and the loss
         scaler's state. Local only: safe to call on one rank alone. After :meth:`consolidate_state_dict`, on its
-        rank ``to`` and until the next step or load: the full state it gathered, in torch's format."""
+        rank ``to`` and until the next step or load: the full state it gathered, in torch's format. Under DDP
+        (stage 1), as torch's ZeroRedundancyOptimizer: only that, and a ``RuntimeError`` otherwise (a framework saving
+        the main process's ``state_dict()`` alone would keep one rank's shard)."""
         if self._consolidated is not None:
             return self._consolidated
+        if self.reducer.under_ddp:
+            raise RuntimeError(validation.ddp_state_dict_message())
         self.sync_masters()
         separate = any(s.has_separate_master for s in self.storages)
         quantized = any(s.blocks is not None for s in self.storages)
