@@ -318,18 +318,10 @@ def all_gather_objects(value, group, timeout: Optional[float] = None, name: str 
     world = dist.get_world_size(group)
     if world == 1:  # nothing to gather (a copy, as one through the bytes would be)
         return [pickle.loads(pickle.dumps(value))]
-    nccl = dist.get_backend(group) == "nccl"
-    if not nccl:
-        device = torch.device("cpu")
-    elif device is None or device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,
-               name=name).wait_on_host()  # (read on the host next: a bounded wait)
+    mine, sizes = _pickled_with_sizes(value, group, timeout, name, device)
     longest = int(sizes.max())
-    gathered = torch.zeros(world * longest, dtype=torch.uint8, device=device)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    gathered = torch.zeros(world * longest, dtype=torch.uint8, device=mine.device)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=mine.device)
     padded[:mine.numel()] = mine
     all_gather(gathered, padded, group, timeout, name=name).wait_on_host()
     rows = gathered.view(world, longest).cpu()
@@ -344,25 +336,32 @@ def gather_objects(value, to: int, group, timeout: Optional[float] = None, name:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return [pickle.loads(pickle.dumps(value))]
+    mine, sizes = _pickled_with_sizes(value, group, timeout, name, device)
+    if rank != to:
+        lent = _aliases(mine)
+        Pending([dist.isend(*lent, _peer(group, to), group=group)], name, timeout, lent=lent).wait_on_host()
+        return None
+    others = [r for r in range(world) if r != rank]
+    lent = _aliases(*(torch.empty(int(sizes[r]), dtype=torch.uint8, device=mine.device) for r in others))
+    Pending([dist.irecv(tensor, _peer(group, r), group=group) for tensor, r in zip(lent, others)], name, timeout,
+            lent=lent).wait_on_host()
+    received = dict(zip(others, lent))
+    return [pickle.loads((mine if r == rank else received[r]).cpu().numpy().tobytes()) for r in range(world)]
+
+
+def _pickled_with_sizes(value, group, timeout: Optional[float], name: str,
+                        device: Optional[torch.device]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``value`` pickled into a uint8 tensor where the group's backend sends it (on NCCL ``device``, else the current
+    GPU; else the host), and every rank's pickle size (one all-gather, waited for on the host: read next)."""
     if dist.get_backend(group) != "nccl":
         device = torch.device("cpu")
     elif device is None or device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    sizes = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
     all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,
                name=name).wait_on_host()
-    if rank != to:
-        lent = _aliases(mine)
-        Pending([dist.isend(*lent, _peer(group, to), group=group)], name, timeout, lent=lent).wait_on_host()
-        return None
-    received = [torch.empty(int(sizes[r]), dtype=torch.uint8, device=device) for r in range(world)]
-    received[rank] = mine
-    lent = _aliases(*(received[r] for r in range(world) if r != rank))
-    works = [dist.irecv(tensor, _peer(group, r), group=group)
-             for tensor, r in zip(lent, (r for r in range(world) if r != rank))]
-    Pending(works, name, timeout, lent=lent).wait_on_host()
-    return [pickle.loads(tensor.cpu().numpy().tobytes()) for tensor in received]
+    return mine, sizes
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
