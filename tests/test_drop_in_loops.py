@@ -18,7 +18,6 @@
 """
 
 import contextlib
-import importlib.util
 import math
 import os
 
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import case_results, run_cases, run_distributed
-from workloads import batch, build_model, param_groups
+from workloads import batch, build_model, example_module, param_groups
 from zeroimpl import CPUOffload, ShardedOptimizer
 
 NORM_RTOL = 1e-6
@@ -48,14 +47,10 @@ ZERO_CONFIGS = {"stage 1": dict(stage=1), "stage 2": dict(stage=2),
 NANOGPT_VARIANTS = {"fp16 unclipped": (0.0, 1, torch.float16, list(ZERO_CONFIGS)),
                     "fp16 accumulated": (0.0, 2, torch.float16, ["stage 1"]),
                     "fp32 clipped": (1.0, 2, None, list(ZERO_CONFIGS))}
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "nanogpt_style.py")
 
 
 def _nanogpt():
-    spec = importlib.util.spec_from_file_location("nanogpt_style", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example_module("nanogpt_style.py")
 
 
 def _nanogpt_run(rank, config, grad_clip, iters=5, autocast_dtype=torch.float16, **train_kwargs):

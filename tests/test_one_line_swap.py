@@ -15,7 +15,6 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
 """
 
 import contextlib
-import importlib.util
 import os
 
 import pytest
@@ -24,18 +23,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import case_results, run_cases, run_distributed
+from workloads import example_module
 from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.integrations.collectives import CollectiveCounter, summarize
 from zeroimpl.validation import PEER_ARGUMENTS
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "ddp_tutorial.py")
 
 
 def _tutorial():
-    spec = importlib.util.spec_from_file_location("ddp_tutorial", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return example_module("ddp_tutorial.py")
 
 
 def _tutorial_runs(rank, shared):

@@ -316,3 +316,15 @@ def overlap_pair() -> tuple[list[torch.nn.Module], list[ShardedOptimizer]]:
     models = [build_model("gpt2"), build_model("gpt2")]
     return models, [ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096, lr=1e-2,
                                      overlap_param_gather=overlap) for model, overlap in zip(models, (False, True))]
+
+
+def example_module(file_name: str):
+    """``examples/<file_name>`` imported as a module (the tests run its functions in their ranks)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", file_name)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(file_name)[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
