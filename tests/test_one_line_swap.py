@@ -237,9 +237,146 @@ def _resharded(rank, world_size, shared):
     return optimizer.state_dict() if rank == 0 else None, saved["optimizer"]
 
 
+def _loaded_then_changed(rank, shared, change, load):
+    """Optimizer state loaded, then the model changed before the first step (``change``), then 2 steps under DDP:
+    returns the parameters, and those of the same run with the change made before building and loading."""
+    from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer = _train(rank, 1)  # (the state to load: 3 steps of stage 1 under DDP)
+    directory, path = os.path.join(shared, "loaded"), os.path.join(shared, "loaded.pt")
+    save_checkpoint(directory, optimizer, model)
+    optimizer.consolidate_state_dict(0)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    dist.barrier()
+    saved = torch.load(path, weights_only=True)
+    runs = []
+    for before in (True, False):
+        model = _model()
+        if not before:
+            CHANGES[change](model)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, bucket_numel=500)
+        if load == "checkpoint":
+            load_checkpoint(directory, optimizer, model)
+        else:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+        if before:
+            CHANGES[change](model)
+        ddp, generator = DDP(model), torch.Generator().manual_seed(rank)
+        dtype = next(model.parameters()).dtype
+        for _ in range(2):
+            optimizer.zero_grad()
+            x, y = torch.randn(8, 20, generator=generator, dtype=dtype), torch.randint(0, 3, (8,), generator=generator)
+            torch.nn.functional.cross_entropy(ddp(x).float(), y).backward()
+            optimizer.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    dist.barrier()
+    return runs
+
+
+def _partly_converted_after_loading(rank, shared):
+    """State loaded, then one layer converted to bf16 (its own bucket now): refused, naming the order."""
+    model, optimizer = _train(rank, 2)
+    fresh_model = _model()
+    fresh = ShardedOptimizer(fresh_model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2, bucket_numel=500)
+    fresh.load_state_dict(optimizer.state_dict())
+    fresh_model[0].bfloat16()
+    try:
+        fresh_model(torch.ones(2, 20))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def _replaced_twice(rank):
+    """load_state_dict(assign=True) twice after building: the second replacement is trained, as built after."""
+    runs = []
+    for before in (True, False):
+        model = _model()
+        weights = [{k: v.clone() + i for k, v in _model().state_dict().items()} for i in range(2)]
+        build = lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)  # noqa: E731
+        optimizer = build() if before else None
+        for state in weights:
+            model.load_state_dict(state, assign=True)
+        optimizer = optimizer or build()
+        for step in range(2):
+            optimizer.zero_grad()
+            model(torch.full((2, 20), float(rank + step))).square().mean().backward()
+            optimizer.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    return runs
+
+
+def _edits_under_ddp(rank):
+    """Under DDP: found_nonfinite(), then torch's clip_grad_value_, then step; and the optimizer's own
+    clip_grad_norm_ (torch's on DDP's full gradients): against DDP + AdamW with torch's utilities."""
+    out = {}
+    for name in ("value after found_nonfinite", "own norm clipping"):
+        runs = []
+        for sharded in (False, True):
+            model = _model()
+            optimizer = (ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, bucket_numel=500)
+                         if sharded else torch.optim.AdamW(model.parameters(), lr=1e-2))
+            ddp, generator = DDP(model), torch.Generator().manual_seed(rank)
+            norms = []
+            for _ in range(3):
+                optimizer.zero_grad()
+                x, y = torch.randn(8, 20, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                if name == "own norm clipping":
+                    clip = optimizer.clip_grad_norm_ if sharded else (
+                        lambda bound: torch.nn.utils.clip_grad_norm_(model.parameters(), bound))
+                    norms.append(clip(0.05).item())
+                else:
+                    if sharded:
+                        optimizer.found_nonfinite()
+                    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+                optimizer.step()
+            runs.append([p.detach().clone() for p in model.parameters()] + [norms])
+        out[name] = runs
+    return out
+
+
+def _wrapped_after_a_first_backward(rank):
+    """One backward of the bare model, zero_grad(), then the DDP wrap: trains as DDP + AdamW after the same."""
+    runs = []
+    for sharded in (False, True):
+        model = _model()
+        optimizer = (ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2) if sharded
+                     else torch.optim.AdamW(model.parameters(), lr=1e-2))
+        model(torch.ones(2, 20)).sum().backward()
+        optimizer.zero_grad()
+        ddp, generator = DDP(model), torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            optimizer.zero_grad()
+            x, y = torch.randn(8, 20, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    return runs
+
+
+def _consolidated_then_scheduled(rank):
+    """consolidate_state_dict, then a scheduler step: state_dict() gives the groups' learning rate as it is now."""
+    model, optimizer = _train(rank, 2)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.1)
+    optimizer.consolidate_state_dict(0)
+    schedule.step()
+    return optimizer.state_dict()["param_groups"][0]["lr"] if rank == 0 else None, optimizer.param_groups[0]["lr"]
+
+
 def _all(rank, world_size, shared):
     cases = {"tutorial": lambda: _tutorial_runs(rank, shared), "under ddp": lambda: _under_ddp(rank),
-             "fp16": lambda: _fp16_follows(rank), "consolidated": lambda: _consolidated(rank, shared)}
+             "fp16": lambda: _fp16_follows(rank), "consolidated": lambda: _consolidated(rank, shared),
+             "replaced twice": lambda: _replaced_twice(rank), "edits under ddp": lambda: _edits_under_ddp(rank),
+             "wrapped after a backward": lambda: _wrapped_after_a_first_backward(rank),
+             "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
+             "partly converted after loading": lambda: _partly_converted_after_loading(rank, shared)}
+    for change in ("cpu:0", "double"):
+        for load in ("checkpoint", "full state"):
+            cases[("loaded then", change, load)] = lambda change=change, load=load: _loaded_then_changed(
+                rank, shared, change, load)
     for change in CHANGES:
         for stage, wrap in ((1, True), (1, False), (2, False)):
             cases[(change, stage, wrap)] = lambda change=change, stage=stage, wrap=wrap: (
@@ -350,3 +487,40 @@ def test_a_full_state_saved_at_2_ranks_loads_at_3(ranks, shared):
     case_results(ranks, "consolidated")  # (it wrote the file)
     consolidated, saved = run_distributed(3, _resharded, shared)[0]
     assert _same_state(consolidated, saved)
+
+
+@pytest.mark.parametrize("change", ["cpu:0", "double"])
+@pytest.mark.parametrize("load", ["checkpoint", "full state"])
+def test_state_loaded_before_the_model_moves_is_carried_over(ranks, change, load):
+    """load_checkpoint or load_state_dict of a full state, then model.to(cpu:0) or .double() before the first step:
+    the loaded state (moments, step counts, masters) is kept, bitwise the run that changed the model first."""
+    for before, after in case_results(ranks, ("loaded then", change, load)):
+        assert _bitwise(before, after)
+
+
+def test_a_conversion_that_changes_the_layout_after_a_load_is_refused(ranks):
+    for message in case_results(ranks, "partly converted after loading"):
+        assert "convert the model first, then load" in message, message
+
+
+def test_a_parameter_replaced_twice_before_the_first_step_is_trained(ranks):
+    for before, after in case_results(ranks, "replaced twice"):
+        assert _bitwise(before, after)
+
+
+@pytest.mark.parametrize("name", ["value after found_nonfinite", "own norm clipping"])
+def test_under_ddp_edits_of_param_grad_before_the_step_count(ranks, name):
+    """An edit of param.grad after found_nonfinite() is taken in; the optimizer's own clip_grad_norm_ is torch's on
+    DDP's full gradients: bitwise DDP + AdamW with torch's utilities, norms included."""
+    for torch_run, zero_run in (out[name] for out in case_results(ranks, "edits under ddp")):
+        assert _bitwise(zero_run, torch_run)
+
+
+def test_a_model_wrapped_in_ddp_after_a_first_backward_trains_as_ddp(ranks):
+    for torch_run, zero_run in case_results(ranks, "wrapped after a backward"):
+        assert _bitwise(zero_run, torch_run)
+
+
+def test_the_consolidated_state_gives_the_learning_rate_as_it_is_now(ranks):
+    saved, current = case_results(ranks, "consolidated then scheduled")[0]
+    assert saved == current == pytest.approx(1e-3)

@@ -19,9 +19,10 @@ the same order, ``reduced`` summed in fp32 by its owner.
 
 Stage 1 keeps gradients in ``param.grad`` during backward and reduces all buckets once, when the optimizer
 needs them (:meth:`GradientReducer.reduce_held_grads`): one reduce-scatter per step however many micro-batches.
-Under torch's DistributedDataParallel (found at the first gradient: ``under_ddp``), DDP has already averaged
-``param.grad``: stage 1 then copies this rank's pieces of it into the store and reduces nothing (as torch's
-ZeroRedundancyOptimizer does: DDP's all-reduce, 2Ψ, then the parameters' all-gather, Ψ); stage 2 refuses.
+Under torch's DistributedDataParallel (looked for at each round's first gradient until the first step:
+``under_ddp``), DDP has already averaged ``param.grad``: stage 1 then copies this rank's pieces of it into the store
+and reduces nothing (as torch's ZeroRedundancyOptimizer does: DDP's all-reduce, 2Ψ, then the parameters'
+all-gather, Ψ); stage 2 refuses.
 
 Stage 2 reduces during backward. A post-accumulate-grad hook copies the gradient into its bucket buffer and
 frees ``param.grad``; a bucket's sync starts (:meth:`~GradientReducer.start_grad_sync`) *strictly in bucket
@@ -160,7 +161,10 @@ class GradientReducer:
         self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
         # whether DistributedDataParallel holds the parameters (it averages param.grad): None until the first gradient
         self.under_ddp: Optional[bool] = None
-        self._taken_at: Optional[int] = None  # under DDP: backward_passes when param.grad was last taken
+        self._stepped = False  # a step consumed gradients: the wrapping is settled
+        # under DDP: (backward passes, every param.grad's version) when param.grad was last taken, and how many takes
+        self._taken: Optional[tuple] = None
+        self.takes = 0
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._params: dict[int, torch.nn.Parameter] = {}  # param index -> the parameter
@@ -185,7 +189,8 @@ class GradientReducer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._refuse_if_failed()
         bucket_index, param_index = self._bucket_of[id(param)]
-        if self.under_ddp is None:  # the first gradient ever: one look for a DDP wrapper (a scan of the heap)
+        if not self.under_ddp and not self._stepped and self.state is RoundState.IDLE:
+            # a round's first gradient before the first step: one look for a DDP wrapper (a scan of the heap)
             self.under_ddp = validation.wrapped_in_ddp(param)
         problem = self._refused(param, bucket_index, param_index)
         if problem is not None:
@@ -447,14 +452,17 @@ class GradientReducer:
 
     def _take_averaged_grads(self) -> None:
         """Under DDP (stage 1): copy this rank's pieces of ``param.grad``, which DDP has averaged, into the store,
-        every bucket (zeros where no gradient came, as a reduce-scatter would), once per backward pass: edits of
-        ``param.grad`` before the step (``torch.nn.utils.clip_grad_norm_``, GradScaler's unscaling) are taken in,
-        and ``param.grad`` stays the full gradient DDP left, as with a torch optimizer."""
-        if self._taken_at == self.backward_passes:
-            return  # (taken since the last backward: the step after found_nonfinite() or clip_grad_norm_())
+        every bucket (zeros where no gradient came, as a reduce-scatter would); again whenever a backward ran or a
+        ``param.grad`` changed since (``torch.nn.utils.clip_grad_norm_``, GradScaler's unscaling, before the step or
+        between ``found_nonfinite()`` and it: ``takes`` counts the copies). ``param.grad`` stays the full gradient
+        DDP left, as with a torch optimizer."""
+        taken = (self.backward_passes, tuple(None if p.grad is None else p.grad._version
+                                             for p in self._params.values()))
+        if taken == self._taken:
+            return
         with_grad = {i for i, p in self._params.items() if p.grad is not None}
         self.gradients.clear(set_to_none=True)  # param.grad holds every micro-batch's sum
-        self._taken_at = self.backward_passes
+        self._taken, self.takes = taken, self.takes + 1
         if not with_grad:
             return
         shards = [torch.zeros(bucket.shard_numel, dtype=dtype, device=storage.param_buffer.device)
@@ -508,7 +516,7 @@ class GradientReducer:
         self._consumed = list(stepped) if stepped is not None else [True] * len(self.grad_exists)
         self.grad_exists = [False] * len(self.grad_exists)
         self._grad_versions.clear()
-        self._taken_at = None
+        self._taken, self._stepped = None, True
 
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
@@ -533,7 +541,7 @@ class GradientReducer:
             self._close_round()  # (its reductions go to the store, cleared below)
         self.backward_passes = 0
         self._grad_versions.clear()
-        self._taken_at = None
+        self._taken = None
         if set_to_none:
             self.grad_exists = [False] * len(self.grad_exists)
         else:

@@ -150,6 +150,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.verify_every, self.overlap_param_gather = verify_every, bool(overlap_param_gather)
         self._steps_taken, self._constructed = 0, False  # updates applied (skipped steps do not count)
         self._consolidated: Optional[dict] = None  # consolidate_state_dict's full state, on its rank, until a change
+        self._loaded = False  # state was installed (load_state_dict, a checkpoint): a rebuild carries it over
         super().__init__(groups, {})  # refuses duplicates
         Joinable.__init__(self)  # under torch's Join: uneven inputs raise on every rank (zeroimpl/uneven.py)
         self.topology: Topology = resolve_topology(process_group, device_mesh, self.param_groups)
@@ -221,8 +222,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Before the first step, take the parameters as the model now holds them, as a torch optimizer built before
         ``model.to(device)``, ``.half()``, ``load_state_dict(assign=True)`` or a framework's placement would:
         rebuild the flat buffers, masters and inner optimizers from the moved, converted or replacing parameters.
-        Local (every rank moves its model alike). Once a step has run, or gradients are held, nothing is followed:
-        the step refuses a changed model (:meth:`Ownership.check_unchanged`)."""
+        State loaded before the change (``load_state_dict``, ``zeroimpl.checkpoint.load_checkpoint``) is carried over
+        (inner state, masters, loss scale) where the parameters keep their pieces; where a conversion changed the
+        layout it is refused. Local (every rank moves its model alike), but for the parameters' all-gather from
+        carried masters. Once a step has run, or gradients are held, nothing is followed: the step refuses a changed
+        model (:meth:`Ownership.check_unchanged`)."""
         if self._follower is None:
             return
         successors = self.ownership.successors()
@@ -231,6 +235,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self.reducer.backward_passes or self.gradients.has_gradients or self._steps_taken:
             return  # (gradients of the old parameters: the step's check names the change)
         self.param_sync.finish_param_sync()
+        carried = self._carried_state() if self._loaded else None
         for group in self.param_groups:
             group["params"] = [successors.get(id(p), p) for p in group["params"]]
         trainable, layout = self._lay_out()
@@ -244,6 +249,27 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._follower.ownership = self.ownership
         self._build_parts(trainable, layout, agree=False)
         self._follower.remember(trainable)
+        if carried is not None:
+            self._carry_over(*carried)
+
+    def _carried_state(self) -> tuple:
+        """What a rebuild keeps of state loaded into this optimizer: its pieces' positions and inner state, the
+        masters and the loss-scaler state."""
+        pieces = self.pieces.states(self.inner)
+        return ([(p.param_index, p.param_start, p.param_end, p.bucket_index) for p, _, _ in pieces],
+                [state for _, _, state in pieces], [s.master for s in self.storages],
+                self.loss_scaler.state_dict() if self.loss_scaler else None)
+
+    def _carry_over(self, positions: list, states: list, masters: list, loss_scaler: Optional[dict]) -> None:
+        """Install state carried over a rebuild (:meth:`_carried_state`) into the rebuilt parts."""
+        rebuilt = [(p.param_index, p.param_start, p.param_end, p.bucket_index) for p in self.layout.pieces(self.rank)]
+        if rebuilt != positions or [m.numel() for m in masters] != [s.master.numel() for s in self.storages]:
+            raise RuntimeError("the model was converted after optimizer state was loaded into the ShardedOptimizer, "
+                               "and the conversion changed how the parameters are laid out in its buckets (their "
+                               "dtypes), so the loaded state no longer fits its shards: convert the model first, then "
+                               "load the state (or the checkpoint)")
+        self.restore_state(states, [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                           masters=masters, loss_scaler=loss_scaler)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
@@ -326,11 +352,16 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm, as
         ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, from the shards with the step's one
-        small all-reduce, identical on every rank. NaN/Inf gradients stay unclipped (``step()`` skips or raises)."""
+        small all-reduce, identical on every rank. NaN/Inf gradients stay unclipped (``step()`` skips or raises).
+        Under DDP, whose ``param.grad`` is the full averaged gradient on every rank: ``torch.nn.utils.clip_grad_norm_``
+        over it, with no communication (bitwise DDP + torch's clipping)."""
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         self._follow_model()
+        if self.reducer.under_ddp:
+            return torch.nn.utils.clip_grad_norm_([p for p in self.trainable_params if p.grad is not None], max_norm,
+                                                  norm_type)
         if not self.grad_views.prepare():
             return torch.zeros((), device=self._device)
         total = self._agree(norm_type)
@@ -486,8 +517,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         rank ``to`` and until the next step or load: the full state it gathered, in torch's format. Under DDP
         (stage 1), as torch's ZeroRedundancyOptimizer: only that, and a ``RuntimeError`` otherwise (a framework saving
         the main process's ``state_dict()`` alone would keep one rank's shard)."""
-        if self._consolidated is not None:
-            return self._consolidated
+        if self._consolidated is not None:  # its hyperparameters as they are now (a scheduler may have moved them)
+            groups = [{**described["hyperparameters"], "params": saved["params"]}
+                      for described, saved in zip(describe_groups(self), self._consolidated["param_groups"])]
+            return {**self._consolidated, "param_groups": groups}
         if self.reducer.under_ddp:
             raise RuntimeError(validation.ddp_state_dict_message())
         self.sync_masters()
@@ -628,6 +661,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         loss-scaler state. ``masters`` is ``None`` for a state saved without separate masters (an fp32 model
         without offload): then the masters keep following the parameters, which the user loads."""
         self.param_sync.finish_param_sync()  # no all-gather may still write the parameters, no copy read the masters
+        self._loaded = True
         kernels = [{k: v for k, v in g.items() if k in KERNEL_KEYS} for g in self.inner.param_groups]
         # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
         inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in

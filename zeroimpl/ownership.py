@@ -32,6 +32,8 @@ class HoldsParams(Protocol):
 # id(param) -> the live claim on it. A live claim keeps its parameters alive, so an id found here always
 # names the same parameter object.
 _OWNERS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDictionary()
+# id(a Parameter that replaced an owned one) -> the live claim it succeeds into (a claim holds its successors)
+_HEIRS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDictionary()
 # id(frozen member of the param groups) -> the live claim whose groups hold it (several may)
 _FROZEN_OWNERS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDictionary()
 _REGISTRATION_HOOK = None  # the global parameter-registration hook, installed with the first claim
@@ -67,6 +69,11 @@ class Ownership:
     @property
     def has_successors(self) -> bool:
         return bool(self._successors)
+
+    def _succeed(self, original: int, param: torch.nn.Parameter) -> None:
+        """``param`` replaces the owned parameter of id ``original`` (directly, or a replacement of it)."""
+        self._successors[original] = param
+        _HEIRS[id(param)] = self
 
     def release(self) -> None:
         """Give up the claim (a new one over the parameters as the model now holds them replaces it)."""
@@ -113,10 +120,11 @@ def rebound_message(param_indices: list[int], param: torch.Tensor, home: torch.T
                  "it; both would then wrap it in DistributedDataParallel, which all-reduces the gradients this "
                  "optimizer reduces itself); param.data = ... and resize_token_embeddings copy too")
     return (f"trainable parameters {param_indices[:5]} (the optimizer's numbering) no longer live in the "
-            f"optimizer's flat buffers: the model was {cause} after the ShardedOptimizer had taken gradients or "
-            "stepped, so the optimizer would no longer update it (before that, it follows such a change). In your "
-            "own loop: convert and move the model before the first backward (to change the model later, save a "
-            "checkpoint, build a new ShardedOptimizer and load it). "
+            f"optimizer's flat buffers: the model was {cause} after the ShardedOptimizer was built, and it could not "
+            "follow: it follows such a change at the next forward outside torch.compile, or at the first step, but "
+            "not once it has taken gradients or stepped, so it would no longer update the model. In your own loop: "
+            "convert and move the model before the first backward, and run a forward outside torch.compile first "
+            "(to change the model later, save a checkpoint, build a new ShardedOptimizer and load it). "
             + FRAMEWORK_ROUTES)
 
 
@@ -132,14 +140,21 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
     old = getattr(module, name, None)  # still the old parameter: the hook runs before the assignment
     if not isinstance(old, torch.Tensor) or old is param:
         return
+    heir_of = _HEIRS.get(id(old))  # a replacement replaced again: the owned parameter's successor is the new one
+    if heir_of is not None:
+        original = next(key for key, heir in heir_of._successors.items() if heir is old)
+        del heir_of._successors[original], _HEIRS[id(old)]
+        if isinstance(param, torch.nn.Parameter) and param.shape == old.shape and param.requires_grad == old.requires_grad:
+            heir_of._succeed(original, param)
+        return
     frozen_owner = _FROZEN_OWNERS.get(id(old))
     if frozen_owner is not None and isinstance(param, torch.nn.Parameter) and not param.requires_grad:
-        frozen_owner._successors[id(old)] = param  # (out of the layout: followed, or nothing to follow)
+        frozen_owner._succeed(id(old), param)  # (out of the layout: followed, or nothing to follow)
     owner = _OWNERS.get(id(old))
     if owner is not None:
         owner.replaced.append(f"{type(module).__name__}.{name}")
         if isinstance(param, torch.nn.Parameter) and param.shape == old.shape and param.requires_grad:
-            owner._successors[id(old)] = param
+            owner._succeed(id(old), param)
 
 
 class ModelFollower:

@@ -72,6 +72,7 @@ class StepChecks:
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
         self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
+        self._takes_seen = self.reducer.takes  # under DDP: param.grad copied afresh since, the facts are stale
 
     @property
     def grads_averaged_by_ddp(self) -> bool:
@@ -94,6 +95,8 @@ class StepChecks:
             self.checked_in = True
         self.ownership.check_unchanged(self.storages)
         self.reducer.reduce_held_grads()
+        if self.reducer.takes != self._takes_seen:  # under DDP, DDP's param.grad taken afresh: check it afresh
+            self._takes_seen, self.verdict, self.unscaled = self.reducer.takes, None, False
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
             return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
         if self.loss_scaler is not None and not self.unscaled:

@@ -217,6 +217,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     ``timeout``: as for :func:`save_checkpoint`.
     """
     _check_arguments(optimizer, model, "load_checkpoint")
+    optimizer.sync_masters()  # (a model moved or converted before the first step is followed first)
     error: Optional[BaseException] = None
     try:
         directory = files.resolve_directory(directory)
