@@ -103,6 +103,8 @@ def load_train_objs(zero_stage=0):
     train_set = MyTrainDataset(2048)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    if zero_stage and torch.cuda.is_available():  # zeroimpl on NCCL: the model on its GPU before the optimizer
+        model = model.to(device_of(int(os.environ["LOCAL_RANK"])))
     if zero_stage:  # zeroimpl: the one changed line
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=zero_stage, lr=1e-3)
     else:
