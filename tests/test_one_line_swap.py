@@ -524,3 +524,45 @@ def test_a_model_wrapped_in_ddp_after_a_first_backward_trains_as_ddp(ranks):
 def test_the_consolidated_state_gives_the_learning_rate_as_it_is_now(ranks):
     saved, current = case_results(ranks, "consolidated then scheduled")[0]
     assert saved == current == pytest.approx(1e-3)
+
+
+def _ray_train_function(config):
+    """Ray Train's training function as its guides write it: prepare_model (DDP), then the optimizer."""
+    import ray.train
+    import ray.train.torch
+
+    model = ray.train.torch.prepare_model(_model())
+    optimizer = (ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2) if config["sharded"]
+                 else torch.optim.AdamW(model.parameters(), lr=1e-2))
+    rank = ray.train.get_context().get_world_rank()
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        optimizer.zero_grad()
+        x, y = torch.randn(8, 20, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    torch.save([p.detach() for p in model.parameters()], os.path.join(config["folder"], f"{config['sharded']}-{rank}.pt"))
+
+
+def test_ray_trains_default_prepare_model_with_a_stage_1_sharded_optimizer_bitwise(tmp_path):
+    """Ray Train's default prepare_model wraps the model in DDP: ShardedOptimizer(stage=1) in AdamW's place trains
+    bitwise as it, on 2 CPU workers (skipped where ray[train] is not installed)."""
+    ray = pytest.importorskip("ray")
+    import ray.train.torch
+    from ray.train import RunConfig, ScalingConfig
+
+    here = os.path.dirname(os.path.abspath(__file__))  # (the workers import this module)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": here, "OMP_NUM_THREADS": "1"}})
+    try:
+        for sharded in (False, True):
+            trainer = ray.train.torch.TorchTrainer(
+                _ray_train_function, train_loop_config={"sharded": sharded, "folder": str(tmp_path)},
+                scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                run_config=RunConfig(storage_path=str(tmp_path / "results"), name=f"sharded-{sharded}"))
+            assert trainer.fit().error is None
+    finally:
+        ray.shutdown()
+    for rank in range(2):
+        reference, sharded = (torch.load(tmp_path / f"{kind}-{rank}.pt") for kind in (False, True))
+        assert _bitwise(sharded, reference)
