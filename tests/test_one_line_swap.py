@@ -55,6 +55,18 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
 
 
+def _fit(rank, model, forward, optimizer, steps):
+    """``steps`` optimizer steps of ``forward`` (the model, or its DDP wrapper) on this rank's batches, in the model's
+    dtype, cross-entropy in fp32; returns the parameters."""
+    generator, dtype = torch.Generator().manual_seed(rank), next(model.parameters()).dtype
+    for _ in range(steps):
+        optimizer.zero_grad()
+        x, y = torch.randn(8, 20, generator=generator, dtype=dtype), torch.randint(0, 3, (8,), generator=generator)
+        torch.nn.functional.cross_entropy(forward(x).float(), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _ddp_run(rank, optimizer_of, accumulate=1, clip=False, scaler=None, steps=5, counter=None, wrap_first=False):
     """AdamW-style training of a DDP-wrapped model: ``optimizer_of(params)``, built before the wrap (or after:
     ``wrap_first``); returns the parameters, the losses and, with ``counter``, zeroimpl's collectives per step."""
@@ -148,15 +160,7 @@ def _changed_run(rank, change, stage, wrap, before):
     optimizer = build() if before else None
     CHANGES[change](model)
     optimizer = optimizer or build()
-    forward = DDP(model) if wrap else model
-    generator = torch.Generator().manual_seed(rank)
-    dtype = next(model.parameters()).dtype
-    for _ in range(4):
-        optimizer.zero_grad()
-        x, y = torch.randn(8, 20, generator=generator, dtype=dtype), torch.randint(0, 3, (8,), generator=generator)
-        torch.nn.functional.cross_entropy(forward(x).float(), y).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return _fit(rank, model, DDP(model) if wrap else model, optimizer, 4)
 
 
 def _fp16_follows(rank):
@@ -177,13 +181,7 @@ def _train(rank, stage, steps=3):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2, bucket_numel=500)
-    forward = model if stage == 2 else DDP(model)
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        x, y = torch.randn(8, 20, generator=generator), torch.randint(0, 3, (8,), generator=generator)
-        torch.nn.functional.cross_entropy(forward(x), y).backward()
-        optimizer.step()
+    _fit(rank, model, model if stage == 2 else DDP(model), optimizer, steps)
     return model, optimizer
 
 
@@ -263,14 +261,7 @@ def _loaded_then_changed(rank, shared, change, load):
             optimizer.load_state_dict(saved["optimizer"])
         if before:
             CHANGES[change](model)
-        ddp, generator = DDP(model), torch.Generator().manual_seed(rank)
-        dtype = next(model.parameters()).dtype
-        for _ in range(2):
-            optimizer.zero_grad()
-            x, y = torch.randn(8, 20, generator=generator, dtype=dtype), torch.randint(0, 3, (8,), generator=generator)
-            torch.nn.functional.cross_entropy(ddp(x).float(), y).backward()
-            optimizer.step()
-        runs.append([p.detach().clone() for p in model.parameters()])
+        runs.append(_fit(rank, model, DDP(model), optimizer, 2))
     dist.barrier()
     return runs
 
@@ -347,13 +338,7 @@ def _wrapped_after_a_first_backward(rank):
                      else torch.optim.AdamW(model.parameters(), lr=1e-2))
         model(torch.ones(2, 20)).sum().backward()
         optimizer.zero_grad()
-        ddp, generator = DDP(model), torch.Generator().manual_seed(rank)
-        for _ in range(2):
-            optimizer.zero_grad()
-            x, y = torch.randn(8, 20, generator=generator), torch.randint(0, 3, (8,), generator=generator)
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            optimizer.step()
-        runs.append([p.detach().clone() for p in model.parameters()])
+        runs.append(_fit(rank, model, DDP(model), optimizer, 2))
     return runs
 
 
