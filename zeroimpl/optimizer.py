@@ -552,14 +552,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if _is_torch_format(state_dict):
             self._load_full(state_dict)
             return
-        problem = self._load_problem(state_dict)
-        problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
-        if problem is not None:
-            raise ValueError(problem)
-        refused = next(((rank, text) for rank, text in enumerate(problems) if text is not None), None)
-        if refused is not None:
-            raise ValueError(f"rank {refused[0]} (in all-gather order) refused its optimizer state, so no rank loads "
-                             f"one: {refused[1]}")
+        self._agree_to_load(self._load_problem(state_dict))
         self._install(state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
                       state_dict["loss_scaler"])
         # a quantized all-gather's next step starts from the parameters as saved: the model loads them, before or
@@ -577,13 +570,20 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         try:
             split = pieces_of_torch_state(state_dict, describe_groups(self), self.trainable_params, self.layout, pieces)
         except (ValueError, KeyError, TypeError, IndexError) as error:  # (a damaged or foreign state dict)
-            problem = f"{type(error).__name__}: {error}"
+            problem = f"the full optimizer state cannot be loaded: {type(error).__name__}: {error}"
+        self._agree_to_load(problem)
+        self.restore_state(*split, loss_scaler=state_dict.get("loss_scaler"))
+
+    def _agree_to_load(self, problem: Optional[str]) -> None:
+        """Raise the same refusal on every rank unless every rank can load its state (``problem``: why this one
+        cannot, or None). Collective: one small object all-gather of the verdicts."""
         problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
+        if problem is not None:
+            raise ValueError(problem)
         refused = next(((rank, text) for rank, text in enumerate(problems) if text is not None), None)
         if refused is not None:
-            raise ValueError(f"the full optimizer state cannot be loaded (rank {refused[0]} in all-gather order): "
-                             f"{refused[1]}")
-        self.restore_state(*split, loss_scaler=state_dict.get("loss_scaler"))
+            raise ValueError(f"rank {refused[0]} (in all-gather order) refused its optimizer state, so no rank loads "
+                             f"one: {refused[1]}")
 
     def _load_problem(self, state_dict) -> Optional[str]:
         """Why this rank cannot load ``state_dict``; None if it can. Local."""

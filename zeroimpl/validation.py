@@ -110,8 +110,8 @@ def wrapped_in_ddp(param: torch.Tensor) -> bool:
     a stage-1 ShardedOptimizer takes its shard of them as they are, as torch's ZeroRedundancyOptimizer does.
 
     DDP keeps its parameters in a list ``_module_parameters``; this finds that list among the parameter's
-    referrers: two scans of the live objects (``gc.get_referrers``), so the reducer asks once, at the first
-    gradient. Only where it finds one does it collect the garbage and look again, so that a dropped wrapper that a
+    referrers: two scans of the live objects (``gc.get_referrers``), so the reducer asks only at a round's first
+    gradient, and only until the first step (a wrapper found stays found). Only where it finds one does it collect the garbage and look again, so that a dropped wrapper that a
     reference cycle keeps alive until the collector runs counts on no rank (a collection costs several scans).
     """
     if _held_by_ddp(param):
