@@ -256,7 +256,7 @@ def _trainer_cases(rank, shared):
 def fabric_run(rank, strategy, accumulate=1, clip=None, separate_setup=False, save=None, resume=None,
                scheduler_kept=False, sharded=False, **fabric_kwargs):
     """A plain Fabric loop; ``save``: the path to fabric.save after the first epoch (and stop), ``resume``: the
-    path to fabric.load before the second epoch (the first skipped); ``scheduler_kept``: a SequentialLR (warm-up,
+    path to fabric.load before training, which restores the epoch to start from (a plain value in the state); ``scheduler_kept``: a SequentialLR (warm-up,
     then StepLR) built over the torch optimizer and not handed to Fabric, which the loop steps; ``sharded``: a
     ShardedOptimizer(stage=1) over the same groups in the torch optimizer's place (the one-line swap)."""
     import lightning
@@ -283,12 +283,10 @@ def fabric_run(rank, strategy, accumulate=1, clip=None, separate_setup=False, sa
         model, optimizer, scheduler = fabric.setup(net, optimizer, scheduler=scheduler)
     data = fabric.setup_dataloaders(loader(fabric.global_rank, fabric.world_size), use_distributed_sampler=False)
     losses, learning_rates = [], []
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
-    first_epoch = 0
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "epoch": 0}  # a plain value too
     if resume is not None:
-        fabric.load(resume, state)
-        first_epoch = 1
-    for epoch in range(first_epoch, EPOCHS):
+        fabric.load(resume, state)  # sets state["epoch"] to the saved 1
+    for epoch in range(state["epoch"], EPOCHS):
         for index, (x, y) in enumerate(data):
             final = (index + 1) % accumulate == 0
             with fabric.no_backward_sync(model, enabled=not final):
@@ -303,6 +301,7 @@ def fabric_run(rank, strategy, accumulate=1, clip=None, separate_setup=False, sa
                 optimizer.zero_grad()
                 scheduler.step()
         if save is not None:
+            state["epoch"] = epoch + 1
             fabric.save(save, state)
             break
     scaler = getattr(fabric.strategy.precision, "scaler", None)
@@ -341,6 +340,8 @@ def _fabric_cases(rank, shared):
         ("fabric", "zero2_bf16"): lambda: run("zero2", precision="bf16-mixed"),
         ("fabric", "ddp_fp16"): lambda: run(DDPStrategy(), plugins=[_fabric_fp16_plugin()]),
         ("fabric", "zero2_fp16"): lambda: run("zero2", plugins=[_fabric_fp16_plugin()]),
+        ("fabric", "ddp_fp16_clip_norm"): lambda: run(DDPStrategy(), clip=0.05, plugins=[_fabric_fp16_plugin()]),
+        ("fabric", "zero2_fp16_clip_norm"): lambda: run("zero2", clip=0.05, plugins=[_fabric_fp16_plugin()]),
         ("fabric", "ddp_scheduler_kept"): lambda: run(DDPStrategy(), scheduler_kept=True),
         ("fabric", "zero2_scheduler_kept"): lambda: run("zero2", scheduler_kept=True),
         ("fabric", "saved"): lambda: run("zero2", save=checkpoint),
@@ -566,9 +567,18 @@ def test_fabric_clipping_and_mixed_precision(ranks):
     assert zero["scale"] == ddp["scale"] < FP16_INITIAL_SCALE
 
 
+def test_fabric_clips_the_unscaled_fp16_gradients(ranks):
+    """fp16 with clipping by norm: fabric.clip_gradients unscales before it measures the norm, as Fabric's DDP
+    does (clipping the still-scaled gradients would leave them unclipped by the scale's factor)."""
+    compare(ranks, ("fabric", "zero2_fp16_clip_norm"), ("fabric", "ddp_fp16_clip_norm"), CLIP_ATOL)
+    zero, ddp = (case_result(ranks[0][0], ("fabric", n)) for n in ("zero2_fp16_clip_norm", "ddp_fp16_clip_norm"))
+    assert zero["scale"] == ddp["scale"] < FP16_INITIAL_SCALE
+
+
 def test_fabric_save_and_load(ranks):
-    """fabric.save after epoch 0 and fabric.load into a new model and optimizer: the second epoch is bitwise the
-    uninterrupted run's; a copy of the file without its .zeroimpl folder raises on load."""
+    """fabric.save after epoch 0 and fabric.load into a new model and optimizer: the state's plain value (the epoch
+    to start from) comes back, and the second epoch is bitwise the uninterrupted run's; a copy of the file without
+    its .zeroimpl folder raises on load."""
     two, _ = ranks
     for resumed, whole in zip(case_results(two, ("fabric", "resumed")), case_results(two, ("fabric", "zero2"))):
         assert resumed["losses"] == whole["losses"][len(whole["losses"]) // 2:]

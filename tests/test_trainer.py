@@ -265,16 +265,16 @@ def _tiny_gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-def _tiny_trainer(directory, fp16=False, **model_and_options):
+def _tiny_trainer(directory, fp16=False, arguments=None, **model_and_options):
     """ZeroTrainer (stage 2) over a 1-layer GPT-2 (``model=`` or ``model_init=``, and ZeroTrainer's options) for
-    2 steps of 8 fixed sequences, on CPU."""
+    2 steps of 8 fixed sequences, on CPU; ``arguments``: more TrainingArguments."""
     import transformers
     from zeroimpl.integrations.trainer import ZeroTrainer
 
     ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
     args = transformers.TrainingArguments(output_dir=directory, max_steps=2, per_device_train_batch_size=2,
                                           use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
-                                          disable_tqdm=True, fp16=fp16)
+                                          disable_tqdm=True, fp16=fp16, **(arguments or {}))
     return ZeroTrainer(args=args, train_dataset=[{"input_ids": row, "labels": row} for row in ids], zero_stage=2,
                        **model_and_options)
 
@@ -318,3 +318,33 @@ def test_a_second_train_with_model_init_keeps_the_grad_scalers_settings(tmp_path
     from the GradScaler ZeroTrainer replaced, as the first did."""
     for first, second in run_distributed(2, _fp16_trained_twice_with_model_init, str(tmp_path)):
         assert first == second and first.initial_scale == 2.0 ** 10 and first.growth_interval == 7
+
+
+def _groups_per_parameter(rank, world_size, directory):
+    """Per parameter name, the hyperparameters of its group: in ZeroTrainer's ShardedOptimizer and in the torch
+    optimizer Trainer itself builds, over the same model (weight decay 0.1, so the two groups differ)."""
+    import transformers
+
+    torch.manual_seed(0)
+    zero = _tiny_trainer(directory, arguments={"weight_decay": 0.1, "adam_beta2": 0.95}, model=_tiny_gpt2())
+    plain = transformers.Trainer(model=zero.model, args=zero.args)
+    both = {}
+    for name, trainer in (("zero", zero), ("trainer", plain)):
+        optimizer = trainer.create_optimizer()
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        optimizer = getattr(trainer, "sharded_optimizer", None) or optimizer
+        names = {id(p): n for n, p in trainer.model.named_parameters()}
+        both[name] = {names[id(p)]: {k: v for k, v in group.items() if k != "params"}
+                      for group in optimizer.param_groups for p in group["params"]}
+    return both
+
+
+def test_each_parameter_gets_the_hyperparameters_trainers_own_optimizer_gives_it(tmp_path):
+    """Trainer puts biases and LayerNorm weights in a no-decay group: ZeroTrainer's groups hold each parameter
+    with the weight decay (and every other hyperparameter) that Trainer's own AdamW gives it."""
+    for got in run_distributed(2, _groups_per_parameter, str(tmp_path)):
+        zero, trainer = got["zero"], got["trainer"]
+        assert sorted(zero) == sorted(trainer)
+        assert {group["weight_decay"] for group in trainer.values()} == {0.0, 0.1}
+        for name, hyperparameters in trainer.items():
+            assert {k: zero[name][k] for k in hyperparameters} == hyperparameters, name
