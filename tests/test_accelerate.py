@@ -228,6 +228,39 @@ def _two_models(shared: str) -> dict:
                             for name in saved)}
 
 
+def _two_optimizers(shared: str) -> dict:
+    """Two models of one shape, each with its own ShardedOptimizer (another learning rate), in one Accelerator:
+    a step, save_state, a second step (the uninterrupted run); then fresh models and optimizers, load_state and
+    the second step: each optimizer must resume from its own shards, not the other's."""
+    from zeroimpl.integrations.accelerate import prepare
+
+    folder, after = os.path.join(shared, "two optimizers"), {}
+    batch = next(iter(_loader(1)))
+    for phase, seed in (("uninterrupted", 0), ("resumed", 1)):
+        accelerator = _accelerator()
+        torch.manual_seed(seed)
+        models = [build_model("gpt2"), build_model("gpt2")]
+        optimizers = [ShardedOptimizer(param_groups(m), torch.optim.AdamW, **{**ADAMW, "lr": lr})
+                      for m, lr in zip(models, (1e-2, 3e-3))]
+        prepared = prepare(accelerator, models[0], optimizers[0], models[1], optimizers[1])
+        models, optimizers = prepared[0::2], prepared[1::2]
+        steps = ("first", "save", "second") if phase == "uninterrupted" else ("load", "second")
+        for action in steps:
+            if action == "save":
+                accelerator.save_state(folder)
+            elif action == "load":
+                accelerator.load_state(folder)
+            else:
+                for model, optimizer in zip(models, optimizers):
+                    accelerator.backward(model(**batch).loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+        after[phase] = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
+    return {"subdirs": [o.checkpoint_subdir for o in optimizers],
+            "resumed as uninterrupted": all(torch.equal(u[n], r[n]) for u, r in zip(after["uninterrupted"],
+                                                                                     after["resumed"]) for n in u)}
+
+
 def _all(rank, world_size, shared):
     cases = {}
     for variant, (_, _, _, configs) in VARIANTS.items():
@@ -246,6 +279,7 @@ def _all(rank, world_size, shared):
     cases["buffers"] = lambda: _buffers_broadcast(rank)
     cases["refusals"] = lambda: _refusals(shared)
     cases["two models"] = lambda: _two_models(shared)
+    cases["two optimizers"] = lambda: _two_optimizers(shared)
     cases["plain accelerate prepare"] = lambda: _plain_accelerate_prepare(rank)  # last: it leaves a DDP wrapper
     return run_cases(cases)
 
@@ -336,6 +370,13 @@ def test_save_state_then_load_state_continues_bitwise(ranks, variant, config):
 def test_load_state_restores_every_model_from_its_own_file(ranks):
     for result in case_results(ranks, "two models"):
         assert result == {"restored": True}
+
+
+def test_two_optimizers_of_one_accelerator_each_resume_from_their_own_shards(ranks):
+    """Two same-shape models with their ShardedOptimizers (another lr each) in one Accelerator: save_state writes
+    each optimizer's shards to a folder of its own, and load_state continues both bitwise as the uninterrupted run."""
+    for result in case_results(ranks, "two optimizers"):
+        assert result == {"subdirs": ["zeroimpl", "zeroimpl_1"], "resumed as uninterrupted": True}
 
 
 def test_returns_what_accelerate_prepare_returns_without_ddp(ranks):
