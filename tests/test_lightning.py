@@ -15,7 +15,8 @@ ShardedOptimizer; Trainer and Fabric), stage 1 with accumulation, clipping by va
 against the uninterrupted run. Bounds, where the summation order may differ:
 
 * ACCUMULATION_ATOL (measured 1.2e-7): stage 2 reduces each micro-batch, DDP sums them before its all-reduce.
-* CLIP_ATOL (measured 1.2e-7; manual optimization, which also accumulates in stage 2: 4.8e-7): clipping by norm
+* CLIP_ATOL (measured 1.2e-7; manual optimization, which also accumulates in stage 2: 4.8e-7; fp16 through the
+  GradScaler: 3.0e-8, Trainer and Fabric): clipping by norm
   through ShardedOptimizer.clip_grad_norm_, the global norm summed from the shards in another order.
 * MIXED_ATOL (measured 0.0, bitwise): bf16-mixed, and fp16 through Lightning's MixedPrecision plugin and its
   GradScaler acting on the sharded gradients, with a first scale (2**20) so large that three steps overflow (skipped
@@ -238,6 +239,8 @@ def _trainer_cases(rank, shared):
         "zero2_bf16": lambda: run("zero2", precision="bf16-mixed"),
         "ddp_fp16": lambda: run(DDPStrategy(), plugins=[_fp16_plugin()]),
         "zero2_fp16": lambda: run("zero2", plugins=[_fp16_plugin()]),
+        "ddp_fp16_clip_norm": lambda: run(DDPStrategy(), plugins=[_fp16_plugin()], gradient_clip_val=0.05),
+        "zero2_fp16_clip_norm": lambda: run("zero2", plugins=[_fp16_plugin()], gradient_clip_val=0.05),
         "resumed": lambda: run("zero2", folder("resumed"), ckpt_path=folder("zero2", "epoch=0-step=4.ckpt")),
         # strategy="ddp" with a stage-1 ShardedOptimizer from configure_optimizers: the one-line swap
         "ddp_sharded": lambda: run("ddp", folder("ddp_sharded"), save_top_k=-1, prebuilt_options={"stage": 1}),
@@ -440,6 +443,14 @@ def test_trainer_mixed_precision(ranks):
     print(f"fp16 loss scale: first {FP16_INITIAL_SCALE}, last {zero['scale']} (DDP: {ddp['scale']})")
     assert zero["scale"] == ddp["scale"] < FP16_INITIAL_SCALE
     assert max_difference(case_result(two[0], "ddp_bf16"), case_result(two[0], "ddp")) > 1e-3  # bf16 really ran
+
+
+def test_trainer_clips_the_unscaled_fp16_gradients(ranks):
+    """fp16 with gradient_clip_val: the norm is clipped after the GradScaler unscaled the sharded gradients, as
+    under DDPStrategy (within CLIP_ATOL), with the same steps skipped."""
+    compare(ranks, "zero2_fp16_clip_norm", "ddp_fp16_clip_norm", CLIP_ATOL)
+    zero, ddp = (case_result(ranks[0][0], name) for name in ("zero2_fp16_clip_norm", "ddp_fp16_clip_norm"))
+    assert zero["scale"] == ddp["scale"] < FP16_INITIAL_SCALE
 
 
 def test_trainer_resume_is_bitwise(ranks):
