@@ -206,6 +206,44 @@ def _checkpoint_contents(path):
             "optimizer_states": checkpoint["optimizer_states"], "has_scheduler": bool(checkpoint["lr_schedulers"])}
 
 
+def _two_optimizers(directory, ckpt_path=None) -> dict:
+    """Manual optimization of two same-shape nets, each with its own AdamW (another learning rate), ``zero2``,
+    checkpointed after every epoch (or resumed from ``ckpt_path``): this rank's weights and the losses."""
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class TwoNets(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.nets = torch.nn.ModuleList([build_net(), build_net()])
+            self.automatic_optimization = False
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            for net, optimizer in zip(self.nets, self.optimizers()):
+                loss = F.cross_entropy(net(x), y)
+                self.manual_backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                self.losses.append(loss.item())
+
+        def configure_optimizers(self):
+            return [torch.optim.AdamW(net.parameters(), lr=lr) for net, lr in zip(self.nets, (2e-2, 5e-3))]
+
+        def train_dataloader(self):
+            return loader(self.trainer.global_rank, self.trainer.world_size)
+
+    torch.manual_seed(0)
+    module = TwoNets()
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="zero2", max_epochs=EPOCHS,
+                                enable_progress_bar=False, logger=False, enable_model_summary=False,
+                                callbacks=[ModelCheckpoint(dirpath=directory, save_top_k=-1, every_n_epochs=1)],
+                                default_root_dir=directory, use_distributed_sampler=False)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return {"state": snapshot(module), "losses": module.losses}
+
+
 def _refused(run):
     try:
         run()
@@ -248,6 +286,9 @@ def _trainer_cases(rank, shared):
                                            ckpt_path=folder("ddp_sharded", "epoch=0-step=4.ckpt")),
         "ddp_sharded_checkpoint": lambda: torch.load(folder("ddp_sharded", "epoch=0-step=4.ckpt"),
                                                      weights_only=True)["optimizer_states"],
+        "two_optimizers": lambda: _two_optimizers(folder("two_optimizers")),
+        "two_optimizers_resumed": lambda: _two_optimizers(folder("two_optimizers_resumed"),
+                                                          folder("two_optimizers", "epoch=0-step=8.ckpt")),
         "checkpoint": lambda: _checkpoint_contents(folder("zero2", "epoch=0-step=4.ckpt")),
         "kept_one": lambda: sorted(os.listdir(folder("zero1"))),
         "missing_shards": lambda: _missing_shards(rank, shared),
@@ -461,6 +502,18 @@ def test_trainer_resume_is_bitwise(ranks):
         assert resumed["step"] == whole["step"] == EPOCHS * BATCHES // 2
         assert resumed["losses"] == whole["losses"][len(whole["losses"]) // 2:]
         assert resumed["learning_rates"] == whole["learning_rates"][len(whole["learning_rates"]) // 2:]
+        names = [n for n in whole["state"] if rank == 0 or n.split(".")[-1] in ("weight", "bias")]
+        assert max_difference(resumed, whole, names) == 0.0
+
+
+def test_trainer_resumes_two_optimizers_each_from_its_own_shards(ranks):
+    """Two same-shape nets with their own optimizers (another lr each), manual optimization: resumed after epoch 0,
+    each optimizer from its own shard folder, the second epoch is bitwise the uninterrupted run's (rank 1's
+    buffers aside: the checkpoint holds rank 0's, as in test_trainer_resume_is_bitwise)."""
+    two, _ = ranks
+    pairs = zip(case_results(two, "two_optimizers_resumed"), case_results(two, "two_optimizers"))
+    for rank, (resumed, whole) in enumerate(pairs):
+        assert resumed["losses"] == whole["losses"][len(whole["losses"]) // 2:]
         names = [n for n in whole["state"] if rank == 0 or n.split(".")[-1] in ("weight", "bias")]
         assert max_difference(resumed, whole, names) == 0.0
 
