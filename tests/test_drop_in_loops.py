@@ -20,6 +20,7 @@
 import contextlib
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -273,23 +274,33 @@ def _shared_in_two_regions(rank, stage):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _unsupported(rank):
+def _unsupported(rank, shared, stage):
+    """An unsupported operation on a sharded gradient on rank 0 alone (a debugging read): what it raised. Rank 1
+    runs no collective meanwhile, and waits for rank 0 to be done (a file, not a collective). Stage 1 reduces the
+    gradients at the first gradient operation: that reduction must not start before the refusal."""
     model = build_model("gpt2")
-    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2)
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2)
     model(**batch(rank, 0, 0)).loss.backward()
-    try:
-        next(model.parameters()).grad.abs()
-        return "no error"
-    except RuntimeError as error:
-        return str(error)
-    finally:
-        optimizer.zero_grad()
+    done, message = os.path.join(shared, f"unsupported read done, stage {stage}"), None
+    if rank == 0:
+        try:
+            next(model.parameters()).grad.abs()
+            message = "no error"
+        except Exception as error:  # noqa: BLE001 - the test checks which error
+            message = f"{type(error).__name__}: {error}"
+        open(done, "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    optimizer.zero_grad()
+    return message
 
 
 def _all(rank, world_size, shared):
     cases = {"nanogpt": lambda: _nanogpt_cases(rank), "utilities": lambda: _utility_cases(rank),
              "bf16": lambda: _bf16_norm(rank), "resume": lambda: _resume(rank, shared),
-             "unsupported": lambda: _unsupported(rank)}
+             ("unsupported", 1): lambda: _unsupported(rank, shared, 1),
+             ("unsupported", 2): lambda: _unsupported(rank, shared, 2)}
     for stage in (None, 1, 2):
         cases[("shared regions", stage)] = lambda stage=stage: _shared_in_two_regions(rank, stage)
     for stage in (1, 2):
@@ -384,9 +395,13 @@ def test_a_master_only_checkpoint_is_refused_on_every_rank_and_own_states_resume
         assert "saved by rank 0" in message and "save optimizer.state_dict() on every rank" in message
 
 
-def test_an_unsupported_operation_on_a_sharded_gradient_names_the_alternatives(ranks):
-    for message in case_results(ranks, "unsupported"):
-        assert "sharded across the ranks" in message and "clip_grad_norm_" in message
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_unsupported_operation_on_a_sharded_gradient_raises_at_once_naming_the_alternatives(ranks, stage):
+    """On one rank alone, with no collective on the other: it raises before any collective of its own (which
+    would wait for the other rank until the timeout)."""
+    on_rank_0, on_rank_1 = case_results(ranks, ("unsupported", stage))
+    assert on_rank_0.startswith("RuntimeError: ") and on_rank_1 is None
+    assert "sharded across the ranks" in on_rank_0 and "clip_grad_norm_" in on_rank_0
 
 
 @pytest.mark.parametrize("fewer", [0, 1], ids=["rank-0-fewer", "rank-1-fewer"])
