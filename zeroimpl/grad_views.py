@@ -62,6 +62,9 @@ _FOREACH = {aten._foreach_mul_.Scalar: aten.mul_.Scalar, aten._foreach_mul_.Tens
             aten._foreach_clamp_min_.Scalar: aten.clamp_min_.default,
             aten._foreach_clamp_max_.Scalar: aten.clamp_max_.default, aten._foreach_zero_.default: aten.zero_.default}
 _ALIASES = {aten.detach.default, aten.alias.default}
+# the norms, and GradScaler's unscale-and-check: ran on the gradients as the ranks agree on them
+_NORMS_AND_UNSCALE = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar,
+          aten._amp_foreach_non_finite_check_and_unscale_.default}
 
 
 class ShardedGrad(torch.Tensor):
@@ -219,6 +222,14 @@ class GradViews:
         if stale:
             raise RuntimeError("this gradient view is no longer param.grad: step() or zero_grad() consumed the "
                                "gradients, or they were cleared. Read param.grad again after the next backward")
+        if func not in _NORMS_AND_UNSCALE and func not in _ELEMENTWISE and func not in _FOREACH:  # no collective yet
+            raise RuntimeError(
+                f"{func} is not supported on param.grad under ShardedOptimizer: the averaged gradient is sharded "
+                "across the ranks (no rank holds all of it). Supported: torch.nn.utils.clip_grad_norm_, "
+                "get_total_norm, clip_grads_with_norm_ and clip_grad_value_, torch.amp.GradScaler, norms "
+                "(torch.linalg.vector_norm, .norm()) and in-place scaling (mul_, div_, clamp_, zero_). For a copy "
+                "of the full gradient use a DDP reference run; to edit gradients before they are averaged, use "
+                "stage=1 and set param.grad by hand, or a hook (param.register_hook)")
         if not self.prepared:
             with torch.no_grad():
                 self.prepare()  # collective: every rank runs the same operations
@@ -235,20 +246,12 @@ class GradViews:
         if func in _ELEMENTWISE:
             self._apply(func, args[0], args[1:], kwargs)
             return args[0]
-        if func in _FOREACH:
-            for grad in args[0]:
-                if isinstance(grad, ShardedGrad):
-                    self._apply(_FOREACH[func], grad, args[1:], kwargs)
-                else:
-                    _FOREACH[func](grad, *args[1:], **kwargs)
-            return None
-        raise RuntimeError(
-            f"{func} is not supported on param.grad under ShardedOptimizer: the averaged gradient is sharded "
-            "across the ranks (no rank holds all of it). Supported: torch.nn.utils.clip_grad_norm_, "
-            "get_total_norm, clip_grads_with_norm_ and clip_grad_value_, torch.amp.GradScaler, norms "
-            "(torch.linalg.vector_norm, .norm()) and in-place scaling (mul_, div_, clamp_, zero_). For a copy of "
-            "the full gradient use a DDP reference run; to edit gradients before they are averaged, use stage=1 "
-            "and set param.grad by hand, or a hook (param.register_hook)")
+        for grad in args[0]:  # a foreach operation
+            if isinstance(grad, ShardedGrad):
+                self._apply(_FOREACH[func], grad, args[1:], kwargs)
+            else:
+                _FOREACH[func](grad, *args[1:], **kwargs)
+        return None
 
     def _piece_tensor(self, index: int) -> Optional[torch.Tensor]:
         """This rank's elements of parameter ``index``'s averaged gradient (1-D, in the shard), or None."""
