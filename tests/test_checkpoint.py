@@ -8,6 +8,7 @@ lr on near-zero gradients); for fp16 PARAM_RTOL_16BIT = 3e-2 in relative L2, the
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,8 +18,9 @@ import torch
 from distributed import run_distributed
 from workloads import build_model, local_batch, param_groups, train_on_global_batch
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
-from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict,
+from zeroimpl.checkpoint import (CheckpointError, consolidated_optimizer_state_dict, export_fp32_state_dict,
                                  load_checkpoint, load_torch_optimizer_state, save_checkpoint)
+from zeroimpl.checkpoint.files import INDEX
 
 PARAM_ATOL = 1e-4
 PARAM_RTOL_16BIT = 3e-2
@@ -309,3 +311,16 @@ def test_resharding_restores_master_weights_and_state_bitwise(saved, at_world_si
         scaler_before = torch.load(os.path.join(before, "index.pt"), weights_only=True)["loss_scaler"]
         scaler_after = torch.load(os.path.join(after, "index.pt"), weights_only=True)["loss_scaler"]
         assert scaler_before == scaler_after and (scaler_before is None) == (name != "fp16")
+
+
+@pytest.mark.parametrize("tag, words", [("zeroimpl.checkpoint/3", "development version before 0.1.0"),
+                                        ("something else", "not a zeroimpl checkpoint")])
+def test_an_index_of_another_format_is_refused_naming_it(saved, tmp_path, tag, words):
+    """Only the current format is read: a development format's tag (or a foreign one) is refused by name."""
+    root, _ = saved
+    copy = str(tmp_path / "adamw")
+    shutil.copytree(os.path.join(root, "adamw"), copy)
+    index = torch.load(os.path.join(copy, INDEX), weights_only=True)
+    torch.save({**index, "format": tag}, os.path.join(copy, INDEX))
+    with pytest.raises(CheckpointError, match=words):
+        consolidated_optimizer_state_dict(copy)
