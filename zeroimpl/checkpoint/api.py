@@ -40,7 +40,7 @@ from ..state_format import (CheckpointError, block_range, describe_groups, is_pe
                             split_state)
 from . import files
 from .files import EXTRAS, INDEX, rank_file
-from .format import (FORMAT, READABLE_FORMATS, class_name, copy_scalars, file_keys, group_classes, key_offsets,
+from .format import (FORMAT, check_format, class_name, copy_scalars, file_keys, group_classes, key_offsets,
                      merge_scalars, param_scalars, read_rank, saved_layout, saved_memory_order, state_dtypes)
 from .reshard import plan
 
@@ -240,8 +240,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
 
 
 def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
-    if not isinstance(index, dict) or index.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {FORMAT!r})")
+    check_format(index)
     if group_classes(index) != _classes(optimizer):
         raise CheckpointError(f"the checkpoint's param groups step with {group_classes(index)}; this optimizer's "
                               f"with {_classes(optimizer)}: build the optimizer with the same optimizer classes")
@@ -284,7 +283,7 @@ def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
     """Read this rank's new shard: (masters per bucket, the inner state per piece, hyperparameters, and per bucket
     the parameters as published where every file read holds them, else None)."""
     saved = saved_layout(index)
-    scalars, keys_of, dtypes_of = param_scalars(index, saved), file_keys(index, saved), state_dtypes(index)
+    scalars, keys_of, dtypes_of = param_scalars(index), file_keys(index), state_dtypes(index)
     masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in optimizer.storages]
     published = [torch.zeros(s.shard.numel(), dtype=s.shard.dtype) for s in optimizer.storages]
     has_published = True  # every file read holds the parameters as published (saved with a quantized all-gather)

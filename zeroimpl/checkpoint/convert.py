@@ -17,11 +17,11 @@ import torch
 
 from ..memory_format import shaped
 from ..optimizer import ShardedOptimizer
-from ..state_format import (CheckpointError, describe_groups, pieces_of_torch_state, place_piece,
+from ..state_format import (describe_groups, pieces_of_torch_state, place_piece,
                             torch_optimizer_state)
 from . import files
 from .files import EXTRAS, INDEX
-from .format import (READABLE_FORMATS, file_keys, key_offsets, param_scalars, read_rank, saved_layout,
+from .format import (check_format, file_keys, key_offsets, param_scalars, read_rank, saved_layout,
                      saved_memory_order, state_dtypes)
 
 
@@ -30,11 +30,10 @@ def _read_full(directory: str):
     state by key (flat) and its whole-parameter state by key)."""
     directory = files.resolve_directory(directory)
     index = files.read(directory, INDEX, None)
-    if not isinstance(index, dict) or index.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {READABLE_FORMATS[-1]!r})")
+    check_format(index)
     layout = saved_layout(index)
     numels = [slot.numel for slot in layout.slots]
-    keys_of, dtypes_of = file_keys(index, layout), state_dtypes(index)
+    keys_of, dtypes_of = file_keys(index), state_dtypes(index)
     masters = [None] * len(numels)
     states: list[dict[str, torch.Tensor]] = [{} for _ in numels]
     for rank in range(layout.world_size):
@@ -77,7 +76,7 @@ def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[
     alone -- with several optimizer classes, one call per class, e.g. ``groups=[0]`` for torch.optim.Muon
     over group 0 and ``groups=[1, 2]`` for torch.optim.AdamW over groups 1 and 2. Default: every group."""
     _, index, layout, _, states = _read_full(directory)
-    scalars_of = param_scalars(index, layout)
+    scalars_of = param_scalars(index)
     chosen = range(len(index["groups"])) if groups is None else list(groups)
     if not all(isinstance(g, int) and 0 <= g < len(index["groups"]) for g in chosen):
         raise ValueError(f"groups must be positions of the checkpoint's {len(index['groups'])} param groups, "

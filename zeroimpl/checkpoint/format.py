@@ -16,17 +16,25 @@ from ..state_format import CheckpointError
 from . import files
 from .files import rank_file
 
-FORMAT = "zeroimpl.checkpoint/4"  # /4 may hold torchao's state as parts (zeroimpl.state_format), which /3 readers misread
-READABLE_FORMATS = ("zeroimpl.checkpoint/1", "zeroimpl.checkpoint/2", "zeroimpl.checkpoint/3", FORMAT)
+FORMAT = "zeroimpl.checkpoint/4"  # the only one read: /1 to /3 were development formats before 0.1.0
 
 
-def file_keys(index: dict, layout: ShardLayout) -> list[tuple[str, ...]]:
+def check_format(index) -> None:
+    """Refuse an index that is not a zeroimpl checkpoint of :data:`FORMAT`, naming what it is."""
+    tag = index.get("format") if isinstance(index, dict) else None
+    if isinstance(tag, str) and tag.startswith("zeroimpl.checkpoint/") and tag != FORMAT:
+        raise CheckpointError(f"this checkpoint has the format {tag!r}, of a development version before 0.1.0; "
+                              f"this zeroimpl reads {FORMAT!r}: with the version that wrote it, convert it to a torch "
+                              "optimizer state (zeroimpl.checkpoint.consolidated_optimizer_state_dict), and load "
+                              "that with zeroimpl.checkpoint.load_torch_optimizer_state")
+    if tag != FORMAT:
+        raise CheckpointError(f"not a zeroimpl checkpoint (the index has no format tag {FORMAT!r})")
+
+
+def file_keys(index: dict) -> list[tuple[str, ...]]:
     """By parameter index, the per-element state keys whose arrays in the rank files hold that parameter's
-    pieces. Formats 3 and 4 write a parameter's pieces only under the keys of its state (none if never stepped);
-    formats 1 and 2 wrote every piece under every key (zeros where not stepped)."""
-    if "param_state_keys" in index:
-        return [tuple(keys or ()) for keys in index["param_state_keys"]]
-    return [tuple(index["state_keys"])] * len(layout.slots)
+    pieces: only the keys of its state (none if never stepped)."""
+    return [tuple(keys or ()) for keys in index["param_state_keys"]]
 
 
 def key_offsets(pieces: list, keys_of_param: list[tuple[str, ...]]) -> dict[str, list[Optional[int]]]:
@@ -58,17 +66,14 @@ def saved_layout(index: dict) -> ShardLayout:
 
 def state_dtypes(index: dict) -> list[dict[str, torch.dtype]]:
     """By parameter index, the dtype of each of its per-element state tensors as saved (its key's array in a rank
-    file is promoted to a dtype common to every piece under that key); empty where not recorded (formats 1-3)."""
-    recorded = index.get("param_state_dtypes") or [None] * len(index["params"])
+    file is promoted to a dtype common to every piece under that key); empty for a parameter never stepped."""
     return [{key: getattr(torch, name.removeprefix("torch.")) for key, name in (found or {}).items()}
-            for found in recorded]
+            for found in index["param_state_dtypes"]]
 
 
-def param_scalars(index: dict, layout: ShardLayout) -> list[Optional[dict]]:
-    """The scalar state of every trainable parameter (``None``: never stepped). Format 1 kept one per bucket."""
-    if "param_scalars" in index:
-        return index["param_scalars"]
-    return [index["bucket_scalars"][slot.bucket_index] for slot in layout.slots]
+def param_scalars(index: dict) -> list[Optional[dict]]:
+    """The scalar state of every trainable parameter (``None``: never stepped)."""
+    return index["param_scalars"]
 
 
 def merge_scalars(values: list[Optional[dict]]) -> Optional[dict]:
@@ -94,8 +99,8 @@ def _same(a, b) -> bool:
 
 
 def group_classes(index: dict) -> list[str]:
-    """Each param group's optimizer class name (formats 1 and 2 had one class for all groups)."""
-    return index.get("optimizer_classes") or [index["optimizer_class"]] * len(index["groups"])
+    """Each param group's optimizer class name."""
+    return index["optimizer_classes"]
 
 
 def read_rank(directory: str, index: dict, layout: ShardLayout, rank: int,
@@ -113,7 +118,6 @@ def read_rank(directory: str, index: dict, layout: ShardLayout, rank: int,
             or payload["master"].numel() != sum(p.length for p in pieces)
             or {key: t.numel() for key, t in payload["state"].items() if t.numel() or key in lengths} != lengths):
         raise CheckpointError(f"{rank_file(rank)} in {directory!r} does not match the checkpoint's index")
-    payload.setdefault("whole_state", {})
     return payload
 
 
