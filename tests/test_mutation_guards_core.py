@@ -1,5 +1,5 @@
 """Guards for mutants of the step's core modules that survived the rest of the suite (mutation testing of
-optimizer, step_checks, param_sync, grad_sync, ownership, inner, optimizer_state,
+optimizer, step_checks, param_sync, grad_sync, ownership, inner,
 verify, grad_shards, offload, buffers, uneven, module_buffers and grad_views). Each names the mutant it kills.
 
 In-process (no process group):

@@ -28,6 +28,7 @@ import torch
 from . import comm, optimizer_kinds, validation
 from .layout import ParamSpec, build_layout, trainable_specs
 from .offload import OffloadOption, host_optimizer_kwargs, refuse_capturable, resolve_offload, staging_sizes
+from .precision import at_least_fp32
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,6 @@ def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryR
 # -- the prediction: what an optimizer would hold, from the same layout and offload rules
 
 PROBE_NUMEL = 3
-NOT_HYPERPARAMETERS = ("params", "param_names", "optimizer")
 
 
 def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype) -> tuple[int, int]:
@@ -249,7 +249,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
 
     def piece_state(piece, master_dtype: torch.dtype, shared_of_rank: dict) -> int:
         group = groups[layout.buckets[piece.bucket_index].group_index]
-        kwargs = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
+        kwargs = {k: v for k, v in group.items() if k not in optimizer_kinds.OUTER_ONLY_KEYS}
         if policy is not None:
             kwargs = host_optimizer_kwargs(group["optimizer"], kwargs, set(), policy)
         kwargs.pop("capturable", None)  # probed on the host; capturable keeps the same state on the GPU
@@ -280,11 +280,11 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
         shared_of_rank: dict = {}  # (class, key) -> bytes of a state tensor shared by the rank's pieces
         for piece in layout.pieces(r):
             param_dtype = _dtype(layout.buckets[piece.bucket_index].dtype)
-            state_of_rank[r] += piece_state(piece, torch.promote_types(param_dtype, torch.float32), shared_of_rank)
+            state_of_rank[r] += piece_state(piece, at_least_fp32(param_dtype), shared_of_rank)
         state_of_rank[r] += sum(shared_of_rank.values())
     for bucket in layout.buckets:
         param_dtype = _dtype(bucket.dtype)
-        master_dtype = torch.promote_types(param_dtype, torch.float32)
+        master_dtype = at_least_fp32(param_dtype)
         parameters += _size(param_dtype) * (bucket.padded_numel + (bucket.shard_numel if quantize_param_gather else 0))
         full_gradients += _size(param_dtype) * bucket.numel if stage == 1 else 0
         if policy is not None or master_dtype != param_dtype or quantize_param_gather:

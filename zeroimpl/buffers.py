@@ -25,6 +25,7 @@ import torch
 from . import comm
 from .layout import Bucket, ShardLayout, overlap
 from .memory_format import dense_strides, shaped
+from .precision import at_least_fp32
 from .quantized_comm import ShardBlocks
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -132,7 +133,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
     """Move ``params`` (indexed as in ``layout``) into flat bucket buffers and rebind ``param.data`` to views.
 
     Values are preserved exactly; padding is zero. ``host_masters``: per bucket, a host tensor of the
-    shard's size (fp32, fp64 for fp64 models: :func:`host_master_dtype`) that becomes the master, whatever
+    shard's size (fp32, fp64 for fp64 models: :func:`~zeroimpl.precision.at_least_fp32`) that becomes the master, whatever
     the model's dtype (CPU offload). ``quantized``: the all-gather sends 8 bits (:mod:`zeroimpl.quantized_comm`):
     each storage gets its blocks, a copy of its published shard, and a master of its own also for fp32 (or wider)
     models.
@@ -153,7 +154,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         if host_masters is not None:
             master = host_masters[bucket.index].copy_(shard)
         elif first.dtype in HALF_DTYPES or quantized:
-            master = shard.to(host_master_dtype(first.dtype), copy=True)
+            master = shard.to(at_least_fp32(first.dtype), copy=True)
         else:
             master = shard
         blocks = published = None
@@ -164,8 +165,3 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         storage.mark_master_in_sync()
         storages.append(storage)
     return storages
-
-
-def host_master_dtype(bucket_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a host master (and host gradient shard) for parameters of ``bucket_dtype``."""
-    return torch.promote_types(bucket_dtype, torch.float32)

@@ -81,6 +81,7 @@ from .layout import ShardLayout
 from .memory_format import flattened, shaped
 from .ownership import rebound_message
 from .pending import CollectiveError, Pending
+from .precision import at_least_fp32
 from .quantized_comm import reduction_blocks
 from .streams import WorkStream, on_work_stream
 from .topology import Topology
@@ -104,6 +105,13 @@ class InFlight(NamedTuple):
     buffer: Optional[torch.Tensor]
     output: torch.Tensor  # (shard_numel,), reduce dtype: handed to the store once finished
     work: Pending
+
+    def wait(self, streams: WorkStream, on_host: bool) -> None:
+        """Wait for the collective; ``on_host``: block the host, not the compute stream, until it is done (CUDA).
+        Its tensors are recorded on the work stream first: the wait lets go of the work's buffers, and queues the
+        8-bit sum that reads them."""
+        streams.use(*(t for t in (self.buffer, self.output) if t is not None), *self.work.buffers)
+        (self.work.wait_on_host if on_host else self.work.wait)()
 
 
 class GradientReducer:
@@ -129,7 +137,7 @@ class GradientReducer:
         self.group = topology.shard  # reduce-scatters
         self.replicate = topology.replicate  # all-reduces of the reduced shards (hybrid sharding), or None
         # per bucket: the given dtype, or fp32 (fp64 for fp64 parameters)
-        self.reduce_dtypes = [reduce_dtype or torch.promote_types(s.param_buffer.dtype, torch.float32)
+        self.reduce_dtypes = [reduce_dtype or at_least_fp32(s.param_buffer.dtype)
                               for s in storages]
         self.max_inflight, self.gradients, self.uneven, self.timeout = max_inflight, gradients, uneven, timeout
         self._scale = 1.0 / topology.world_size
@@ -380,9 +388,7 @@ class GradientReducer:
         shard's all-reduce across the replicas instead, finished later (:meth:`_finish_replicated`).
         ``on_host``: block the host, not the compute stream, until the collective is done (CUDA)."""
         reduction = self._reducing[0]
-        # before the wait, which lets go of the work's buffers and queues the 8-bit sum that reads them
-        self.streams.use(reduction.buffer, reduction.output, *reduction.work.buffers)
-        (reduction.work.wait_on_host if on_host else reduction.work.wait)()
+        reduction.wait(self.streams, on_host)
         self._reducing.popleft()
         if self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
@@ -399,9 +405,7 @@ class GradientReducer:
 
     def _finish_replicated(self) -> None:
         reduction = self._replicating[0]
-        self.streams.use(reduction.output, *reduction.work.buffers)
-        # as for the reduce-scatters: on CUDA block the host, not the compute stream
-        (reduction.work.wait_on_host if reduction.output.is_cuda else reduction.work.wait)()
+        reduction.wait(self.streams, on_host=reduction.output.is_cuda)  # as a reduce-scatter's, bounding the queue
         self._replicating.popleft()
         self.gradients.add(reduction.bucket_index, reduction.output)
 

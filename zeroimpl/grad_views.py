@@ -176,11 +176,23 @@ class GradViews:
     def withdraw(self) -> list[int]:
         """Take the views out of ``.grad`` (stage 1 before ``prepare``: give back the local gradients); return
         the indices of parameters whose view the user had removed (and forget their gradients)."""
+        dropped = self._take_out()
+        if dropped:
+            self.checks.forget(dropped)
+        return dropped
+
+    def discard(self) -> None:
+        """Take the views out of ``.grad`` without forgetting anything (the step or ``zero_grad`` consumed them)."""
+        self._take_out()
+
+    def _take_out(self) -> list[int]:
+        """Each view still in ``.grad`` replaced by the local gradient it kept (or None); the views, local
+        gradients and copies let go. Returns the indices of parameters whose view the user had removed."""
         dropped = []
         for index in sorted(self._installed):
-            param, local = self.params[index], self._local.pop(index, None)
+            param = self.params[index]
             if param.grad is self._views[index]:
-                param.grad = local
+                param.grad = self._local.get(index)
             else:
                 dropped.append(index)
         self._installed.clear()
@@ -188,20 +200,7 @@ class GradViews:
         self._copies.clear()
         self.prepared = False
         self.changed()
-        if dropped:
-            self.checks.forget(dropped)
         return dropped
-
-    def discard(self) -> None:
-        """Take the views out of ``.grad`` without forgetting anything (the step or ``zero_grad`` consumed them)."""
-        for index in self._installed:
-            if self.params[index].grad is self._views[index]:
-                self.params[index].grad = self._local.get(index)
-        self._installed.clear()
-        self._local.clear()
-        self._copies.clear()
-        self.prepared = False
-        self.changed()
 
     def changed(self) -> None:
         """The gradients changed (call on every rank alike): norms are computed afresh."""

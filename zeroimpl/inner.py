@@ -34,11 +34,9 @@ from .inflight import guards_lifted
 from .layout import ShardLayout, ShardPiece
 from .memory_format import shaped
 from .offload import KERNEL_KEYS
+from .optimizer_kinds import OUTER_ONLY_KEYS
 
 _MOMENTUM_KEYS = frozenset({"momentum", "betas"})  # the two names of momentum in torch's optimizer classes
-# param-group keys about the model's parameters, which the inner optimizer (over pieces) does not have, and
-# the group's optimizer class (not a hyperparameter: never saved with them)
-OUTER_ONLY_KEYS = frozenset({"params", "param_names", "optimizer"})
 
 
 class InnerOptimizers:

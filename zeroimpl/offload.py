@@ -26,9 +26,10 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from .buffers import HALF_DTYPES, host_master_dtype
+from .buffers import HALF_DTYPES
 from .grad_shards import DeviceGradientShards, HostGradientShards
 from .host_memory import HostArena
+from .precision import at_least_fp32
 
 # torch optimizers with a fused CPU kernel (torch >= 2.4), about 10x faster than their for-loop kernel
 FUSED_CPU_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -118,10 +119,10 @@ def staging_sizes(layout, param_dtypes: list[torch.dtype]) -> dict[torch.dtype, 
 def host_buffers(layout, param_dtypes: list[torch.dtype], pin_device: Optional[torch.device]
                  ) -> tuple[HostArena, list[torch.Tensor], list[torch.Tensor], dict[torch.dtype, list[torch.Tensor]]]:
     """Offload's host memory, carved out of one :class:`HostArena` (page-locked for ``pin_device``): per
-    bucket a master and a gradient shard (shard-sized, :func:`host_master_dtype`), and per 16-bit dtype the
+    bucket a master and a gradient shard (shard-sized, :func:`at_least_fp32`), and per 16-bit dtype the
     two staging buffers of :func:`staging_sizes` (``param_dtypes``: by parameter index)."""
     buckets = len(layout.buckets)
-    dtypes = [host_master_dtype(param_dtypes[b.param_indices[0]]) for b in layout.buckets]
+    dtypes = [at_least_fp32(param_dtypes[b.param_indices[0]]) for b in layout.buckets]
     staging = staging_sizes(layout, param_dtypes)
     sizes = [(b.shard_numel, d) for b, d in zip(layout.buckets, dtypes)] * 2
     sizes += [(numel, dtype) for dtype, numel in staging.items() for _ in range(2)]

@@ -27,10 +27,11 @@ from .accounting import MemoryReport, memory_report
 from .buffers import BucketStorage, flatten_params
 from .grad_sync import GradientReducer
 from .grad_views import GradViews
-from .inner import OUTER_ONLY_KEYS, PieceMasters, build_on_every_rank, step_pieces
+from .inner import PieceMasters, build_on_every_rank, step_pieces
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .memory_format import contiguous_strides, same_order
 from .offload import KERNEL_KEYS, CPUOffload, OffloadOption, gradient_store, inner_kwargs, resolve_offload
+from .optimizer_kinds import OUTER_ONLY_KEYS
 from .ownership import ModelFollower, Ownership
 from .param_sync import ParamSync
 from .precision import DynamicLossScaler, LossScaleConfig

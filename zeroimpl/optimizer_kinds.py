@@ -48,6 +48,9 @@ THIRD_PARTY_SHARDING: dict[str, "Sharding"] = {
 }
 # packages whose optimizers quantize state blockwise (recognised by module, without importing them: the core
 # depends on torch alone)
+# param-group keys about the model's parameters, which an inner optimizer (over pieces) does not have, and the
+# group's optimizer class (not a hyperparameter: never saved with them)
+OUTER_ONLY_KEYS = frozenset({"params", "param_names", "optimizer"})
 BLOCKWISE_PACKAGES = ("bitsandbytes.", "torchao.")
 BITSANDBYTES_BLOCK = 256  # bitsandbytes' 8-bit optimizers quantize in blocks of 256 (fixed in its kernels)
 TORCHAO_THRESHOLD = 4096  # torchao quantizes a tensor of at least 4096 elements that whole blocks divide

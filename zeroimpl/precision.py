@@ -1,4 +1,5 @@
-"""Dynamic loss scaling for fp16 training (fp16 parameters, or fp16 autocast over fp32 parameters).
+"""Precision: the dtype zeroimpl keeps and sums in (:func:`at_least_fp32`), and dynamic loss scaling for fp16
+training (fp16 parameters, or fp16 autocast over fp32 parameters).
 
 fp16 gradients underflow unless the loss is multiplied by a large scale before backward. The scale is
 lowered when a step overflows and raised again after ``growth_interval`` clean steps. Users call
@@ -15,6 +16,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16-bit and fp32 ``dtype``, fp64 for fp64: what the master weights, host gradient shards, gradient
+    reductions and norms of parameters of ``dtype`` are kept and summed in."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from typing import Optional, Union
 import torch
 
 from .layout import ShardLayout
+from .precision import at_least_fp32
 
 BLOCK = 256
 # elements encoded or decoded at a time on the CPU: a chunk's passes (its ranges, then its codes) run over 4 MB
@@ -216,7 +217,7 @@ class ShardBlocks:
         buffer), in fp32 (or ``out``'s wider dtype), then ``out``'s dtype: the ranks of ``ranks`` (default: all),
         one at a time, each shard written only once everything its sum needs is allocated (one that raises
         leaves it as it was)."""
-        n, dtype = self.shard_numel, torch.promote_types(out.dtype, torch.float32)
+        n, dtype = self.shard_numel, at_least_fp32(out.dtype)
         payloads, shards = gathered.view(-1, self.payload_bytes), out.view(-1, n)
         for rank in range(len(shards)) if ranks is None else ranks:
             if shards[rank].dtype == torch.float32:  # in place, a chunk at a time

@@ -38,7 +38,7 @@ from .grad_sync import GradientReducer
 from .host_memory import device_tensor, to_device
 from .ownership import Ownership
 from .param_sync import ParamSync
-from .precision import DynamicLossScaler
+from .precision import DynamicLossScaler, at_least_fp32
 from .topology import Topology
 from .uneven import UnevenInputs
 
@@ -137,11 +137,11 @@ class StepChecks:
         passes = float(self.reducer.backward_passes)
         maximum = norm_type == float("inf")
         if maximum:
-            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=_norm_dtype(s))
+            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=at_least_fp32(s.dtype))
                                      for s in shards] or [torch.zeros((), device=local_device)]).max()
         else:
             power = 2.0 if norm_type is None else norm_type
-            norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=_norm_dtype(s)) ** power
+            norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=at_least_fp32(s.dtype)) ** power
                                      for s in shards] or [torch.zeros((), device=local_device)]).sum()
             if self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
                 norm_term = torch.zeros_like(norm_term)
@@ -232,8 +232,3 @@ def decode_checks(reduced: list[float], maximum: bool, world_size: int) -> tuple
     suspect, _, first, second, lacking = reduced
     same_passes = first == -second if maximum else world_size * second == first ** 2
     return suspect > 0, same_passes, lacking > 0
-
-
-def _norm_dtype(shard: torch.Tensor) -> torch.dtype:
-    """fp32 for 16-bit and fp32 gradient shards, fp64 for fp64 ones (torch refuses to narrow in a norm)."""
-    return torch.promote_types(shard.dtype, torch.float32)

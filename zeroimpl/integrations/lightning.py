@@ -11,7 +11,8 @@ hyperparameters (a ``ShardedOptimizer`` is taken as is), and the LR schedulers a
 Both strategies are Lightning's ``DDPStrategy`` (launch, process group, distributed sampler, metric reduction)
 with every place that assumes a ``DistributedDataParallel`` wrapper replaced:
 
-* **No DDP.** The model is never wrapped (ShardedOptimizer reduces the gradients itself and refuses a DDP model).
+* **No DDP.** The model is never wrapped (ShardedOptimizer reduces the gradients itself; under DDP it could only
+  run stage 1, on DDP's all-reduced gradients).
   Rank 0's parameters and buffers are broadcast once at setup, as DDP's constructor does.
 * **Buffers** (BatchNorm's statistics): rank 0's are broadcast before a forward exactly when DDP with
   ``broadcast_buffers=True`` would (:class:`DDPBufferBroadcast`), so every rank holds DDP's buffers.
