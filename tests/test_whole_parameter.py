@@ -28,7 +28,7 @@ from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.checkpoint import (consolidated_optimizer_state_dict, export_fp32_state_dict, load_checkpoint,
                                  save_checkpoint)
 from zeroimpl.checkpoint import CheckpointError
-from zeroimpl.integrations.models import hidden_matrices, split_hidden_matrices
+from zeroimpl.integrations.muon import hidden_matrices, split_hidden_matrices
 
 WHOLE_ATOL = 1e-4
 LOSS_ATOL = 1e-3

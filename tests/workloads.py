@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from zeroimpl import ShardedOptimizer, comm
-from zeroimpl.integrations import models
+from zeroimpl.integrations import models, muon
 from zeroimpl.integrations.micro_batches import run_micro_batches
 
 OPTIMIZERS = {
@@ -133,7 +133,7 @@ def matrix_param_groups(model: torch.nn.Module, matrix_optimizer: str) -> list[d
     """Hidden matrices with ``MATRIX_OPTIMIZERS[matrix_optimizer]``, the rest as :func:`param_groups` (decay /
     no decay), as Muon recipes train."""
     optimizer_class, kwargs = MATRIX_OPTIMIZERS[matrix_optimizer]
-    matrices, rest = models.split_hidden_matrices(model, param_groups(model))
+    matrices, rest = muon.split_hidden_matrices(model, param_groups(model))
     return [{"params": matrices, "optimizer": optimizer_class, **kwargs}] + rest
 
 

@@ -17,7 +17,8 @@ from typing import Literal, Optional
 
 import torch
 
-from ..models import param_groups, split_hidden_matrices
+from ..models import param_groups
+from ..muon import split_hidden_matrices
 
 MODEL_STATE_KINDS = ("parameters", "gradients", "optimizer_state", "master_weights", "buffers")
 
@@ -58,7 +59,7 @@ class TrainSettings:
 
 def training_groups(model: torch.nn.Module, settings: TrainSettings) -> tuple[list, list[dict]]:
     """(Muon's matrices, AdamW's param groups): with ``optimizer="adamw"`` no matrices and the usual two
-    groups; with ``"muon"`` the hidden matrices (:func:`zeroimpl.integrations.models.hidden_matrices`) and the
+    groups; with ``"muon"`` the hidden matrices (:func:`zeroimpl.integrations.muon.hidden_matrices`) and the
     two groups of everything else."""
     groups = param_groups(model, settings.weight_decay)
     if settings.optimizer != "muon":
