@@ -353,7 +353,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm, as
         ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, from the shards with the step's one
-        small all-reduce, identical on every rank. NaN/Inf gradients stay unclipped (``step()`` skips or raises).
+        small all-reduce, identical on every rank. NaN/Inf gradients stay unclipped (``step()`` skips or raises);
+        ``max_norm=inf`` reads the norm and leaves the gradients untouched.
         Under DDP, whose ``param.grad`` is the full averaged gradient on every rank: ``torch.nn.utils.clip_grad_norm_``
         over it, with no communication (bitwise DDP + torch's clipping)."""
         norm_type = float(norm_type)
@@ -366,7 +367,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if not self.grad_views.prepare():
             return torch.zeros((), device=self._device)
         total = self._agree(norm_type)
-        if not self.checks.verdict.nonfinite and self.checks.scale_to_norm(max_norm, total):
+        clips = max_norm != float("inf")  # (inf: the norm alone, as Trainer logs it; scaling by 1.0 is a no-op)
+        if clips and not self.checks.verdict.nonfinite and self.checks.scale_to_norm(max_norm, total):
             self.grad_views.changed()
         return total
 
@@ -454,6 +456,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Wait for the parameter all-gathers still in flight (``overlap_param_gather``), of ``buckets`` or of all:
         then the parameters hold this step's values. Local: every rank issued them in ``step()``."""
         self.param_sync.finish_param_sync(buckets)
+
+    def trains(self, module: torch.nn.Module) -> bool:
+        """Whether this optimizer trains a parameter of ``module`` (one that requires grad, in its param groups):
+        which optimizer a framework's module belongs to, for its accumulation and its checkpoint."""
+        held = {id(p) for group in self.param_groups for p in group["params"]}
+        return any(p.requires_grad and id(p) in held for p in module.parameters())
 
     @property
     def param_gathers_in_flight(self) -> int:

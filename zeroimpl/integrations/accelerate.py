@@ -48,7 +48,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DDPCommunicationHookType, DistributedType
 
 from zeroimpl import ShardedOptimizer, broadcast_buffers, sync_module_states
-from zeroimpl.checkpoint import exists_on_every_rank, load_checkpoint, save_checkpoint
+from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 CHECKPOINT_SUBDIR = "zeroimpl"  # the first optimizer's shards in a save_state folder; the next "zeroimpl_1", ...
 SHARDS_KEY = "zeroimpl_sharded_checkpoint"  # optimizer.bin's only key: the folder beside it with the shards
@@ -156,10 +156,9 @@ def _pair_models_with_optimizers(objects) -> dict[torch.nn.Module, ShardedOptimi
     optimizers = [o for o in objects if isinstance(o, ShardedOptimizer)]
     pairs, paired = {}, set()
     for model in (o for o in objects if isinstance(o, torch.nn.Module)):
-        trainable = {id(p) for p in model.parameters() if p.requires_grad}
-        if not trainable:
+        if not any(p.requires_grad for p in model.parameters()):
             continue  # accelerate prepares a frozen model as ever (never wrapped: nothing to reduce)
-        owners = [o for o in optimizers if any(id(p) in trainable for g in o.param_groups for p in g["params"])]
+        owners = [o for o in optimizers if o.trains(model)]
         if len(owners) != 1:
             raise ValueError(
                 f"{type(model).__name__} has trainable parameters and {len(owners)} ShardedOptimizers over them "
@@ -271,13 +270,10 @@ def _load_shards(optimizers: list[AcceleratedShardedOptimizer], models: list, in
     ``model.safetensors`` into (loading it would overwrite the parameters behind the restored master weights;
     taking the model off the list would shift the models after it onto other models' files)."""
     for optimizer in optimizers:
-        directory = os.path.join(input_dir, optimizer.checkpoint_subdir)
-        if not exists_on_every_rank(directory, optimizer.optimizer):
-            raise FileNotFoundError(
-                f"{input_dir} has no {optimizer.checkpoint_subdir}/ folder of zeroimpl shards: it was not saved by "
-                "accelerator.save_state after zeroimpl.integrations.accelerate.prepare (a DDP run's optimizer.bin "
-                "holds another optimizer's state), so the optimizer cannot resume from it")
-        load_checkpoint(directory, optimizer.optimizer, optimizer.model)
+        load_checkpoint(os.path.join(input_dir, optimizer.checkpoint_subdir), optimizer.optimizer, optimizer.model,
+                        missing=f"{input_dir} has no {optimizer.checkpoint_subdir}/ folder of zeroimpl shards: it was "
+                        "not saved by accelerator.save_state after zeroimpl.integrations.accelerate.prepare (a DDP "
+                        "run's optimizer.bin holds another optimizer's state), so the optimizer cannot resume from it")
         optimizer.restored = True
         models[:] = [RestoredFromShards() if _is_or_wraps(m, optimizer.model) else m for m in models]
 

@@ -60,7 +60,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim.optimizer import Optimizer
 
 from zeroimpl import CPUOffload, ShardedOptimizer, sync_buffers, sync_module_states
-from zeroimpl.checkpoint import exists_on_every_rank, load_checkpoint, save_checkpoint
+from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 SHARDS_SUFFIX = ".zeroimpl"  # the shard folder beside a Lightning checkpoint: <checkpoint>.zeroimpl/
 CHECKPOINT_KEY = "zeroimpl"  # in the Lightning checkpoint: which folder holds the optimizer shards
@@ -129,12 +129,6 @@ def track_step_calls(optimizer: Optimizer) -> None:
 
     marked._wrapped_by_lr_sched = True
     optimizer.step = marked
-
-
-def owned_by(module: torch.nn.Module, optimizers: Iterable[ShardedOptimizer]) -> list[ShardedOptimizer]:
-    """The optimizers that train a parameter of ``module``."""
-    params = {id(p) for p in module.parameters()}
-    return [opt for opt in optimizers if any(id(p) in params for g in opt.param_groups for p in g["params"])]
 
 
 @contextlib.contextmanager
@@ -219,16 +213,17 @@ def load_shards(checkpoint_path, record: Optional[dict], optimizers: dict[str, S
     directory = os.path.join(os.path.dirname(os.path.realpath(os.fspath(checkpoint_path))), record["directory"])
     for name, optimizer in optimizers.items():
         folder = os.path.join(directory, name)
-        if name not in record["optimizers"] or not exists_on_every_rank(folder, optimizer):
-            raise FileNotFoundError(f"{checkpoint_path}: the optimizer shards of {name!r} should be in {folder}, "
-                                    "which is missing; copy the checkpoint's .zeroimpl folder along with it")
-        load_checkpoint(folder, optimizer, model_of(optimizer, modules))
+        missing = (f"{checkpoint_path}: the optimizer shards of {name!r} should be in {folder}, which is missing; "
+                   "copy the checkpoint's .zeroimpl folder along with it")
+        if name not in record["optimizers"]:
+            raise FileNotFoundError(missing)
+        load_checkpoint(folder, optimizer, model_of(optimizer, modules), missing=missing)
 
 
 def model_of(optimizer: ShardedOptimizer, modules: list[torch.nn.Module]) -> torch.nn.Module:
     """The set-up module whose parameters ``optimizer`` trains (the checkpoint names parameters by it)."""
     for module in modules:
-        if owned_by(module, [optimizer]):
+        if optimizer.trains(module):
             return module
     raise RuntimeError("the optimizer trains no parameter of a module set up with this strategy; set the model up "
                        "with the strategy before saving or loading its optimizer")
@@ -400,7 +395,7 @@ class ShardedBackwardSync(_BackwardSyncControl):
         if not enabled:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
-        stack.enter_context(accumulating(owned_by(module, self.strategy.sharded_optimizers)))
+        stack.enter_context(accumulating(o for o in self.strategy.sharded_optimizers if o.trains(module)))
         buffers = self.strategy.buffers.get(id(module))
         if buffers is not None:
             stack.enter_context(buffers.no_sync())
@@ -467,7 +462,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
         return norm
 
     def get_module_state_dict(self, module: torch.nn.Module) -> dict:
-        for optimizer in owned_by(module, self.sharded_optimizers):
+        for optimizer in (o for o in self.sharded_optimizers if o.trains(module)):
             optimizer.finish_param_gathers()
         return super().get_module_state_dict(module)
 

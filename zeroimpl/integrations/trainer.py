@@ -54,8 +54,8 @@ import torch
 import transformers
 
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, sync_buffers
-from zeroimpl.checkpoint import exists_on_every_rank, load_checkpoint, save_checkpoint
-from zeroimpl.integrations.models import split_hidden_matrices
+from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+from zeroimpl.integrations.muon import split_hidden_matrices
 
 CHECKPOINT_SUBDIR = "zeroimpl"
 
@@ -207,7 +207,7 @@ class ZeroTrainer(transformers.Trainer):
         zero_offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
         zero_options: other ``ShardedOptimizer`` keywords (``bucket_numel``, ``reduce_dtype``, ...).
         zero_muon: train the hidden matrices (the 2-D weights of the linear layers, not embeddings or the
-            output head: :func:`zeroimpl.integrations.models.hidden_matrices`) with ``torch.optim.Muon`` and
+            output head: :func:`zeroimpl.integrations.muon.hidden_matrices`) with ``torch.optim.Muon`` and
             these hyperparameters (e.g. ``{"lr": 0.02}``; ``{}``: Muon's defaults), each matrix stepped whole
             by one rank. ``None`` (default): no Muon.
 
@@ -316,10 +316,8 @@ class ZeroTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
             return
-        directory = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-        if not exists_on_every_rank(directory, self.sharded_optimizer):
-            raise FileNotFoundError(f"{checkpoint} has no {CHECKPOINT_SUBDIR}/ folder: it was not saved by "
-                                    "ZeroTrainer, so its optimizer state cannot be resumed here")
-        load_checkpoint(directory, self.sharded_optimizer, self.model)
+        load_checkpoint(os.path.join(checkpoint, CHECKPOINT_SUBDIR), self.sharded_optimizer, self.model,
+                        missing=f"{checkpoint} has no {CHECKPOINT_SUBDIR}/ folder: it was not saved by ZeroTrainer, "
+                        "so its optimizer state cannot be resumed here")
         scheduler = torch.load(os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME), weights_only=True)
         self.lr_scheduler.load_state_dict(scheduler)
