@@ -20,6 +20,7 @@ ACCELERATE_USE_CPU) to see both ranks (``DistributedType.MULTI_CPU``, device ``c
 first. accelerate keeps its settings in per-process singletons, so each case starts them afresh (``_accelerator``).
 """
 
+import contextlib
 import gc
 import os
 
@@ -131,22 +132,30 @@ def _saved_weights(folder: str, model: torch.nn.Module) -> dict:
             "restored values": all(torch.equal(tensor, restored[name]) for name, tensor in saved.items())}
 
 
-def _buffers_broadcast(rank: int) -> dict:
-    """A buffer that differs per rank: rank 0's after a training forward, as DDP's; untouched by one under
-    no_grad."""
+def _buffers_broadcast(rank: int, ddp: bool) -> list:
+    """A buffer that differs per rank and that each forward moves by the rank's own amount, through a sequence of
+    forwards (the first under no_grad, then training forwards inside and outside accelerator.no_sync, then an
+    evaluation): its values after each, on accelerate's own DDP (``ddp``) or zeroimpl's prepare."""
     from zeroimpl.integrations.accelerate import prepare
 
     accelerator = _accelerator()
     model = build_model("gpt2")
-    model.register_buffer("probe", torch.full((3,), float(rank + 1)))
-    model, _ = prepare(accelerator, model, ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=1, **ADAMW))
+    model.register_buffer("probe", torch.zeros(3))
+    model.register_forward_hook(lambda module, args, output: module.probe.add_(rank + 1))
+    if ddp:
+        model, _ = accelerator.prepare(model, torch.optim.AdamW(param_groups(model), **ADAMW))
+    else:
+        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=1, **ADAMW)
+        model, _ = prepare(accelerator, model, optimizer)
+    accelerator.unwrap_model(model).probe.fill_(10.0 * (rank + 1))  # as the forwards find it, whatever set-up did
     ids = torch.randint(1, VOCAB, (1, SEQUENCE_LENGTH), generator=torch.Generator().manual_seed(rank))
-    model.probe.fill_(rank + 1)  # as the forwards find it, whatever construction did
-    with torch.no_grad():
-        model(input_ids=ids)
-    evaluated = model.probe.tolist()
-    model(input_ids=ids, labels=ids)
-    return {"after a no_grad forward": evaluated, "after a training forward": model.probe.tolist()}
+    seen = []
+    for phase in ("no_grad", "train", "no_sync", "no_sync", "train", "no_grad", "train", "train"):
+        with torch.no_grad() if phase == "no_grad" else contextlib.nullcontext(), \
+                accelerator.no_sync(model) if phase == "no_sync" else contextlib.nullcontext():
+            model(input_ids=ids)
+        seen.append(accelerator.unwrap_model(model).probe.tolist())
+    return seen
 
 
 def _outcome(action) -> str:
@@ -276,7 +285,8 @@ def _all(rank, world_size, shared):
     for variant, config in RESUMED:
         folder = os.path.join(shared, f"{variant}-{config}")
         cases[("resume", variant, config)] = lambda v=variant, c=config, f=folder: _run(v, c, resume_from=f)
-    cases["buffers"] = lambda: _buffers_broadcast(rank)
+    cases["buffers"] = lambda: _buffers_broadcast(rank, ddp=False)
+    cases["buffers under ddp"] = lambda: _buffers_broadcast(rank, ddp=True)
     cases["refusals"] = lambda: _refusals(shared)
     cases["two models"] = lambda: _two_models(shared)
     cases["two optimizers"] = lambda: _two_optimizers(shared)
@@ -391,10 +401,12 @@ def test_returns_what_accelerate_prepare_returns_without_ddp(ranks):
         assert got["checks"]["devices"] == ("cpu:0", "cpu"), "accelerate's cpu:0 is the model's cpu: not moved"
 
 
-def test_rank_0s_buffers_are_broadcast_before_training_forwards(ranks):
-    for results in case_results(ranks, "buffers"):
-        assert results["after a training forward"] == [1.0] * 3
-    assert [r["after a no_grad forward"] for r in case_results(ranks, "buffers")] == [[1.0] * 3, [2.0] * 3]
+def test_rank_0s_buffers_are_broadcast_exactly_when_ddp_broadcasts_them(ranks):
+    """Before the first forward (under no_grad too), and before a forward that follows one run with gradients
+    outside no_sync: after each of a sequence of forwards, every rank's buffer is what it is under accelerate's
+    own DDP."""
+    ours, under_ddp = case_results(ranks, "buffers"), case_results(ranks, "buffers under ddp")
+    assert ours == under_ddp
 
 
 @pytest.mark.parametrize("misuse, error, words", [

@@ -215,25 +215,49 @@ class _NormNet(torch.nn.Module):
         return self.norm(self.linear(x)).square().mean()
 
 
-def _buffers(rank, mode):
+def _buffers(rank, mode, accumulate=False):
     """Running statistics and parameters after 3 steps: DDP, zeroimpl with broadcast_buffers, ZeroTrainer's
-    model wrapper, and zeroimpl without either."""
+    model wrapper, and zeroimpl without either. ``accumulate``: each step two micro-batches, the first under
+    no_sync (DDP's, the broadcast's with the optimizer's accumulating(), ZeroTrainer's wrapper's), then an
+    evaluation forward under no_grad: DDP broadcasts before the first forward and before every forward that
+    follows one run with gradients outside no_sync, so here once per step, before the evaluation. (Stage 1 then,
+    whose accumulation is bitwise DDP's, so that the parameters agree bitwise too.)"""
     from zeroimpl.integrations.trainer import ShardedModule
 
     model = _NormNet()
     if mode == "ddp":
         forward, optimizer = DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=1e-2)
+        no_sync = forward.no_sync
     else:
-        forward, optimizer = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        forward = model
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1 if accumulate else 2, lr=1e-2)
+        no_sync = optimizer.accumulating
         if mode == "broadcast":
-            broadcast_buffers(model)
+            buffers = broadcast_buffers(model)
+
+            def no_sync():
+                return _both(optimizer.accumulating(), buffers.no_sync())
         elif mode == "trainer":
             forward = ShardedModule(model)
+            forward.optimizer = optimizer
+            no_sync = forward.no_sync
     for step in range(3):
+        if accumulate:
+            with no_sync():
+                forward(small_batch(rank, 10 + step) * (1 + rank)).backward()
         forward(small_batch(rank, step) * (1 + rank)).backward()
         optimizer.step()
         optimizer.zero_grad()
+        if accumulate:
+            with torch.no_grad():
+                forward(small_batch(rank, 20 + step) * (1 + rank))
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def _verify(rank, stage):
@@ -358,6 +382,7 @@ def _two_ranks(rank, world_size, shared_directory):
     cases["scalar parameter"] = lambda: _scalar_parameter_from_torch(os.path.join(shared_directory, "scalar"))
     for mode in ("ddp", "broadcast", "trainer", "none"):
         cases[("buffers", mode)] = lambda mode=mode: _buffers(rank, mode)
+        cases[("buffers", mode, "accumulated")] = lambda mode=mode: _buffers(rank, mode, accumulate=True)
     return run_cases(cases)  # one case failing unexpectedly must not hide the others
 
 
@@ -673,6 +698,16 @@ def test_broadcast_buffers_keeps_ranks_identical_as_ddp_does(two_ranks, mode):
         assert all(torch.equal(ddp[name], ours[name]) for name in ddp)
     without = [case_result(results, ("buffers", "none"))["norm.running_mean"] for results in two_ranks]
     assert not torch.equal(*without)  # without it, each rank keeps its own statistics
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "trainer"])
+def test_broadcast_buffers_follows_ddps_rule_under_accumulation_and_evaluation(two_ranks, mode):
+    """With a no_sync micro-batch and an evaluation forward per step, rank 0's buffers are broadcast exactly when
+    DDP broadcasts them (not before every forward with gradients): every rank's statistics bitwise DDP's."""
+    for results in two_ranks:
+        ddp = case_result(results, ("buffers", "ddp", "accumulated"))
+        ours = case_result(results, ("buffers", mode, "accumulated"))
+        assert all(torch.equal(ddp[name], ours[name]) for name in ddp), mode
 
 
 @pytest.mark.parametrize("stage", STAGES)
