@@ -5,14 +5,16 @@ ShardedOptimizer replaces DistributedDataParallel, and DDP does two more things 
 construction it broadcasts rank 0's parameters and buffers, so that a model initialised differently on each
 rank (nanoGPT seeds every rank ``1337 + rank``) trains as one model: ShardedOptimizer does the same for the
 parameters it is given (``init_sync="broadcast"``, its default; :func:`broadcast_parameters`). And with
-``broadcast_buffers=True`` (its default) DDP broadcasts rank 0's buffers at the start of every forward run
-with gradients enabled, so that every rank normalises with the same running statistics. Without that, each
-rank updates its buffers from its own micro-batches only and the ranks' models drift apart.
+``broadcast_buffers=True`` (its default) DDP broadcasts rank 0's buffers at the start of a forward that follows
+one run with gradients outside ``no_sync`` (:class:`BufferBroadcast`, the one rule every route uses), so that
+every rank normalises with the same running statistics. Without that, each rank updates its buffers from its
+own micro-batches only and the ranks' models drift apart.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,21 +25,64 @@ from . import comm
 FLAT_NUMEL = 2 ** 22  # elements a broadcast flattens together at most (16 MiB of fp32), as a bucket holds
 
 
-def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> RemovableHandle:
-    """Broadcast ``model``'s buffers from the group's first rank before every forward with gradients enabled
-    (training, as DDP's ``broadcast_buffers=True``); ``handle.remove()`` stops it. Call it on every rank.
+class BufferBroadcast:
+    """Rank 0's buffers broadcast before a forward of ``module`` exactly when
+    ``DistributedDataParallel(broadcast_buffers=True)`` broadcasts them (its ``require_forward_param_sync``):
+    before the first forward, and before every forward that follows one run with gradients enabled outside
+    ``no_sync``. So after a non-final micro-batch of accumulation, or after an evaluation forward, the next forward
+    keeps each rank's own buffers, as under DDP. Floating and integer buffers alike (BatchNorm's
+    ``num_batches_tracked`` too), one broadcast per dtype (per ``FLAT_NUMEL`` elements of it).
 
-    Floating and integer buffers alike (BatchNorm's ``num_batches_tracked`` too), one broadcast per dtype (per
-    ``FLAT_NUMEL`` elements of it).
-    Forwards under ``torch.no_grad()`` (evaluation) do not broadcast, as with DDP. One difference: DDP also
-    skips the broadcast on the forward that follows a ``no_sync()`` one (so with gradient accumulation it
-    broadcasts once per optimizer step); this broadcasts before every such forward.
+    ``forward()`` brackets one forward of the module (a framework's training and validation steps); ``attach()``
+    registers the same rule as hooks on it, which ``remove()`` takes off; ``no_sync()`` marks the forwards of
+    non-final micro-batches, where DDP's ``no_sync`` would be entered. Every rank runs the same forwards.
     """
-    def before_forward(module: torch.nn.Module, args) -> None:
-        if torch.is_grad_enabled():
-            sync_buffers(module, process_group)
 
-    return model.register_forward_pre_hook(before_forward)
+    def __init__(self, module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None):
+        self.module, self.process_group = module, process_group
+        self.due = True
+        self.accumulating = False
+        self.handles: list[RemovableHandle] = []
+
+    def before(self) -> None:
+        if self.due:
+            sync_buffers(self.module, self.process_group)
+
+    def after(self) -> None:
+        self.due = torch.is_grad_enabled() and not self.accumulating
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        self.before()
+        yield
+        self.after()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        outer, self.accumulating = self.accumulating, True
+        try:
+            yield
+        finally:
+            self.accumulating = outer
+
+    def attach(self) -> "BufferBroadcast":
+        """Run the rule around every forward of the module (hooks), until :meth:`remove`."""
+        self.handles += [self.module.register_forward_pre_hook(lambda module, args: self.before()),
+                         self.module.register_forward_hook(lambda module, args, output: self.after())]
+        return self
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> BufferBroadcast:
+    """Broadcast ``model``'s buffers from the group's first rank before its forwards as DDP's
+    ``broadcast_buffers=True`` does (:class:`BufferBroadcast`), from now until ``.remove()``. Call it on every rank.
+    Enter the returned object's ``no_sync()`` with the optimizer's ``accumulating()`` around non-final
+    micro-batches, where DDP's ``no_sync()`` would be."""
+    return BufferBroadcast(model, process_group).attach()
 
 
 @torch.no_grad()

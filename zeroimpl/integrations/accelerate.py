@@ -14,9 +14,9 @@ DistributedDataParallel, which would all-reduce every gradient the optimizer alr
   process, so ``accelerator.unwrap_model`` and ``get_state_dict`` keep working), with autocast for
   ``mixed_precision="bf16"`` applied by accelerate. Of DDP it keeps two behaviours: ``model.no_sync`` is
   :meth:`ShardedOptimizer.accumulating` (what ``accelerator.accumulate(model)`` and ``accelerator.no_sync(model)``
-  enter on non-final micro-batches), and rank 0's buffers are broadcast before every forward with gradients
-  enabled (:func:`zeroimpl.broadcast_buffers`; ``DistributedDataParallelKwargs(broadcast_buffers=False)`` turns it
-  off).
+  enter on non-final micro-batches), and rank 0's buffers are broadcast before a forward exactly when DDP
+  broadcasts them (:func:`zeroimpl.broadcast_buffers`; ``DistributedDataParallelKwargs(broadcast_buffers=False)``
+  turns it off).
 * **The optimizer** is an :class:`AcceleratedShardedOptimizer`: accelerate's ``AcceleratedOptimizer`` (``step`` and
   ``zero_grad`` skipped on non-final micro-batches, the GradScaler's skipped steps seen by the scheduler) without
   device placement, registered with the accelerator so that the scheduler is tied to it. ``accelerator.backward``,
@@ -39,6 +39,7 @@ given with it already holds it (and a converted one would leave the user's own r
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import weakref
 import accelerate
@@ -199,10 +200,16 @@ def _prepare_model(accelerator: accelerate.Accelerator, model: torch.nn.Module,
     autocast (and torch.compile, if configured), registered with the accelerator, not moved, not wrapped."""
     sync_module_states(model)  # rank 0's parameters (frozen ones too) and buffers, as DDP's constructor
     handler = accelerator.ddp_handler
-    if handler is None or handler.broadcast_buffers:  # DDP's default, as accelerate would have wrapped it
-        broadcast_buffers(model)
+    # DDP's default, as accelerate would have wrapped it
+    buffers = broadcast_buffers(model) if handler is None or handler.broadcast_buffers else None
     prepared = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-    prepared.no_sync = optimizer.accumulating  # what accelerator.no_sync(model) enters, as it enters DDP's
+
+    @contextlib.contextmanager
+    def no_sync():  # what accelerator.no_sync(model) and accumulate(model) enter, as they enter DDP's
+        with optimizer.accumulating(), buffers.no_sync() if buffers is not None else contextlib.nullcontext():
+            yield
+
+    prepared.no_sync = no_sync
     return prepared
 
 

@@ -15,7 +15,8 @@ with every place that assumes a ``DistributedDataParallel`` wrapper replaced:
   run stage 1, on DDP's all-reduced gradients).
   Rank 0's parameters and buffers are broadcast once at setup, as DDP's constructor does.
 * **Buffers** (BatchNorm's statistics): rank 0's are broadcast before a forward exactly when DDP with
-  ``broadcast_buffers=True`` would (:class:`DDPBufferBroadcast`), so every rank holds DDP's buffers.
+  ``broadcast_buffers=True`` would (:class:`zeroimpl.module_buffers.BufferBroadcast`), so every rank holds DDP's
+  buffers.
 * **Accumulation**: Trainer's ``block_backward_sync`` (``accumulate_grad_batches``) and Fabric's
   ``no_backward_sync`` become :meth:`ShardedOptimizer.accumulating`.
 * **Clipping by norm** is :meth:`ShardedOptimizer.clip_grad_norm_`, the global norm over every rank's shard
@@ -59,7 +60,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim.optimizer import Optimizer
 
-from zeroimpl import CPUOffload, ShardedOptimizer, sync_buffers, sync_module_states
+from zeroimpl import CPUOffload, ShardedOptimizer, sync_module_states
+from zeroimpl.module_buffers import BufferBroadcast
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 SHARDS_SUFFIX = ".zeroimpl"  # the shard folder beside a Lightning checkpoint: <checkpoint>.zeroimpl/
@@ -138,50 +140,6 @@ def accumulating(optimizers: Iterable[ShardedOptimizer]):
         for optimizer in optimizers:
             stack.enter_context(optimizer.accumulating())
         yield
-
-
-# -- the model --------------------------------------------------------------------------------------
-class DDPBufferBroadcast:
-    """Rank 0's buffers broadcast before a forward exactly when ``DistributedDataParallel(broadcast_buffers=True)``
-    broadcasts them (its ``require_forward_param_sync``): before the first forward, and before every forward that
-    follows one run with gradients enabled outside ``no_sync``. So after a non-final micro-batch of accumulation,
-    or after an evaluation forward, the next forward keeps each rank's own buffers, as under DDP. (DDPStrategy's
-    manual optimization runs its forwards as if inside ``no_sync``: :meth:`ZeroStrategy.training_step`.)
-
-    ``forward()`` brackets one forward of the model (the Trainer's training and validation steps); ``attach``
-    registers the same rule as hooks on a module (Fabric). ``accumulating`` is set inside ``no_sync``.
-    """
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.due = True
-        self.accumulating = False
-
-    def before(self) -> None:
-        if self.due:
-            sync_buffers(self.module)
-
-    def after(self) -> None:
-        self.due = torch.is_grad_enabled() and not self.accumulating
-
-    @contextlib.contextmanager
-    def forward(self):
-        self.before()
-        yield
-        self.after()
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        outer, self.accumulating = self.accumulating, True
-        try:
-            yield
-        finally:
-            self.accumulating = outer
-
-    def attach(self) -> list:
-        """Hooks around every forward of the module; remove them with ``handle.remove()``."""
-        return [self.module.register_forward_pre_hook(lambda module, args: self.before()),
-                self.module.register_forward_hook(lambda module, args, output: self.after())]
 
 
 # -- checkpoints ------------------------------------------------------------------------------------
@@ -287,7 +245,7 @@ class ZeroStrategy(DDPStrategy):
                          timeout=timeout, start_method=start_method)
         self.zero_options = check_options({"stage": stage, "offload": offload, **options}, type(self).__name__)
         self.broadcast_buffers = broadcast_buffers
-        self.buffers: Optional[DDPBufferBroadcast] = None
+        self.buffers: Optional[BufferBroadcast] = None
         self.resumed_from: Optional[str] = None  # the path of the checkpoint being restored
 
     @property
@@ -313,7 +271,7 @@ class ZeroStrategy(DDPStrategy):
         sync_module_states(self.model)
         if fitting:
             self.setup_optimizers(trainer)
-            self.buffers = DDPBufferBroadcast(self.model) if self.broadcast_buffers else None
+            self.buffers = BufferBroadcast(self.model) if self.broadcast_buffers else None
         self.setup_precision_plugin()
 
     def setup_optimizers(self, trainer) -> None:
@@ -422,8 +380,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
         self._backward_sync_control = ShardedBackwardSync(self)  # (private: what fabric.no_backward_sync calls)
         self.modules: list[torch.nn.Module] = []
         self.sharded_optimizers: list[ShardedOptimizer] = []
-        self.buffers: dict[int, DDPBufferBroadcast] = {}  # id(module) ->
-        self.buffer_hooks: list = []
+        self.buffers: dict[int, BufferBroadcast] = {}  # id(module) -> its rule, attached as hooks
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         module = self.setup_module(module)
@@ -436,9 +393,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
         """The module itself, with rank 0's parameters and buffers (as DDP's constructor) and DDP's buffer rule."""
         sync_module_states(module)
         if self.broadcast_buffers:
-            buffers = DDPBufferBroadcast(module)
-            self.buffers[id(module)] = buffers
-            self.buffer_hooks += buffers.attach()
+            self.buffers[id(module)] = BufferBroadcast(module).attach()
         self.modules.append(module)
         return module
 
@@ -497,9 +452,9 @@ class FabricZeroStrategy(FabricDDPStrategy):
         return checkpoint
 
     def teardown(self) -> None:
-        for handle in self.buffer_hooks:
-            handle.remove()
-        self.buffer_hooks, self.buffers = [], {}
+        for buffers in self.buffers.values():
+            buffers.remove()
+        self.buffers = {}
         super().teardown()
 
 
@@ -513,5 +468,5 @@ def register(strategy_class: type, registry) -> None:
 register(ZeroStrategy, StrategyRegistry)
 register(FabricZeroStrategy, FABRIC_STRATEGY_REGISTRY)
 
-__all__ = ["ZeroStrategy", "FabricZeroStrategy", "DDPBufferBroadcast", "sharded_like", "shards_directory",
+__all__ = ["ZeroStrategy", "FabricZeroStrategy", "sharded_like", "shards_directory",
            "REGISTERED"]

@@ -53,7 +53,8 @@ from typing import Optional, Union
 import torch
 import transformers
 
-from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, sync_buffers
+from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
+from zeroimpl.module_buffers import BufferBroadcast
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 from zeroimpl.integrations.muon import split_hidden_matrices
 
@@ -171,8 +172,9 @@ def loss_scale_like(scaler: torch.amp.GradScaler) -> LossScaleConfig:
 
 
 class ShardedModule(torch.nn.Module):
-    """The model as Trainer trains it: ``no_sync`` and ``zero_grad`` routed to the optimizer, and, as DDP does
-    with ``broadcast_buffers=True``, rank 0's buffers broadcast before every forward with gradients enabled.
+    """The model as Trainer trains it: ``no_sync`` and ``zero_grad`` routed to the optimizer, and rank 0's buffers
+    broadcast before a forward exactly when DDP with ``broadcast_buffers=True`` broadcasts them
+    (:class:`zeroimpl.module_buffers.BufferBroadcast`).
 
     Trainer recognises it as already wrapped, so accelerate never wraps it in DistributedDataParallel.
     """
@@ -180,17 +182,19 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, broadcast_buffers: bool = True):
         super().__init__()
         self.module = module
-        self.broadcast_buffers = broadcast_buffers
+        self.buffers = BufferBroadcast(module) if broadcast_buffers else None
         self.optimizer: Optional[ShardedOptimizer] = None  # set once the trainer builds it
 
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and torch.is_grad_enabled():
-            sync_buffers(self.module)
-        return self.module(*args, **kwargs)
+        with self.buffers.forward() if self.buffers is not None else contextlib.nullcontext():
+            return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
     def no_sync(self):
         """Non-final micro-batches of gradient accumulation (accelerate's ``no_sync`` calls this)."""
-        return self.optimizer.accumulating() if self.optimizer is not None else contextlib.nullcontext()
+        with self.optimizer.accumulating() if self.optimizer is not None else contextlib.nullcontext(), \
+                self.buffers.no_sync() if self.buffers is not None else contextlib.nullcontext():
+            yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
