@@ -79,14 +79,20 @@ def rank_main(kind: str, size: str, micro_batch: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def run(kind: str, world_size: int, args) -> dict[str, float]:
+def run_ranks(script: str, flags: list[str], world_size: int, tag: str) -> dict:
+    """``script flags`` on ``world_size`` CPU ranks under torchrun (OMP_NUM_THREADS=1 each): the JSON its rank 0
+    printed on the line starting with ``tag``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
-               os.path.abspath(__file__), "--rank-of", kind, "--size", args.size, "--micro-batch",
-               str(args.micro_batch), "--steps", str(args.steps)]
+               os.path.abspath(script), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    line = next(line for line in completed.stdout.splitlines() if line.startswith("PHASES "))
-    return json.loads(line[len("PHASES "):])
+    line = next(line for line in completed.stdout.splitlines() if line.startswith(tag + " "))
+    return json.loads(line[len(tag) + 1:])
+
+
+def run(kind: str, world_size: int, args) -> dict[str, float]:
+    return run_ranks(__file__, ["--rank-of", kind, "--size", args.size, "--micro-batch", str(args.micro_batch),
+                                "--steps", str(args.steps)], world_size, "PHASES")
 
 
 def main() -> None:

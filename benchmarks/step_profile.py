@@ -23,9 +23,9 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
-import sys
 import time
+
+from step_phases import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("compute", "DDP", "zeroimpl stage 1", "zeroimpl stage 2")
@@ -114,12 +114,7 @@ def rank_main(kind: str, steps: int, top: int) -> None:
 
 
 def run(kind: str, args) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.abspath(__file__), "--rank-of", kind, "--steps", str(args.steps), "--top", str(args.top)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    line = next(line for line in completed.stdout.splitlines() if line.startswith("PROFILE "))
-    return json.loads(line[len("PROFILE "):])
+    return run_ranks(__file__, ["--rank-of", kind, "--steps", str(args.steps), "--top", str(args.top)], 2, "PROFILE")
 
 
 def main() -> None:
