@@ -461,7 +461,8 @@ def test_the_topology_carries_the_parameters_device_for_its_object_all_gathers()
 
     frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
     trainable = torch.nn.Parameter(torch.zeros(2, device="meta"))
-    assert resolve_topology(None, None, [{"params": [frozen]}, {"params": [trainable]}]).device == torch.device("meta")
+    groups = [{"params": [frozen]}, {"params": [trainable]}]
+    assert resolve_topology(None, None, groups, None).device == torch.device("meta")
 
 
 @pytest.mark.parametrize("length", [1, 256, 4096])

@@ -119,27 +119,28 @@ class GradientReducer:
 
     Args (keywords):
         layout, storages: the shard layout and its buckets' storage (the parameters' flat buffers).
-        topology: the shard group (reduce-scatters) and, hybrid, the replicate group (all-reduces of the shards).
+        topology: the shard group (reduce-scatters), hybrid, the replicate group (all-reduces of the shards), and
+            the timeout of the collectives (``CollectiveError`` after it).
         stage: 1 (reduce at the step) or 2 (reduce during backward).
         reduce_dtype: the dtype of the bucket buffers and shards (None: fp32, fp64 for fp64 parameters).
         max_inflight: collectives in flight (each kind) before the oldest is waited for.
         gradients: the gradient store that finished reductions go to.
         uneven: the check-in under torch's ``Join`` before each stage-2 round's reduce-scatters.
-        timeout: seconds a collective may take before ``CollectiveError`` (None: the process group's).
         quantized: ``quantize_grad_reduce`` (True, ``"replicas"`` or False).
     """
 
     def __init__(self, *, layout: ShardLayout, storages: list[BucketStorage], topology: Topology, stage: int,
                  reduce_dtype: Optional[torch.dtype], max_inflight: int,
                  gradients: Union[DeviceGradientShards, HostGradientShards], uneven: UnevenInputs,
-                 timeout: Optional[float] = None, quantized: Union[bool, str] = False):
+                 quantized: Union[bool, str] = False):
         self.layout, self.storages, self.stage = layout, storages, stage
         self.group = topology.shard  # reduce-scatters
         self.replicate = topology.replicate  # all-reduces of the reduced shards (hybrid sharding), or None
         # per bucket: the given dtype, or fp32 (fp64 for fp64 parameters)
         self.reduce_dtypes = [reduce_dtype or at_least_fp32(s.param_buffer.dtype)
                               for s in storages]
-        self.max_inflight, self.gradients, self.uneven, self.timeout = max_inflight, gradients, uneven, timeout
+        self.max_inflight, self.gradients, self.uneven = max_inflight, gradients, uneven
+        self.timeout = topology.timeout
         self._scale = 1.0 / topology.world_size
         self._in_place = not comm.issues_collectives(layout.world_size)  # the bucket buffer is the shard (one rank)
         self.streams = WorkStream(storages[0].param_buffer.device if storages else "cpu")  # GPU work in host order

@@ -49,6 +49,7 @@ from .grad_sync import remove_hooks
 from .host_memory import to_device
 from .layout import ShardPiece
 from .step_checks import StepChecks
+from .topology import Topology
 
 aten = torch.ops.aten
 
@@ -117,16 +118,15 @@ class GradViews:
         checks: the optimizer's :class:`~zeroimpl.step_checks.StepChecks`: it finishes the reduction and
             unscaling (after which ``gradients``, the gradient store, holds the averaged gradients) and forgets
             the gradients of parameters whose view the user removed from ``.grad``.
-        group, timeout: the shard group (norms and ``found_inf`` are all-reduced there) and the collectives'
-            timeout.
+        topology: the shard group (norms and ``found_inf`` are all-reduced there) and the collectives' timeout.
     """
 
     def __init__(self, *, params: list[torch.nn.Parameter], pieces: list[ShardPiece], checks: StepChecks,
-                 gradients: Union[DeviceGradientShards, HostGradientShards], group, timeout: Optional[float]):
+                 gradients: Union[DeviceGradientShards, HostGradientShards], topology: Topology):
         self.params = params
         self._piece = {piece.param_index: piece for piece in pieces}
         self.checks, self.gradients = checks, gradients
-        self.group, self.timeout = group, timeout
+        self.group, self.timeout = topology.shard, topology.timeout
         self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
         self._installed: set[int] = set()  # parameter indices whose .grad is its view
         self._local: dict[int, torch.Tensor] = {}  # stage 1, not prepared: the rank's own gradient, by index

@@ -154,7 +154,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._loaded = False  # state was installed (load_state_dict, a checkpoint): a rebuild carries it over
         super().__init__(groups, {})  # refuses duplicates
         Joinable.__init__(self)  # under torch's Join: uneven inputs raise on every rank (zeroimpl/uneven.py)
-        self.topology: Topology = resolve_topology(process_group, device_mesh, self.param_groups)
+        self.topology: Topology = resolve_topology(process_group, device_mesh, self.param_groups, collective_timeout)
 
         self.stage, self.process_group = stage, self.topology.shard  # reduce-scatter and all-gather run here
         self.rank, self.world_size = self.topology.shard_rank, self.topology.shard_size
@@ -208,15 +208,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.uneven = uneven.UnevenInputs(self, self.join_device, self.join_process_group, timeout)
         self.reducer = GradientReducer(layout=layout, storages=self.storages, topology=self.topology, stage=self.stage,
                                        reduce_dtype=settings.reduce_dtype, max_inflight=settings.max_inflight_buckets,
-                                       gradients=self.gradients, uneven=self.uneven, timeout=timeout,
+                                       gradients=self.gradients, uneven=self.uneven,
                                        quantized=settings.quantize_grad_reduce)
         self.checks = StepChecks(reducer=self.reducer, gradients=self.gradients, param_sync=self.param_sync,
                                  ownership=self.ownership, storages=self.storages, uneven=self.uneven,
-                                 loss_scaler=self.loss_scaler, topology=self.topology, timeout=timeout,
-                                 device=self._device)
+                                 loss_scaler=self.loss_scaler, topology=self.topology, device=self._device)
         # param.grad after backward: views of the averaged gradient, exposed by the reducer's end of backward
         self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
-                                    gradients=self.gradients, group=self.topology.shard, timeout=timeout)
+                                    gradients=self.gradients, topology=self.topology)
         self.reducer.call_after_backward(self.grad_views.after_backward)
 
     def _follow_model(self) -> None:

@@ -59,10 +59,10 @@ class StepChecks:
     def __init__(self, *, reducer: GradientReducer, gradients: Union[DeviceGradientShards, HostGradientShards],
                  param_sync: ParamSync, ownership: Ownership, storages: list[BucketStorage],
                  uneven: UnevenInputs, loss_scaler: Optional[DynamicLossScaler], topology: Topology,
-                 timeout: Optional[float], device: torch.device):
+                 device: torch.device):
         self.reducer, self.gradients, self.param_sync = reducer, gradients, param_sync
         self.ownership, self.storages, self.uneven, self.loss_scaler = ownership, storages, uneven, loss_scaler
-        self.topology, self.timeout, self.device = topology, timeout, device
+        self.topology, self.device = topology, device
         self.reset()
 
     def reset(self) -> None:
@@ -147,7 +147,7 @@ class StepChecks:
                 norm_term = torch.zeros_like(norm_term)
         values = to_device(encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum), self.device)
         agreed = self.topology.all_reduce_(values, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
-                                           self.timeout, "gradient check all-reduce", read_on_host=True)
+                                           self.topology.timeout, "gradient check all-reduce", read_on_host=True)
         suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum,  # the host sync
                                                       self.topology.world_size)
         if not same_passes:
@@ -167,8 +167,8 @@ class StepChecks:
         """By parameter index, whether any rank has a gradient for it (one all-reduce of a flag per parameter,
         run on every rank alike, only on steps where some rank lacks some gradient)."""
         local = device_tensor(self.reducer.grad_exists, self.device, torch.float32)
-        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.timeout, "gradient presence all-reduce",
-                                           read_on_host=True)
+        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.topology.timeout,
+                                           "gradient presence all-reduce", read_on_host=True)
         return [flag > 0 for flag in agreed.tolist()]
 
     def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
@@ -176,8 +176,8 @@ class StepChecks:
         and host sync). Runs only on steps whose norm is not finite, on every rank together."""
         local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1)
         local = to_device(local, self.device)
-        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.timeout, "gradient NaN/Inf all-reduce",
-                                           read_on_host=True)
+        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.topology.timeout,
+                                           "gradient NaN/Inf all-reduce", read_on_host=True)
         return bool(agreed.item())
 
 

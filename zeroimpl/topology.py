@@ -29,11 +29,13 @@ REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
 class Topology:
     """``shard``: the group whose ranks own the shards (``None``: the default group); ``replicate``: the group
     of ranks that hold this rank's shard too (``None``: no replication); ``device``: the parameters' device,
-    where object all-gathers travel on NCCL (``None``: the current GPU)."""
+    where object all-gathers travel on NCCL (``None``: the current GPU); ``timeout``: the optimizer's
+    ``collective_timeout``, which bounds the collectives of its steps (``None``: the process group's)."""
 
     shard: Optional[dist.ProcessGroup] = None
     replicate: Optional[dist.ProcessGroup] = None
     device: Optional[torch.device] = None
+    timeout: Optional[float] = None
 
     @property
     def shard_rank(self) -> int:
@@ -111,11 +113,12 @@ class Topology:
         return comm.gather_objects(value, to, self.shard, timeout, name, self.device)
 
 
-def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh, groups: list[dict]) -> Topology:
-    """The topology of ``ShardedOptimizer(process_group=..., device_mesh=...)`` (at most one of them), over the
-    param ``groups`` (its device is their first trainable parameter's)."""
+def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh, groups: list[dict],
+                     timeout: Optional[float]) -> Topology:
+    """The topology of ``ShardedOptimizer(process_group=..., device_mesh=..., collective_timeout=...)`` (at most
+    one of the first two), over the param ``groups`` (its device is their first trainable parameter's)."""
     device = next((p.device for group in groups for p in group["params"] if p.requires_grad), None)
-    return replace(_groups_of(process_group, device_mesh), device=device)
+    return replace(_groups_of(process_group, device_mesh), device=device, timeout=timeout)
 
 
 def _groups_of(process_group: Optional[dist.ProcessGroup], device_mesh) -> Topology:
