@@ -515,13 +515,15 @@ class GradientReducer:
 
     def end_step(self, stepped: Optional[list[bool]] = None) -> None:
         """The optimizer step consumed this step's gradients (as ``zero_grad()`` would clear them): count
-        backward passes afresh and forget which parameters had a gradient, remembering those the step
-        stepped (``stepped``, agreed across ranks; ``None``: all) for ``zero_grad(set_to_none=False)``."""
+        backward passes afresh, clear the gradient store and forget which parameters had a gradient,
+        remembering those the step stepped (``stepped``, agreed across ranks; ``None``: all) for
+        ``zero_grad(set_to_none=False)``. The reducer is the store's one owner: it fills it and clears it."""
         self.backward_passes = 0
         self._consumed = list(stepped) if stepped is not None else [True] * len(self.grad_exists)
         self.grad_exists = [False] * len(self.grad_exists)
         self._grad_versions.clear()
         self._taken, self._stepped = None, True
+        self.gradients.clear(set_to_none=True)
 
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""

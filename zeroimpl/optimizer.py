@@ -300,7 +300,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """The loss times the loss scale (fp32), for a backward the caller runs; the loss itself without scaling."""
         if self.loss_scaler is None:
             return loss
-        self.checks.loss_scaled = True
+        self.checks.note_loss_scaled()
         return loss.float() * self.loss_scaler.scale
 
     def backward(self, loss: torch.Tensor, **backward_kwargs) -> None:
@@ -422,16 +422,23 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._follower = None
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
-        self.grad_views.discard()
-        verdict = self.checks.verdict
-        self.reducer.end_step(stepped=None if verdict is None else verdict.stepped)
-        self.gradients.clear(set_to_none=True)
-        self.checks.reset()
+        self._reset_gradients(consumed_by_step=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: forget the gradients (``set_to_none=False``: keep zeros, stepped as zeros)."""
+        self._reset_gradients(consumed_by_step=False, set_to_none=set_to_none)
+
+    def _reset_gradients(self, consumed_by_step: bool, set_to_none: bool = True) -> None:
+        """The one reset of a round of gradients, in the order its parts depend on: the views out of ``.grad``;
+        the reducer's counters, round and gradient store (``end_step`` after a step consumed them, remembering
+        which parameters it stepped, else ``zero_grad``); then the step checks, which record the reducer's
+        counters afresh (before it, the next backward would look like no backward)."""
         self.grad_views.discard()
-        self.reducer.zero_grad(set_to_none)
+        if consumed_by_step:
+            verdict = self.checks.verdict
+            self.reducer.end_step(stepped=None if verdict is None else verdict.stepped)
+        else:
+            self.reducer.zero_grad(set_to_none)
         self.checks.reset()
 
     # -- schedule-free modes --------------------------------------------------------------------------

@@ -74,6 +74,10 @@ class StepChecks:
         self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
         self._takes_seen = self.reducer.takes  # under DDP: param.grad copied afresh since, the facts are stale
 
+    def note_loss_scaled(self) -> None:
+        """A loss of this step was multiplied by the loss scale (``scale_loss`` / ``backward``)."""
+        self.loss_scaled = True
+
     @property
     def grads_averaged_by_ddp(self) -> bool:
         """DistributedDataParallel averages ``param.grad`` (stage 1 under DDP): it stays the full gradient."""
