@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from zeroimpl import estimate_memory  # noqa: E402
 from zeroimpl.integrations.launch import run_distributed  # noqa: E402
-from zeroimpl.integrations.models import split_hidden_matrices  # noqa: E402
+from zeroimpl.integrations.muon import split_hidden_matrices  # noqa: E402
 from zeroimpl.layout import build_layout, trainable_specs  # noqa: E402
 from zeroimpl.optimizer_kinds import step_work  # noqa: E402
 
