@@ -134,8 +134,9 @@ def _saved_weights(folder: str, model: torch.nn.Module) -> dict:
 
 def _buffers_broadcast(rank: int, ddp: bool) -> list:
     """A buffer that differs per rank and that each forward moves by the rank's own amount, through a sequence of
-    forwards (the first under no_grad, then training forwards inside and outside accelerator.no_sync, then an
-    evaluation): its values after each, on accelerate's own DDP (``ddp``) or zeroimpl's prepare."""
+    training forwards inside and outside accelerator.no_sync: its values after each, on accelerate's own DDP
+    (``ddp``) or zeroimpl's prepare; then the main process alone runs the bare model under no_grad, and every
+    rank meets at a barrier (a broadcast from rank 0 alone would hang it)."""
     from zeroimpl.integrations.accelerate import prepare
 
     accelerator = _accelerator()
@@ -150,11 +151,14 @@ def _buffers_broadcast(rank: int, ddp: bool) -> list:
     accelerator.unwrap_model(model).probe.fill_(10.0 * (rank + 1))  # as the forwards find it, whatever set-up did
     ids = torch.randint(1, VOCAB, (1, SEQUENCE_LENGTH), generator=torch.Generator().manual_seed(rank))
     seen = []
-    for phase in ("no_grad", "train", "no_sync", "no_sync", "train", "no_grad", "train", "train"):
-        with torch.no_grad() if phase == "no_grad" else contextlib.nullcontext(), \
-                accelerator.no_sync(model) if phase == "no_sync" else contextlib.nullcontext():
+    for phase in ("train", "no_sync", "no_sync", "train", "train", "no_sync", "train"):
+        with accelerator.no_sync(model) if phase == "no_sync" else contextlib.nullcontext():
             model(input_ids=ids)
         seen.append(accelerator.unwrap_model(model).probe.tolist())
+    if rank == 0:  # the main process alone runs the bare model without gradients (generation, an evaluation)
+        with torch.no_grad():
+            accelerator.unwrap_model(model)(input_ids=ids)
+    accelerator.wait_for_everyone()
     return seen
 
 
@@ -402,9 +406,9 @@ def test_returns_what_accelerate_prepare_returns_without_ddp(ranks):
 
 
 def test_rank_0s_buffers_are_broadcast_exactly_when_ddp_broadcasts_them(ranks):
-    """Before the first forward (under no_grad too), and before a forward that follows one run with gradients
-    outside no_sync: after each of a sequence of forwards, every rank's buffer is what it is under accelerate's
-    own DDP."""
+    """Before the first forward, and before a forward that follows one run with gradients outside no_sync: after
+    each of a sequence of training forwards, every rank's buffer is what it is under accelerate's own DDP; a
+    forward the main process runs alone without gradients communicates nothing."""
     ours, under_ddp = case_results(ranks, "buffers"), case_results(ranks, "buffers under ddp")
     assert ours == under_ddp
 

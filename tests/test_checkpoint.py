@@ -314,9 +314,11 @@ def test_resharding_restores_master_weights_and_state_bitwise(saved, at_world_si
 
 
 @pytest.mark.parametrize("tag, words", [("zeroimpl.checkpoint/3", "development version before 0.1.0"),
+                                        ("zeroimpl.checkpoint/5", "newer zeroimpl"),
                                         ("something else", "not a zeroimpl checkpoint")])
 def test_an_index_of_another_format_is_refused_naming_it(saved, tmp_path, tag, words):
-    """Only the current format is read: a development format's tag (or a foreign one) is refused by name."""
+    """Only the current format is read: a development format's tag, a newer one (or a foreign one) is refused by
+    name, with what to do."""
     root, _ = saved
     copy = str(tmp_path / "adamw")
     shutil.copytree(os.path.join(root, "adamw"), copy)

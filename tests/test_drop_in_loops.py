@@ -274,20 +274,29 @@ def _shared_in_two_regions(rank, stage):
     return [p.detach().clone() for p in model.parameters()]
 
 
+UNSUPPORTED_ON_A_SHARDED_GRADIENT = {  # a debugging read or edit of param.grad (a 2-D weight's)
+    "an unsupported operation": lambda grad: grad.abs(),
+    "a norm over a dimension": lambda grad: grad.norm(dim=1),
+    "a product by a tensor of one value per element": lambda grad: grad.mul_(torch.ones(grad.shape)),
+}
+
+
 def _unsupported(rank, shared, stage):
-    """An unsupported operation on a sharded gradient on rank 0 alone (a debugging read): what it raised. Rank 1
-    runs no collective meanwhile, and waits for rank 0 to be done (a file, not a collective). Stage 1 reduces the
-    gradients at the first gradient operation: that reduction must not start before the refusal."""
+    """Each of UNSUPPORTED_ON_A_SHARDED_GRADIENT on rank 0 alone: what it raised. Rank 1 runs no collective
+    meanwhile, and waits for rank 0 to be done (a file, not a collective). Stage 1 reduces the gradients at the
+    first gradient operation: that reduction must not start before the refusal."""
     model = build_model("gpt2")
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2)
     model(**batch(rank, 0, 0)).loss.backward()
     done, message = os.path.join(shared, f"unsupported read done, stage {stage}"), None
     if rank == 0:
-        try:
-            next(model.parameters()).grad.abs()
-            message = "no error"
-        except Exception as error:  # noqa: BLE001 - the test checks which error
-            message = f"{type(error).__name__}: {error}"
+        message = {}
+        for name, operation in UNSUPPORTED_ON_A_SHARDED_GRADIENT.items():
+            try:
+                operation(next(model.parameters()).grad)
+                message[name] = "no error"
+            except Exception as error:  # noqa: BLE001 - the test checks which error
+                message[name] = f"{type(error).__name__}: {error}"
         open(done, "w").close()
     deadline = time.monotonic() + 120
     while not os.path.exists(done) and time.monotonic() < deadline:
@@ -400,8 +409,11 @@ def test_an_unsupported_operation_on_a_sharded_gradient_raises_at_once_naming_th
     """On one rank alone, with no collective on the other: it raises before any collective of its own (which
     would wait for the other rank until the timeout)."""
     on_rank_0, on_rank_1 = case_results(ranks, ("unsupported", stage))
-    assert on_rank_0.startswith("RuntimeError: ") and on_rank_1 is None
-    assert "sharded across the ranks" in on_rank_0 and "clip_grad_norm_" in on_rank_0
+    assert on_rank_1 is None and all(message.startswith("RuntimeError: ") for message in on_rank_0.values())
+    unsupported = on_rank_0["an unsupported operation"]
+    assert "sharded across the ranks" in unsupported and "clip_grad_norm_" in unsupported
+    assert "take the norm of the whole gradient" in on_rank_0["a norm over a dimension"]
+    assert "a number or a one-element tensor" in on_rank_0["a product by a tensor of one value per element"]
 
 
 @pytest.mark.parametrize("fewer", [0, 1], ids=["rank-0-fewer", "rank-1-fewer"])

@@ -348,3 +348,15 @@ def test_each_parameter_gets_the_hyperparameters_trainers_own_optimizer_gives_it
         assert {group["weight_decay"] for group in trainer.values()} == {0.0, 0.1}
         for name, hyperparameters in trainer.items():
             assert {k: zero[name][k] for k in hyperparameters} == hyperparameters, name
+
+
+def test_the_trainers_model_wrapper_keeps_the_modules_own_methods():
+    """ShardedModule (what Trainer trains) answers ``buffers()`` and ``named_buffers()`` as the module does, with or
+    without the buffer broadcast (its own attributes must not hide nn.Module's)."""
+    from zeroimpl.integrations.trainer import ShardedModule
+
+    module = torch.nn.BatchNorm1d(3)
+    for broadcast in (True, False):
+        wrapped = ShardedModule(module, broadcast_buffers=broadcast)
+        assert [b is m for b, m in zip(wrapped.buffers(), module.buffers())] == [True] * 3
+        assert [name for name, _ in wrapped.named_buffers()] == [f"module.{n}" for n, _ in module.named_buffers()]
