@@ -221,6 +221,9 @@ class GradViews:
         if stale:
             raise RuntimeError("this gradient view is no longer param.grad: step() or zero_grad() consumed the "
                                "gradients, or they were cleared. Read param.grad again after the next backward")
+        problem = _unsupported_arguments(func, args, kwargs)
+        if problem is not None:  # before prepare(), a collective: a debugging read on one rank raises at once
+            raise RuntimeError(problem)
         if func not in _NORMS_AND_UNSCALE and func not in _ELEMENTWISE and func not in _FOREACH:  # no collective yet
             raise RuntimeError(
                 f"{func} is not supported on param.grad under ShardedOptimizer: the averaged gradient is sharded "
@@ -279,9 +282,6 @@ class GradViews:
         return self._copies[key][1]
 
     def _norm(self, view: ShardedGrad, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
-        if dim is not None:
-            raise RuntimeError("a norm over some dimensions of a sharded param.grad is not supported (no rank holds "
-                               "whole rows); take the norm of the whole gradient")
         norm = self._all_norms(float(ord))[view.param_index]
         return norm.to(device=view.device, dtype=dtype or view.dtype)
 
@@ -333,6 +333,23 @@ class GradViews:
         agreed = local.to(_comm_device(found_inf.device, local.device))
         comm.all_reduce_(agreed, dist.ReduceOp.MAX, self.group, self.timeout, "GradScaler found_inf all-reduce")
         found_inf.copy_(torch.maximum(found_inf, agreed.to(found_inf.device).reshape(found_inf.shape)))
+
+
+def _unsupported_arguments(func, args: tuple, kwargs: dict) -> Optional[str]:
+    """Why a supported operation cannot take these arguments on a sharded gradient, or None (checked before the
+    gradients are prepared, so on every rank alike and without a collective)."""
+    if func is aten.linalg_vector_norm.default and (len(args) > 2 and args[2] is not None
+                                                     or kwargs.get("dim") is not None):
+        return ("a norm over some dimensions of a sharded param.grad is not supported (no rank holds whole rows); "
+                "take the norm of the whole gradient")
+    if func in _ELEMENTWISE or func in _FOREACH:
+        operands = [*args[1:], *kwargs.values()]
+        if any(isinstance(value, torch.Tensor) and value.numel() > 1 for value in operands):
+            return (f"{func} on param.grad under ShardedOptimizer takes a number or a one-element tensor (the same "
+                    "factor or bound for every element), not a tensor of other values per element: each rank holds "
+                    "only its shard of the averaged gradient. Scale by a number, or edit gradients before they are "
+                    "averaged (stage=1 and param.grad set by hand, or param.register_hook)")
+    return None
 
 
 def _comm_device(param_device: torch.device, device: torch.device) -> torch.device:

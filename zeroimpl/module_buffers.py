@@ -33,9 +33,15 @@ class BufferBroadcast:
     keeps each rank's own buffers, as under DDP. Floating and integer buffers alike (BatchNorm's
     ``num_batches_tracked`` too), one broadcast per dtype (per ``FLAT_NUMEL`` elements of it).
 
-    ``forward()`` brackets one forward of the module (a framework's training and validation steps); ``attach()``
-    registers the same rule as hooks on it, which ``remove()`` takes off; ``no_sync()`` marks the forwards of
-    non-final micro-batches, where DDP's ``no_sync`` would be entered. Every rank runs the same forwards.
+    ``forward()`` brackets one forward of the module, which every rank runs (a framework's training and validation
+    steps, as DDP's forward). ``attach()`` registers the rule as hooks on the module itself, which ``remove()``
+    takes off. Those hooks see every forward of the module, including ones a single rank runs without DDP's
+    wrapper (``generate`` on the main process, an evaluation of the master process alone), which must not
+    communicate: so the hooks act on forwards with gradients enabled only, which every rank runs. Among those they
+    follow DDP's rule; a forward without gradients neither broadcasts nor changes what comes next (where DDP would
+    broadcast rank 0's buffers before an evaluation through its wrapper, each rank evaluates with its own until the
+    next training forward). ``no_sync()`` marks the forwards of non-final micro-batches, where DDP's ``no_sync``
+    would be entered.
     """
 
     def __init__(self, module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None):
@@ -50,6 +56,14 @@ class BufferBroadcast:
 
     def after(self) -> None:
         self.due = torch.is_grad_enabled() and not self.accumulating
+
+    def _before_training_forward(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.before()
+
+    def _after_training_forward(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self.after()
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -66,9 +80,9 @@ class BufferBroadcast:
             self.accumulating = outer
 
     def attach(self) -> "BufferBroadcast":
-        """Run the rule around every forward of the module (hooks), until :meth:`remove`."""
-        self.handles += [self.module.register_forward_pre_hook(lambda module, args: self.before()),
-                         self.module.register_forward_hook(lambda module, args, output: self.after())]
+        """Run the rule around every forward of the module with gradients enabled (hooks), until :meth:`remove`."""
+        self.handles += [self.module.register_forward_pre_hook(self._before_training_forward),
+                         self.module.register_forward_hook(self._after_training_forward)]
         return self
 
     def remove(self) -> None:
@@ -78,10 +92,11 @@ class BufferBroadcast:
 
 
 def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> BufferBroadcast:
-    """Broadcast ``model``'s buffers from the group's first rank before its forwards as DDP's
-    ``broadcast_buffers=True`` does (:class:`BufferBroadcast`), from now until ``.remove()``. Call it on every rank.
-    Enter the returned object's ``no_sync()`` with the optimizer's ``accumulating()`` around non-final
-    micro-batches, where DDP's ``no_sync()`` would be."""
+    """Broadcast ``model``'s buffers from the group's first rank before its training forwards as DDP's
+    ``broadcast_buffers=True`` does (:class:`BufferBroadcast`'s hooks: forwards without gradients are left alone,
+    so one rank may run the model by itself), from now until ``.remove()``. Call it on every rank. Enter the
+    returned object's ``no_sync()`` with the optimizer's ``accumulating()`` around non-final micro-batches, where
+    DDP's ``no_sync()`` would be."""
     return BufferBroadcast(model, process_group).attach()
 
 

@@ -464,10 +464,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.param_sync.finish_param_sync(buckets)
 
     def trains(self, module: torch.nn.Module) -> bool:
-        """Whether this optimizer trains a parameter of ``module`` (one that requires grad, in its param groups):
-        which optimizer a framework's module belongs to, for its accumulation and its checkpoint."""
+        """Whether a parameter of ``module`` is in this optimizer's param groups (frozen ones too: a parameter
+        frozen after construction stays the optimizer's): which optimizer a framework's module belongs to, for
+        its accumulation and its checkpoint."""
         held = {id(p) for group in self.param_groups for p in group["params"]}
-        return any(p.requires_grad and id(p) in held for p in module.parameters())
+        return any(id(p) in held for p in module.parameters())
 
     @property
     def param_gathers_in_flight(self) -> int:

@@ -214,13 +214,15 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     Collective: call it on every rank. Each rank reads only the files that hold part of its new shard. The
     master weights and optimizer state are restored exactly; the parameters are set from the master weights
     on every rank. Nothing is changed unless every rank has read and checked everything it needs.
-    ``timeout``: as for :func:`save_checkpoint`. ``missing``: where some rank does not see the folder
-    ``directory``, raise ``FileNotFoundError(missing)`` on every rank (after one small all-gather): the
-    caller's words for what is missing and how to fix it, as a framework names the folder beside its own
-    checkpoint. ``None``: a missing folder is refused as any other unreadable checkpoint.
+    ``timeout``: as for :func:`save_checkpoint`. ``missing``: where some rank sees neither the folder
+    ``directory`` nor the last complete checkpoint of a save to it killed between its two renames, raise
+    ``FileNotFoundError(missing)`` on every rank (after one small all-gather): the caller's words for what is
+    missing and how to fix it, as a framework names the folder beside its own checkpoint. ``None``: a missing
+    folder is refused as any other unreadable checkpoint.
     """
     _check_arguments(optimizer, model, "load_checkpoint")
-    if missing is not None and not exists_on_every_rank(directory, optimizer, timeout):
+    if missing is not None and not all(optimizer.topology.all_gather_objects(
+            files.findable(directory), timeout, "checkpoint existence check")):
         raise FileNotFoundError(missing)
     optimizer.sync_masters()  # (a model moved or converted before the first step is followed first)
     error: Optional[BaseException] = None

@@ -77,6 +77,12 @@ def read(directory: str, name: str, expected: dict | None):
                               "checkpoint files hold only tensors, numbers, strings and containers") from error
 
 
+def findable(directory: str) -> bool:
+    """Whether :func:`resolve_directory` has a folder to look in: ``directory``, or the last complete checkpoint
+    of a save killed between its two renames."""
+    return os.path.isdir(directory) or os.path.isfile(os.path.join(previous_path(directory), INDEX))
+
+
 def resolve_directory(directory: str) -> str:
     """The directory holding the last complete checkpoint saved to ``directory``."""
     if os.path.isfile(os.path.join(directory, INDEX)):

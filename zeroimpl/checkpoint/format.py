@@ -16,13 +16,18 @@ from ..state_format import CheckpointError
 from . import files
 from .files import rank_file
 
-FORMAT = "zeroimpl.checkpoint/4"  # the only one read: /1 to /3 were development formats before 0.1.0
+FORMAT_NAME, FORMAT_VERSION = "zeroimpl.checkpoint", 4  # the only version read: 1 to 3 predate 0.1.0
+FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 
 def check_format(index) -> None:
     """Refuse an index that is not a zeroimpl checkpoint of :data:`FORMAT`, naming what it is."""
     tag = index.get("format") if isinstance(index, dict) else None
-    if isinstance(tag, str) and tag.startswith("zeroimpl.checkpoint/") and tag != FORMAT:
+    name, _, version = tag.rpartition("/") if isinstance(tag, str) else ("", "", "")
+    if name == FORMAT_NAME and version.isdigit() and int(version) > FORMAT_VERSION:
+        raise CheckpointError(f"this checkpoint has the format {tag!r}, written by a newer zeroimpl; this one reads "
+                              f"{FORMAT!r}: upgrade zeroimpl to load it")
+    if name == FORMAT_NAME and version.isdigit() and int(version) < FORMAT_VERSION:
         raise CheckpointError(f"this checkpoint has the format {tag!r}, of a development version before 0.1.0; "
                               f"this zeroimpl reads {FORMAT!r}: with the version that wrote it, convert it to a torch "
                               "optimizer state (zeroimpl.checkpoint.consolidated_optimizer_state_dict), and load "

@@ -14,9 +14,10 @@ DistributedDataParallel, which would all-reduce every gradient the optimizer alr
   process, so ``accelerator.unwrap_model`` and ``get_state_dict`` keep working), with autocast for
   ``mixed_precision="bf16"`` applied by accelerate. Of DDP it keeps two behaviours: ``model.no_sync`` is
   :meth:`ShardedOptimizer.accumulating` (what ``accelerator.accumulate(model)`` and ``accelerator.no_sync(model)``
-  enter on non-final micro-batches), and rank 0's buffers are broadcast before a forward exactly when DDP
-  broadcasts them (:func:`zeroimpl.broadcast_buffers`; ``DistributedDataParallelKwargs(broadcast_buffers=False)``
-  turns it off).
+  enter on non-final micro-batches), and rank 0's buffers are broadcast before training forwards when DDP
+  broadcasts them (:func:`zeroimpl.broadcast_buffers`, which leaves forwards without gradients alone, so that the
+  main process may run the model by itself; ``DistributedDataParallelKwargs(broadcast_buffers=False)`` turns it
+  off).
 * **The optimizer** is an :class:`AcceleratedShardedOptimizer`: accelerate's ``AcceleratedOptimizer`` (``step`` and
   ``zero_grad`` skipped on non-final micro-batches, the GradScaler's skipped steps seen by the scheduler) without
   device placement, registered with the accelerator so that the scheduler is tied to it. ``accelerator.backward``,

@@ -182,18 +182,18 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, broadcast_buffers: bool = True):
         super().__init__()
         self.module = module
-        self.buffers = BufferBroadcast(module) if broadcast_buffers else None
+        self.buffer_broadcast = BufferBroadcast(module) if broadcast_buffers else None
         self.optimizer: Optional[ShardedOptimizer] = None  # set once the trainer builds it
 
     def forward(self, *args, **kwargs):
-        with self.buffers.forward() if self.buffers is not None else contextlib.nullcontext():
+        with self.buffer_broadcast.forward() if self.buffer_broadcast is not None else contextlib.nullcontext():
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Non-final micro-batches of gradient accumulation (accelerate's ``no_sync`` calls this)."""
         with self.optimizer.accumulating() if self.optimizer is not None else contextlib.nullcontext(), \
-                self.buffers.no_sync() if self.buffers is not None else contextlib.nullcontext():
+                self.buffer_broadcast.no_sync() if self.buffer_broadcast is not None else contextlib.nullcontext():
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
