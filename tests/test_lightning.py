@@ -585,6 +585,22 @@ def test_strategy_refuses_unknown_options():
             strategy(bucket_numl=1024)
 
 
+def test_registration_names_the_zero_strategies_and_leaves_lightnings_own_names():
+    """Importing the module registers zero1, zero2 and zero2_offload for the Trainer and Fabric through the
+    strategies' register_strategies, with their options; DDPStrategy's names (which the subclasses would inherit)
+    stay Lightning's."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from zeroimpl.integrations.lightning import FabricZeroStrategy, ZeroStrategy
+
+    for registry, ours, ddp in ((StrategyRegistry, ZeroStrategy, DDPStrategy),
+                                (STRATEGY_REGISTRY, FabricZeroStrategy, FabricDDPStrategy)):
+        for name, options in REGISTERED.items():
+            assert registry[name]["strategy"] is ours and registry[name]["init_params"] == options
+        assert registry["ddp"]["strategy"] is ddp
+
+
 def test_16_mixed_on_cpu_becomes_bf16_with_sharded_clipping():
     """What Lightning does with precision="16-mixed" on CPU, under this strategy as under DDP: bf16-mixed (with a
     warning); the plugin keeps its class and clips through ShardedOptimizer (no ranks needed to construct)."""
