@@ -341,6 +341,12 @@ class ZeroStrategy(DDPStrategy):
         self.buffers = None
         super().teardown()
 
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Lightning's registration hook: the names of :data:`REGISTERED` (DDPStrategy's own, which this class
+        would inherit, would name it "ddp")."""
+        _register_names(cls, strategy_registry)
+
 
 # -- Fabric -----------------------------------------------------------------------------------------
 class ShardedBackwardSync(_BackwardSyncControl):
@@ -457,16 +463,23 @@ class FabricZeroStrategy(FabricDDPStrategy):
         self.buffers = {}
         super().teardown()
 
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Fabric's registration hook: the names of :data:`REGISTERED` (not DDPStrategy's, which it would inherit)."""
+        _register_names(cls, strategy_registry)
 
-def register(strategy_class: type, registry) -> None:
+
+def _register_names(strategy_class: type, registry) -> None:
     """Name ``strategy_class`` in a Lightning strategy registry as each of :data:`REGISTERED`, with its options."""
     for name, options in REGISTERED.items():
         registry.register(name, strategy_class, description=f"zeroimpl ShardedOptimizer, {options}", override=True,
                           **options)
 
 
-register(ZeroStrategy, StrategyRegistry)
-register(FabricZeroStrategy, FABRIC_STRATEGY_REGISTRY)
+# Lightning registers its own strategies through their register_strategies, called once per class in its
+# strategies package; this module's classes are outside it, so importing the module calls theirs
+ZeroStrategy.register_strategies(StrategyRegistry)
+FabricZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = ["ZeroStrategy", "FabricZeroStrategy", "sharded_like", "shards_directory",
            "REGISTERED"]
