@@ -13,13 +13,7 @@ recipe (``examples/nanogpt_zeroimpl.patch``, docs/usage.md#nanogpt) is shown and
 
 The CPU harness (not nanoGPT's): gloo and float32, a tiny GPT defined here (nanoGPT's ``model.py`` layout:
 tied embedding and head, decay / no-decay param groups), a synthetic corpus instead of ``train.bin``, and
-``--dump=PATH``, where the master process saves its per-iteration losses and the final weights; and, on DDP, an
-exit without finalizing the interpreter. gloo drops each work on its worker thread just after completing it, and
-DDP's last all-reduce can still be held there when Python finalizes: letting go of its Python objects then aborts
-the rank after a good run ("terminate called without an active exception"; a core dump showed
-``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` -> ``decref`` -> ``pthread_exit`` during ``Py_FinalizeEx``; 4 in
-231 resumed runs, two at a time on 2 cores, torch 2.13). zeroimpl waits for gloo to let go of its own objects at exit
-(docs/usage.md, "Exiting"), so the patched script exits as any script does.
+``--dump=PATH``, where the master process saves its per-iteration losses and the final weights.
 """
 
 import math
@@ -265,5 +259,3 @@ if dump and master_process:  # harness
                dump)
 if ddp:
     destroy_process_group()
-if isinstance(model, DDP):  # harness: leave without finalizing the interpreter, where gloo may abort (see below)
-    sys.stdout.flush(), sys.stderr.flush(), os._exit(0)

@@ -21,6 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "nanogpt_train.py")
 PATCH = os.path.join(ROOT, "examples", "nanogpt_zeroimpl.patch")
+RUNNER = os.path.join(ROOT, "tests", "reference_runner.py")
 MAX_CHANGED_LINES = 8
 LOSS_ATOL = 1e-5
 PARAM_ATOL = 1e-4
@@ -43,7 +44,11 @@ def changed_lines(patch: str) -> int:
 
 
 def torchrun(script: str, *flags: str) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *flags]
+    """Both ranks of ``script`` under torchrun; the DDP reference through tests/reference_runner.py (plain DDP on
+    gloo can abort in torch's teardown after a good run: see there), the zeroimpl recipe as users run it."""
+    runner = [RUNNER] if script == SCRIPT else []
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *runner,
+               script, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
