@@ -14,7 +14,7 @@ own micro-batches only and the ranks' models drift apart.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,18 @@ class BufferBroadcast:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+@contextlib.contextmanager
+def no_sync(optimizers: Iterable, buffers: Optional[BufferBroadcast] = None) -> Iterator[None]:
+    """DDP's ``no_sync()`` without DDP, for non-final micro-batches: every optimizer's ``accumulating()`` (a
+    ShardedOptimizer's) and, when given, the buffers' ``no_sync()``."""
+    with contextlib.ExitStack() as stack:
+        for optimizer in optimizers:
+            stack.enter_context(optimizer.accumulating())
+        if buffers is not None:
+            stack.enter_context(buffers.no_sync())
+        yield
 
 
 def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> BufferBroadcast:

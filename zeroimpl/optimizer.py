@@ -256,14 +256,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """What a rebuild keeps of state loaded into this optimizer: its pieces' positions and inner state, the
         masters and the loss-scaler state."""
         pieces = self.pieces.states(self.inner)
-        return ([(p.param_index, p.param_start, p.param_end, p.bucket_index) for p, _, _ in pieces],
+        return (_positions(p for p, _, _ in pieces),
                 [state for _, _, state in pieces], [s.master for s in self.storages],
                 self.loss_scaler.state_dict() if self.loss_scaler else None)
 
     def _carry_over(self, positions: list, states: list, masters: list, loss_scaler: Optional[dict]) -> None:
         """Install state carried over a rebuild (:meth:`_carried_state`) into the rebuilt parts."""
-        rebuilt = [(p.param_index, p.param_start, p.param_end, p.bucket_index) for p in self.layout.pieces(self.rank)]
-        if rebuilt != positions or [m.numel() for m in masters] != [s.master.numel() for s in self.storages]:
+        if _positions(self.layout.pieces(self.rank)) != positions or [m.numel() for m in masters] != [s.master.numel() for s in self.storages]:
             raise RuntimeError("the model was converted after optimizer state was loaded into the ShardedOptimizer, "
                                "and the conversion changed how the parameters are laid out in its buckets (their "
                                "dtypes), so the loaded state no longer fits its shards: convert the model first, then "
@@ -722,6 +721,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 def _is_torch_format(state_dict) -> bool:
     """Whether ``state_dict`` is a full state in ``torch.optim.Optimizer.state_dict()`` format (no zeroimpl tag)."""
     return isinstance(state_dict, dict) and "format" not in state_dict and {"state", "param_groups"} <= state_dict.keys()
+
+
+def _positions(pieces) -> list[tuple[int, int, int, int]]:
+    """Where each piece lies: (parameter index, start, end in the parameter, bucket index)."""
+    return [(p.param_index, p.param_start, p.param_end, p.bucket_index) for p in pieces]
 
 
 def _on_host(part):

@@ -40,7 +40,7 @@ given with it already holds it (and a converted one would leave the user's own r
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import os
 import weakref
 import accelerate
@@ -50,6 +50,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DDPCommunicationHookType, DistributedType
 
 from zeroimpl import ShardedOptimizer, broadcast_buffers, sync_module_states
+from zeroimpl.module_buffers import no_sync
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 CHECKPOINT_SUBDIR = "zeroimpl"  # the first optimizer's shards in a save_state folder; the next "zeroimpl_1", ...
@@ -204,13 +205,8 @@ def _prepare_model(accelerator: accelerate.Accelerator, model: torch.nn.Module,
     # DDP's default, as accelerate would have wrapped it
     buffers = broadcast_buffers(model) if handler is None or handler.broadcast_buffers else None
     prepared = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-
-    @contextlib.contextmanager
-    def no_sync():  # what accelerator.no_sync(model) and accumulate(model) enter, as they enter DDP's
-        with optimizer.accumulating(), buffers.no_sync() if buffers is not None else contextlib.nullcontext():
-            yield
-
-    prepared.no_sync = no_sync
+    # what accelerator.no_sync(model) and accumulate(model) enter, as they enter DDP's
+    prepared.no_sync = functools.partial(no_sync, [optimizer], buffers)
     return prepared
 
 

@@ -61,7 +61,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim.optimizer import Optimizer
 
 from zeroimpl import CPUOffload, ShardedOptimizer, sync_module_states
-from zeroimpl.module_buffers import BufferBroadcast
+from zeroimpl.module_buffers import BufferBroadcast, no_sync
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
 SHARDS_SUFFIX = ".zeroimpl"  # the shard folder beside a Lightning checkpoint: <checkpoint>.zeroimpl/
@@ -131,15 +131,6 @@ def track_step_calls(optimizer: Optimizer) -> None:
 
     marked._wrapped_by_lr_sched = True
     optimizer.step = marked
-
-
-@contextlib.contextmanager
-def accumulating(optimizers: Iterable[ShardedOptimizer]):
-    """Every optimizer's :meth:`~ShardedOptimizer.accumulating` (DDP's ``no_sync``)."""
-    with contextlib.ExitStack() as stack:
-        for optimizer in optimizers:
-            stack.enter_context(optimizer.accumulating())
-        yield
 
 
 # -- checkpoints ------------------------------------------------------------------------------------
@@ -287,8 +278,7 @@ class ZeroStrategy(DDPStrategy):
     @contextlib.contextmanager
     def block_backward_sync(self):
         """Non-final micro-batches (``accumulate_grad_batches``, manual ``toggle_model(sync_grad=False)``)."""
-        with accumulating(self.sharded_optimizers), \
-                self.buffers.no_sync() if self.buffers is not None else contextlib.nullcontext():
+        with no_sync(self.sharded_optimizers, self.buffers):
             yield
 
     def training_step(self, *args: Any, **kwargs: Any):
@@ -358,12 +348,8 @@ class ShardedBackwardSync(_BackwardSyncControl):
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool):
         if not enabled:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(accumulating(o for o in self.strategy.sharded_optimizers if o.trains(module)))
-        buffers = self.strategy.buffers.get(id(module))
-        if buffers is not None:
-            stack.enter_context(buffers.no_sync())
-        return stack
+        return no_sync([o for o in self.strategy.sharded_optimizers if o.trains(module)],
+                       self.strategy.buffers.get(id(module)))
 
 
 class FabricZeroStrategy(FabricDDPStrategy):

@@ -54,7 +54,7 @@ import torch
 import transformers
 
 from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer
-from zeroimpl.module_buffers import BufferBroadcast
+from zeroimpl.module_buffers import BufferBroadcast, no_sync
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 from zeroimpl.integrations.muon import split_hidden_matrices
 
@@ -189,12 +189,9 @@ class ShardedModule(torch.nn.Module):
         with self.buffer_broadcast.forward() if self.buffer_broadcast is not None else contextlib.nullcontext():
             return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Non-final micro-batches of gradient accumulation (accelerate's ``no_sync`` calls this)."""
-        with self.optimizer.accumulating() if self.optimizer is not None else contextlib.nullcontext(), \
-                self.buffer_broadcast.no_sync() if self.buffer_broadcast is not None else contextlib.nullcontext():
-            yield
+        return no_sync([self.optimizer] if self.optimizer is not None else [], self.buffer_broadcast)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
