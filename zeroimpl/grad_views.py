@@ -130,7 +130,6 @@ class GradViews:
         self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
         self._installed: set[int] = set()  # parameter indices whose .grad is its view
         self._local: dict[int, torch.Tensor] = {}  # stage 1, not prepared: the rank's own gradient, by index
-        self.prepared = False  # the shards hold this step's averaged gradients (prepare ran since expose)
         # ord -> every parameter's norm (1-D, by parameter index), until a gradient changes: dropped on the
         # same events on every rank (never on a rank-local fact such as a shard's version counter), so that
         # every rank runs the norm all-reduce alike
@@ -170,7 +169,6 @@ class GradViews:
                 self._local[index] = param.grad
             param.grad = view
             self._installed.add(index)
-        self.prepared = prepared
         self.changed()
 
     def withdraw(self) -> list[int]:
@@ -198,7 +196,6 @@ class GradViews:
         self._installed.clear()
         self._local.clear()
         self._copies.clear()
-        self.prepared = False
         self.changed()
         return dropped
 
@@ -232,7 +229,7 @@ class GradViews:
                 "(torch.linalg.vector_norm, .norm()) and in-place scaling (mul_, div_, clamp_, zero_). For a copy "
                 "of the full gradient use a DDP reference run; to edit gradients before they are averaged, use "
                 "stage=1 and set param.grad by hand, or a hook (param.register_hook)")
-        if not self.prepared:
+        if not self.checks.prepared:
             with torch.no_grad():
                 self.prepare()  # collective: every rank runs the same operations
         if func is aten.linalg_vector_norm.default:

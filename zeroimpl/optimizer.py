@@ -210,9 +210,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                        reduce_dtype=settings.reduce_dtype, max_inflight=settings.max_inflight_buckets,
                                        gradients=self.gradients, uneven=self.uneven,
                                        quantized=settings.quantize_grad_reduce)
-        self.checks = StepChecks(reducer=self.reducer, gradients=self.gradients, param_sync=self.param_sync,
-                                 ownership=self.ownership, storages=self.storages, uneven=self.uneven,
-                                 loss_scaler=self.loss_scaler, topology=self.topology, device=self._device)
+        self.checks = StepChecks(reducer=self.reducer, gradients=self.gradients, ownership=self.ownership,
+                                 storages=self.storages, uneven=self.uneven, loss_scaler=self.loss_scaler,
+                                 topology=self.topology, device=self._device)
         # param.grad after backward: views of the averaged gradient, exposed by the reducer's end of backward
         self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
                                     gradients=self.gradients, topology=self.topology)
@@ -373,34 +373,22 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     # -- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective."""
+        """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective. Its phases
+        in order: the masters brought up to date; the reduction finished and unscaled; the agreement; the pieces
+        stepped; the parameters published and all-gathered; the step's end."""
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self._follow_model()
-        if not self.grad_views.prepare():
+        # the masters are the step's to write: the last step's all-gathers finished (one that failed raises here),
+        # parameters written outside the optimizer since taken in
+        self.param_sync.finish_param_sync(take_edits=True)
+        if not self.grad_views.prepare():  # the reduction finished and unscaled: False when no rank has gradients
             return loss
-        self._agree()
-        if not self.checks.verdict.nonfinite:
-            self._update()
+        self._agree()  # the step's one small all-reduce: same passes, NaN/Inf, which parameters have gradients
+        if self.checks.verdict.nonfinite:
+            self._skip_step()
             return loss
-        raises = self.nonfinite == "raise" and (
-            self.loss_scaler is None or self.loss_scaler.scale <= self.loss_scaler.config.min_scale)
-        self.reducer.zero_grad(set_to_none=True)  # skip: discard this step's gradients, count it, back off
-        if self.loss_scaler is None:
-            self._skipped_without_scaler += 1
-        self._finish_step(overflow=True)
-        if raises:
-            raise FloatingPointError(nonfinite_message(self.loss_scale))
-        return loss
-
-    def _update(self) -> None:
-        """Step the inner optimizers on the master shards and all-gather the new parameters: one step over every
-        piece, then each bucket's all-gather; with offload bucket by bucket (the next host step overlaps them)."""
-        self.inner.follow(self.param_groups)  # hyperparameters the user (or a scheduler) changed
-        self.param_sync.finish_param_sync(take_edits=True)  # parameters edited since the last step, into the masters
-        grads = [None if grad is None else grad.to(storage.master.dtype)
-                 for storage, grad in zip(self.storages, self.gradients.ready())]
-        pairs = self.pieces.gradient_pairs(grads, self.checks.verdict.stepped)
+        pairs = self._pieces_to_step()
         in_parts = self.offload is not None and self.inner.steps_in_parts  # the pipeline: a host step per bucket
         step_pieces(self.inner, [] if in_parts else [pair for bucket in pairs.values() for pair in bucket])
         self.param_sync.start_param_sync(overlap=True, step_bucket=(  # guarded: a failed landing raises at each read
@@ -412,6 +400,27 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.param_sync.finish_param_sync()  # after the step's bookkeeping
         if self.verify_every and self._steps_taken % self.verify_every == 0:
             self.verify_ranks_agree()
+        return loss
+
+    def _pieces_to_step(self) -> dict[int, list]:
+        """By bucket index, this rank's (master piece, gradient piece) pairs to step, the hyperparameters the inner
+        optimizers step with followed."""
+        self.inner.follow(self.param_groups)  # hyperparameters the user (or a scheduler) changed
+        grads = [None if grad is None else grad.to(storage.master.dtype)
+                 for storage, grad in zip(self.storages, self.gradients.ready())]
+        return self.pieces.gradient_pairs(grads, self.checks.verdict.stepped)
+
+    def _skip_step(self) -> None:
+        """NaN/Inf gradients: discard them, count the skip, back the loss scale off; raise where ``nonfinite`` says
+        so and no smaller loss scale is left to try."""
+        raises = self.nonfinite == "raise" and (
+            self.loss_scaler is None or self.loss_scaler.scale <= self.loss_scaler.config.min_scale)
+        self.reducer.zero_grad(set_to_none=True)
+        if self.loss_scaler is None:
+            self._skipped_without_scaler += 1
+        self._finish_step(overflow=True)
+        if raises:
+            raise FloatingPointError(nonfinite_message(self.loss_scale))
 
     def _finish_step(self, overflow: bool) -> None:
         """The step consumed the gradients, as ``zero_grad()`` would clear them (``model.zero_grad()`` sees none)."""

@@ -19,6 +19,8 @@ The step's facts, each set once and all forgotten by :meth:`StepChecks.reset` (a
   collectives: a later ``prepare`` (the step after clipping) need not check in again until a backward ran.
 * ``verdict`` -- the step's agreement all-reduce ran (:class:`StepVerdict`). A backward pass after it forgets it,
   so the checks run again.
+* ``prepared`` -- the shards hold this round's averaged gradients: ``prepare`` found gradients to step on and no
+  backward pass ran since (the ``param.grad`` views run it at their first operation only when it is false).
 
 ``prepare`` raises the loss-scaling errors above before any collective of the step, on every rank that misused
 it (every rank runs the same loop), where a backward hook would have raised part-way through the collectives.
@@ -34,10 +36,9 @@ import torch.distributed as dist
 
 from .buffers import BucketStorage
 from .grad_shards import DeviceGradientShards, HostGradientShards
-from .grad_sync import GradientReducer
+from .grad_sync import GradientReducer, RoundState
 from .host_memory import device_tensor, to_device
 from .ownership import Ownership
-from .param_sync import ParamSync
 from .precision import DynamicLossScaler, at_least_fp32
 from .topology import Topology
 from .uneven import UnevenInputs
@@ -57,10 +58,10 @@ class StepChecks:
     (see the module docstring). Keyword arguments: the optimizer's parts it reads."""
 
     def __init__(self, *, reducer: GradientReducer, gradients: Union[DeviceGradientShards, HostGradientShards],
-                 param_sync: ParamSync, ownership: Ownership, storages: list[BucketStorage],
+                 ownership: Ownership, storages: list[BucketStorage],
                  uneven: UnevenInputs, loss_scaler: Optional[DynamicLossScaler], topology: Topology,
                  device: torch.device):
-        self.reducer, self.gradients, self.param_sync = reducer, gradients, param_sync
+        self.reducer, self.gradients = reducer, gradients
         self.ownership, self.storages, self.uneven, self.loss_scaler = ownership, storages, uneven, loss_scaler
         self.topology, self.device = topology, device
         self.reset()
@@ -71,6 +72,7 @@ class StepChecks:
         self.unscaled = False
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
+        self._prepared = False  # prepare() found gradients to step on (see ``prepared``)
         self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
         self._takes_seen = self.reducer.takes  # under DDP: param.grad copied afresh since, the facts are stale
 
@@ -83,10 +85,17 @@ class StepChecks:
         """DistributedDataParallel averages ``param.grad`` (stage 1 under DDP): it stays the full gradient."""
         return bool(self.reducer.under_ddp)
 
+    @property
+    def prepared(self) -> bool:
+        """The shards hold this round's averaged (and unscaled) gradients: :meth:`prepare` found gradients to step
+        on, and no backward pass ran or runs (nor, under DDP, did DDP write ``param.grad`` afresh) since."""
+        return (self._prepared and self.reducer.state is RoundState.IDLE
+                and self.reducer.backward_passes == self._passes_seen and self.reducer.takes == self._takes_seen)
+
     def prepare(self) -> bool:
         """Finish the reduction (and unscaling); return whether there are gradients to step on. Collective:
         every rank calls it at the same point (the first gradient operation after backward, or the step)."""
-        self.param_sync.finish_param_sync()
+        self._prepared = False
         self.reducer.finish_grad_sync()  # before the check-in: the other ranks reduce-scattered it in their backward
         if self.reducer.backward_passes != self._passes_seen:  # a backward ran since the last prepare
             problem = loss_scaling_misuse(self.loss_scaled, self.unscaled) if self.loss_scaler is not None else None
@@ -106,6 +115,7 @@ class StepChecks:
         if self.loss_scaler is not None and not self.unscaled:
             torch._foreach_mul_(self.shards(), 1.0 / self.loss_scaler.scale)
             self.unscaled = True
+        self._prepared = True
         return True
 
     def shards(self) -> list[torch.Tensor]:
