@@ -36,7 +36,7 @@ renders into docs/benchmarks.md. With ``--count-collectives`` each rank also rec
 ranks of the other node through ``torch.distributed.isend``. zeroimpl's reduce-scatter on gloo is such a
 pairwise exchange, and so is its all-gather under ``ZEROIMPL_COLLECTIVES=pairwise`` (by default an
 all-gather across nodes is gloo's ring, whose bytes the counter cannot attribute to a peer): then the link
-must carry those bytes plus headers (tests/test_network.py checks this).
+must carry those bytes plus headers (tests/test_benchmark_network.py checks this).
 """
 
 from __future__ import annotations

@@ -269,7 +269,8 @@ def muon_section(implementations, size: str, steps: int, device: str, out: str) 
             f"torch.optim.Muon (lr {settings.muon_lr}, weight decay {settings.weight_decay}) on the hidden matrices, "
             f"AdamW (lr {settings.lr}) on the rest; the reference is DDP + those two torch optimizers. Muon's "
             "tolerance: 0.25 of its lr on parameters, 1e-3 on losses (torch's Muon orthogonalises in bf16: "
-            "tests/test_whole_parameter.py). DeepSpeed runs its own Muon (`\"type\": \"Muon\"`, standard "
+            "tests/test_optimizer_kinds_whole_parameter.py). DeepSpeed runs its own Muon "
+            "(`\"type\": \"Muon\"`, standard "
             "Newton-Schulz), which picks its matrices itself (2-D parameters whose names have neither \"embed\" "
             "nor \"lm_head\": on GPT-2 also `wte` and `wpe`). Chart: `muon.png`.", markdown_table(rows)]
 
@@ -296,7 +297,7 @@ def lowbit_section(implementations, size: str, steps: int, device: str, out: str
             "AdamW: the main table), and 8-bit state turns such a last-bit difference into a different quantized "
             "value. Without clipping it is bitwise DDP's (`zeroimpl-compare --optimizer adamw8bit "
             "--max-grad-norm 0 --only \"zeroimpl stage 1\" \"zeroimpl stage 2 + offload\"`: both bitwise), as "
-            "tests/test_lowbit.py checks at world sizes 2, 3 and 4 on odd sizes. Chart: `lowbit.png`.", markdown_table(rows)]
+            "tests/test_optimizer_kinds_lowbit.py checks at world sizes 2, 3 and 4 on odd sizes. Chart: `lowbit.png`.", markdown_table(rows)]
 
 
 def main():

@@ -8,7 +8,7 @@ and AdamW on embeddings, head, norms and biases, default buckets (``bucket_numel
   all-gather carry (% of Ψ), the Newton-Schulz flops of the busiest rank over the mean (``m*n*min(m,n)`` per
   matrix), the same for a flat layout that cuts matrices at element boundaries (every rank holding part of
   a matrix must run its whole Newton-Schulz, as DeepSpeed's ZeRO Muon does), and the optimizer state of the
-  fullest rank over (total state)/N, from ``estimate_memory`` (exact, see tests/test_estimate.py).
+  fullest rank over (total state)/N, from ``estimate_memory`` (exact, see tests/test_accounting_estimate.py).
 * **Measured** on GPT-2 (124M) at world sizes 2 and 4 (gloo, stage 2, one training step): the elements each
   step reduce-scatters and all-gathers, counted with ``zeroimpl.integrations.collectives.CollectiveCounter``
   (``ZEROIMPL_COLLECTIVES=native``: one collective per bucket), against Ψ; and each rank's optimizer state from

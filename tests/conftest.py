@@ -17,13 +17,14 @@ start_ranks_from_forkserver(["torch", "torch.distributed", "transformers",
 # in collection order (--no-loadscope-reorder). These modules take 20 s or more each on 2 cores (pytest --durations
 # under xdist), so they are collected first, longest first: started last, one of them would leave the other worker
 # idle at the end. (Only the order depends on this list: a module missing from it still runs, after these.)
-LONGEST_FIRST = ("test_loop_misuse", "test_trainer", "test_faults", "test_comparison", "test_offload",
-                 "test_overlap", "test_training_loops", "test_nanogpt_recipe", "test_long_run",
-                 "test_whole_parameter", "test_checkpoint", "test_torchao", "test_drop_in_loops", "test_multinode",
-                 "test_quantized_comm", "test_lowbit", "test_network", "test_clean_exit", "test_gpu_kit",
-                 "test_optimizer_semantics", "test_parity", "test_accelerate", "test_third_party_optimizers",
-                 "test_lightning", "test_packaging", "test_hybrid", "test_mutation_guards",
-                 "test_optimizers_and_clipping", "test_trainer_family")
+LONGEST_FIRST = ("test_optimizer_misuse", "test_trainer", "test_pending_rank_faults", "test_comparison",
+                 "test_offload", "test_inflight_overlap", "test_optimizer_training_loops", "test_example_nanogpt",
+                 "test_optimizer_long_run", "test_optimizer_kinds_whole_parameter", "test_checkpoint",
+                 "test_optimizer_kinds_torchao", "test_optimizer_drop_in_loops", "test_topology_multinode",
+                 "test_quantized_comm", "test_optimizer_kinds_lowbit", "test_benchmark_network", "test_shutdown",
+                 "test_benchmark_gpu_kit", "test_optimizer_semantics", "test_optimizer_parity", "test_accelerate",
+                 "test_optimizer_kinds_third_party", "test_lightning", "test_packaging", "test_topology_hybrid",
+                 "test_optimizer_mutation_guards", "test_optimizer_clipping", "test_trainer_family")
 
 
 def pytest_collection_modifyitems(items):

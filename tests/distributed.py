@@ -6,7 +6,7 @@ Every collective of a test's ranks is bounded by ``COLLECTIVE_TIMEOUT`` (the pro
 zeroimpl's waits and gloo's own operations honour): a rank that skips a collective its peers run (a step
 one rank skips, a verdict taken locally) makes the others raise after that long, with zeroimpl's
 ``CollectiveError`` naming the collective. ``DEADLINE`` bounds a whole launch, against hangs outside any
-collective. The longest launch (test_loop_misuse's fixture, 39 cases) takes about 67 s alone on 2 cores, and about
+collective. The longest launch (test_optimizer_misuse's fixture, 39 cases) takes about 67 s alone on 2 cores, and about
 90 s beside another module (120 s before the ranks stopped paying a garbage collection of the preloaded heap); under a third pytest worker it passed 180 s (the deadline was 180 s then), so the
 deadline leaves room for a slower machine rather than fail a launch that is only slow.
 
@@ -19,7 +19,7 @@ Many cases, one launch (a module-scoped fixture)::
     def ranks():
         return run_distributed(2, _all)               # one run_cases dict per rank
 
-    def test_parity(ranks):
+    def test_optimizer_parity(ranks):
         for result in case_results(ranks, "parity"):  # AssertionError with the case's traceback if it raised
             ...
 """

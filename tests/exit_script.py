@@ -1,4 +1,4 @@
-"""A training job that ends as a user's script does, for tests/test_clean_exit.py: a small MLP, ZeRO stage 2,
+"""A training job that ends as a user's script does, for tests/test_shutdown.py: a small MLP, ZeRO stage 2,
 6 steps (the last one's parameter all-gathers still in flight when the loop ends), rank 0 saves the parameters
 with ``torch.save`` (which waits for them), then ``dist.barrier()``, ``dist.destroy_process_group()`` and a plain
 return (no ``os._exit``).

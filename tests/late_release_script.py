@@ -1,5 +1,5 @@
 """The end of a job in which a gloo worker thread lets go of a Python object only after the main thread has
-returned, for tests/test_clean_exit.py. Deterministic, where a real job's exit is a race (zeroimpl/shutdown.py):
+returned, for tests/test_shutdown.py. Deterministic, where a real job's exit is a race (zeroimpl/shutdown.py):
 
 - the last collective, an asynchronous all-gather whose handle the script drops, completes while rank 0's main
   thread holds the GIL (rank 1 joins 0.3 s late; rank 0 works in pure Python, with a switch interval too long to

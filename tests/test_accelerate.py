@@ -34,7 +34,7 @@ from zeroimpl import CPUOffload, ShardedOptimizer
 STEPS, SAVE_AT, BATCH = 4, 2, 2  # optimizer steps, the step save_state runs after, sequences per micro-batch
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99)}
 NORM_RTOL = 1e-6  # measured: 9.8e-8 (stages 1 and 2)
-ADAM_ATOL = 1e-4  # as tests/test_drop_in_loops.py; measured: 7.5e-9 (stage 1), 5.0e-6 (stage 2)
+ADAM_ATOL = 1e-4  # as tests/test_optimizer_drop_in_loops.py; measured: 7.5e-9 (stage 1), 5.0e-6 (stage 2)
 BF16_PARAM_RTOL = 3e-3  # measured: 6.1e-4 relative L2 (bf16 itself: DDP bf16 against DDP fp32, 9.4e-3)
 # name -> (gradient_accumulation_steps, (clip utility, its bound), mixed_precision, zeroimpl configurations)
 VARIANTS = {"clip value": (1, ("value", 0.01), "no", ["stage 1", "stage 2"]),

@@ -8,7 +8,7 @@ size 1 they would be copies). The
 reference is DDP + the same torch optimizer on the same GPUs, with deterministic kernels. Bitwise in fp32 where
 the math allows (no clipping: the clipping norm is summed in another order; offload steps AdamW on the CPU,
 whose kernels may round the last bit differently from DDP's CUDA foreach kernel: within 1e-6 there), as on
-CPU; 16-bit runs track fp32 within the tolerances of ``tests/test_mixed_precision.py`` (losses within 5e-3,
+CPU; 16-bit runs track fp32 within the tolerances of ``tests/test_precision_mixed.py`` (losses within 5e-3,
 parameters within 3e-2 relative L2).
 """
 

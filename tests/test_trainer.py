@@ -2,7 +2,7 @@
 sharded checkpoints and resume on the same and on another world size.
 
 Tolerances: Trainer logs losses rounded to 4 digits (so losses are compared to 1e-4); parameters within
-PARAM_ATOL = 1e-4, the core parity tolerance (tests/test_parity.py), since clipping computes the global norm
+PARAM_ATOL = 1e-4, the core parity tolerance (tests/test_optimizer_parity.py), since clipping computes the global norm
 from shards in another summation order. bf16 autocast (fp32 parameters): a last-bit difference in an fp32
 weight can round it to another bf16 value, and Adam can then move a near-zero-gradient element by up to 2 lr,
 so bf16 is judged by the relative L2 distance of all parameters, BF16_REL_L2 = 2e-3 (measured 1.3e-3; bf16
@@ -233,7 +233,7 @@ def test_fp16_resume_is_bitwise(runs):
 def test_muon_for_the_hidden_matrices(runs):
     """zero_muon={"lr": ...}: the 8 hidden matrices of the 2-layer GPT-2 (4 per block) step with Muon, the
     rest with AdamW, and training goes on from there; Muon's parity with DDP + torch.optim.Muon is
-    tests/test_whole_parameter.py's and tests/test_optimizer_semantics.py's."""
+    tests/test_optimizer_kinds_whole_parameter.py's and tests/test_optimizer_semantics.py's."""
     muon = runs["muon_stage2"][0]
     assert muon["muon_params"] == 8
     assert len(muon["losses"]) == STEPS and all(math.isfinite(loss) for loss in muon["losses"])

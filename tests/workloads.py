@@ -269,7 +269,7 @@ def small_batch(rank: int, step: int, micro: int = 0) -> torch.Tensor:
 
 
 # 16-bit runs against the fp32 run of the same optimizer and settings (GPT-2, AdamW lr 1e-2, clipping,
-# accumulation; tests/test_mixed_precision.py, tests/test_cuda.py):
+# accumulation; tests/test_precision_mixed.py, tests/test_cuda.py):
 # * losses within HALF_LOSS_ATOL (bf16 keeps 8 significant bits; measured 1.3e-3 for bf16, 5e-4 fp16);
 # * parameters within HALF_PARAM_RTOL in relative L2 norm (relative_l2) over the model after 6 steps
 #   (measured 1.6e-2 bf16, 6e-3 fp16): at lr 1e-2 six Adam steps move weights by several times their init

@@ -34,11 +34,11 @@ or ``start`` removes it. A guard taken off the stack goes to :mod:`zeroimpl.shut
 meanwhile may hold it). What is load-bearing, and the tests that guard it: the edits of torch's private mode
 stack (:func:`_push_at_bottom`, :func:`_remove_from_stack`: the guard outlives a user's ``with mode:`` and stays
 above ``torch.set_default_device``'s ``DeviceContext``) and the hook (TorchScript, compile, custom kernels,
-threads): ``tests/test_overlap.py::test_reads_below_torch_functions_and_the_mode_stack``; every argument seen
+threads): ``tests/test_inflight_overlap.py::test_reads_below_torch_functions_and_the_mode_stack``; every argument seen
 (:meth:`InFlightGathers.buckets_touched`): ``test_every_read_after_step_sees_the_new_parameters``,
-``test_a_users_own_read_or_write_after_step_sees_the_new_parameters`` and test_mutation_guards.py's keyword
+``test_a_users_own_read_or_write_after_step_sees_the_new_parameters`` and test_optimizer_mutation_guards.py's keyword
 case; bitwise results: ``test_overlapped_gathers_give_bitwise_the_same_training``; exit safety:
-``tests/test_clean_exit.py``.
+``tests/test_shutdown.py``.
 """
 
 from __future__ import annotations

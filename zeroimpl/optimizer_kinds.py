@@ -37,7 +37,7 @@ ELEMENTWISE_OPTIMIZERS = frozenset({
 # (torch.optim.Adafactor since torch 2.5, torch.optim.Muon since 2.9)
 WHOLE_PARAMETER_OPTIMIZERS = frozenset(cls for cls in (getattr(torch.optim, "Muon", None),
                                                        getattr(torch.optim, "Adafactor", None)) if cls is not None)
-# third-party classes checked bitwise against DDP + the same class (tests/test_third_party_optimizers.py), by
+# third-party classes checked bitwise against DDP + the same class (tests/test_optimizer_kinds_third_party.py), by
 # "module.qualname" (the core does not import them): sharded as listed without assume_elementwise or per_parameter
 THIRD_PARTY_SHARDING: dict[str, "Sharding"] = {
     "timm.optim.adan.Adan": "flat",

@@ -23,7 +23,7 @@ work: a core dump of a plain Trainer + DDP run at 4 ranks showed ``~AsyncBarrier
 ``~AsyncAllgatherWork`` -> ``decref`` -> ``pthread_exit``), and then waits on until the registered objects are
 freed (at most ``EXIT_WAIT_SECONDS``). A process that handed gloo nothing of zeroimpl's, or whose works have
 let go of it all (NCCL-only jobs, a process that only imported zeroimpl), exits without a wait.
-``tests/test_clean_exit.py`` makes the race certain: a gloo all-gather completes while the main thread holds
+``tests/test_shutdown.py`` makes the race certain: a gloo all-gather completes while the main thread holds
 the GIL up to the interpreter's exit.
 """
 

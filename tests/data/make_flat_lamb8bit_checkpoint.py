@@ -1,7 +1,7 @@
 """Writes tests/data/flat-lamb8bit/: a checkpoint of bitsandbytes' LAMB8bit saved by zeroimpl as it was before
 commit 3d02466, which sharded LAMB/LARS in flat pieces quantized in blocks of 256 (so each rank's trust ratio was
-its piece's; this checkpoint cuts the first weight, 97 x 131, between the ranks). test_lowbit.py loads it into
-today's whole-parameter stepping.
+its piece's; this checkpoint cuts the first weight, 97 x 131, between the ranks). test_optimizer_kinds_lowbit.py
+loads it into today's whole-parameter stepping.
 
 Run it with the old code first on the path (2 CPU ranks, gloo):
 
@@ -20,7 +20,7 @@ from zeroimpl.integrations.launch import run_distributed  # noqa: E402
 
 
 def model() -> torch.nn.Module:
-    """The checkpoint's model (test_lowbit.py builds the same one)."""
+    """The checkpoint's model (test_optimizer_kinds_lowbit.py builds the same one)."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(131, 97), torch.nn.Linear(97, 5))
 

@@ -1,16 +1,16 @@
 """Correctness of each implementation against the reference (DDP + the same torch optimizers) run on the same
 workload.
 
-Tolerances follow zeroimpl's core parity tests (tests/test_parity.py), in fp32: losses within ``LOSS_ATOL``
+Tolerances follow zeroimpl's core parity tests (tests/test_optimizer_parity.py), in fp32: losses within ``LOSS_ATOL``
 and parameters within ``PARAMETER_RTOL_OF_LR`` times the learning rate, i.e. 1% of one AdamW step (Adam
 divides by sqrt(v), so a last-bit difference in a near-zero gradient can move that element by up to lr;
-the core tests use 1e-4 at lr 1e-2). With Muon (tests/test_whole_parameter.py): torch.optim.Muon
+the core tests use 1e-4 at lr 1e-2). With Muon (tests/test_optimizer_kinds_whole_parameter.py): torch.optim.Muon
 orthogonalises in bfloat16, so a last-bit gradient difference (another summation order, the clipping
 norm) becomes a bf16 rounding of a whole update, and every parameter drifts through the forward pass:
 parameters within ``MUON_PARAMETER_RTOL_OF_LR`` times Muon's learning rate and losses within
 ``MUON_LOSS_ATOL``. In bf16 (each implementation's own recipe against DDP under autocast) the parameters
 themselves are rounded to bf16, whose spacing is 2^-7 at 1.0 (the norm layers' scales): parameters within
-``BF16_PARAMETER_ATOL`` (two such steps) and losses within ``BF16_LOSS_ATOL`` (tests/test_mixed_precision.py's);
+``BF16_PARAMETER_ATOL`` (two such steps) and losses within ``BF16_LOSS_ATOL`` (tests/test_precision_mixed.py's);
 measured on GPT-2 small, 2 ranks, 6 steps at lr 1e-3: 8.7e-3 to 9.0e-3 and 2.8e-4 to 4.7e-4 for zeroimpl and
 DeepSpeed. That rule cannot see a lost step at a small lr: bf16 rows judge the recipe, fp32 rows the
 implementation. Every implementation is judged by the same rule; a NaN or Inf, a missing loss, a

@@ -34,7 +34,7 @@ WHOLE_ATOL = 1e-4
 LOSS_ATOL = 1e-3
 MUON_RTOL = 0.25
 SIXTEEN_BIT_RTOL = 5e-2
-CLIP = (0.05, float("inf"))  # the inf-norm (a max) is exact; the 2-norm is not (test_optimizers_and_clipping)
+CLIP = (0.05, float("inf"))  # the inf-norm (a max) is exact; the 2-norm is not (test_optimizer_clipping)
 # (model, matrix optimizer, stage, offload, accumulation)
 BITWISE = [("gpt2", "muon", 1, None, 1), ("gpt2", "muon", 2, None, 1), ("gpt2", "muon", 2, "cpu", 1),
            ("gpt2", "muon", 1, None, 2), ("gpt2", "muon", 1, "cpu", 2),
@@ -110,7 +110,7 @@ def _sixteen_bit(rank, world_size):
 def test_16bit_models_track_the_fp32_run(dtype, sixteen_bit_runs):
     """bf16 / fp16 parameters with fp32 master shards (fp16: dynamic loss scaling) track the fp32 run of the
     same Muon + AdamW settings (stage 2, 2 micro-batches, 5 steps) within SIXTEEN_BIT_RTOL = 5e-2 in relative
-    L2 over the model: measured 9.4e-3 for bf16 and 3.2e-3 for fp16 (tests/test_mixed_precision.py bounds
+    L2 over the model: measured 9.4e-3 for bf16 and 3.2e-3 for fp16 (tests/test_precision_mixed.py bounds
     AdamW alone by 3e-2; Muon's bf16 Newton-Schulz adds its own sensitivity, see the module docstring)."""
     for by_dtype in sixteen_bit_runs:
         ours, fp32 = by_dtype[dtype]["params"], by_dtype[torch.float32]["params"]

@@ -6,7 +6,7 @@
   offload. Unclipped it is bitwise DDP's (see NANOGPT_VARIANTS). Clipped, the norm is summed in another order
   (per-piece partial sums, then across ranks) and stage 2 reduces each micro-batch (DDP with ``no_sync``
   sums them first), so norms agree to NORM_RTOL = 1e-6, AdamW's parameters to ADAM_ATOL = 1e-4 (as
-  tests/test_optimizers_and_clipping.py) and losses to LOSS_RTOL.
+  tests/test_optimizer_clipping.py) and losses to LOSS_RTOL.
 * torch's gradient utilities on ``model.parameters()``: ``clip_grad_norm_`` (norm types 2, 1, 3, inf;
   ``foreach`` on and off), ``get_total_norm`` + ``clip_grads_with_norm_``, ``clip_grad_value_`` (elementwise:
   bitwise), each at the cost of at most one all-reduce; a 16-bit model's norm against the fp32 average of the

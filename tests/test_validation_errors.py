@@ -138,7 +138,7 @@ def _misuse(rank, world_size):
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage)
         ddp(torch.ones(3, 4) * (rank + 1)).sum().backward()
         optimizer.step()
-    errors["ddp2"] = _catch(lambda: wrapped_in_ddp(2))  # (stage 1 under DDP trains: tests/test_one_line_swap.py)
+    errors["ddp2"] = _catch(lambda: wrapped_in_ddp(2))  # (stage 1 under DDP trains: tests/test_optimizer_under_ddp.py)
 
     def dropped_ddp_kept_by_a_cycle():  # a wrapper the script dropped, alive until the garbage collector runs
         import gc

@@ -10,7 +10,7 @@
 * A parameter passed to a torch function *by keyword* right after ``step()`` (``torch.mul(input=p,
   other=1.0)``) must see this step's values while its all-gather is in flight (``overlap_param_gather``:
   the guard of zeroimpl/inflight.py looks at keyword arguments too). Rank 1 issues its all-gathers late (the
-  instrument of tests/test_overlap.py), so rank 0's are surely in flight when it reads.
+  instrument of tests/test_inflight_overlap.py), so rank 0's are surely in flight when it reads.
 * Muon's layout balances Newton-Schulz work, ``m * n * min(m, n)`` per matrix, computed here independently
   of ``zeroimpl.optimizer_kinds.step_work``: on TinyLlama's hidden matrices at world size 8 and default
   buckets the busiest rank does at most 1.5% more than the mean (measured 1.13%; costing with the larger
@@ -52,7 +52,7 @@ from zeroimpl import CPUOffload, LossScaleConfig, ShardedOptimizer, estimate_mem
 from zeroimpl.checkpoint import export_fp32_state_dict, load_torch_optimizer_state, save_checkpoint
 
 STEPS, ACCUM = 3, 3
-DDP_ATOL = 1e-4  # tests/test_parity.py ADAM_ATOL: a last-bit gradient difference moves an element by up to lr
+DDP_ATOL = 1e-4  # tests/test_optimizer_parity.py ADAM_ATOL: a last-bit gradient difference moves an element by up to lr
 
 
 def _params(model) -> dict:

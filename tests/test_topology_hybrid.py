@@ -4,7 +4,7 @@ Per step, each rank reduce-scatters its gradients in its shard group (2 ranks), 
 across the replicate group, and all-gathers the parameters in its shard group: the collective counter sees
 exactly RS(Ψ) + AR(Ψ/2) + AG(Ψ) plus padding, each in its group. Tolerances: the sums run in another order
 than DDP's all-reduce over 4 ranks, as for flat shards at world size 4: parameters within PARAM_ATOL = 1e-4
-(tests/test_parity.py), losses within LOSS_ATOL = 1e-5. A checkpoint saved on the mesh (one copy of each
+(tests/test_optimizer_parity.py), losses within LOSS_ATOL = 1e-5. A checkpoint saved on the mesh (one copy of each
 shard, by the first replica) resumes on the mesh bitwise and on a flat world of 2 within PARAM_ATOL.
 """
 
@@ -74,7 +74,7 @@ def test_the_first_ranks_parameters_reach_every_rank_of_the_mesh_at_construction
 
 def test_fp16_with_loss_scaling_tracks_the_fp32_run(parity):
     """fp16 parameters, fp32 master shards and dynamic loss scaling on the mesh (the overflow check reaches
-    every rank) track the fp32 mesh run within FP16_RTOL = 3e-2 in relative L2 (tests/test_mixed_precision.py's
+    every rank) track the fp32 mesh run within FP16_RTOL = 3e-2 in relative L2 (tests/test_precision_mixed.py's
     bound), and every rank ends with the same parameters."""
     for _, results in parity:
         fp16, fp32 = results["fp16"]["params"], results["stage 2"]["params"]

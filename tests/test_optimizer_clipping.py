@@ -2,7 +2,7 @@
 
 The 2-norm is summed in another order than torch's (per-shard partial sums, then across ranks), so it
 agrees to NORM_RTOL = 1e-6; the inf-norm (a max) is exact. Parameters then agree within
-SGD_ATOL = 1e-6 (SGD is linear in the clip coefficient) and ADAM_ATOL = 1e-4 (see test_parity.py).
+SGD_ATOL = 1e-6 (SGD is linear in the clip coefficient) and ADAM_ATOL = 1e-4 (see test_optimizer_parity.py).
 fp64 models (AdamW): FP64_RTOL = 1e-12 on norms, FP64_ATOL = 1e-10 on parameters.
 """
 

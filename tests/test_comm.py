@@ -6,7 +6,7 @@ all-gather of the parameters (the same) -- on gloo by default as pairwise exchan
 backend's collectives -- and one all-reduce of 5 elements (the "gradient norm not finite" flag, the
 clipping norm, two sums that tell whether every rank ran as many backward passes, and whether some rank
 lacks a gradient for some parameter) -- no gradient
-all-reduce. (Only a step whose norm is not finite adds a 1-element all-reduce: tests/test_nonfinite.py.)
+all-reduce. (Only a step whose norm is not finite adds a 1-element all-reduce: tests/test_step_checks_nonfinite.py.)
 Stage 1 communicates once per step however many micro-batches are accumulated; stage 2 reduces every
 micro-batch.
 """

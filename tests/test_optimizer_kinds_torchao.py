@@ -46,7 +46,8 @@ class TwoMatrices(torch.nn.Module):
 
 def _batch(step: int, rank: int) -> torch.Tensor:
     """At world size 2 each rank its own batch; at 3 and 4 the same on every rank (so that the gradient average
-    is exact in any summation order, as in tests/test_lowbit.py: what is left to differ is the sharding)."""
+    is exact in any summation order, as in tests/test_optimizer_kinds_lowbit.py: what is left to differ is the
+    sharding)."""
     data_rank = rank if torch.distributed.get_world_size() == 2 else 0
     return torch.randn(8, 128, generator=torch.Generator().manual_seed(100 * step + data_rank))
 
