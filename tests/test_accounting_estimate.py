@@ -86,3 +86,89 @@ def test_estimate_refuses_bad_input():
         estimate_memory(1000, 2, offload="gpu")
     with pytest.raises(ValueError, match="Muon is sharded by whole parameters.*not a count"):
         estimate_memory(1000, 2, optimizer_class=torch.optim.Muon)
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+# A bare count of Ψ = 4 buckets of 4096 elements: no padding at N = 1, 2, 4 (4096 is a multiple of N·8), and
+# each rank holds one piece of each bucket, so Adam keeps 8 bytes per owned element (exp_avg, exp_avg_sq in
+# fp32) plus its fp32 `step` per piece: 4 bytes × 4 buckets.
+BUCKET, BUCKETS = 4096, 4
+
+
+PSI = BUCKET * BUCKETS
+
+
+ADAM_STEPS = 4 * BUCKETS
+
+
+def _zero_bytes(stage, p, n, reduce_bytes=4, offload=False):
+    """Model-state bytes per rank by the ZeRO formulas (p: bytes per parameter element, n: ranks, Adam):
+    the model's parameters p·Ψ; stage 1 keeps the full gradient p·Ψ until step(); stage 2 the averaged
+    gradient shard (reduce dtype) of Ψ/N; an fp32 master of Ψ/N unless the parameters are fp32 (or offload,
+    which keeps one on the host); Adam's two fp32 moments 8Ψ/N. With offload the host holds the fp32 master,
+    the fp32 gradient shard and the state (16Ψ/N), and for a 16-bit model two staging buffers of the largest
+    shard."""
+    shard = PSI // n
+    device = {"parameters": p * PSI, "gradients": p * PSI if stage == 1 else 0}
+    state = 8 * shard + ADAM_STEPS
+    if offload:
+        host = {"gradient_shard": 4 * shard, "master_weights": 4 * shard, "optimizer_state": state,
+                "bucket_buffers": 2 * p * (BUCKET // n) if p == 2 else 0}
+        return device, host
+    device.update(gradient_shard=reduce_bytes * shard if stage == 2 else 0,
+                  master_weights=0 if p == 4 else 4 * shard, optimizer_state=state)
+    return device, {}
+
+
+ESTIMATES = [(stage, dtype, n, reduce_dtype, offload) for n in (1, 2, 4) for stage in (1, 2)
+             for dtype, reduce_dtype, offload in [(torch.float32, None, None), (torch.bfloat16, None, None),
+                                                  (torch.bfloat16, torch.bfloat16, None), (torch.float32, None, "cpu"),
+                                                  (torch.bfloat16, None, "cpu")]]
+
+
+@pytest.mark.parametrize("stage,dtype,n,reduce_dtype,offload", ESTIMATES)
+def test_estimate_from_a_count_is_the_zero_formula(stage, dtype, n, reduce_dtype, offload):
+    """Each kind of bytes against the formula (``_zero_bytes``), and the totals against the figures every
+    paper quotes: fp32 stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N; 16-bit stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 16Ψ/N
+    with an fp32 gradient shard, the paper's 2Ψ + 14Ψ/N with a 16-bit one; offload: 16Ψ/N on the host.
+    Catches: the shard not divided by N, a master counted for an fp32 model, stage 1 counted with a shard,
+    the reduce dtype ignored, the state tabulated instead of measured per piece."""
+    p = torch.finfo(dtype).bits // 8
+    report = estimate_memory(PSI, n, stage, dtype=dtype, offload=offload, reduce_dtype=reduce_dtype,
+                             bucket_numel=BUCKET, optimizer_kwargs={"lr": 1e-3})
+    device, host = _zero_bytes(stage, p, n, 2 if reduce_dtype == torch.bfloat16 else 4, offload == "cpu")
+    kinds = ("parameters", "gradients", "gradient_shard", "master_weights", "optimizer_state", "bucket_buffers")
+    assert report.device.as_dict() == {**{k: device.get(k, 0) for k in kinds}, "total": sum(device.values())}
+    assert report.host.as_dict() == {**{k: host.get(k, 0) for k in kinds}, "total": sum(host.values())}
+    per_param = {(1, 4): (8, 8), (2, 4): (4, 12), (1, 2): (4, 12), (2, 2): (2, 16 if reduce_dtype is None else 14)}
+    full, sharded = per_param[(stage, p)] if offload is None else (p * (2 if stage == 1 else 1), 16)
+    staging = host.get("bucket_buffers", 0)
+    assert report.total == full * PSI + sharded * PSI // n + ADAM_STEPS + staging
+
+
+@pytest.mark.parametrize("momentum, per_element", [(0.0, 0), (0.9, 4)])
+def test_estimated_optimizer_state_is_what_the_class_keeps(momentum, per_element):
+    """SGD keeps a momentum buffer only with momentum, and no step counter. Catches: Adam's 8 bytes assumed
+    for every class."""
+    report = estimate_memory(PSI, 2, 2, optimizer_class=torch.optim.SGD,
+                             optimizer_kwargs={"lr": 0.1, "momentum": momentum}, bucket_numel=BUCKET)
+    assert report.device.optimizer_state == per_element * PSI // 2
+
+
+def test_estimate_from_a_model_counts_padding_and_pieces_per_rank():
+    """nn.Linear(10, 7): Ψ = 77 elements in one bucket, padded to 80 at N = 2 (a multiple of 2·8), so each
+    rank owns a shard of 40. The buffers count the padding (4·80 bytes of fp32 parameters, a 4·40 gradient
+    shard); stage 1's full gradients are the parameters' own .grad (4·77, no padding); Adam's state has no
+    padding: 8 bytes per owned element and a 4-byte step per piece. The bias (7) fits in one shard and the
+    weight (70) spans both, so the ranks together own 77 elements in 3 pieces, and the default rank is the
+    one holding more. Catches: padding dropped from the buffers or given optimizer state, the ranks' pieces
+    miscounted, the smaller rank reported."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(10, 7)
+    settings = dict(optimizer_kwargs={"lr": 1e-3}, bucket_numel=2 ** 20)
+    stage2 = estimate_memory(model.parameters(), 2, 2, **settings)
+    assert (stage2.device.parameters, stage2.device.gradient_shard, stage2.device.gradients) == (4 * 80, 4 * 40, 0)
+    assert estimate_memory(model.parameters(), 2, 1, **settings).device.gradients == 4 * 77
+    by_rank = [estimate_memory(model.parameters(), 2, 2, rank=r, **settings).device.optimizer_state for r in (0, 1)]
+    assert sum(by_rank) == 8 * 77 + 4 * 3
+    assert stage2.device.optimizer_state == max(by_rank) and by_rank[0] != by_rank[1]

@@ -326,3 +326,12 @@ def test_an_index_of_another_format_is_refused_naming_it(saved, tmp_path, tag, w
     torch.save({**index, "format": tag}, os.path.join(copy, INDEX))
     with pytest.raises(CheckpointError, match=words):
         consolidated_optimizer_state_dict(copy)
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+def test_checkpoint_functions_refuse_swapped_arguments_by_name():
+    from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+    model = torch.nn.Linear(2, 2)
+    for function in (save_checkpoint, load_checkpoint):
+        with pytest.raises(TypeError, match=r"\(directory, optimizer, model\).*got Linear and Linear"):
+            function("unused", model, model)

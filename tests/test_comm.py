@@ -300,3 +300,13 @@ def test_a_host_wait_for_a_collective_is_bounded_by_its_timeout():
         seconds, message = raised
         assert LATE_PEER_TIMEOUT <= seconds < 1.4, raised
         assert "late all-reduce" in message and f"timeout of {LATE_PEER_TIMEOUT} s" in message, raised
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+def test_node_count_counts_distinct_node_numbers_and_any_unknown_as_one_node():
+    """comm.node_count: the ranks' node numbers (torchrun's GROUP_RANK + 1), 0 where a rank's is unknown."""
+    from zeroimpl.comm import node_count
+
+    assert node_count([1, 1, 2, 2]) == 2 and node_count([1, 1, 1]) == 1 and node_count([3, 1, 2]) == 3
+    assert node_count([1, 2, 1, 2, 2, 2]) == 2  # nodes with 2 and 4 ranks
+    assert node_count([1, 0, 2]) == 1 and node_count([0, 0]) == 1

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed import run_distributed
 from zeroimpl import ShardedOptimizer
+from zeroimpl.grad_sync import complete_through
 
 
 class Branchy(torch.nn.Module):
@@ -59,3 +60,37 @@ def test_different_hook_orders_and_unused_parameters():
             for name, expected in rank_results["ddp"].items():
                 assert torch.equal(rank_results["zero"][name], expected), (stage, name)
             assert torch.equal(rank_results["zero"]["never_used.weight"], Branchy().never_used.weight)
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+class _Bucket:
+    def __init__(self, param_indices):
+        self.param_indices = param_indices
+
+
+def _order(sizes_by_bucket):
+    buckets = [_Bucket(params) for params in sizes_by_bucket]
+    return buckets, [set() for _ in buckets]
+
+
+def test_buckets_launch_in_index_order_whatever_order_gradients_arrive():
+    """Every rank must issue the same collectives in the same order: a bucket starts only when it is complete
+    and every bucket before it has started."""
+    buckets, arrived = _order([[0, 1], [2], [3, 4, 5]])  # parameter indices per bucket
+    for bucket, param in ((1, 2), (0, 0), (2, 5)):
+        arrived[bucket].add(param)
+        assert complete_through(arrived, buckets, 0) == 0  # bucket 1 complete, but bucket 0 is not
+    arrived[0].add(1)
+    assert complete_through(arrived, buckets, 0) == 2  # bucket 0 completes: 0, then the waiting 1
+    arrived[2].add(3)
+    assert complete_through(arrived, buckets, 2) == 2
+    arrived[2].add(4)
+    assert complete_through(arrived, buckets, 2) == 3
+
+
+def test_a_bucket_without_every_gradient_waits_for_the_end_of_the_round():
+    buckets, arrived = _order([[0], [1, 2], [3]])
+    arrived[2].add(3)  # bucket 0 got no gradient on this rank: nothing starts before the end of the round
+    assert complete_through(arrived, buckets, 0) == 0
+    arrived[0].add(0)
+    assert complete_through(arrived, buckets, 0) == 1  # bucket 1 still lacks parameter 2

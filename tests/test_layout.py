@@ -6,6 +6,7 @@ import pytest
 
 from layout_checks import check_layout_invariants
 from zeroimpl.layout import ParamSpec, build_layout
+from zeroimpl.layout import overlap
 
 
 def _specs(numels, group=0, dtype="torch.float32"):
@@ -61,3 +62,11 @@ def test_groups_are_interleaved_in_expected_backward_order():
     layout = build_layout(specs, world_size=2, bucket_numel=100, alignment=1)
     assert [b.param_indices for b in layout.buckets] == [(2,), (1,), (0,), (5, 4, 3)]
     assert [layout.slots[i].bucket_index for i in range(6)] == [2, 1, 0, 3, 3, 3]
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+def test_overlap_of_half_open_ranges():
+    assert overlap(0, 10, 5, 20) == (5, 10)
+    assert overlap(5, 20, 0, 10) == (5, 10)
+    assert overlap(0, 5, 5, 10) is None  # touching is not overlapping
+    assert overlap(3, 4, 0, 100) == (3, 4)

@@ -16,6 +16,7 @@ from distributed import run_distributed
 from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.checkpoint import (CheckpointError, consolidated_optimizer_state_dict, export_fp32_state_dict,
                                  load_checkpoint, load_torch_optimizer_state, save_checkpoint)
+from zeroimpl.memory_format import contiguous_strides, dense_strides, flattened, same_order, shaped
 
 
 class ConvNet(torch.nn.Module):
@@ -192,3 +193,77 @@ def test_ranks_that_disagree_on_memory_format_are_refused(runs):
 def test_state_dict_in_another_memory_format_is_refused(runs):
     for results in runs[1]:
         assert all(message is not None and "memory format" in message for message in results["state_dict"])
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+def _offsets(shape, strides) -> list[int]:
+    """The memory offset of every element of a tensor of ``shape`` and ``strides`` (brute force)."""
+    total = torch.zeros(shape, dtype=torch.int64)
+    for dim, (size, stride) in enumerate(zip(shape, strides)):
+        index = torch.arange(size, dtype=torch.int64) * stride
+        total = total + index.reshape([size if d == dim else 1 for d in range(len(shape))])
+    return sorted(total.reshape(-1).tolist())
+
+
+def _tensors() -> dict:
+    base = torch.arange(2 * 6 * 4 * 4, dtype=torch.float32).reshape(2, 6, 4, 4)
+    return {"contiguous": base, "channels_last": base.to(memory_format=torch.channels_last),
+            "channels_last_3d": torch.zeros(2, 3, 2, 2, 2).to(memory_format=torch.channels_last_3d),
+            "transposed": torch.zeros(5, 3).t(), "permuted": torch.zeros(2, 3, 4).permute(2, 0, 1),
+            "size-1 dims": torch.zeros(3, 4).t().unsqueeze(1), "scalar": torch.tensor(1.0), "1-d": torch.zeros(7),
+            "empty": torch.zeros(0, 3), "every other column": torch.zeros(3, 8)[:, ::2],
+            "narrowed rows": torch.zeros(4, 6)[:, :3], "expanded": torch.zeros(3, 1).expand(3, 4)}
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4), (5,), (), (2, 0, 3), (1, 7, 1)])
+def test_contiguous_strides_are_torchs(shape):
+    """Catches: strides built in the wrong order, or a zero-size dim zeroing the strides before it."""
+    assert contiguous_strides(shape) == torch.empty(shape).stride()
+
+
+@pytest.mark.parametrize("name", sorted(_tensors()))
+def test_dense_strides_address_each_of_numel_slots_once_and_keep_a_dense_tensors_order(name):
+    """Whatever the tensor, the strides chosen lay its elements on slots 0..numel-1, each once (else the
+    flat buffer would overlap or leave holes); a tensor that is dense already keeps its own order (else a
+    channels_last weight would lose cuDNN's NHWC kernels). Catches: a gapped slice or an expanded tensor
+    taken as dense, a transposed or channels_last tensor stored contiguous."""
+    tensor = _tensors()[name]
+    strides = dense_strides(tensor)
+    assert _offsets(tensor.shape, strides) == list(range(tensor.numel()))
+    if _offsets(tensor.shape, tensor.stride()) == list(range(tensor.numel())):
+        assert same_order(tensor.shape, strides, tensor.stride())
+    else:
+        assert strides == contiguous_strides(tensor.shape)
+
+
+def test_same_order_ignores_dims_of_size_1_only():
+    """Catches: strides of size-1 dims (meaningless, torch leaves them arbitrary) compared, refusing an
+    identical layout; or a real dim ignored."""
+    assert same_order((4, 1, 3), (3, 3, 1), (3, 1, 1))
+    assert same_order((4, 1, 3), (3, 100, 1), (3, 1, 1))
+    assert not same_order((4, 1, 3), (1, 3, 4), (3, 3, 1))
+
+
+@pytest.mark.parametrize("name", ["channels_last", "channels_last_3d", "transposed", "permuted"])
+def test_flattened_is_memory_order_and_shaped_inverts_it(name):
+    """A non-contiguous dense tensor flattens in its memory order (what its optimizer state and checkpoint
+    files use), and shaped() gives back the same values with the same strides. Catches: flattening in
+    logical order (reshape(-1)), which would pair each element with another element's state."""
+    tensor = _tensors()[name].clone().copy_(torch.randn(_tensors()[name].shape))
+    strides = dense_strides(tensor)
+    flat = flattened(tensor, strides)
+    assert torch.equal(flat, tensor.as_strided((tensor.numel(),), (1,)))  # the storage, in memory order
+    back = shaped(flat, tensor.shape, strides)
+    assert torch.equal(back, tensor) and back.stride() == tensor.stride()
+
+
+def test_flattened_copies_a_contiguous_tensor_into_another_order_and_views_the_same_order():
+    """A contiguous tensor (a freshly loaded checkpoint entry) bound for a channels_last parameter is
+    reordered; a contiguous one for a contiguous parameter is a view, not a copy. Catches: returning
+    reshape(-1) for every contiguous tensor (elements scrambled), or copying when no reorder is needed."""
+    tensor = torch.randn(2, 3, 4, 4)
+    channels_last = tensor.contiguous(memory_format=torch.channels_last)
+    reordered = flattened(tensor, channels_last.stride())
+    assert torch.equal(reordered, channels_last.as_strided((tensor.numel(),), (1,)))
+    same = flattened(tensor, tensor.stride())
+    assert same.data_ptr() == tensor.data_ptr() and torch.equal(same, tensor.reshape(-1))

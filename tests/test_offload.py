@@ -22,6 +22,10 @@ import torch
 from distributed import case_results, run_cases, run_distributed
 from workloads import RunConfig, batch, bitwise_equal, build_model, max_param_diff, param_groups, train
 from zeroimpl import CPUOffload, ShardedOptimizer
+from zeroimpl.layout import ParamSpec, build_layout
+from zeroimpl.offload import FUSED_CPU_OPTIMIZERS, host_buffers, host_optimizer_kwargs, resolve_offload, staging_sizes
+
+CPU = torch.device("cpu")
 
 KERNEL_ATOL = 1e-4
 SAME_KERNEL = {"offload": "cpu", "fused": False}
@@ -360,3 +364,83 @@ def _world_size_2(rank, world_size):
     cases["outside_edits"] = partial(_edits_before_save_and_per_parameter, rank, world_size)
     cases["zero_grad_keep"] = partial(_zero_grad_keep, rank, world_size)
     return run_cases(cases)
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+def test_resolve_offload():
+    """Catches: "cpu" giving no policy (offload silently off) or a policy replaced by the default one."""
+    policy = CPUOffload(pin_memory=False, fused_step=False)
+    assert resolve_offload(None) is None and resolve_offload(policy) is policy
+    assert resolve_offload("cpu") == CPUOffload() and CPUOffload().fused_step and CPUOffload().pin_memory
+
+
+@pytest.mark.parametrize("optimizer_class", FUSED_CPU_OPTIMIZERS, ids=lambda c: c.__name__)
+def test_the_fused_host_step_is_chosen_only_where_torch_has_it_and_the_user_chose_no_kernel(optimizer_class):
+    """The kwargs chosen build an optimizer that steps on the CPU (torch really has a fused CPU kernel for
+    the class); a kernel or mode chosen by the user, in the kwargs or in any group, or fused_step=False,
+    keeps the user's kwargs. Catches: a class without a fused CPU kernel listed (its step would raise), the
+    user's foreach/capturable overridden, or their dict mutated."""
+    kwargs = {"lr": 0.1}
+    chosen = host_optimizer_kwargs(optimizer_class, kwargs, set(), CPUOffload())
+    assert chosen == {"lr": 0.1, "fused": True} and kwargs == {"lr": 0.1}
+    param = torch.zeros(4, requires_grad=True)
+    param.grad = torch.ones(4)
+    optimizer_class([param], **chosen).step()
+    assert param.detach().abs().sum() > 0
+    for key in ("fused", "foreach", "capturable", "differentiable"):
+        assert host_optimizer_kwargs(optimizer_class, {"lr": 0.1, key: False}, set(), CPUOffload()) == {
+            "lr": 0.1, key: False}
+        assert host_optimizer_kwargs(optimizer_class, kwargs, {key}, CPUOffload()) == kwargs
+    assert host_optimizer_kwargs(optimizer_class, kwargs, set(), CPUOffload(fused_step=False)) == kwargs
+
+
+def test_no_fused_kernel_is_asked_of_a_class_without_one():
+    """RMSprop has no fused kernel: asking for one raises in torch, so its kwargs stay as given."""
+    with pytest.raises(TypeError):
+        torch.optim.RMSprop([torch.zeros(1, requires_grad=True)], fused=True)
+    assert host_optimizer_kwargs(torch.optim.RMSprop, {"lr": 0.1}, set(), CPUOffload()) == {"lr": 0.1}
+
+
+# Each parameter in its own bucket (bucket_numel=1), world size 2, alignment 8: a bucket of n elements is
+# padded to a multiple of 16 and each rank's shard is half of that.
+MIXED = [(torch.float32, 100), (torch.bfloat16, 30), (torch.bfloat16, 70), (torch.float16, 10),
+         (torch.float64, 5), (torch.bfloat16, 17)]
+
+
+def _shard(numel, world_size=2, alignment=8):
+    return -(-numel // (world_size * alignment)) * (world_size * alignment) // world_size
+
+
+def _mixed_layout():
+    specs = [ParamSpec(0, str(dtype), numel) for dtype, numel in MIXED]
+    return build_layout(specs, world_size=2, bucket_numel=1, alignment=8), [dtype for dtype, _ in MIXED]
+
+
+def test_staging_sizes_are_the_largest_shard_of_each_16bit_dtype():
+    """Catches: the bucket's numel or padded size taken for its shard; the last bucket's shard instead of the
+    largest; fp32 or fp64 buckets given staging buffers (their masters need no conversion)."""
+    layout, dtypes = _mixed_layout()
+    assert staging_sizes(layout, dtypes) == {torch.bfloat16: _shard(70), torch.float16: _shard(10)}
+
+
+def test_host_buffers_give_each_bucket_its_own_master_and_gradient_and_two_staging_buffers_per_16bit_dtype():
+    """Per bucket a master and a gradient shard of its shard size in fp32 (fp64 for fp64 parameters), per
+    16-bit dtype two staging buffers of that dtype, all disjoint, in one arena of exactly their bytes.
+    Catches: the master and the gradient shard of a bucket sharing memory (the step would read its own
+    output), a bf16 master (ZeRO-Offload keeps fp32 on the host), a staging buffer missing."""
+    layout, dtypes = _mixed_layout()
+    arena, masters, grads, staging = host_buffers(layout, dtypes, pin_device=None)
+    by_bucket = [(MIXED[b.param_indices[0]], b) for b in layout.buckets]
+    for (dtype, numel), master, grad in zip((m for m, _ in by_bucket), masters, grads):
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        assert master.dtype == grad.dtype == wide and master.numel() == grad.numel() == _shard(numel)
+    assert sorted(staging, key=str) == [torch.bfloat16, torch.float16]
+    assert [(t.dtype, t.numel()) for t in staging[torch.bfloat16]] == [(torch.bfloat16, _shard(70))] * 2
+    assert [(t.dtype, t.numel()) for t in staging[torch.float16]] == [(torch.float16, _shard(10))] * 2
+    tensors = masters + grads + staging[torch.bfloat16] + staging[torch.float16]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    masters_and_grads = sum(2 * _shard(n) * (8 if d == torch.float64 else 4) for d, n in MIXED)
+    expected = masters_and_grads + 2 * 2 * (_shard(70) + _shard(10))  # two 2-byte staging buffers per dtype
+    assert expected == sum(t.numel() * t.element_size() for t in tensors)
+    assert expected <= arena.nbytes < expected + mmap.PAGESIZE

@@ -101,3 +101,46 @@ def test_mismatched_state_is_refused(runs):
         assert "saved by rank" in errors["other_rank"]
         assert "param groups do not match" in errors["plain"]  # (a full torch state of other groups)
         assert "layout" in errors["other_model"] and "layout" in errors["other_groups"]
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [1, 256, 4096])
+def test_a_low_bit_pieces_scales_and_map_are_piece_level_whatever_its_length(length):
+    """bitsandbytes' state of a piece of ``length`` elements: ``qmap1`` has 256 entries and ``absmax1`` one per
+    block of 256, so a 256-element piece's map (or a 1-element piece's scale) has the piece's shape. Catches:
+    either filed as per-element state (resharded element by element, its block structure lost)."""
+    from zeroimpl.state_format import split_state
+
+    state = {"step": torch.tensor(1.0), "state1": torch.zeros(length, dtype=torch.uint8),
+             "qmap1": torch.linspace(-1, 1, 256), "absmax1": torch.ones(-(-length // 256))}
+    elementwise, scalars, piece_level = split_state(state, (length,), whole=True)
+    assert set(elementwise) == {"state1"} and set(scalars) == {"step"} and set(piece_level) == {"qmap1", "absmax1"}
+
+
+class _OtherSubclass(torch.Tensor):
+    """A tensor subclass of unknown layout (it declares the flatten protocol, as torchao's states do)."""
+
+    def __tensor_flatten__(self):
+        return [], None
+
+
+def test_optimizer_state_of_an_unknown_tensor_subclass_is_refused_by_name():
+    """Checkpoints store torchao's three quantized state classes part by part; any other subclass's layout is
+    unknown, so splitting it into per-element and per-block parts would be a guess: refused, naming it."""
+    from zeroimpl.checkpoint import CheckpointError
+    from zeroimpl.state_format import split_state
+
+    state = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(8).as_subclass(_OtherSubclass)}
+    with pytest.raises(CheckpointError, match="'exp_avg' is a _OtherSubclass .*cannot reshard"):
+        split_state(state, (8,), whole=True)
+
+
+def test_a_state_key_that_merely_ends_like_a_stored_part_is_not_taken_for_one():
+    """A stored torchao value's recipe is ``key/tensor`` holding (class name, signed, dtype); a user's own state
+    under such a key name, of another kind, is checked as any state (a string is neither per element nor a
+    scalar: refused at save time, not mistaken for a recipe that fails on load)."""
+    from zeroimpl.checkpoint import CheckpointError
+    from zeroimpl.state_format import split_state
+
+    with pytest.raises(CheckpointError, match="'foo/tensor'.*neither one value per element nor a scalar"):
+        split_state({"step": torch.tensor(1.0), "foo/tensor": "abc"}, (8,), whole=False)

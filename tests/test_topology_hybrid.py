@@ -227,3 +227,15 @@ def _one_dimensional(rank, world_size):
 def test_a_one_dimensional_mesh_is_its_group():
     for on_the_mesh, on_the_group in run_distributed(2, _one_dimensional):
         assert bitwise_equal(on_the_mesh, on_the_group)
+
+
+# -- in process --------------------------------------------------------------------------------------------------
+def test_the_topology_carries_the_parameters_device_for_its_object_all_gathers():
+    """Catches: the checkpoint's and construction's agreements gathered on the current GPU (GPU 0 on every rank
+    of a script that never calls torch.cuda.set_device) instead of the parameters' (frozen ones do not count)."""
+    from zeroimpl.topology import resolve_topology
+
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    trainable = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    groups = [{"params": [frozen]}, {"params": [trainable]}]
+    assert resolve_topology(None, None, groups, None).device == torch.device("meta")

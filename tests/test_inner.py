@@ -1,17 +1,12 @@
-"""In-process unit tests of the step's parts that need no process group: the inner optimizers over pieces, the
-gradient stores and the step's loss-scaling facts. Each names the rule it checks; the references are
-torch's own optimizers and plain tensor arithmetic."""
+"""The inner optimizers over this rank's pieces (zeroimpl.inner), in process: they number their state as one torch
+optimizer over the same groups, step a piece as torch steps it, and follow the outer groups' hyperparameters.
+References: torch's own optimizers."""
 
-from __future__ import annotations
-
-import pytest
 import torch
 
 from zeroimpl.buffers import flatten_params
-from zeroimpl.grad_shards import DeviceGradientShards, HostGradientShards, ShardFill
 from zeroimpl.inner import InnerOptimizers, PieceMasters, step_pieces
 from zeroimpl.layout import ParamSpec, build_layout
-from zeroimpl.step_checks import loss_scaling_misuse
 
 
 def _params(shapes, seed=0):
@@ -24,7 +19,6 @@ def _grads_like(params, seed=1):
     return [torch.randn(p.shape, generator=generator) for p in params]
 
 
-# -- inner optimizers ----------------------------------------------------------------------------------
 def test_inner_optimizers_number_state_as_one_torch_optimizer_over_the_same_groups():
     """Two classes, groups interleaved (AdamW, SGD, AdamW): state_dict numbers the tensors through the groups
     in order, as one torch optimizer over the same groups would, and a round trip restores every value."""
@@ -101,79 +95,19 @@ def test_piece_masters_view_the_master_shard_and_skip_pieces_without_a_gradient(
     assert all(torch.equal(g, torch.zeros_like(m)) for bucket in zeros.values() for m, g in bucket)
 
 
-# -- gradient stores -------------------------------------------------------------------------------------
-def test_device_store_takes_the_first_reduction_as_is_and_sums_the_rest():
-    store = DeviceGradientShards(2)
-    first, second = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25])
-    store.add(1, first)
-    assert store.ready()[1] is first and store.ready()[0] is None and store.has_gradients
-    store.add(1, second)
-    assert torch.equal(store.ready()[1], torch.tensor([1.5, 2.25]))
-    store.clear(set_to_none=False)
-    assert torch.equal(store.ready()[1], torch.zeros(2)) and store.ready()[0] is None
-    store.clear(set_to_none=True)
-    assert not store.has_gradients
-
-
-def test_host_store_moves_device_sums_over_when_ready_is_called_inside_accumulating():
-    """step() inside accumulating(): the sums kept on the device must reach the host shards, not be dropped."""
-    store = HostGradientShards(torch.device("cpu"), [torch.zeros(2), torch.zeros(3)])
-    with store.accumulating():
-        store.add(0, torch.tensor([1.0, 2.0]))
-        store.add(0, torch.tensor([1.0, 1.0]))
-        store.add(1, torch.tensor([3.0, 0.0, 1.0]))
-        assert store.has_gradients and store.device_tensors()
-        ready = store.ready()
-    assert torch.equal(ready[0], torch.tensor([2.0, 3.0])) and torch.equal(ready[1], torch.tensor([3.0, 0.0, 1.0]))
-    assert not store.device_tensors()
-
-
-def test_host_store_sums_filled_shards_and_overwrites_zeroed_ones():
-    store = HostGradientShards(torch.device("cpu"), [torch.zeros(2)])
-    store.add(0, torch.tensor([1.0, 1.0]))
-    store.add(0, torch.tensor([2.0, 0.0]))  # not accumulating: summed on the host
-    assert torch.equal(store.ready()[0], torch.tensor([3.0, 1.0]))
-    store.clear(set_to_none=False)  # a zero gradient that the next reduction replaces
-    assert torch.equal(store.ready()[0], torch.zeros(2)) and store.has_gradients
-    store.add(0, torch.tensor([5.0, 6.0]))
-    assert torch.equal(store.ready()[0], torch.tensor([5.0, 6.0]))
-    store.clear(set_to_none=True)
-    assert store.ready() == [None] and not store.has_gradients
-
-
-def test_host_store_fill_states_follow_their_rules():
-    store = HostGradientShards(torch.device("cpu"), [torch.zeros(1), torch.zeros(1)])
-    store.add(0, torch.ones(1))
-    store.clear(set_to_none=False)
-    ready = store.ready()  # ZEROED: a zero gradient, stepped as zeros; EMPTY stays empty: not stepped
-    assert torch.equal(ready[0], torch.zeros(1)) and ready[1] is None
-    assert [fill.value for fill in ShardFill] == ["empty", "filled", "zeroed"]
-
-
-def test_accumulating_restores_the_previous_setting_even_on_error():
-    store = HostGradientShards(torch.device("cpu"), [torch.zeros(1)])
-    with pytest.raises(ValueError):
-        with store.accumulating():
-            with store.accumulating():
-                pass
-            store.add(0, torch.ones(1))
-            assert store.device_tensors()  # still accumulating: kept on the device
-            raise ValueError
-    store.add(0, torch.ones(1))  # no longer: the sum crosses to the host
-    assert not store.device_tensors() and torch.equal(store.ready()[0], torch.full((1,), 2.0))
-
-
-# -- step facts ----------------------------------------------------------------------------------------------
-def test_loss_scaling_refuses_an_unscaled_loss_and_a_backward_after_unscaling():
-    assert "optimizer.backward(loss)" in loss_scaling_misuse(loss_scaled=False, unscaled=False)
-    assert "between clip_grad_norm_" in loss_scaling_misuse(loss_scaled=True, unscaled=True)
-    assert loss_scaling_misuse(loss_scaled=True, unscaled=False) is None
-
-
-
-def test_checkpoint_functions_refuse_swapped_arguments_by_name():
-    from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
-    model = torch.nn.Linear(2, 2)
-    for function in (save_checkpoint, load_checkpoint):
-        with pytest.raises(TypeError, match=r"\(directory, optimizer, model\).*got Linear and Linear"):
-            function("unused", model, model)
+def test_follow_takes_only_changed_outer_values_so_a_users_betas_outlive_an_old_momentum():
+    """SGD (momentum) and AdamW (betas) groups: a momentum written once into the AdamW group goes to betas[0];
+    betas the user sets afterwards must win, because that momentum did not change since."""
+    sgd_param, adamw_param = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    outer = [{"params": [sgd_param], "lr": 0.1, "momentum": 0.9}, {"params": [adamw_param], "lr": 0.01}]
+    inner = InnerOptimizers([{"params": [sgd_param]}, {"params": [adamw_param]}], [torch.optim.SGD, torch.optim.AdamW],
+                            {torch.optim.SGD: {"lr": 0.1, "momentum": 0.9}, torch.optim.AdamW: {"lr": 0.01}})
+    inner.fill_defaults(outer)
+    outer[1]["momentum"] = 0.8  # a momentum scheduler over both classes writes `momentum` into every group
+    inner.follow(outer)
+    assert inner.param_groups[1]["betas"][0] == 0.8
+    inner.report(outer)  # (after the step)
+    outer[1]["betas"] = (0.5, 0.99)  # then the user sets betas directly
+    inner.follow(outer)
+    assert inner.param_groups[1]["betas"] == (0.5, 0.99)
+    assert inner.param_groups[0]["momentum"] == 0.9  # unchanged outer values change nothing
