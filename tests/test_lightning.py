@@ -141,16 +141,17 @@ def _lightning_module(prebuilt_options=None, manual=False):
 
 
 def fit(rank, strategy, directory=None, ckpt_path=None, devices=2, prebuilt_options=None, save_top_k=None,
-        manual=False, **trainer_kwargs):
-    """One Trainer.fit, with a ModelCheckpoint after every epoch that keeps ``save_top_k`` (``None``: none);
-    returns this rank's weights and buffers, losses, learning rates and what was trained."""
+        manual=False, save_last=None, **trainer_kwargs):
+    """One Trainer.fit, with a ModelCheckpoint after every epoch that keeps ``save_top_k`` (``None``: none) and
+    ``save_last``; returns this rank's weights and buffers, losses, learning rates and what was trained."""
     import lightning
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     torch.manual_seed(rank)  # other initial weights per rank: the strategy broadcasts rank 0's, as DDP does
     module = _lightning_module(prebuilt_options, manual)
     save = save_top_k is not None
-    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=save_top_k, every_n_epochs=1)] if save else []
+    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=save_top_k, every_n_epochs=1,
+                                 save_last=save_last)] if save else []
     world = torch.distributed.group.WORLD
     trainer = lightning.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=EPOCHS,
                                 enable_progress_bar=False, logger=False, enable_model_summary=False,
@@ -180,11 +181,11 @@ def _fp16_plugin():
 
 
 def _resumed_without_shards(rank, saved: str, copy: str, resume) -> str:
-    """``saved`` copied to ``copy`` without its shard folder, then ``resume(copy)``: the FileNotFoundError's message
-    (it must raise on every rank, naming the folder)."""
+    """The checkpoint directory ``saved`` copied to ``copy`` without its shard folders, then ``resume(copy)``: the
+    FileNotFoundError's message (it must raise on every rank, naming the folder)."""
     if rank == 0:
-        os.makedirs(os.path.dirname(copy), exist_ok=True)
-        shutil.copy(saved, copy)
+        shutil.copytree(saved, copy, ignore=lambda folder, names: [
+            name for name in names if os.path.isdir(os.path.join(folder, name))])
     torch.distributed.barrier()
     try:
         resume(copy)
@@ -201,8 +202,9 @@ def _missing_shards(rank, shared):
 
 
 def _checkpoint_contents(path):
-    checkpoint = torch.load(path, weights_only=True)
-    return {"shards": sorted(os.listdir(path + ".zeroimpl/optimizer-0")), "record": checkpoint["zeroimpl"],
+    checkpoint = torch.load(os.path.join(path, "lightning.ckpt"), weights_only=True)
+    return {"listing": sorted(os.listdir(path)), "shards": sorted(os.listdir(os.path.join(path, "optimizer-0"))),
+            "record": checkpoint["zeroimpl"],
             "optimizer_states": checkpoint["optimizer_states"], "has_scheduler": bool(checkpoint["lr_schedulers"])}
 
 
@@ -260,7 +262,7 @@ def _trainer_cases(rank, shared):
     folder = partial(os.path.join, shared)
     return {
         "ddp": lambda: run(DDPStrategy()),
-        "zero1": lambda: run("zero1", folder("zero1"), save_top_k=1),
+        "zero1": lambda: run("zero1", folder("zero1"), save_top_k=1, save_last="link"),
         "zero2": lambda: run("zero2", folder("zero2"), save_top_k=-1),
         "zero2_offload": lambda: run("zero2_offload"),
         "prebuilt": lambda: run("zero1", prebuilt_options={"stage": 2}),
@@ -290,7 +292,8 @@ def _trainer_cases(rank, shared):
         "two_optimizers_resumed": lambda: _two_optimizers(folder("two_optimizers_resumed"),
                                                           folder("two_optimizers", "epoch=0-step=8.ckpt")),
         "checkpoint": lambda: _checkpoint_contents(folder("zero2", "epoch=0-step=4.ckpt")),
-        "kept_one": lambda: sorted(os.listdir(folder("zero1"))),
+        "kept_one": lambda: [(name, os.path.isdir(folder("zero1", name)), os.path.islink(folder("zero1", name)))
+                             for name in sorted(os.listdir(folder("zero1")))],
         "missing_shards": lambda: _missing_shards(rank, shared),
         "fp16_parameters": lambda: _refused(partial(run, "zero2", precision="16-true")),
     }
@@ -538,24 +541,26 @@ def test_strategy_ddp_with_a_stage_1_sharded_optimizer_trains_and_resumes_bitwis
     assert shapes == sorted(tuple(p.shape) for p in build_net().parameters())
 
 
-def test_trainer_checkpoint_holds_every_rank_shard(ranks):
-    """The Lightning file keeps a placeholder for the optimizer; its folder holds both ranks' shards."""
+def test_trainer_checkpoint_is_a_directory_of_the_lightning_file_and_every_rank_shard(ranks):
+    """The checkpoint path is a directory, as Lightning's DeepSpeed and FSDP strategies make it: the Lightning file
+    (a placeholder for the optimizer) and the optimizer's folder of both ranks' shards."""
     for contents in case_results(ranks[0], "checkpoint"):
+        assert contents["listing"] == ["lightning.ckpt", "optimizer-0"]
         assert contents["shards"] == ["index.pt", "model-extras.pt", "rank-00000.pt", "rank-00001.pt"]
-        assert contents["record"] == {"directory": "epoch=0-step=4.ckpt.zeroimpl", "optimizers": ["optimizer-0"],
-                                      "world_size": 2}
+        assert contents["record"] == {"optimizers": ["optimizer-0"], "world_size": 2}
         assert list(contents["optimizer_states"][0]) == ["zeroimpl"] and contents["has_scheduler"]
 
 
 def test_trainer_removes_the_shards_of_a_checkpoint_it_drops(ranks):
-    """ModelCheckpoint(save_top_k=1) removes the first epoch's checkpoint, and its shard folder with it."""
+    """ModelCheckpoint(save_top_k=1, save_last="link") removes the first epoch's checkpoint directory, shards and
+    all, and links last.ckpt to the second's."""
     for listing in case_results(ranks[0], "kept_one"):
-        assert listing == ["epoch=1-step=8.ckpt", "epoch=1-step=8.ckpt.zeroimpl"]
+        assert listing == [("epoch=1-step=8.ckpt", True, False), ("last.ckpt", True, True)]
 
 
 def test_trainer_resume_without_shards_raises(ranks):
     for message in case_results(ranks[0], "missing_shards"):
-        assert "epoch=0.ckpt" in message and "is missing" in message and ".zeroimpl" in message
+        assert "epoch=0.ckpt" in message and "is missing" in message and "optimizer-0" in message
 
 
 def test_trainer_refuses_fp16_parameters(ranks):
@@ -657,8 +662,8 @@ def test_fabric_clips_the_unscaled_fp16_gradients(ranks):
 
 def test_fabric_save_and_load(ranks):
     """fabric.save after epoch 0 and fabric.load into a new model and optimizer: the state's plain value (the epoch
-    to start from) comes back, and the second epoch is bitwise the uninterrupted run's; a copy of the file without
-    its .zeroimpl folder raises on load."""
+    to start from) comes back, and the second epoch is bitwise the uninterrupted run's; a copy of the checkpoint
+    directory without its shard folders raises on load."""
     two, _ = ranks
     for resumed, whole in zip(case_results(two, ("fabric", "resumed")), case_results(two, ("fabric", "zero2"))):
         assert resumed["losses"] == whole["losses"][len(whole["losses"]) // 2:]

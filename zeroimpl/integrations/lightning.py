@@ -27,12 +27,13 @@ with every place that assumes a ``DistributedDataParallel`` wrapper replaced:
   turns ``precision="16-mixed"`` on CPU into ``"bf16-mixed"``; pass ``plugins=MixedPrecision("16-mixed", "cpu")``
   for fp16 there. Parameters in fp16 (``"16-true"``) would need ShardedOptimizer's own loss scaling, which
   Lightning does not call: refused at setup.
-* **Checkpoints** keep every rank's shard. Lightning writes rank 0's ``optimizer.state_dict()`` alone; here
-  every rank writes its own shard with :func:`zeroimpl.checkpoint.save_checkpoint` into a folder beside the
-  Lightning checkpoint, ``<checkpoint>.zeroimpl/<optimizer>/``, and the Lightning file keeps everything else
-  (weights, loops, schedulers, callbacks, the GradScaler) with a placeholder for the optimizer that names the
-  folder. Resuming loads the shards with :func:`~zeroimpl.checkpoint.load_checkpoint`, on any number of
-  devices; a checkpoint without its folder raises, it never starts the optimizer afresh.
+* **Checkpoints** keep every rank's shard. Lightning writes rank 0's ``optimizer.state_dict()`` alone; here the
+  checkpoint path is a directory, as Lightning's DeepSpeed and FSDP strategies make it: every rank writes its own
+  shard with :func:`zeroimpl.checkpoint.save_checkpoint` into ``<checkpoint>/<optimizer>/``, and rank 0 the
+  Lightning file ``<checkpoint>/lightning.ckpt`` with everything else (weights, loops, schedulers, callbacks, the
+  GradScaler) and a placeholder for the optimizer. Resuming loads the shards with
+  :func:`~zeroimpl.checkpoint.load_checkpoint`, on any number of devices; a checkpoint without its shards raises,
+  it never starts the optimizer afresh. Lightning removes and links the directory as it does a file.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import contextlib
 import functools
 import inspect
 import os
-import shutil
 import weakref
 from datetime import timedelta
 from typing import Any, Iterable, Optional, Union
@@ -64,8 +64,8 @@ from zeroimpl import CPUOffload, ShardedOptimizer, sync_module_states
 from zeroimpl.module_buffers import BufferBroadcast, no_sync
 from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
 
-SHARDS_SUFFIX = ".zeroimpl"  # the shard folder beside a Lightning checkpoint: <checkpoint>.zeroimpl/
-CHECKPOINT_KEY = "zeroimpl"  # in the Lightning checkpoint: which folder holds the optimizer shards
+LIGHTNING_FILE = "lightning.ckpt"  # in a checkpoint directory: what Lightning itself saves (rank 0)
+CHECKPOINT_KEY = "zeroimpl"  # in the Lightning file: which optimizers' shards the directory holds
 # name -> ShardedOptimizer options, registered for Trainer and Fabric alike
 REGISTERED = {"zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero2_offload": {"stage": 2, "offload": "cpu"}}
 # ShardedOptimizer's own keywords: everything else it takes goes to the inner optimizer class
@@ -134,36 +134,36 @@ def track_step_calls(optimizer: Optimizer) -> None:
 
 
 # -- checkpoints ------------------------------------------------------------------------------------
-def shards_directory(checkpoint_path: Union[str, os.PathLike]) -> str:
-    """The folder beside ``checkpoint_path`` for its optimizer shards (through a ``last.ckpt`` link: beside the
-    file it links to)."""
-    return os.path.realpath(os.fspath(checkpoint_path)) + SHARDS_SUFFIX
+def lightning_file(checkpoint_path: Union[str, os.PathLike]) -> str:
+    """The Lightning file to read for ``checkpoint_path``: the one inside a zeroimpl checkpoint directory, else the
+    path itself (a file saved by another strategy)."""
+    path = os.fspath(checkpoint_path)
+    return os.path.join(path, LIGHTNING_FILE) if os.path.isdir(path) else path
 
 
-def save_shards(checkpoint_path, optimizers: dict[str, ShardedOptimizer], modules: list[torch.nn.Module]) -> dict:
-    """Every rank writes its shard of each optimizer to ``<checkpoint>.zeroimpl/<name>/``. Collective. Returns what
-    the Lightning checkpoint records under :data:`CHECKPOINT_KEY`."""
-    directory = shards_directory(checkpoint_path)
+def save_shards(directory, optimizers: dict[str, ShardedOptimizer], modules: list[torch.nn.Module]) -> dict:
+    """Every rank writes its shard of each optimizer to ``<directory>/<name>/``. Collective. Returns what the
+    Lightning file records under :data:`CHECKPOINT_KEY`."""
     for name, optimizer in optimizers.items():
-        save_checkpoint(os.path.join(directory, name), optimizer, model_of(optimizer, modules))
-    return {"directory": os.path.basename(directory), "optimizers": sorted(optimizers),
-            "world_size": dist.get_world_size()}
+        save_checkpoint(os.path.join(os.fspath(directory), name), optimizer, model_of(optimizer, modules))
+    return {"optimizers": sorted(optimizers), "world_size": dist.get_world_size()}
 
 
 def load_shards(checkpoint_path, record: Optional[dict], optimizers: dict[str, ShardedOptimizer],
                 modules: list[torch.nn.Module]) -> None:
-    """Restore each optimizer from the folder ``record`` names beside ``checkpoint_path``. Collective. Raises,
-    naming the checkpoint, when it holds no shards or the folder is missing."""
+    """Restore each optimizer from its folder in the checkpoint directory ``checkpoint_path``, whose Lightning file
+    holds ``record``. Collective. Raises on every rank, naming the checkpoint, when it holds no shards or a folder
+    is missing."""
     if record is None:
         raise RuntimeError(f"{checkpoint_path} holds no zeroimpl optimizer shards (it was saved by another "
                            "strategy, or with save_weights_only), so the optimizer state cannot be resumed: resume "
                            "from a checkpoint saved with the zeroimpl strategy, or load only the weights "
-                           "(LightningModule.load_from_checkpoint) and start the optimizer afresh")
-    directory = os.path.join(os.path.dirname(os.path.realpath(os.fspath(checkpoint_path))), record["directory"])
+                           f"(LightningModule.load_from_checkpoint of its {LIGHTNING_FILE}) and start the optimizer "
+                           "afresh")
     for name, optimizer in optimizers.items():
-        folder = os.path.join(directory, name)
+        folder = os.path.join(os.fspath(checkpoint_path), name)
         missing = (f"{checkpoint_path}: the optimizer shards of {name!r} should be in {folder}, which is missing; "
-                   "copy the checkpoint's .zeroimpl folder along with it")
+                   "copy the whole checkpoint directory")
         if name not in record["optimizers"]:
             raise FileNotFoundError(missing)
         load_checkpoint(folder, optimizer, model_of(optimizer, modules), missing=missing)
@@ -237,7 +237,6 @@ class ZeroStrategy(DDPStrategy):
         self.zero_options = check_options({"stage": stage, "offload": offload, **options}, type(self).__name__)
         self.broadcast_buffers = broadcast_buffers
         self.buffers: Optional[BufferBroadcast] = None
-        self.resumed_from: Optional[str] = None  # the path of the checkpoint being restored
 
     @property
     def precision_plugin(self) -> Precision:
@@ -304,28 +303,23 @@ class ZeroStrategy(DDPStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
         """A placeholder: the state is written per rank by :meth:`save_checkpoint`."""
-        return {CHECKPOINT_KEY: "sharded: every rank's part is in the .zeroimpl folder beside this checkpoint"}
+        return {CHECKPOINT_KEY: "sharded: every rank's part is in its folder of this checkpoint directory"}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """Collective (Lightning calls it on every rank): the shards first, then rank 0's Lightning file."""
+        """Collective (Lightning calls it on every rank): ``filepath`` is a directory, the shards first, then rank
+        0's Lightning file in it."""
         if "optimizer_states" in checkpoint and self.optimizers:  # not save_weights_only
             optimizers = {f"optimizer-{index}": opt for index, opt in enumerate(self.sharded_optimizers)}
             checkpoint[CHECKPOINT_KEY] = save_shards(filepath, optimizers, [self.lightning_module])
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def remove_checkpoint(self, filepath) -> None:
-        # a link (ModelCheckpoint's save_last="link") shares its target's folder, which stays
-        if self.is_global_zero and not os.path.islink(filepath):
-            shutil.rmtree(shards_directory(filepath), ignore_errors=True)
-        super().remove_checkpoint(filepath)
+        super().save_checkpoint(checkpoint, os.path.join(os.fspath(filepath), LIGHTNING_FILE), storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        self.resumed_from = os.fspath(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return super().load_checkpoint(lightning_file(checkpoint_path), weights_only=weights_only)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         optimizers = {f"optimizer-{index}": opt for index, opt in enumerate(self.sharded_optimizers)}
-        load_shards(self.resumed_from, checkpoint.get(CHECKPOINT_KEY), optimizers, [self.lightning_module])
+        load_shards(self.lightning_module.trainer.ckpt_path, checkpoint.get(CHECKPOINT_KEY), optimizers,
+                    [self.lightning_module])
 
     def teardown(self) -> None:
         self.buffers = None
@@ -414,28 +408,30 @@ class FabricZeroStrategy(FabricDDPStrategy):
         return super().get_module_state_dict(module)
 
     def save_checkpoint(self, path, state: dict, storage_options: Optional[Any] = None, filter=None) -> None:
-        """Collective (``fabric.save`` runs on every rank): each ShardedOptimizer in ``state`` is written per rank
-        to ``<path>.zeroimpl/<key>/`` and stands in the file as a placeholder."""
+        """Collective (``fabric.save`` runs on every rank): ``path`` is a directory; each ShardedOptimizer in ``state``
+        is written per rank to ``<path>/<key>/`` and stands as a placeholder in rank 0's ``<path>/lightning.ckpt``."""
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, ShardedOptimizer)}
         if optimizers:
-            state = {key: ({CHECKPOINT_KEY: "sharded: see the .zeroimpl folder beside this file"}
+            state = {key: ({CHECKPOINT_KEY: "sharded: see its folder in this checkpoint directory"}
                            if key in optimizers else obj) for key, obj in state.items()}
             state[CHECKPOINT_KEY] = save_shards(path, optimizers, self.modules)
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        super().save_checkpoint(os.path.join(os.fspath(path), LIGHTNING_FILE), state, storage_options=storage_options,
+                                filter=filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
         """As Fabric's, with each ShardedOptimizer in ``state`` restored from its shards (after the modules)."""
         if isinstance(state, ShardedOptimizer):
             raise TypeError("a sharded optimizer cannot load from one state file: load it with its model, "
                             "fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        file = lightning_file(path)
         if not isinstance(state, dict):
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+            return super().load_checkpoint(file, state, strict=strict, weights_only=weights_only)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, ShardedOptimizer)}
         rest = {key: obj for key, obj in state.items() if key not in optimizers}
         if not rest:  # Fabric's own load would hand back the whole checkpoint and restore nothing
-            checkpoint = super().load_checkpoint(path, None, strict=strict, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(file, None, strict=strict, weights_only=weights_only)
         else:
-            checkpoint = super().load_checkpoint(path, rest, strict=strict, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(file, rest, strict=strict, weights_only=weights_only)
             state.update(rest)  # the plain values Fabric's load set in ``rest``
         if optimizers:
             load_shards(path, checkpoint.pop(CHECKPOINT_KEY, None), optimizers, self.modules)
@@ -467,5 +463,4 @@ def _register_names(strategy_class: type, registry) -> None:
 ZeroStrategy.register_strategies(StrategyRegistry)
 FabricZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
-__all__ = ["ZeroStrategy", "FabricZeroStrategy", "sharded_like", "shards_directory",
-           "REGISTERED"]
+__all__ = ["ZeroStrategy", "FabricZeroStrategy", "sharded_like", "lightning_file", "REGISTERED"]
