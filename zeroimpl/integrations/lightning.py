@@ -178,6 +178,49 @@ def model_of(optimizer: ShardedOptimizer, modules: list[torch.nn.Module]) -> tor
                        "with the strategy before saving or loading its optimizer")
 
 
+# -- what both strategies share --------------------------------------------------------------------
+class ShardedStrategy:
+    """What the Trainer and Fabric strategies share, mixed in before Lightning's ``DDPStrategy`` of each:
+    ShardedOptimizer's options, the optimizers rebuilt as ShardedOptimizers (schedulers re-pointed), the
+    parameter all-gathers finished before the framework reads the weights, and the names they register as.
+    Each strategy holds its ShardedOptimizers as ``sharded_optimizers``."""
+
+    sharded_optimizers: list[ShardedOptimizer]
+
+    def _take_options(self, stage: int, offload: Union[None, str, CPUOffload], broadcast_buffers: bool,
+                     options: dict) -> None:
+        """The strategy's own arguments (refusing a keyword ShardedOptimizer does not take)."""
+        self.zero_options = check_options({"stage": stage, "offload": offload, **options}, type(self).__name__)
+        self.broadcast_buffers = broadcast_buffers
+
+    def _shard_optimizers(self, optimizers: list[Optimizer], schedulers: Iterable[Any]) -> list[ShardedOptimizer]:
+        """Each of ``optimizers`` as a ShardedOptimizer (:func:`sharded_like`), refused where it would scale the loss
+        itself; each of ``schedulers`` built over one of them re-pointed at its replacement."""
+        sharded = [sharded_like(optimizer, self.zero_options) for optimizer in optimizers]
+        for optimizer in sharded:
+            check_loss_scaling(optimizer)
+        repoint_schedulers(schedulers, {id(old): new for old, new in zip(optimizers, sharded)})
+        return sharded
+
+    def optimizers_of(self, module: Optional[torch.nn.Module] = None) -> list[ShardedOptimizer]:
+        """The ShardedOptimizers that train parameters of ``module`` (``None``: all of them)."""
+        return [o for o in self.sharded_optimizers if module is None or o.trains(module)]
+
+    def finish_param_gathers(self, module: Optional[torch.nn.Module] = None) -> None:
+        """Before the framework reads the weights (of ``module``; ``None``: of every module): the parameter
+        all-gathers the last step left in flight are finished."""
+        for optimizer in self.optimizers_of(module):
+            optimizer.finish_param_gathers()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Lightning's and Fabric's registration hook: the names of :data:`REGISTERED` (DDPStrategy's own, which
+        the class would inherit, would name it "ddp")."""
+        for name, options in REGISTERED.items():
+            strategy_registry.register(name, cls, description=f"zeroimpl ShardedOptimizer, {options}",
+                                       override=True, **options)
+
+
 # -- Trainer ----------------------------------------------------------------------------------------
 class ShardedClipping:
     """Mixed into the Trainer's precision plugin: clipping by norm is the optimizer's global
@@ -206,7 +249,7 @@ def sharded_precision(plugin: Precision) -> Precision:
     return copy
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(ShardedStrategy, DDPStrategy):
     """``lightning.pytorch.Trainer`` strategy: data parallel training with a :class:`~zeroimpl.ShardedOptimizer` in
     place of DistributedDataParallel (see the module docstring for how each DDP hook is replaced).
 
@@ -234,8 +277,7 @@ class ZeroStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
-        self.zero_options = check_options({"stage": stage, "offload": offload, **options}, type(self).__name__)
-        self.broadcast_buffers = broadcast_buffers
+        self._take_options(stage, offload, broadcast_buffers, options)
         self.buffers: Optional[BufferBroadcast] = None
 
     @property
@@ -249,6 +291,11 @@ class ZeroStrategy(DDPStrategy):
     @property
     def sharded_optimizers(self) -> list[ShardedOptimizer]:
         return [opt for opt in self.optimizers if isinstance(opt, ShardedOptimizer)]
+
+    @property
+    def _named_optimizers(self) -> dict[str, ShardedOptimizer]:
+        """Each ShardedOptimizer by the name of its folder in a checkpoint directory: ``optimizer-<i>``."""
+        return {f"optimizer-{index}": opt for index, opt in enumerate(self.sharded_optimizers)}
 
     # -- setup: DDPStrategy.setup without the DDP wrapper and without moving optimizer state to the device
     def setup(self, trainer) -> None:
@@ -266,12 +313,8 @@ class ZeroStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)  # configure_optimizers, parsed by Lightning
-        sharded = [sharded_like(opt, self.zero_options) for opt in self.optimizers]
-        for optimizer in sharded:
-            check_loss_scaling(optimizer)
-        repoint_schedulers([config.scheduler for config in self.lr_scheduler_configs],
-                           {id(old): new for old, new in zip(self.optimizers, sharded)})
-        self.optimizers = sharded
+        self.optimizers = self._shard_optimizers(self.optimizers,
+                                                [config.scheduler for config in self.lr_scheduler_configs])
 
     # -- the DDP hooks ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -297,8 +340,7 @@ class ZeroStrategy(DDPStrategy):
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        for optimizer in self.sharded_optimizers:
-            optimizer.finish_param_gathers()
+        self.finish_param_gathers()
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
@@ -309,27 +351,19 @@ class ZeroStrategy(DDPStrategy):
         """Collective (Lightning calls it on every rank): ``filepath`` is a directory, the shards first, then rank
         0's Lightning file in it."""
         if "optimizer_states" in checkpoint and self.optimizers:  # not save_weights_only
-            optimizers = {f"optimizer-{index}": opt for index, opt in enumerate(self.sharded_optimizers)}
-            checkpoint[CHECKPOINT_KEY] = save_shards(filepath, optimizers, [self.lightning_module])
+            checkpoint[CHECKPOINT_KEY] = save_shards(filepath, self._named_optimizers, [self.lightning_module])
         super().save_checkpoint(checkpoint, os.path.join(os.fspath(filepath), LIGHTNING_FILE), storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         return super().load_checkpoint(lightning_file(checkpoint_path), weights_only=weights_only)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        optimizers = {f"optimizer-{index}": opt for index, opt in enumerate(self.sharded_optimizers)}
-        load_shards(self.lightning_module.trainer.ckpt_path, checkpoint.get(CHECKPOINT_KEY), optimizers,
+        load_shards(self.lightning_module.trainer.ckpt_path, checkpoint.get(CHECKPOINT_KEY), self._named_optimizers,
                     [self.lightning_module])
 
     def teardown(self) -> None:
         self.buffers = None
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        """Lightning's registration hook: the names of :data:`REGISTERED` (DDPStrategy's own, which this class
-        would inherit, would name it "ddp")."""
-        _register_names(cls, strategy_registry)
 
 
 # -- Fabric -----------------------------------------------------------------------------------------
@@ -342,11 +376,10 @@ class ShardedBackwardSync(_BackwardSyncControl):
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool):
         if not enabled:
             return contextlib.nullcontext()
-        return no_sync([o for o in self.strategy.sharded_optimizers if o.trains(module)],
-                       self.strategy.buffers.get(id(module)))
+        return no_sync(self.strategy.optimizers_of(module), self.strategy.buffers.get(id(module)))
 
 
-class FabricZeroStrategy(FabricDDPStrategy):
+class FabricZeroStrategy(ShardedStrategy, FabricDDPStrategy):
     """``lightning.fabric.Fabric`` strategy: ``fabric.setup(model, optimizer)`` / ``setup_optimizers`` hand back a
     :class:`~zeroimpl.ShardedOptimizer` and the model unwrapped (see the module docstring).
 
@@ -361,8 +394,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
-        self.zero_options = check_options({"stage": stage, "offload": offload, **options}, type(self).__name__)
-        self.broadcast_buffers = broadcast_buffers
+        self._take_options(stage, offload, broadcast_buffers, options)
         self._backward_sync_control = ShardedBackwardSync(self)  # (private: what fabric.no_backward_sync calls)
         self.modules: list[torch.nn.Module] = []
         self.sharded_optimizers: list[ShardedOptimizer] = []
@@ -370,9 +402,8 @@ class FabricZeroStrategy(FabricDDPStrategy):
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         module = self.setup_module(module)
-        sharded = [self.setup_optimizer(optimizer) for optimizer in optimizers]
-        if scheduler is not None:
-            repoint_schedulers([scheduler], {id(old): new for old, new in zip(optimizers, sharded)})
+        sharded = self._shard_optimizers(optimizers, [] if scheduler is None else [scheduler])
+        self.sharded_optimizers += sharded
         return module, sharded, scheduler
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -384,8 +415,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> ShardedOptimizer:
-        sharded = sharded_like(optimizer, self.zero_options)
-        check_loss_scaling(sharded)
+        (sharded,) = self._shard_optimizers([optimizer], [])
         self.sharded_optimizers.append(sharded)
         return sharded
 
@@ -403,8 +433,7 @@ class FabricZeroStrategy(FabricDDPStrategy):
         return norm
 
     def get_module_state_dict(self, module: torch.nn.Module) -> dict:
-        for optimizer in (o for o in self.sharded_optimizers if o.trains(module)):
-            optimizer.finish_param_gathers()
+        self.finish_param_gathers(module)
         return super().get_module_state_dict(module)
 
     def save_checkpoint(self, path, state: dict, storage_options: Optional[Any] = None, filter=None) -> None:
@@ -444,18 +473,6 @@ class FabricZeroStrategy(FabricDDPStrategy):
             buffers.remove()
         self.buffers = {}
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        """Fabric's registration hook: the names of :data:`REGISTERED` (not DDPStrategy's, which it would inherit)."""
-        _register_names(cls, strategy_registry)
-
-
-def _register_names(strategy_class: type, registry) -> None:
-    """Name ``strategy_class`` in a Lightning strategy registry as each of :data:`REGISTERED`, with its options."""
-    for name, options in REGISTERED.items():
-        registry.register(name, strategy_class, description=f"zeroimpl ShardedOptimizer, {options}", override=True,
-                          **options)
 
 
 # Lightning registers its own strategies through their register_strategies, called once per class in its
