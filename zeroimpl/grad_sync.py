@@ -58,6 +58,12 @@ A *round* is what one backward pass reduces: each bucket once. Its one state mac
 The buckets of a round: those below ``_started`` have started their sync (each an :class:`InFlight` handle
 until finished, then in the store); the others hold the gradients that arrived (``_arrived``) in their buffer.
 
+Its work keeps three rules by construction: every verb (a hook, or a call of the optimizer's) is a
+:func:`reducer_verb`, refused once the reducer has failed and run as one span of its :class:`WorkStream`; every
+collective is issued through :meth:`GradientReducer._issue`, inside ``_own_work`` (whatever fails there leaves the
+reducer ``FAILED``: every later verb raises, naming it), its tensors recorded on the work stream, and kept as one
+:class:`InFlight` (buffer, output, work) until it is waited for (``tests/test_house.py`` holds new code to it).
+
 Besides the values, the reducer records which parameters received a gradient since the last
 ``zero_grad()`` or step (``grad_exists``), so that parameters without one are not stepped, as in torch, and how
 many backward passes reached them (``backward_passes``), which the step's checks compare across ranks.
@@ -66,6 +72,7 @@ many backward passes reached them (``backward_passes``), which the step's checks
 from __future__ import annotations
 
 import enum
+import functools
 import sys
 import weakref
 from collections import deque
@@ -114,6 +121,19 @@ class InFlight(NamedTuple):
         (self.work.wait_on_host if on_host else self.work.wait)()
 
 
+def reducer_verb(joined: bool = True):
+    """A verb of :class:`GradientReducer` (a hook, or what the optimizer calls): refused once the reducer has failed,
+    and run as one span of its work stream (``joined``: :meth:`WorkStream.span`). Its collectives go through
+    :meth:`GradientReducer._issue`, which holds them to ``_own_work``: the three conventions by construction."""
+    def decorate(method):
+        @functools.wraps(method)
+        def refused_if_failed(self, *args, **kwargs):
+            self._refuse_if_failed()
+            return method(self, *args, **kwargs)
+        return on_work_stream(joined)(refused_if_failed)
+    return decorate
+
+
 class GradientReducer:
     """Owns the hooks, the round and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``.
 
@@ -154,6 +174,7 @@ class GradientReducer:
         self.state = RoundState.IDLE
         self._callback: Optional[weakref.ref] = None  # the end-of-backward callback queued for the round
         self._failure: Optional[str] = None  # FAILED: what failed first
+        self._owning = 0  # _own_work blocks open now: collectives may be issued (_issue)
         self._checking_in = False  # this round checked in under Join (its first collectives)
         self._arrived: list[set[int]] = [set() for _ in layout.buckets]  # per bucket: params whose gradient came
         self._started = 0  # buckets below this index have started their sync this round
@@ -194,9 +215,8 @@ class GradientReducer:
         self._after_backward = weakref.WeakMethod(method)
 
     # -- the round ------------------------------------------------------------------------------
-    @on_work_stream(joined=False)  # the compute streams do not wait for the reduction during backward
+    @reducer_verb(joined=False)  # the compute streams do not wait for the reduction during backward
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self._refuse_if_failed()
         bucket_index, param_index = self._bucket_of[id(param)]
         if not self.under_ddp and not self._stepped and self.state is RoundState.IDLE:
             # a round's first gradient before the first step: one look for a DDP wrapper (a scan of the heap)
@@ -302,7 +322,10 @@ class GradientReducer:
     # -- failing fast ---------------------------------------------------------------------------
     @contextmanager
     def _own_work(self) -> Iterator[None]:
-        """Run zeroimpl's own work of the round: whatever it raises leaves the reducer ``FAILED``."""
+        """Run zeroimpl's own work of the round (inside a span of the work stream): whatever it raises leaves the
+        reducer ``FAILED``."""
+        assert self.streams.depth, "the reducer's own work runs inside a span of its work stream (reducer_verb)"
+        self._owning += 1
         try:
             yield
         except UnevenInputsError:
@@ -320,6 +343,17 @@ class GradientReducer:
                 "collectives are no longer those of the other ranks, which will raise CollectiveError at their next "
                 "collective (within collective_timeout); the optimizer cannot go on. Restart the job from the last "
                 "checkpoint (zeroimpl.checkpoint.load_checkpoint)") from error
+        finally:
+            self._owning -= 1
+
+    def _issue(self, queue: deque, bucket_index: int, buffer: Optional[torch.Tensor], output: torch.Tensor,
+               launch: Callable[[], Pending]) -> None:
+        """Issue one collective (``launch()``) and keep it in ``queue`` as one :class:`InFlight` until it is finished.
+        The reducer's only way to issue one: inside ``_own_work`` (a failure leaves the reducer ``FAILED``) and so
+        inside a span of the work stream, its tensors recorded there."""
+        assert self._owning, "the reducer's collectives are issued inside _own_work"
+        self.streams.use(*(t for t in (buffer, output) if t is not None))
+        queue.append(InFlight(bucket_index, buffer, output, launch()))
 
     def _nothing_issued(self) -> bool:
         """Whether this rank has issued no collective this round: the round, left open, closes as a failed
@@ -364,7 +398,7 @@ class GradientReducer:
         assert bucket_index == self._started, (bucket_index, self._started)
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
-        self.streams.use(buffer)
+        self.streams.use(buffer)  # (zeroed below)
         for param_index in bucket.param_indices:
             if param_index not in self._arrived[bucket_index]:
                 slot = self.layout.slots[param_index]
@@ -374,11 +408,11 @@ class GradientReducer:
         else:
             output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
         if self._blocks is None:
-            work = comm.reduce_scatter(output, buffer, self.group, self.timeout, tag=bucket_index)
+            launch = functools.partial(comm.reduce_scatter, output, buffer, self.group, self.timeout, tag=bucket_index)
         else:
-            work = comm.reduce_scatter_quantized(output, buffer, self._blocks[bucket_index], self.group,
-                                                 self.timeout, tag=bucket_index)
-        self._reducing.append(InFlight(bucket_index, buffer, output, work))
+            launch = functools.partial(comm.reduce_scatter_quantized, output, buffer, self._blocks[bucket_index],
+                                       self.group, self.timeout, tag=bucket_index)
+        self._issue(self._reducing, bucket_index, buffer, output, launch)
         self._buffers[bucket_index] = None
         self._started += 1
         while len(self._reducing) > self.max_inflight:  # bound the buffers: wait for the oldest on the host
@@ -395,12 +429,13 @@ class GradientReducer:
             self.gradients.add(reduction.bucket_index, reduction.output)
             return
         if self._replica_blocks is None:
-            work = comm.all_reduce(reduction.output, torch.distributed.ReduceOp.SUM, self.replicate, self.timeout,
-                                   "gradient shard all-reduce across replicas")
+            launch = functools.partial(comm.all_reduce, reduction.output, torch.distributed.ReduceOp.SUM,
+                                       self.replicate, self.timeout, "gradient shard all-reduce across replicas")
         else:
-            work = comm.all_reduce_quantized(reduction.output, self._replica_blocks[reduction.bucket_index],
-                                             self.replicate, self.timeout, tag=reduction.bucket_index)
-        self._replicating.append(InFlight(reduction.bucket_index, None, reduction.output, work))
+            launch = functools.partial(comm.all_reduce_quantized, reduction.output,
+                                       self._replica_blocks[reduction.bucket_index], self.replicate, self.timeout,
+                                       tag=reduction.bucket_index)
+        self._issue(self._replicating, reduction.bucket_index, None, reduction.output, launch)
         while len(self._replicating) > self.max_inflight:
             self._finish_replicated()
 
@@ -417,20 +452,18 @@ class GradientReducer:
             self._finish_replicated()
 
     # -- the optimizer's verbs ------------------------------------------------------------------
-    @on_work_stream()
+    @reducer_verb()
     def finish_grad_sync(self) -> None:
         """Every round of backward finished: close one left open by a reentrant backward or by the user's backward
         that failed (before any other collective: the other ranks issued its reduce-scatters at the end of their
         backward). Raises if the reducer has failed."""
-        self._refuse_if_failed()
         if self._left_open():
             self._close_round()
 
-    @on_work_stream()
+    @reducer_verb()
     def reduce_held_grads(self) -> None:
         """Stage 1: reduce-scatter the gradients ``param.grad`` holds into the store, every bucket in order (the step's
         one reduction). Stage 2: refuse a ``param.grad`` set outside the hooks. After :meth:`finish_grad_sync`."""
-        self._refuse_if_failed()
         if self.under_ddp:
             self._take_averaged_grads()
             self.streams.hand_over(*self.gradients.device_tensors())
@@ -497,11 +530,10 @@ class GradientReducer:
                 "clip_grad_value_ and in-place scaling work on it), or scale the loss. The gradients were cleared; "
                 "nothing was updated")
 
-    @on_work_stream()  # perhaps in a hook of the next backward, on a stream of the forward's
+    @reducer_verb()  # perhaps in a hook of the next backward, on a stream of the forward's
     def forget(self, param_indices: list[int]) -> None:
         """The user cleared these parameters' ``.grad`` (``model.zero_grad()``, ``p.grad = None``): zero their
         elements of the gradient shards and forget that they had a gradient since the last step, as torch would."""
-        self._refuse_if_failed()
         cleared = set(param_indices)
         shards = self.gradients.ready()
         self.streams.use(*(shard for shard in shards if shard is not None))
@@ -532,11 +564,10 @@ class GradientReducer:
             live += [t for t in (reduction.buffer, reduction.output) if t is not None] + list(reduction.work.buffers)
         return live
 
-    @on_work_stream()
+    @reducer_verb()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: ``set_to_none`` forgets the gradients; otherwise every parameter that had a gradient
         (now, or when the last step consumed it) keeps a zero gradient, and is stepped with it."""
-        self._refuse_if_failed()
         with_grad = [p for storage in self.storages for p in storage.params if p.grad is not None]
         self.streams.use(*(p.grad for p in with_grad), *self.gradients.device_tensors())  # (from other streams)
         for param in with_grad:

@@ -47,11 +47,19 @@ class WorkStream:
         self.first: Optional[torch.cuda.Stream] = None
         self.own: Optional[torch.cuda.Stream] = None
         self._caller: Optional[torch.cuda.Stream] = None  # the stream the current span came from
+        self.depth = 0  # spans open now (on CPU too): work that needs one can tell it runs inside one
 
     @contextmanager
     def span(self, joined: bool = True) -> Iterator[None]:
         """Run the body's GPU work after what the current stream has queued and after every earlier span;
         ``joined``: the current stream's later work waits for it too."""
+        self.depth += 1
+        try:
+            yield from self._span(joined)
+        finally:
+            self.depth -= 1
+
+    def _span(self, joined: bool) -> Iterator[None]:
         caller = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if self.own is None and caller is not None:
             if self.first is None:
@@ -91,9 +99,14 @@ def on_work_stream(joined: bool = True):
     def decorate(method):
         @functools.wraps(method)
         def as_span(self, *args, **kwargs):
-            if self.streams.device.type != "cuda":
-                return method(self, *args, **kwargs)
-            with self.streams.span(joined):
+            streams = self.streams
+            if streams.device.type != "cuda":  # (the fast path: only the depth)
+                streams.depth += 1
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    streams.depth -= 1
+            with streams.span(joined):
                 return method(self, *args, **kwargs)
         return as_span
     return decorate
