@@ -183,3 +183,31 @@ def test_tests_share_helpers_through_helper_modules_not_other_tests():
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("test_"):
                 offenders.append(f"{path.name} imports {node.module}")
     assert not offenders, offenders
+
+
+def _methods_that_issue_collectives(path: Path, class_name: str) -> dict[str, list[str]]:
+    """For each method of ``class_name`` in ``path``: the collectives of zeroimpl.comm it names (``comm.<name>``)."""
+    tree = ast.parse(path.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
+    found = {}
+    for method in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+        names = [n.attr for n in ast.walk(method) if isinstance(n, ast.Attribute)
+                 and isinstance(n.value, ast.Name) and n.value.id == "comm" and n.attr != "issues_collectives"]
+        if names:
+            found[method.name] = names
+    return found
+
+
+def test_the_gradient_reducers_collectives_go_through_its_one_issue():
+    """GradientReducer issues a collective only as a launch handed to ``_issue`` (which holds it to ``_own_work``,
+    a span of the work stream and one InFlight): every method that names one of comm's collectives hands it
+    there, and nothing else builds an InFlight. So a collective added elsewhere -- to ``end_step``, say --
+    cannot skip the FAILED handling and the stream ordering silently."""
+    path = CORE / "grad_sync.py"
+    source = path.read_text()
+    for method, names in _methods_that_issue_collectives(path, "GradientReducer").items():
+        body = ast.get_source_segment(source, next(
+            n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == method))
+        assert "self._issue(" in body and all(f"functools.partial(comm.{name}" in body for name in names), (
+            method, names)
+    assert source.count("InFlight(") == 1 + source.count("class InFlight(")  # (the class, and _issue's one)
