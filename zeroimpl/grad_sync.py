@@ -398,7 +398,6 @@ class GradientReducer:
         assert bucket_index == self._started, (bucket_index, self._started)
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
-        self.streams.use(buffer)  # (zeroed below)
         for param_index in bucket.param_indices:
             if param_index not in self._arrived[bucket_index]:
                 slot = self.layout.slots[param_index]

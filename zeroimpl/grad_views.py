@@ -158,7 +158,7 @@ class GradViews:
     def expose(self, prepared: bool) -> None:
         """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local
         gradient it holds). ``prepared``: the shards already hold the averaged gradients."""
-        if self.checks.grads_averaged_by_ddp:
+        if self.checks.reducer.under_ddp:  # (stage 1 under DistributedDataParallel, which averages param.grad)
             return  # DDP's param.grad is the full averaged gradient already: no view replaces it
         for index, (param, view) in enumerate(zip(self.params, self._views)):
             if not param.requires_grad or param.grad is view:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 
@@ -111,10 +111,10 @@ class ParamSlot:
     bucket_index: int
     offset: int
     numel: int
+    end: int = field(init=False)  # offset + numel (a field: read per gradient, it costs no call)
 
-    @property
-    def end(self) -> int:
-        return self.offset + self.numel
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "end", self.offset + self.numel)
 
 
 @dataclass(frozen=True)
@@ -133,10 +133,10 @@ class Bucket:
     # blocked: each on a block (place_blocked)
     whole: bool = False  # every shard holds whole parameters
     block: int = 0  # blocked: the quantization block (members start on one; shards are whole blocks); else 0
+    shard_numel: int = field(init=False)  # padded_numel // world_size: each rank's shard
 
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_numel", self.padded_numel // self.world_size)
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Half-open element range ``[start, end)`` of this bucket owned by ``rank``."""
@@ -157,10 +157,10 @@ class ShardPiece:
     param_start: int
     param_end: int
     shard_offset: int
+    length: int = field(init=False)  # param_end - param_start
 
-    @property
-    def length(self) -> int:
-        return self.param_end - self.param_start
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "length", self.param_end - self.param_start)
 
 
 @dataclass(frozen=True)

@@ -81,11 +81,6 @@ class StepChecks:
         self.loss_scaled = True
 
     @property
-    def grads_averaged_by_ddp(self) -> bool:
-        """DistributedDataParallel averages ``param.grad`` (stage 1 under DDP): it stays the full gradient."""
-        return bool(self.reducer.under_ddp)
-
-    @property
     def prepared(self) -> bool:
         """The shards hold this round's averaged (and unscaled) gradients: :meth:`prepare` found gradients to step
         on, and no backward pass ran or runs (nor, under DDP, did DDP write ``param.grad`` afresh) since."""
