@@ -415,16 +415,17 @@ class GradientReducer:
         self._buffers[bucket_index] = None
         self._started += 1
         while len(self._reducing) > self.max_inflight:  # bound the buffers: wait for the oldest on the host
-            self._finish_oldest(on_host=buffer.is_cuda)
+            self._finish_oldest(self._reducing, on_host=buffer.is_cuda)
 
-    def _finish_oldest(self, on_host: bool = False) -> None:
-        """Finish the oldest reduce-scatter and hand its shard to the store; with hybrid sharding start the
-        shard's all-reduce across the replicas instead, finished later (:meth:`_finish_replicated`).
-        ``on_host``: block the host, not the compute stream, until the collective is done (CUDA)."""
-        reduction = self._reducing[0]
+    def _finish_oldest(self, queue: deque, on_host: bool = False) -> None:
+        """Finish the oldest collective of ``queue`` and hand its shard on: to the store, or, a reduce-scatter's
+        under hybrid sharding, to its all-reduce across the replicas (issued here, finished later from
+        ``_replicating``, whose queue is bounded as ``_reducing`` is). ``on_host``: block the host, not the compute
+        stream, until the collective is done (CUDA)."""
+        reduction = queue[0]
         reduction.wait(self.streams, on_host)
-        self._reducing.popleft()
-        if self.replicate is None:
+        queue.popleft()
+        if queue is self._replicating or self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
             return
         if self._replica_blocks is None:
@@ -436,19 +437,13 @@ class GradientReducer:
                                        tag=reduction.bucket_index)
         self._issue(self._replicating, reduction.bucket_index, None, reduction.output, launch)
         while len(self._replicating) > self.max_inflight:
-            self._finish_replicated()
-
-    def _finish_replicated(self) -> None:
-        reduction = self._replicating[0]
-        reduction.wait(self.streams, on_host=reduction.output.is_cuda)  # as a reduce-scatter's, bounding the queue
-        self._replicating.popleft()
-        self.gradients.add(reduction.bucket_index, reduction.output)
+            self._finish_oldest(self._replicating, on_host=reduction.output.is_cuda)
 
     def _finish_in_flight(self) -> None:
         while self._reducing:
-            self._finish_oldest()
+            self._finish_oldest(self._reducing)
         while self._replicating:
-            self._finish_replicated()
+            self._finish_oldest(self._replicating, on_host=self._replicating[0].output.is_cuda)
 
     # -- the optimizer's verbs ------------------------------------------------------------------
     @reducer_verb()
