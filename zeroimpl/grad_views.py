@@ -116,16 +116,17 @@ class GradViews:
         params: the optimizer's trainable parameters, by parameter index.
         pieces: this rank's pieces (at most one per parameter).
         checks: the optimizer's :class:`~zeroimpl.step_checks.StepChecks`: it finishes the reduction and
-            unscaling (after which ``gradients``, the gradient store, holds the averaged gradients) and forgets
+            unscaling (after which its ``gradients``, the gradient store, holds the averaged gradients) and forgets
             the gradients of parameters whose view the user removed from ``.grad``.
         topology: the shard group (norms and ``found_inf`` are all-reduced there) and the collectives' timeout.
     """
 
     def __init__(self, *, params: list[torch.nn.Parameter], pieces: list[ShardPiece], checks: StepChecks,
-                 gradients: Union[DeviceGradientShards, HostGradientShards], topology: Topology):
+                 topology: Topology):
         self.params = params
         self._piece = {piece.param_index: piece for piece in pieces}
-        self.checks, self.gradients = checks, gradients
+        self.checks = checks
+        self.gradients: Union[DeviceGradientShards, HostGradientShards] = checks.gradients
         self.group, self.timeout = topology.shard, topology.timeout
         self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
         self._installed: set[int] = set()  # parameter indices whose .grad is its view

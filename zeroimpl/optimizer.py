@@ -195,7 +195,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                                                                 timeout)
         self.storages: list[BucketStorage] = flatten_params(layout, trainable, self.rank, host_masters,
                                                             settings.quantize_param_gather)
-        self.param_sync = ParamSync(self.storages, self.process_group, timeout, staging)
+        self.param_sync = ParamSync(self.storages, self.topology, staging)
         self.pieces = PieceMasters(layout, layout.pieces(self.rank), self.storages, trainable)
         self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), settings.classes,
                                          inner_kwargs(settings.classes, settings.optimizer_class,
@@ -210,12 +210,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                        reduce_dtype=settings.reduce_dtype, max_inflight=settings.max_inflight_buckets,
                                        gradients=self.gradients, uneven=self.uneven,
                                        quantized=settings.quantize_grad_reduce)
-        self.checks = StepChecks(reducer=self.reducer, gradients=self.gradients, ownership=self.ownership,
-                                 storages=self.storages, uneven=self.uneven, loss_scaler=self.loss_scaler,
-                                 topology=self.topology, device=self._device)
+        self.checks = StepChecks(reducer=self.reducer, ownership=self.ownership, uneven=self.uneven,
+                                 loss_scaler=self.loss_scaler, topology=self.topology, device=self._device)
         # param.grad after backward: views of the averaged gradient, exposed by the reducer's end of backward
         self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
-                                    gradients=self.gradients, topology=self.topology)
+                                    topology=self.topology)
         self.reducer.call_after_backward(self.grad_views.after_backward)
 
     def _follow_model(self) -> None:

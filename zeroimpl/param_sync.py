@@ -28,6 +28,7 @@ from .buffers import BucketStorage
 from .host_memory import device_tensor
 from .inflight import BucketGather, InFlightGathers
 from .pending import Pending
+from .topology import Topology
 
 
 class ParamSync:
@@ -36,7 +37,7 @@ class ParamSync:
 
     Args:
         storages: the buckets' parameter memory.
-        group, timeout: the shard group (the all-gathers run there) and the collectives' timeout.
+        topology: the shard group (the all-gathers run there) and the collectives' timeout.
         staging: offload of a 16-bit model: per 16-bit dtype, two host buffers of that dtype's largest shard
             (:func:`zeroimpl.offload.host_buffers`); empty otherwise.
 
@@ -45,10 +46,11 @@ class ParamSync:
     and (of every bucket) no copy reads the masters or the staging buffers.
     """
 
-    def __init__(self, storages: list[BucketStorage], group, timeout: Optional[float],
+    def __init__(self, storages: list[BucketStorage], topology: Topology,
                  staging: dict[torch.dtype, list[torch.Tensor]]):
-        self.storages, self.group, self.timeout, self.staging = storages, group, timeout, staging
-        self._gathers_issued = comm.issues_collectives(dist.get_world_size(group))  # (at one rank: in place)
+        self.storages, self.staging = storages, staging
+        self.group, self.timeout = topology.shard, topology.timeout
+        self._gathers_issued = comm.issues_collectives(dist.get_world_size(self.group))  # (at one rank: in place)
         device = storages[0].param_buffer.device
         self._cuda = device if device.type == "cuda" else None  # copies to CUDA are asynchronous: track them
         self.gathers = InFlightGathers()  # the all-gathers left in flight by the last step

@@ -55,14 +55,15 @@ class StepVerdict:
 
 class StepChecks:
     """Finishes this step's gradients, keeps the step's facts and runs the agreement all-reduce, for one optimizer
-    (see the module docstring). Keyword arguments: the optimizer's parts it reads."""
+    (see the module docstring). Keyword arguments: the optimizer's parts it reads (the gradient store and the
+    buckets' storage through the reducer, which fills the one and reduces from the other)."""
 
-    def __init__(self, *, reducer: GradientReducer, gradients: Union[DeviceGradientShards, HostGradientShards],
-                 ownership: Ownership, storages: list[BucketStorage],
-                 uneven: UnevenInputs, loss_scaler: Optional[DynamicLossScaler], topology: Topology,
-                 device: torch.device):
-        self.reducer, self.gradients = reducer, gradients
-        self.ownership, self.storages, self.uneven, self.loss_scaler = ownership, storages, uneven, loss_scaler
+    def __init__(self, *, reducer: GradientReducer, ownership: Ownership, uneven: UnevenInputs,
+                 loss_scaler: Optional[DynamicLossScaler], topology: Topology, device: torch.device):
+        self.reducer = reducer
+        self.gradients: Union[DeviceGradientShards, HostGradientShards] = reducer.gradients
+        self.storages: list[BucketStorage] = reducer.storages
+        self.ownership, self.uneven, self.loss_scaler = ownership, uneven, loss_scaler
         self.topology, self.device = topology, device
         self.reset()
 
