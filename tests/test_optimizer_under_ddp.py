@@ -532,7 +532,7 @@ def _ray_train_function(config):
 def test_ray_trains_default_prepare_model_with_a_stage_1_sharded_optimizer_bitwise(tmp_path):
     """Ray Train's default prepare_model wraps the model in DDP: ShardedOptimizer(stage=1) in AdamW's place trains
     bitwise as it, on 2 CPU workers (skipped where ray[train] is not installed)."""
-    ray = pytest.importorskip("ray", reason="pip install 'ray[train]' (an optional engine, not in the test extra)")
+    ray = pytest.importorskip("ray", reason="pip install 'zeroimpl[ray]' (in the test extra)")
     import ray.train.torch
     from ray.train import RunConfig, ScalingConfig
 
