@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from typing import Optional
 
 import torch
@@ -51,7 +52,12 @@ _UNCOMPILED = re.compile(r"(^|\.)_orig_mod\.")  # torch.compile's OptimizedModul
 def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
                     timeout: Optional[float] = None, *, when: Optional[bool] = None) -> bool:
     """Save ``optimizer`` and ``model`` to ``directory``. Collective: call it on every rank of the optimizer's
-    group, with a ``directory`` that every rank sees (a local disk for one machine, a shared one otherwise).
+    group. ``directory`` may be one that every rank sees (a shared filesystem, or a local disk for one machine)
+    or each rank's own (a node-local disk, a per-worker temporary folder, as Ray Train's workers report): every
+    rank writes its own file into its directory, the first rank also the index and the model's extras, and the
+    union of the directories, merged as an engine or an uploader merges them, is the whole checkpoint (at the
+    same world size and layout every rank loads from its own directory, with no merge). The save tells the two
+    apart by itself (:mod:`.files`).
 
     ``timeout``: seconds each agreement between the ranks may wait, file writes on other ranks included
     (rank 0 alone writes the model's frozen parameters and buffers and the index), before raising
@@ -71,6 +77,8 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     _check_arguments(optimizer, model, "save_checkpoint")
     topology = optimizer.topology
     decided = when is None or bool(when)
+    save = uuid.uuid4().hex[:16]  # (the first rank's names the save on every rank)
+    writes = topology.replicate_rank == 0  # the other replicas hold the same shards
     optimizer.sync_masters()  # parameters edited since the last step are what gets saved
     error: Optional[BaseException] = None
     entry = None
@@ -79,15 +87,24 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         split = [(piece, master, *split_state(state, tuple(master.shape), whole[piece.bucket_index], master.stride()))
                  for piece, master, state in optimizer.piece_states()]
         if topology.is_first and decided:
-            files.prepare_partial(directory)
+            files.prepare_partial(directory, save, optimizer.rank)
     except Exception as caught:  # e.g. no permission: every rank must hear of it, not hang
         error = caught
-    if not _agree(error, optimizer, timeout, "preparing the checkpoint directory", decided)[0]:
+    decided, save = _agree(error, optimizer, timeout, "preparing the checkpoint directory", (decided, save))[0]
+    if not decided:
         return False  # the first rank's decision (topology.all_gather_objects puts it first)
     try:
-        if topology.replicate_rank == 0:  # the other replicas hold the same shards
-            entry = files.write(_rank_payload(optimizer, split), os.path.join(files.partial_path(directory),
-                                                                              rank_file(optimizer.rank)))
+        if writes and not topology.is_first:  # a directory of its own, unless it finds the first rank's prepared
+            files.claim_partial(directory, save, optimizer.rank)
+    except Exception as caught:
+        error = caught
+    _agree(error, optimizer, timeout, "preparing each rank's checkpoint directory")
+    publishes = False
+    try:
+        if writes:  # (whether it publishes its directory is read before any rank may have published)
+            publishes = files.leads(directory, save, optimizer.rank)
+            entry = files.write(_rank_payload(optimizer, split, save),
+                                os.path.join(files.partial_path(directory), rank_file(optimizer.rank)))
             entry = (entry, {piece.param_index: (scalars, None if elementwise is None else
                                                  {key: str(value.dtype) for key, value in elementwise.items()})
                              for piece, _, elementwise, scalars, _ in split})
@@ -106,8 +123,9 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
             # a key's arrays concatenate every piece's, promoted to a common dtype (bitsandbytes keeps uint8 state
             # for large parameters, fp32 for small ones under the same key): each parameter's own dtypes
             dtypes = [next((found for _, found in pieces if found is not None), None) for pieces in held]
-            files.write(_index(optimizer, model, listing, keys, scalars, dtypes), os.path.join(partial, INDEX))
-            files.publish(directory)
+            files.write(_index(optimizer, model, save, listing, keys, scalars, dtypes), os.path.join(partial, INDEX))
+        if publishes:  # the rank that prepared its directory
+            files.publish(directory, save)
     except Exception as caught:
         error = caught
     _agree(error, optimizer, timeout, "publishing the checkpoint")
@@ -122,15 +140,16 @@ def _same_keys(keys: list[Optional[list[str]]]) -> Optional[list[str]]:
     return keys[0]
 
 
-def _rank_payload(optimizer: ShardedOptimizer, split: list) -> dict:
-    """This rank's file: its pieces, their masters, per key the per-element state of the pieces that have it,
-    and the whole-parameter state by parameter index."""
+def _rank_payload(optimizer: ShardedOptimizer, split: list, save: str) -> dict:
+    """This rank's file of save ``save``: its pieces, their masters, per key the per-element state of the pieces
+    that have it, and the whole-parameter state by parameter index."""
     def gather(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([flattened(t.detach(), t.stride()).cpu() for t in tensors]) if tensors else torch.zeros(0)
 
     keys = sorted({key for _, _, elementwise, _, _ in split for key in elementwise or ()})
     payload = {
         "format": FORMAT,
+        "save": save,
         "rank": optimizer.rank,
         "pieces": torch.tensor([(p.param_index, p.param_start, p.param_end) for p, _, _, _, _ in split],
                                dtype=torch.int64).reshape(-1, 3),
@@ -170,11 +189,12 @@ def _model_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, t
     return {_UNCOMPILED.sub(r"\1", name): tensor for name, tensor in model.state_dict(keep_vars=keep_vars).items()}
 
 
-def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, listing: dict, keys: list[Optional[list[str]]],
-           param_scalars: list[Optional[dict]], dtypes: list[Optional[dict]]) -> dict:
+def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, save: str, listing: dict,
+           keys: list[Optional[list[str]]], param_scalars: list[Optional[dict]], dtypes: list[Optional[dict]]) -> dict:
     names = _param_names(optimizer, model)
     return {
         "format": FORMAT,
+        "save": save,
         "param_state_keys": keys,
         "param_state_dtypes": dtypes,
         "world_size": optimizer.world_size,
@@ -226,13 +246,31 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         raise FileNotFoundError(missing)
     optimizer.sync_masters()  # (a model moved or converted before the first step is followed first)
     error: Optional[BaseException] = None
+    index = extras = None
     try:
-        directory = files.resolve_directory(directory)
-        index = files.read(directory, INDEX, None)
+        own = files.resolve_directory(directory, index_needed=False)  # (this rank's own, or everyone's)
+        if os.path.isfile(os.path.join(own, INDEX)):
+            index = files.read(own, INDEX, None)
+            extras = files.read(own, EXTRAS, index["files"][EXTRAS])
+    except Exception as caught:
+        error = caught
+    found = _agree(error, optimizer, timeout, "finding the checkpoint",
+                   (dist.get_rank(), index is not None, None if index is None else index.get("save")))
+    holders = sorted(rank for rank, has_index, _ in found if has_index)
+    if not holders:
+        raise CheckpointError(f"{directory!r} is not a complete checkpoint: no rank's directory holds its {INDEX}")
+    saves = {str(save) for _, has_index, save in found if has_index}
+    if len(saves) > 1:
+        raise CheckpointError(f"the ranks' directories {directory!r} hold the indexes of different saves "
+                              f"({', '.join(sorted(saves))}): give every rank the directory of one save")
+    if len(holders) < len(found):  # a save to each rank's own directory: the index and extras from the first rank
+        index, extras = next(shared for shared in _agree(
+            None, optimizer, timeout, "sharing the checkpoint's index",
+            (index, extras) if dist.get_rank() == holders[0] else None) if shared is not None)
+    try:
         _check_index(index, optimizer, model)
-        extras = files.read(directory, EXTRAS, index["files"][EXTRAS])
         _check_extras(extras, model)
-        restored = _read_shards(directory, index, optimizer)
+        restored = _read_shards(own, index, optimizer)
     except Exception as caught:
         error = caught
     _agree(error, optimizer, timeout, "loading the checkpoint")

@@ -12,6 +12,14 @@ checkpoint it replaces::
 
 Killed before the last rename, ``<dir>`` (or, between the two renames, ``<dir>.previous``) still holds the
 previous checkpoint, and :func:`resolve_directory` finds it.
+
+A rank's ``<dir>`` may be its own (a node-local disk, a per-worker temporary folder) or the one the first rank
+writes (a shared filesystem); the save finds out which, with no option. The first rank prepares its
+``<dir>.partial`` for the save (named by a save id) before the others look; each other writing rank that does
+not find the save's marker there claims its own ``<dir>.partial`` (:func:`claim_partial`: the first rank to
+create ``<dir>.claim-<save>`` on that filesystem prepares it), and the rank the marker names publishes it
+(:func:`leads`). The first rank's directory alone holds the index and the model's extras; the union of the
+directories is the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from typing import Optional
 
 import torch
 
@@ -64,7 +73,9 @@ def read(directory: str, name: str, expected: dict | None):
     ``expected`` (``None`` only for the index itself)."""
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {directory!r} is incomplete: {name} is missing")
+        raise CheckpointError(f"checkpoint {directory!r} is incomplete: {name} is missing (a checkpoint saved to each "
+                              "rank's own directory loads at another world size or layout only from their union: "
+                              "merge the ranks' directories into one)")
     if expected is not None:
         size = os.path.getsize(path)
         if size != expected["bytes"] or sha256(path) != expected["sha256"]:
@@ -77,35 +88,78 @@ def read(directory: str, name: str, expected: dict | None):
                               "checkpoint files hold only tensors, numbers, strings and containers") from error
 
 
+def save_of(directory: str, name: str) -> Optional[str]:
+    """The save that wrote the checkpoint file ``name`` (its ``"save"``), or None where it cannot be told."""
+    try:
+        return torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True, mmap=True)["save"]
+    except Exception:  # noqa: BLE001 - unreadable, or written before saves were named: nothing to tell
+        return None
+
+
 def findable(directory: str) -> bool:
     """Whether :func:`resolve_directory` has a folder to look in: ``directory``, or the last complete checkpoint
     of a save killed between its two renames."""
     return os.path.isdir(directory) or os.path.isfile(os.path.join(previous_path(directory), INDEX))
 
 
-def resolve_directory(directory: str) -> str:
-    """The directory holding the last complete checkpoint saved to ``directory``."""
+def resolve_directory(directory: str, index_needed: bool = True) -> str:
+    """The directory holding the last checkpoint published to ``directory`` (``index_needed=False``: also one that
+    holds a part without the index, a rank's own directory of a node-local save)."""
     if os.path.isfile(os.path.join(directory, INDEX)):
         return directory
     previous = previous_path(directory)
-    if not os.path.exists(directory) and os.path.isfile(os.path.join(previous, INDEX)):
+    if not os.path.exists(directory) and os.path.isdir(previous) and (
+            not index_needed or os.path.isfile(os.path.join(previous, INDEX))):
         return previous  # a save was killed between its two renames
     if os.path.isdir(directory):
+        if not index_needed:
+            return directory
         raise CheckpointError(f"{directory!r} is not a complete checkpoint: it has no {INDEX}")
     raise CheckpointError(f"no checkpoint at {directory!r}")
 
 
-def prepare_partial(directory: str) -> str:
-    """Empty ``<dir>.partial`` (left over from a killed save, if any) and create it."""
+def prepare_partial(directory: str, save: str, rank: int) -> None:
+    """Empty ``<dir>.partial`` (left over from a killed save, if any), create it, and mark it as save ``save``'s,
+    published by ``rank``."""
     partial = partial_path(directory)
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    return partial
+    with open(os.path.join(partial, _marker(save)), "w") as handle:
+        handle.write(str(rank))
 
 
-def publish(directory: str) -> None:
-    """Make ``<dir>.partial`` the checkpoint at ``<dir>``, replacing any earlier one."""
+def claim_partial(directory: str, save: str, rank: int) -> None:
+    """Prepare ``<dir>.partial`` for save ``save`` unless it is prepared already (a directory this rank shares with
+    the first rank, or with a rank that claimed it first). Before any rank writes into it."""
+    if os.path.isfile(os.path.join(partial_path(directory), _marker(save))):
+        return
+    claim = f"{directory.rstrip(os.sep)}.claim-{save}"
+    os.makedirs(os.path.dirname(os.path.abspath(claim)), exist_ok=True)
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # another rank on this filesystem prepares it
+    try:
+        prepare_partial(directory, save, rank)
+    finally:
+        os.remove(claim)
+
+
+def leads(directory: str, save: str, rank: int) -> bool:
+    """Whether ``rank`` publishes ``<dir>.partial`` of save ``save`` (the rank that prepared it last)."""
+    with open(os.path.join(partial_path(directory), _marker(save))) as handle:
+        return handle.read() == str(rank)
+
+
+def _marker(save: str) -> str:
+    return f"save-{save}"
+
+
+def publish(directory: str, save: str) -> None:
+    """Make ``<dir>.partial`` of save ``save`` the checkpoint at ``<dir>``, replacing any earlier one (its marker
+    left behind: the directories of one save merge without a conflict)."""
     partial, previous = partial_path(directory), previous_path(directory)
+    os.remove(os.path.join(partial, _marker(save)))
     _fsync_directory(partial)
     if not os.path.exists(directory) and os.path.exists(previous):
         os.rename(previous, directory)  # an earlier save died between its renames: put its checkpoint back

@@ -111,7 +111,17 @@ def group_classes(index: dict) -> list[str]:
 def read_rank(directory: str, index: dict, layout: ShardLayout, rank: int,
               keys_of_param: list[tuple[str, ...]]) -> dict:
     """One saved rank's file, checked against the index and the saved layout."""
-    payload = files.read(directory, rank_file(rank), index["files"][rank_file(rank)])
+    name = rank_file(rank)
+    try:
+        payload = files.read(directory, name, index["files"][name])
+    except CheckpointError as refused:
+        written_by = files.save_of(directory, name)
+        if written_by is None or written_by == index.get("save"):
+            raise
+        raise CheckpointError(f"{name} in {directory!r} belongs to save {written_by}, but the checkpoint's index to "
+                              f"save {index.get('save')}: the directories hold files of two saves (a rank that "
+                              "did not publish its part of the last save, or parts merged from two saves); load "
+                              "one whole save") from refused
     pieces = layout.pieces(rank)
     expected = torch.tensor([(p.param_index, p.param_start, p.param_end) for p in pieces],
                             dtype=torch.int64).reshape(-1, 3)
