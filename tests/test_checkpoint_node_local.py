@@ -10,9 +10,12 @@ saving into a folder of its own, which the other rank never sees. Then:
 * the two directories merged by copying, as an engine or an uploader merges them, load at world size 1 (another
   layout: a reshard) with the parameters exactly as saved;
 * rank 1's file missing from its directory, or replaced by its file of an earlier save, is refused on every rank,
-  naming the file (and both saves).
+  naming the file (and both saves);
+* a save that fails before its index is written (rank 0's disk full, simulated by its index writer raising
+  ENOSPC) raises on every rank, and every rank's earlier checkpoint still loads, as saved.
 """
 
+import errno
 import os
 import shutil
 
@@ -74,6 +77,24 @@ def _node_local(rank, world_size, root):
         except CheckpointError as error:
             out["refused"][how] = str(error)
         out["refused"][how + " unchanged"] = all(torch.equal(p, before[n]) for n, p in _params(model).items())
+
+    import zeroimpl.checkpoint.api as checkpoint_api
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+    index_writer = checkpoint_api._index
+    if rank == 0:
+        checkpoint_api._index = disk_full
+    try:
+        save_checkpoint(_own(root, rank, "checkpoint"), optimizer, model)
+        out["failed save"] = None
+    except (OSError, CheckpointError) as error:
+        out["failed save"] = str(error)
+    finally:
+        checkpoint_api._index = index_writer
+    model, optimizer = _make()
+    load_checkpoint(_own(root, rank, "checkpoint"), optimizer, model)
+    out["after the failed save"] = _params(model)
     return out
 
 
@@ -111,6 +132,14 @@ def test_each_rank_resumes_from_its_own_directory_bitwise(runs):
 def test_the_merged_directories_load_at_another_world_size(runs):
     saved, merged = runs
     assert all(torch.equal(merged[n], p) for n, p in saved[0]["at_save"].items())
+
+
+def test_a_save_that_fails_before_its_index_keeps_every_ranks_earlier_checkpoint(runs):
+    saved, _ = runs
+    for rank in range(2):
+        assert "No space left on device" in saved[rank]["failed save"]
+        loaded = saved[rank]["after the failed save"]
+        assert all(torch.equal(loaded[n], p) for n, p in saved[rank]["at_save"].items())
 
 
 def test_a_missing_or_foreign_part_is_refused_on_every_rank(runs):

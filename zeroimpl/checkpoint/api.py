@@ -94,7 +94,12 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     if not decided:
         return False  # the first rank's decision (topology.all_gather_objects puts it first)
     try:
-        if writes and not topology.is_first:  # a directory of its own, unless it finds the first rank's prepared
+        if not topology.is_first and not files.prepared(directory, save):  # a directory of its own
+            if not writes:
+                raise CheckpointError(
+                    f"this rank does not see the first rank's checkpoint directory {directory!r}, and with hybrid "
+                    "sharding (a device mesh) only the first replica's ranks write theirs: the other replicas' "
+                    "directories would stay empty, with nothing to load. Save to a directory every node sees")
             files.claim_partial(directory, save, optimizer.rank)
     except Exception as caught:
         error = caught
@@ -110,7 +115,11 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
                              for piece, _, elementwise, scalars, _ in split})
     except Exception as caught:
         error = caught
-    entries = _agree(error, optimizer, timeout, "writing the rank files", entry)[:topology.shard_size]
+    written = _agree(error, optimizer, timeout, "writing the rank files", (entry, publishes))
+    entries = [entry for entry, _ in written][:topology.shard_size]
+    # with directories of their own, the other ranks publish theirs once the index is written (its own agreement),
+    # so that a save that fails before its index leaves every rank's earlier checkpoint in place
+    separate = sum(publisher for _, publisher in written) > 1
     try:
         if topology.is_first:
             partial = files.partial_path(directory)
@@ -124,10 +133,17 @@ def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
             # for large parameters, fp32 for small ones under the same key): each parameter's own dtypes
             dtypes = [next((found for _, found in pieces if found is not None), None) for pieces in held]
             files.write(_index(optimizer, model, save, listing, keys, scalars, dtypes), os.path.join(partial, INDEX))
-        if publishes:  # the rank that prepared its directory
-            files.publish(directory, save)
+            if not separate:
+                files.publish(directory, save)
     except Exception as caught:
         error = caught
+    if separate:
+        _agree(error, optimizer, timeout, "writing the index")
+        try:
+            if publishes:  # the rank that prepared its directory
+                files.publish(directory, save)
+        except Exception as caught:
+            error = caught
     _agree(error, optimizer, timeout, "publishing the checkpoint")
     return True
 
@@ -251,11 +267,13 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         own = files.resolve_directory(directory, index_needed=False)  # (this rank's own, or everyone's)
         if os.path.isfile(os.path.join(own, INDEX)):
             index = files.read(own, INDEX, None)
+            check_format(index)
             extras = files.read(own, EXTRAS, index["files"][EXTRAS])
     except Exception as caught:
         error = caught
+    holds = error is None and index is not None  # (a checked index: a dict of the format)
     found = _agree(error, optimizer, timeout, "finding the checkpoint",
-                   (dist.get_rank(), index is not None, None if index is None else index.get("save")))
+                   (dist.get_rank(), holds, index.get("save") if holds else None))
     holders = sorted(rank for rank, has_index, _ in found if has_index)
     if not holders:
         raise CheckpointError(f"{directory!r} is not a complete checkpoint: no rank's directory holds its {INDEX}")

@@ -73,9 +73,7 @@ def read(directory: str, name: str, expected: dict | None):
     ``expected`` (``None`` only for the index itself)."""
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {directory!r} is incomplete: {name} is missing (a checkpoint saved to each "
-                              "rank's own directory loads at another world size or layout only from their union: "
-                              "merge the ranks' directories into one)")
+        raise CheckpointError(f"checkpoint {directory!r} is incomplete: {name} is missing")
     if expected is not None:
         size = os.path.getsize(path)
         if size != expected["bytes"] or sha256(path) != expected["sha256"]:
@@ -128,10 +126,20 @@ def prepare_partial(directory: str, save: str, rank: int) -> None:
         handle.write(str(rank))
 
 
+def prepared(directory: str, save: str) -> bool:
+    """Whether ``<dir>.partial`` is prepared for save ``save`` (by the first rank, on a directory this rank shares
+    with it, or by a rank that claimed it). Read through a listing of the folder, which a network file system
+    revalidates, not a lookup it may answer from a cached miss."""
+    try:
+        return _marker(save) in os.listdir(partial_path(directory))
+    except FileNotFoundError:
+        return False
+
+
 def claim_partial(directory: str, save: str, rank: int) -> None:
     """Prepare ``<dir>.partial`` for save ``save`` unless it is prepared already (a directory this rank shares with
     the first rank, or with a rank that claimed it first). Before any rank writes into it."""
-    if os.path.isfile(os.path.join(partial_path(directory), _marker(save))):
+    if prepared(directory, save):
         return
     claim = f"{directory.rstrip(os.sep)}.claim-{save}"
     os.makedirs(os.path.dirname(os.path.abspath(claim)), exist_ok=True)
@@ -157,7 +165,7 @@ def _marker(save: str) -> str:
 
 def publish(directory: str, save: str) -> None:
     """Make ``<dir>.partial`` of save ``save`` the checkpoint at ``<dir>``, replacing any earlier one (its marker
-    left behind: the directories of one save merge without a conflict)."""
+    removed first: the directories of one save merge without a conflict)."""
     partial, previous = partial_path(directory), previous_path(directory)
     os.remove(os.path.join(partial, _marker(save)))
     _fsync_directory(partial)

@@ -6,6 +6,7 @@ process). See :mod:`.api` for what each file holds.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -112,6 +113,10 @@ def read_rank(directory: str, index: dict, layout: ShardLayout, rank: int,
               keys_of_param: list[tuple[str, ...]]) -> dict:
     """One saved rank's file, checked against the index and the saved layout."""
     name = rank_file(rank)
+    if not os.path.isfile(os.path.join(directory, name)):
+        raise CheckpointError(f"checkpoint {directory!r} is incomplete: {name} is missing (a checkpoint saved to each "
+                              "rank's own directory loads at another world size or layout only from their union: "
+                              "merge the ranks' directories into one)")
     try:
         payload = files.read(directory, name, index["files"][name])
     except CheckpointError as refused:
