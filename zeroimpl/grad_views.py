@@ -65,7 +65,7 @@ _FOREACH = {aten._foreach_mul_.Scalar: aten.mul_.Scalar, aten._foreach_mul_.Tens
 _ALIASES = {aten.detach.default, aten.alias.default}
 # the norms, and GradScaler's unscale-and-check: ran on the gradients as the ranks agree on them
 _NORMS_AND_UNSCALE = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar,
-          aten._amp_foreach_non_finite_check_and_unscale_.default}
+                      aten._amp_foreach_non_finite_check_and_unscale_.default}
 
 
 class ShardedGrad(torch.Tensor):

@@ -261,7 +261,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _carry_over(self, positions: list, states: list, masters: list, loss_scaler: Optional[dict]) -> None:
         """Install state carried over a rebuild (:meth:`_carried_state`) into the rebuilt parts."""
-        if _positions(self.layout.pieces(self.rank)) != positions or [m.numel() for m in masters] != [s.master.numel() for s in self.storages]:
+        sizes = [s.master.numel() for s in self.storages]
+        if _positions(self.layout.pieces(self.rank)) != positions or [m.numel() for m in masters] != sizes:
             raise RuntimeError("the model was converted after optimizer state was loaded into the ShardedOptimizer, "
                                "and the conversion changed how the parameters are laid out in its buckets (their "
                                "dtypes), so the loaded state no longer fits its shards: convert the model first, then "

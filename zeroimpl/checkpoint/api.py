@@ -229,11 +229,11 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, save: str, listi
 
 # -- load ---------------------------------------------------------------------------------------------
 def exists_on_every_rank(directory: str, optimizer: ShardedOptimizer, timeout: Optional[float] = None) -> bool:
-    """Whether every rank of ``optimizer`` sees the folder ``directory``. Collective (one small all-gather): a caller
-    that refuses a missing checkpoint then refuses it on every rank at once, where the ranks that see it would wait
-    in :func:`load_checkpoint`'s collectives for the others (a folder on one node's disk only). ``timeout``: as for
-    :func:`save_checkpoint`."""
-    return all(optimizer.topology.all_gather_objects(os.path.isdir(directory), timeout, "checkpoint existence check"))
+    """Whether every rank of ``optimizer`` sees the folder ``directory`` (or the last complete checkpoint of a save to
+    it killed between its two renames). Collective (one small all-gather): a caller that refuses a missing checkpoint
+    then refuses it on every rank at once, where the ranks that see it would wait in :func:`load_checkpoint`'s
+    collectives for the others. ``timeout``: as for :func:`save_checkpoint`."""
+    return all(optimizer.topology.all_gather_objects(files.findable(directory), timeout, "checkpoint existence check"))
 
 
 def _check_arguments(optimizer, model, function: str) -> None:
@@ -257,8 +257,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     folder is refused as any other unreadable checkpoint.
     """
     _check_arguments(optimizer, model, "load_checkpoint")
-    if missing is not None and not all(optimizer.topology.all_gather_objects(
-            files.findable(directory), timeout, "checkpoint existence check")):
+    if missing is not None and not exists_on_every_rank(directory, optimizer, timeout):
         raise FileNotFoundError(missing)
     optimizer.sync_masters()  # (a model moved or converted before the first step is followed first)
     error: Optional[BaseException] = None
@@ -303,7 +302,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
 
 
 def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
-    check_format(index)
+    """Whether the checkpoint's index (its format checked when read) fits this optimizer and model."""
     if group_classes(index) != _classes(optimizer):
         raise CheckpointError(f"the checkpoint's param groups step with {group_classes(index)}; this optimizer's "
                               f"with {_classes(optimizer)}: build the optimizer with the same optimizer classes")
