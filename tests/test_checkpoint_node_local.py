@@ -12,7 +12,10 @@ saving into a folder of its own, which the other rank never sees. Then:
 * rank 1's file missing from its directory, or replaced by its file of an earlier save, is refused on every rank,
   naming the file (and both saves);
 * a save that fails before its index is written (rank 0's disk full, simulated by its index writer raising
-  ENOSPC) raises on every rank, and every rank's earlier checkpoint still loads, as saved.
+  ENOSPC) raises on every rank, and every rank's earlier checkpoint still loads, as saved;
+* a failing rank raises a ``CheckpointError`` saying what it was doing, as the others do, never its file system's bare
+  ``OSError``: rank 1's directory under a plain file (``NotADirectoryError``), rank 0's disk full;
+* a ``<dir>.claim-<save>`` left by a rank killed while it claimed its directory is removed by the next save.
 """
 
 import errno
@@ -45,6 +48,9 @@ def _own(root: str, rank: int, name: str = "") -> str:
 
 
 def _node_local(rank, world_size, root):
+    os.makedirs(_own(root, rank), exist_ok=True)
+    if rank == 1:  # a claim of a save killed while rank 1 claimed its directory
+        open(_own(root, rank, "checkpoint.claim-0123456789abcdef"), "w").close()
     model, optimizer = _make()
     train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT - 1))
     save_checkpoint(_own(root, rank, "earlier"), optimizer, model)
@@ -78,6 +84,15 @@ def _node_local(rank, world_size, root):
             out["refused"][how] = str(error)
         out["refused"][how + " unchanged"] = all(torch.equal(p, before[n]) for n, p in _params(model).items())
 
+    blocked = _own(root, rank, "blocked")
+    open(blocked, "w").close()  # a plain file where rank 1's directory's parent should be
+    try:
+        save_checkpoint(os.path.join(blocked, "checkpoint") if rank == 1 else _own(root, rank, "elsewhere"),
+                        optimizer, model)
+        out["unwritable"] = None
+    except Exception as error:  # noqa: BLE001 - which kind is what the test checks
+        out["unwritable"] = f"{type(error).__name__}: {error}"
+
     import zeroimpl.checkpoint.api as checkpoint_api
 
     def disk_full(*args, **kwargs):
@@ -88,8 +103,8 @@ def _node_local(rank, world_size, root):
     try:
         save_checkpoint(_own(root, rank, "checkpoint"), optimizer, model)
         out["failed save"] = None
-    except (OSError, CheckpointError) as error:
-        out["failed save"] = str(error)
+    except Exception as error:  # noqa: BLE001 - which kind is what the test checks
+        out["failed save"] = f"{type(error).__name__}: {error}"
     finally:
         checkpoint_api._index = index_writer
     model, optimizer = _make()
@@ -119,7 +134,7 @@ def test_each_rank_publishes_its_part_in_its_own_directory(runs):
     assert saved[0]["checkpoint"] == ["index.pt", "model-extras.pt", "rank-00000.pt"]
     assert saved[1]["checkpoint"] == ["rank-00001.pt"]
     for rank in range(2):
-        assert saved[rank]["folder"] == ["checkpoint", "earlier"]  # (nothing partial, no claim)
+        assert saved[rank]["folder"] == ["checkpoint", "earlier"]  # (nothing partial, no claim, not even a stale one)
 
 
 def test_each_rank_resumes_from_its_own_directory_bitwise(runs):
@@ -137,6 +152,7 @@ def test_the_merged_directories_load_at_another_world_size(runs):
 def test_a_save_that_fails_before_its_index_keeps_every_ranks_earlier_checkpoint(runs):
     saved, _ = runs
     for rank in range(2):
+        assert saved[rank]["failed save"].startswith("CheckpointError: ")
         assert "No space left on device" in saved[rank]["failed save"]
         loaded = saved[rank]["after the failed save"]
         assert all(torch.equal(loaded[n], p) for n, p in saved[rank]["at_save"].items())
@@ -149,3 +165,11 @@ def test_a_missing_or_foreign_part_is_refused_on_every_rank(runs):
         assert "rank-00001.pt is missing" in refused["missing"] and "merge the ranks' directories" in refused["missing"]
         assert "rank-00001.pt" in refused["earlier save"] and "belongs to save" in refused["earlier save"]
         assert refused["missing unchanged"] and refused["earlier save unchanged"]
+
+
+def test_a_failing_rank_raises_a_checkpoint_error_as_the_others_do(runs):
+    saved, _ = runs
+    for rank in range(2):
+        refused = saved[rank]["unwritable"]
+        assert refused.startswith("CheckpointError: ") and "rank 1" in refused
+        assert "preparing each rank's checkpoint directory" in refused and "Not a directory" in refused

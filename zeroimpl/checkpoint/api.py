@@ -428,13 +428,18 @@ def _copy_blocks(found: dict, block: int, target, start: int, length: int, sourc
 def _agree(error: Optional[BaseException], optimizer: ShardedOptimizer, timeout: Optional[float], what: str,
            value=None) -> list:
     """All-gather (error, value) so that a failure on one rank raises on every rank instead of a hang; the
-    waits are bounded by ``timeout`` (``None``: the process group's)."""
-    mine = (None if error is None else f"{type(error).__name__}: {error}", value, dist.get_rank())
-    gathered = optimizer.topology.all_gather_objects(mine, timeout, f"checkpoint agreement ({what})")
+    waits are bounded by ``timeout`` (``None``: the process group's). A file system's error (``OSError``) raises
+    as a ``CheckpointError`` with the same words on every rank, the failing one included; a ``CheckpointError``
+    raises as it is on the rank that found it."""
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    if isinstance(error, OSError):
+        message += " (a file system error: check that this rank can create and write the directory, with room)"
+    gathered = optimizer.topology.all_gather_objects((message, value, dist.get_rank()), timeout,
+                                                     f"checkpoint agreement ({what})")
     failures = [(rank, message) for message, _, rank in gathered if message is not None]
-    if error is not None:
+    if error is not None and not isinstance(error, OSError):
         raise error
     if failures:
         rank, message = failures[0]
-        raise CheckpointError(f"rank {rank} failed while {what}: {message}")
+        raise CheckpointError(f"rank {rank} failed while {what}: {message}") from error
     return [v for _, v, _ in gathered]

@@ -24,6 +24,7 @@ directories is the whole checkpoint.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import shutil
@@ -35,8 +36,6 @@ from ..state_format import CheckpointError
 
 INDEX = "index.pt"
 EXTRAS = "model-extras.pt"
-
-
 
 
 def rank_file(rank: int) -> str:
@@ -165,7 +164,8 @@ def _marker(save: str) -> str:
 
 def publish(directory: str, save: str) -> None:
     """Make ``<dir>.partial`` of save ``save`` the checkpoint at ``<dir>``, replacing any earlier one (its marker
-    removed first: the directories of one save merge without a conflict)."""
+    removed first: the directories of one save merge without a conflict), and remove the claims that ranks killed
+    while claiming ``<dir>.partial`` left (every claim of this save is settled before any rank writes)."""
     partial, previous = partial_path(directory), previous_path(directory)
     os.remove(os.path.join(partial, _marker(save)))
     _fsync_directory(partial)
@@ -177,6 +177,8 @@ def publish(directory: str, save: str) -> None:
     os.rename(partial, directory)
     _fsync_directory(os.path.dirname(os.path.abspath(directory)))
     shutil.rmtree(previous, ignore_errors=True)
+    for stale in glob.glob(glob.escape(directory.rstrip(os.sep)) + ".claim-*"):  # a rank killed while it claimed
+        os.remove(stale)
 
 
 def _fsync_directory(path: str) -> None:
