@@ -155,6 +155,27 @@ def test_agreement_tells_apart_integers_at_the_types_minimum():
         assert rates == [False, True, True]
 
 
+def _object_broadcasts(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zeroimpl.topology import Topology
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hybrid = Topology(shard=mesh.get_group("shard"), replicate=mesh.get_group("replicate"))
+    value = {"rank": rank, "padding": "x" * (100 * rank)}  # pickles of different sizes
+    return {name: (topology.all_gather_objects(value), [topology.broadcast_object(value, p) for p in range(4)])
+            for name, topology in (("flat", Topology()), ("hybrid", hybrid))}
+
+
+def test_an_object_broadcast_gives_every_rank_the_value_of_the_position_it_names():
+    """Topology.broadcast_object(value, p), flat and on a 2 x 2 mesh (replicate x shard), from every position:
+    every rank receives what all_gather_objects puts at position p (whose order it takes)."""
+    for by_topology in run_distributed(4, _object_broadcasts):
+        for gathered, broadcast in by_topology.values():
+            assert broadcast == gathered
+        assert [value["rank"] for value in by_topology["flat"][0]] == [0, 1, 2, 3]
+
+
 def _inputs(world_size: int, numel: int) -> list[torch.Tensor]:
     """Every rank's reduce-scatter input, regenerated alike on every rank: normal values scaled by 1 to 100,
     so that fp32 sums of three or more depend on their order."""

@@ -289,12 +289,12 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional
                    on_stream=tensor.device.type != "cpu")
 
 
-def broadcast(tensor: torch.Tensor, group, timeout: Optional[float] = None, name: str = "broadcast") -> Pending:
-    """Start overwriting ``tensor`` on every rank of the group with the group's first rank's."""
+def broadcast(tensor: torch.Tensor, group, timeout: Optional[float] = None, name: str = "broadcast",
+              source: int = 0) -> Pending:
+    """Start overwriting ``tensor`` on every rank of the group with that of group rank ``source``."""
     lent = _aliases(tensor)
-    source = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
-    return Pending([dist.broadcast(*lent, src=source, group=group, async_op=True)], name, timeout, lent=lent,
-                   on_stream=tensor.device.type != "cpu", reports_completion=True)
+    return Pending([dist.broadcast(*lent, src=_peer(group, source), group=group, async_op=True)], name, timeout,
+                   lent=lent, on_stream=tensor.device.type != "cpu", reports_completion=True)
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
@@ -328,6 +328,22 @@ def all_gather_objects(value, group, timeout: Optional[float] = None, name: str 
     return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]
 
 
+def broadcast_object(value, source: int, group, timeout: Optional[float] = None, name: str = "object broadcast",
+                     device: Optional[torch.device] = None):
+    """Group rank ``source``'s ``value`` (anything picklable) on every rank of the group, bounded by ``timeout`` as
+    :func:`all_gather_objects`: the pickle's size, then the pickle, each broadcast. Every rank receives the one
+    pickle, where an all-gather would pad every rank's row to it."""
+    if dist.get_world_size(group) == 1:
+        return pickle.loads(pickle.dumps(value))
+    device = _object_device(group, device)
+    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    broadcast(size, group, timeout, name, source).wait_on_host()
+    received = mine if dist.get_rank(group) == source else torch.empty(int(size), dtype=torch.uint8, device=device)
+    broadcast(received, group, timeout, name, source).wait_on_host()
+    return pickle.loads(received.cpu().numpy().tobytes())
+
+
 def gather_objects(value, to: int, group, timeout: Optional[float] = None, name: str = "object gather",
                    device: Optional[torch.device] = None) -> Optional[list]:
     """Every rank's ``value`` (anything picklable) on group rank ``to``, in group-rank order; ``None`` on the
@@ -353,15 +369,21 @@ def _pickled_with_sizes(value, group, timeout: Optional[float], name: str,
                         device: Optional[torch.device]) -> tuple[torch.Tensor, torch.Tensor]:
     """``value`` pickled into a uint8 tensor where the group's backend sends it (on NCCL ``device``, else the current
     GPU; else the host), and every rank's pickle size (one all-gather, waited for on the host: read next)."""
-    if dist.get_backend(group) != "nccl":
-        device = torch.device("cpu")
-    elif device is None or device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _object_device(group, device)
     mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
     sizes = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
     all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,
                name=name).wait_on_host()
     return mine, sizes
+
+
+def _object_device(group, device: Optional[torch.device]) -> torch.device:
+    """Where a pickle travels: on NCCL ``device`` (else the current GPU), else the host."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    if device is None or device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

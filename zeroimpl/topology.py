@@ -107,6 +107,17 @@ class Topology:
         return [item for rows in comm.all_gather_objects(row, self.replicate, timeout, name, self.device)
                 for item in rows]
 
+    def broadcast_object(self, value, source: int, timeout: Optional[float] = None,
+                         name: str = "object broadcast"):
+        """The ``value`` of the rank at position ``source`` of :meth:`all_gather_objects`' order (replica
+        ``source // shard_size``, shard rank ``source % shard_size``) on every rank: broadcast in every shard group
+        from that shard rank, then in every replicate group from that replica (whose row now holds it)."""
+        replica, shard_rank = divmod(source, self.shard_size)
+        value = comm.broadcast_object(value, shard_rank, self.shard, timeout, name, self.device)
+        if self.replicate is None:
+            return value
+        return comm.broadcast_object(value, replica, self.replicate, timeout, name, self.device)
+
     def gather_objects(self, value, to: int, timeout: Optional[float] = None, name: str = "object gather") -> Optional[list]:
         """Every shard rank's ``value`` on shard rank ``to`` of each replica (they hold the same shards), in
         shard-rank order; ``None`` on the other ranks."""

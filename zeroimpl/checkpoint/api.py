@@ -271,19 +271,17 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     except Exception as caught:
         error = caught
     holds = error is None and index is not None  # (a checked index: a dict of the format)
-    found = _agree(error, optimizer, timeout, "finding the checkpoint",
-                   (dist.get_rank(), holds, index.get("save") if holds else None))
-    holders = sorted(rank for rank, has_index, _ in found if has_index)
+    found = _agree(error, optimizer, timeout, "finding the checkpoint", (holds, index.get("save") if holds else None))
+    holders = [position for position, (has_index, _) in enumerate(found) if has_index]  # (all_gather_objects order)
     if not holders:
         raise CheckpointError(f"{directory!r} is not a complete checkpoint: no rank's directory holds its {INDEX}")
-    saves = {str(save) for _, has_index, save in found if has_index}
+    saves = {str(save) for has_index, save in found if has_index}
     if len(saves) > 1:
         raise CheckpointError(f"the ranks' directories {directory!r} hold the indexes of different saves "
                               f"({', '.join(sorted(saves))}): give every rank the directory of one save")
-    if len(holders) < len(found):  # a save to each rank's own directory: the index and extras from the first rank
-        index, extras = next(shared for shared in _agree(
-            None, optimizer, timeout, "sharing the checkpoint's index",
-            (index, extras) if dist.get_rank() == holders[0] else None) if shared is not None)
+    if len(holders) < len(found):  # a save to each rank's own directory: the index and extras from the first holder
+        index, extras = optimizer.topology.broadcast_object((index, extras), holders[0], timeout,
+                                                            "checkpoint agreement (sharing the checkpoint's index)")
     try:
         _check_index(index, optimizer, model)
         _check_extras(extras, model)
