@@ -140,7 +140,8 @@ RENDERERS = {"comparison": comparison, "peers": peers, "host-step": host_step, "
              "network": network, "link-bound": lambda: network("link-bound"),
              "overhead": lambda: results_table("overhead/overhead.md"),
              "overhead-phases": lambda: results_table("overhead/phases.md"),
-             "codec-cost": lambda: results_table("codec_cost.md")}
+             "codec-cost": lambda: results_table("codec_cost.md"),
+             "checkpoint-scaling": lambda: results_table("checkpoint_scaling.md")}
 
 
 def render(text: str) -> str:
