@@ -25,6 +25,19 @@ around torch (a NumPy array or raw pointer taken before ``step()``, apex's multi
 ``optimizer.finish_param_gathers()`` first (:meth:`InFlightGathers.finish`), or build the optimizer with
 ``overlap_param_gather=False``.
 
+One rule for new code. zeroimpl's own work on its own tensors (an inner optimizer's step, a gather's landing) runs
+under :func:`guards_lifted`; anything else that hands parameters to code the guards cannot see (a framework's
+checkpoint or export, another thread, raw storage) calls ``ShardedOptimizer.finish_param_gathers()`` first, as the
+integrations do through their one seam (``ShardedStrategy.finish_param_gathers``, ``ZeroTrainer.save_model``).
+
+Why this and not Megatron's module pre-hooks alone: with hooks alone, reads outside a module's forward (an EMA
+update, ``p.data.clamp_()``, a functional evaluation) would see the previous step's values, or be overwritten when
+the gather lands, silently; the mode is what keeps those reads right, and it costs a Python call per torch
+operation only while a gather is in flight (``benchmarks/results/guard_cost*.md``: noise where the guard leaves at
+the first module forward, as on NCCL; +3.7 to +4.9 µs per call on CPU where it stays for the forward). Why torch's
+private stack calls: a mode pushed with the public ``with``/``__enter__`` sits on top, and a user's ``with mode:``
+block that spans ``step()`` would pop the guard, not its own mode, when it exits.
+
 The machinery, kept as small as the promise allows: the mode and the hook exist only while a gather is in
 flight (before each forward the gathers that have arrived, where the backend tells, are finished without a
 wait, so the cost per operation stops as soon as the last one lands); the inner optimizers step with the guards
