@@ -2,7 +2,8 @@
 
 See :mod:`.files` (directory layout, crash safety, safe loading), :mod:`.reshard` (the arithmetic),
 zeroimpl.state_format (an optimizer's state split into what reshards, torchao's quantized state as plain tensors),
-:mod:`.api` (save / load) and :mod:`.convert` (torch formats, offline export).
+:mod:`.api` (save / load), :mod:`.convert` (torch formats, offline export) and :mod:`.dcp` (torch.distributed.checkpoint's
+format, both ways).
 """
 
 from ..state_format import CheckpointError
@@ -10,4 +11,12 @@ from .api import exists_on_every_rank, load_checkpoint, save_checkpoint
 from .convert import consolidated_optimizer_state_dict, export_fp32_state_dict, load_torch_optimizer_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "exists_on_every_rank", "export_fp32_state_dict", "consolidated_optimizer_state_dict",
-           "load_torch_optimizer_state", "CheckpointError"]
+           "load_torch_optimizer_state", "DCPState", "CheckpointError"]
+
+
+def __getattr__(name: str):
+    """``DCPState`` on first use: its module imports torch.distributed.checkpoint, which takes most of a second."""
+    if name == "DCPState":
+        from .dcp import DCPState
+        return DCPState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

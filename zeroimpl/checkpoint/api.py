@@ -180,10 +180,10 @@ def _rank_payload(optimizer: ShardedOptimizer, split: list, save: str) -> dict:
     return payload
 
 
-def _param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
+def param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
     """Every state-dict name of each trainable parameter (tied weights have several)."""
     names: dict[int, list[str]] = {}
-    for name, tensor in _model_state(model, keep_vars=True).items():
+    for name, tensor in model_state(model, keep_vars=True).items():
         names.setdefault(id(tensor), []).append(name)
     found = [names.get(id(p), []) for p in optimizer.trainable_params]
     if not all(found):
@@ -195,11 +195,11 @@ def _param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[li
 def _model_extras(optimizer: ShardedOptimizer, model: torch.nn.Module) -> dict:
     """The model state the optimizer does not hold: frozen parameters and persistent buffers."""
     trainable = {id(p) for p in optimizer.trainable_params}
-    return {name: tensor.detach().cpu().clone() for name, tensor in _model_state(model, keep_vars=True).items()
+    return {name: tensor.detach().cpu().clone() for name, tensor in model_state(model, keep_vars=True).items()
             if id(tensor) not in trainable}
 
 
-def _model_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+def model_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` under the names of the model itself, also when ``torch.compile`` wrapped it (whose
     state dict prefixes every name with ``_orig_mod.``): a compiled model and the model are one checkpoint."""
     return {_UNCOMPILED.sub(r"\1", name): tensor for name, tensor in model.state_dict(keep_vars=keep_vars).items()}
@@ -207,7 +207,7 @@ def _model_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, t
 
 def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, save: str, listing: dict,
            keys: list[Optional[list[str]]], param_scalars: list[Optional[dict]], dtypes: list[Optional[dict]]) -> dict:
-    names = _param_names(optimizer, model)
+    names = param_names(optimizer, model)
     return {
         "format": FORMAT,
         "save": save,
@@ -294,7 +294,7 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
     optimizer.zero_grad(set_to_none=True)
     optimizer.restore_state(piece_states, hyperparameters, masters, index["loss_scaler"], published)
     with torch.no_grad():
-        state = _model_state(model)
+        state = model_state(model)
         for name, tensor in extras.items():
             state[name].copy_(tensor)
 
@@ -304,7 +304,7 @@ def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> 
     if group_classes(index) != _classes(optimizer):
         raise CheckpointError(f"the checkpoint's param groups step with {group_classes(index)}; this optimizer's "
                               f"with {_classes(optimizer)}: build the optimizer with the same optimizer classes")
-    saved, names = index["params"], _param_names(optimizer, model)
+    saved, names = index["params"], param_names(optimizer, model)
     if len(saved) != len(optimizer.trainable_params):
         raise CheckpointError(f"the checkpoint has {len(saved)} trainable parameters, this model "
                               f"{len(optimizer.trainable_params)}: a checkpoint of another model")
@@ -332,7 +332,7 @@ def _classes(optimizer: ShardedOptimizer) -> list[str]:
 
 
 def _check_extras(extras: dict, model: torch.nn.Module) -> None:
-    state = _model_state(model)
+    state = model_state(model)
     for name, tensor in extras.items():
         if name not in state or tuple(state[name].shape) != tuple(tensor.shape):
             raise CheckpointError(f"the checkpoint's model entry {name!r} {tuple(tensor.shape)} does not fit this "

@@ -1,0 +1,262 @@
+"""torch.distributed.checkpoint (DCP) both ways (issue 56 point 1): ``zeroimpl.checkpoint.DCPState`` against DDP and
+FSDP2 (``fully_shard`` per block, then the model) with torch's AdamW.
+
+2 CPU ranks (gloo), fp32, the tiny GPT-2 of tests/workloads.py (two param groups, a frozen parameter, tied
+embeddings), AdamW, 4 steps on slices of fixed global batches clipped at 1.0, a DCP checkpoint, 4 more steps. A job
+that switches is compared with the job that did not:
+
+* DCPState's state dict, over both ranks, has the keys, full shapes and dtypes of ``get_state_dict(model, AdamW,
+  StateDictOptions(flatten_optimizer_state_dict=True))``;
+* FSDP2 -> zeroimpl stage 2, and zeroimpl stage 2 -> FSDP2, at 2 ranks: bitwise the job that did not switch;
+* DDP -> zeroimpl stage 1 at 2 ranks, and stage 2 with CPU offload at 3 ranks: within PARAM_ATOL = 1e-4 of DDP's job
+  (the parity tolerance: another reduction order, which Adam turns into up to lr on near-zero gradients);
+* zeroimpl (2 ranks, stage 2) -> one process, plain AdamW through ``set_state_dict``: the parameters and the
+  optimizer state loaded are bitwise zeroimpl's at the save (its consolidated state dict); the 4 steps after, on
+  the whole global batch in one process, within PARAM_ATOL (the summation order changes);
+* ``dcp.async_save``: a step taken before its future is waited for does not change what is written;
+* a checkpoint of another model, of another optimizer class, or without the optimizer's state is refused on every
+  rank by DCP's planner, naming the key, before anything is read;
+* what DCP's format cannot carry is refused by name when the DCPState is built: fp16 loss scaling,
+  ``quantize_param_gather``, a parameter in another memory format.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from distributed import run_distributed
+from workloads import build_model, local_batch, param_groups, train_on_global_batch
+from zeroimpl import ShardedOptimizer
+from zeroimpl.checkpoint import CheckpointError, DCPState
+
+SAVE_AT, STEPS, LR = 4, 8, 1e-2
+PARAM_ATOL = 1e-4
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _zero(stage=2, model_dtype=torch.float32, transposed=False, **options):
+    model = build_model("gpt2", model_dtype)
+    if transposed:  # a parameter in another memory format: its storage holds the transpose
+        model.transformer.h[0].mlp.c_fc.weight.data = model.transformer.h[0].mlp.c_fc.weight.data.t().contiguous().t()
+    return model, ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=4096, lr=LR,
+                                   **options)
+
+
+def _fsdp():
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model("gpt2", torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _train(model, optimizer, rank, world_size, steps):
+    """Torch's own loop (DDP, FSDP2 or one process): forward, backward, clip at 1.0, step."""
+    for step in steps:
+        model(**local_batch(step, rank, world_size)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _params(model):
+    """By the bare model's names (DDP's ``module.`` dropped), FSDP2's DTensors gathered."""
+    model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def _described(state: dict) -> dict:
+    return {key: (tuple(value.shape), value.dtype) if torch.is_tensor(value) else value for key, value in state.items()}
+
+
+def _save_torch(model, optimizer, path, future=False):
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)
+    return (dcp.async_save if future else dcp.save)({"app": {"model": model_state, "optim": optimizer_state}},
+                                                    checkpoint_id=path)
+
+
+def _load_torch(model, optimizer, path):
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)
+    loaded = {"app": {"model": model_state, "optim": optimizer_state}}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=loaded["app"]["model"],
+                   optim_state_dict=loaded["app"]["optim"], options=FLAT)
+
+
+def _save_all(rank, world_size, root):
+    out = {}
+    model, optimizer = _zero()
+    train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT))
+    state = DCPState(model, optimizer).state_dict()
+    out["keys"] = {part: _described(state[part]) for part in ("model", "optim")}
+    optimizer.consolidate_state_dict(to=0)
+    out["consolidated"] = copy.deepcopy(optimizer.state_dict()) if rank == 0 else None  # (live tensors otherwise)
+    out["at_save"] = _params(model)
+    dcp.save({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "zeroimpl"))
+    # (a process group of its own, as torchtitan gives it: the save's last collective runs on a thread of its own,
+    # beside the training's collectives)
+    written = dcp.async_save({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "async"),
+                             process_group=torch.distributed.new_group(backend="gloo"))
+    train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, SAVE_AT + 1))  # before the wait
+    written.result()
+    train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT + 1, STEPS))
+    out["zeroimpl"] = _params(model)
+
+    plain = build_model("gpt2", torch.float32)
+    out["torch keys"] = {part: _described(state) for part, state in
+                         zip(("model", "optim"), get_state_dict(plain, torch.optim.AdamW(param_groups(plain), lr=LR),
+                                                                options=FLAT))}
+
+    for name, build in (("ddp", lambda m: torch.nn.parallel.DistributedDataParallel(m)), ("fsdp", None)):
+        model = _fsdp() if build is None else build(build_model("gpt2", torch.float32))
+        optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+        _train(model, optimizer, rank, world_size, range(SAVE_AT))
+        _save_torch(model, optimizer, os.path.join(root, name))
+        _train(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+        out[name] = _params(model)
+
+    model = torch.nn.parallel.DistributedDataParallel(build_model("gpt2", torch.float32))
+    sgd = torch.optim.SGD(param_groups(model), lr=LR, momentum=0.9)
+    _train(model, sgd, rank, world_size, range(1))
+    _save_torch(model, sgd, os.path.join(root, "sgd"))
+    dcp.save({"app": {"model": get_state_dict(model, sgd, options=FLAT)[0]}},
+             checkpoint_id=os.path.join(root, "model-only"))
+    return out
+
+
+def _one_process(rank, world_size, root):
+    out = {}
+    for name in ("zeroimpl", "async"):
+        model = build_model("gpt2", torch.float32)
+        optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+        _load_torch(model, optimizer, os.path.join(root, name))
+        out[name] = {"params": _params(model), "state": copy.deepcopy(optimizer.state_dict())}
+        _train(model, optimizer, 0, 1, range(SAVE_AT, STEPS))
+        out[name]["final"] = _params(model)
+    return out
+
+
+def _switch_at_2(rank, world_size, root):
+    out = {}
+    for name, stage in (("fsdp", 2), ("ddp", 1)):
+        model, optimizer = _zero(stage)
+        dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, name))
+        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+        out[name] = _params(model)
+    model = _fsdp()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+    _load_torch(model, optimizer, os.path.join(root, "zeroimpl"))
+    _train(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+    out["zeroimpl on fsdp"] = _params(model)
+
+    out["refused"] = {}
+    for what, checkpoint, build in (("another model", "zeroimpl", lambda: build_model("llama", torch.float32)),
+                                    ("another optimizer class", "sgd", None),
+                                    ("no optimizer state", "model-only", None)):
+        model = build() if build else build_model("gpt2", torch.float32)
+        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096, lr=LR)
+        before = _params(model)
+        try:
+            dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, checkpoint))
+            out["refused"][what] = None
+        except CheckpointException as error:  # (DCP's, a BaseException: raised on every rank)
+            out["refused"][what] = str(error)
+        out["refused"][what + " unchanged"] = all(torch.equal(p, before[n]) for n, p in _params(model).items())
+    out["refused at construction"] = {}
+    for what, build in (("fp16", lambda: _zero(model_dtype=torch.float16)),
+                        ("quantize_param_gather", lambda: _zero(quantize_param_gather=True)),
+                        ("not contiguous", lambda: _zero(transposed=True))):
+        model, optimizer = build()
+        try:
+            DCPState(model, optimizer)
+            out["refused at construction"][what] = None
+        except CheckpointError as error:
+            out["refused at construction"][what] = str(error)
+    return out
+
+
+def _switch_at_3(rank, world_size, root):
+    model, optimizer = _zero(2, offload="cpu")
+    dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "ddp"))
+    train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+    return _params(model)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dcp"))
+    saved = run_distributed(2, _save_all, root)
+    return {"saved": saved, "one process": run_distributed(1, _one_process, root)[0],
+            "at 2": run_distributed(2, _switch_at_2, root), "at 3": run_distributed(3, _switch_at_3, root)}
+
+
+def _max_diff(a, b):
+    return max((a[n] - b[n]).abs().max().item() for n in b)
+
+
+def test_dcp_state_has_the_keys_shapes_and_dtypes_of_torchs_get_state_dict(runs):
+    saved = runs["saved"]
+    for part in ("model", "optim"):
+        union = {key: value for by_rank in saved for key, value in by_rank["keys"][part].items()}
+        assert union == saved[0]["torch keys"][part]
+    assert all(by_rank["keys"]["model"] == saved[0]["torch keys"]["model"] for by_rank in saved)
+
+
+def test_fsdp2_and_zeroimpl_continue_each_others_checkpoints_bitwise(runs):
+    saved, at_2 = runs["saved"], runs["at 2"]
+    for rank in range(2):
+        assert _max_diff(at_2[rank]["fsdp"], saved[rank]["fsdp"]) == 0.0
+        assert _max_diff(at_2[rank]["zeroimpl on fsdp"], saved[rank]["zeroimpl"]) == 0.0
+
+
+def test_a_ddp_checkpoint_continues_on_zeroimpl_at_2_and_3_ranks(runs):
+    saved = runs["saved"]
+    for rank in range(2):
+        assert _max_diff(runs["at 2"][rank]["ddp"], saved[rank]["ddp"]) <= PARAM_ATOL
+    for params in runs["at 3"]:
+        assert _max_diff(params, saved[0]["ddp"]) <= PARAM_ATOL
+
+
+def test_a_zeroimpl_checkpoint_continues_in_one_process_with_torchs_adamw(runs):
+    """Loaded exactly (parameters and state bitwise zeroimpl's consolidated state at the save), then 4 steps."""
+    saved, alone = runs["saved"], runs["one process"]["zeroimpl"]
+    assert _max_diff(alone["params"], saved[0]["at_save"]) == 0.0
+    consolidated = saved[0]["consolidated"]
+    assert consolidated["state"].keys() == alone["state"]["state"].keys()
+    for number, state in consolidated["state"].items():
+        for key, value in state.items():
+            assert torch.equal(alone["state"]["state"][number][key], value), (number, key)
+    assert _max_diff(alone["final"], saved[0]["zeroimpl"]) <= PARAM_ATOL
+
+
+def test_an_async_save_writes_the_state_of_its_call_while_training_goes_on(runs):
+    saved, alone = runs["saved"], runs["one process"]
+    assert _max_diff(alone["async"]["params"], saved[0]["at_save"]) == 0.0
+    for number, state in saved[0]["consolidated"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(alone["async"]["state"]["state"][number][key], value), (number, key)
+
+
+@pytest.mark.parametrize("what, key", [("another model", "app.model.model.embed_tokens.weight"),
+                                       ("another optimizer class", "app.optim.state.transformer."),
+                                       ("no optimizer state", "app.optim.state.")])
+def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank_naming_the_key(runs, what, key):
+    for by_rank in runs["at 2"]:
+        refused = by_rank["refused"][what]
+        assert refused is not None and "Missing key in checkpoint state_dict" in refused and key in refused, refused
+        assert by_rank["refused"][what + " unchanged"]
+
+
+@pytest.mark.parametrize("what, named", [("fp16", "loss scale"), ("quantize_param_gather", "quantize_param_gather"),
+                                         ("not contiguous", "not contiguous")])
+def test_what_dcps_format_cannot_carry_is_refused_by_name(runs, what, named):
+    for by_rank in runs["at 2"]:
+        refused = by_rank["refused at construction"][what]
+        assert refused is not None and named in refused and "save_checkpoint" in refused, refused
