@@ -260,3 +260,23 @@ def test_what_dcps_format_cannot_carry_is_refused_by_name(runs, what, named):
     for by_rank in runs["at 2"]:
         refused = by_rank["refused at construction"][what]
         assert refused is not None and named in refused and "save_checkpoint" in refused, refused
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_boxes_of_a_flat_range_cover_it_in_order_each_contiguous(seed):
+    """In process, random shapes and ranges: the boxes' elements, in order, are exactly the range's, and each box
+    is one contiguous run of the row-major tensor."""
+    from zeroimpl.checkpoint.dcp import boxes
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = tuple(int(n) for n in torch.randint(1, 6, (int(torch.randint(1, 5, (1,), generator=generator)),),
+                                                generator=generator))
+    numel = torch.Size(shape).numel()
+    start, end = sorted(int(n) for n in torch.randint(0, numel + 1, (2,), generator=generator))
+    numbers = torch.arange(numel).view(shape)
+    covered = []
+    for offsets, sizes in boxes(shape, start, end):
+        region = numbers[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+        assert torch.equal(region, torch.arange(int(region[0]), int(region[0]) + region.numel()))  # contiguous
+        covered += region.tolist()
+    assert covered == list(range(start, end))
