@@ -8,8 +8,9 @@ that switches is compared with the job that did not:
 * DCPState's state dict, over both ranks, has the keys, full shapes and dtypes of ``get_state_dict(model, AdamW,
   StateDictOptions(flatten_optimizer_state_dict=True))``;
 * FSDP2 -> zeroimpl stage 2, and zeroimpl stage 2 -> FSDP2, at 2 ranks: bitwise the job that did not switch;
-* DDP -> zeroimpl stage 1 at 2 ranks, and stage 2 with CPU offload at 3 ranks: within PARAM_ATOL = 1e-4 of DDP's job
-  (the parity tolerance: another reduction order, which Adam turns into up to lr on near-zero gradients);
+* DDP -> zeroimpl stage 1 at 2 ranks: bitwise DDP's job; stage 2 with CPU offload at 3 ranks and on a 2 x 2 mesh:
+  within PARAM_ATOL = 1e-4 of it (the parity tolerance: another reduction order, which Adam turns into up to lr on
+  near-zero gradients); the mesh's own save loads exactly at 3 ranks;
 * zeroimpl (2 ranks, stage 2) -> one process, plain AdamW through ``set_state_dict``: the parameters and the
   optimizer state loaded are bitwise zeroimpl's at the save (its consolidated state dict); the 4 steps after, on
   the whole global batch in one process, within PARAM_ATOL (the summation order changes);
@@ -182,11 +183,28 @@ def _switch_at_2(rank, world_size, root):
     return out
 
 
+def _on_a_mesh(rank, world_size, root):
+    """DDP's checkpoint onto a 2 x 2 mesh (replicate x shard), 4 steps, then saved from the mesh (each shard once)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model, optimizer = _zero(2, device_mesh=mesh)
+    dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "ddp"))
+    train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+    dcp.save({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "mesh"))
+    return _params(model)
+
+
 def _switch_at_3(rank, world_size, root):
+    out = {}
     model, optimizer = _zero(2, offload="cpu")
     dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "ddp"))
     train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
-    return _params(model)
+    out["ddp"] = _params(model)
+    model, optimizer = _zero(1)
+    dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "mesh"))
+    out["mesh"] = _params(model)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +212,8 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dcp"))
     saved = run_distributed(2, _save_all, root)
     return {"saved": saved, "one process": run_distributed(1, _one_process, root)[0],
-            "at 2": run_distributed(2, _switch_at_2, root), "at 3": run_distributed(3, _switch_at_3, root)}
+            "at 2": run_distributed(2, _switch_at_2, root), "on a mesh": run_distributed(4, _on_a_mesh, root),
+            "at 3": run_distributed(3, _switch_at_3, root)}
 
 
 def _max_diff(a, b):
@@ -218,10 +237,20 @@ def test_fsdp2_and_zeroimpl_continue_each_others_checkpoints_bitwise(runs):
 
 def test_a_ddp_checkpoint_continues_on_zeroimpl_at_2_and_3_ranks(runs):
     saved = runs["saved"]
-    for rank in range(2):
-        assert _max_diff(runs["at 2"][rank]["ddp"], saved[rank]["ddp"]) <= PARAM_ATOL
-    for params in runs["at 3"]:
-        assert _max_diff(params, saved[0]["ddp"]) <= PARAM_ATOL
+    for rank in range(2):  # (at 2 ranks the sums are DDP's: bitwise)
+        assert _max_diff(runs["at 2"][rank]["ddp"], saved[rank]["ddp"]) == 0.0
+    for by_rank in runs["at 3"]:
+        assert _max_diff(by_rank["ddp"], saved[0]["ddp"]) <= PARAM_ATOL
+
+
+def test_a_mesh_loads_and_saves_through_dcp(runs):
+    """DDP's checkpoint continues on a 2 x 2 mesh (4 ranks: within the parity tolerance of DDP at 2), and what the
+    mesh saves (its replicas write the same boxes, which DCP writes once) loads exactly at 3 ranks, stage 1."""
+    on_mesh = runs["on a mesh"]
+    for params in on_mesh:
+        assert _max_diff(params, runs["saved"][0]["ddp"]) <= PARAM_ATOL
+    for by_rank in runs["at 3"]:
+        assert _max_diff(by_rank["mesh"], on_mesh[0]) == 0.0
 
 
 def test_a_zeroimpl_checkpoint_continues_in_one_process_with_torchs_adamw(runs):
