@@ -149,13 +149,11 @@ class DCPState(Stateful):
         optimizer.sync_masters()  # (the gathers in flight finished; parameters edited since the last step taken in)
         names = [first for first, *_ in param_names(optimizer, self.model)]
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        self._pieces = []
+        self._pieces = []  # (piece, master view, state) in piece_states() order: what a load then installs
         for piece, master, state in optimizer.piece_states():
-            param = optimizer.trainable_params[piece.param_index]
-            fresh = state is None
-            if fresh:
-                state = _fresh_state(group_of[id(param)], master)
-            self._pieces.append((piece, master, state, fresh))
+            if state is None:
+                state = _fresh_state(group_of[id(optimizer.trainable_params[piece.param_index])], master)
+            self._pieces.append((piece, master, state))
         by_param: list[list] = [[] for _ in optimizer.trainable_params]
         for entry in self._pieces:
             by_param[entry[0].param_index].append(entry)
@@ -184,8 +182,9 @@ class DCPState(Stateful):
         """Parameter ``index``'s masters (``key`` None) or per-element state ``key`` as this rank's ranges (none
         on a rank that holds no piece of it)."""
         param = self.optimizer.trainable_params[index]
-        ranges = [(piece.param_start, (master if key is None else state[key]).reshape(-1))
-                  for piece, master, state, _ in by_param[index]]
+        # (view, never reshape: a load writes through these into the masters and the state)
+        ranges = [(piece.param_start, (master if key is None else state[key]).view(-1))
+                  for piece, master, state in by_param[index]]
         master = self.optimizer.storages[self.optimizer.layout.slots[index].bucket_index].master
         like = ranges[0][1] if ranges else master
         return FlatRanges(param.shape, ranges, like.dtype, like.device)
@@ -196,7 +195,7 @@ class DCPState(Stateful):
         ``row_var``) as they are; a plain value (saved as bytes) as it is."""
         if not by_param[index]:
             return {}
-        piece, master, state, _ = by_param[index][0]
+        piece, master, state = by_param[index][0]
         whole = piece.param_start == 0 and piece.param_end == self.optimizer.trainable_params[index].numel()
         found = {}
         for key, value in state.items():
@@ -225,7 +224,7 @@ class DCPState(Stateful):
                                       f"group {number} ({', '.join(members)}): it was saved with other param groups")
             hyperparameters.append(values[0] if values else {})
         states = []
-        for piece, _, state, _ in self._pieces:  # values DCP loads as bytes come back in the dict, not in place
+        for piece, _, state in self._pieces:  # values DCP loads as bytes come back in the dict, not in place
             states.append({key: value if torch.is_tensor(value) else optim[f"state.{names[piece.param_index]}.{key}"]
                            for key, value in state.items()})
         optimizer.restore_state(states, hyperparameters, [storage.master for storage in optimizer.storages])
