@@ -91,8 +91,73 @@ def _load_torch(model, optimizer, path):
                    optim_state_dict=loaded["app"]["optim"], options=FLAT)
 
 
+class _Tempered(torch.nn.Module):
+    """A linear map and a 0-dim parameter (a learnable temperature, as CLIP's ``logit_scale``) that the loss uses
+    from step 1 on: until then it has no gradient, and no optimizer state, in torch's optimizers and in zeroimpl."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 4)
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, step, rank, world_size):
+        rows = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        out = self.body(rows[rank * 8 // world_size:(rank + 1) * 8 // world_size])
+        return (out * self.temperature if step >= 1 else out).square().mean()
+
+
+class _PositiveLr(torch.optim.SGD):
+    """SGD that refuses a learning rate of 0, as some optimizers' checks do."""
+
+    def __init__(self, params, lr=1e-3, **options):
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        super().__init__(params, lr=lr, **options)
+
+
+def _train_tempered(model, optimizer, rank, world_size, steps):
+    for step in steps:
+        model(step, rank, world_size).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _tempered_zero(stage=2, **options):
+    model = _Tempered()
+    return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=LR, **options)
+
+
+def _tempered(rank, world_size, root, out):
+    """The 0-dim parameter and the parameter without state, saved by zeroimpl after step 0 and 2 and by DDP after
+    step 2; the key names of a compiled DDP model."""
+    model, optimizer = _tempered_zero()
+    _train_tempered(model, optimizer, rank, world_size, range(1))
+    out["tempered keys"] = _described(DCPState(model, optimizer).state_dict()["optim"])
+    dcp.save({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "tempered-0"))
+    _train_tempered(model, optimizer, rank, world_size, range(1, 3))
+    out["tempered at 2"] = _params(model)
+    dcp.save({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "tempered-2"))
+    _train_tempered(model, optimizer, rank, world_size, range(3, 5))
+    out["tempered"] = _params(model)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(_Tempered(), find_unused_parameters=True)
+    adamw = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    _train_tempered(ddp, adamw, rank, world_size, range(1))
+    out["torch tempered keys"] = _described(get_state_dict(ddp, adamw, options=FLAT)[1])
+    _train_tempered(ddp, adamw, rank, world_size, range(1, 3))
+    _save_torch(ddp, adamw, os.path.join(root, "tempered-ddp"))
+    _train_tempered(ddp, adamw, rank, world_size, range(3, 5))
+    out["tempered ddp"] = _params(ddp)
+
+    compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(_Tempered()))
+    out["compiled ddp names"] = sorted(DCPState(compiled, ShardedOptimizer(
+        compiled.parameters(), torch.optim.AdamW, stage=1, lr=LR)).state_dict()["model"])
+
+
 def _save_all(rank, world_size, root):
     out = {}
+    _tempered(rank, world_size, root, out)
     model, optimizer = _zero()
     train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT))
     state = DCPState(model, optimizer).state_dict()
@@ -141,6 +206,9 @@ def _one_process(rank, world_size, root):
         out[name] = {"params": _params(model), "state": copy.deepcopy(optimizer.state_dict())}
         _train(model, optimizer, 0, 1, range(SAVE_AT, STEPS))
         out[name]["final"] = _params(model)
+    model = _Tempered()
+    _load_torch(model, torch.optim.AdamW(model.parameters(), lr=LR), os.path.join(root, "tempered-2"))
+    out["tempered"] = _params(model)
     return out
 
 
@@ -170,6 +238,30 @@ def _switch_at_2(rank, world_size, root):
         except CheckpointException as error:  # (DCP's, a BaseException: raised on every rank)
             out["refused"][what] = str(error)
         out["refused"][what + " unchanged"] = all(torch.equal(p, before[n]) for n, p in _params(model).items())
+    model, optimizer = _tempered_zero()
+    dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "tempered-2"))
+    _train_tempered(model, optimizer, rank, world_size, range(3, 5))
+    out["tempered from 2"] = _params(model)
+    model, optimizer = _tempered_zero()  # nothing stepped: placeholders for every parameter, the temperature's too
+    try:
+        dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "tempered-0"))
+        out["tempered from 0"] = None
+    except CheckpointException as error:
+        out["tempered from 0"] = str(error)
+    model, optimizer = _tempered_zero(stage=1)
+    dcp.load({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "tempered-ddp"))
+    _train_tempered(model, optimizer, rank, world_size, range(3, 5))
+    out["tempered from ddp"] = _params(model)
+    model = _Tempered()  # the temperature in a group of its own, whose class refuses lr=0: on one rank only
+    optimizer = ShardedOptimizer([{"params": [model.body.weight, model.body.bias]},
+                                  {"params": [model.temperature], "optimizer": _PositiveLr}],
+                                 torch.optim.AdamW, stage=2, lr=LR, assume_elementwise=True)
+    try:
+        dcp.save({"app": DCPState(model, optimizer)}, checkpoint_id=os.path.join(root, "never"))
+        out["no placeholder"] = None
+    except CheckpointError as error:
+        out["no placeholder"] = str(error)
+
     out["refused at construction"] = {}
     for what, build in (("fp16", lambda: _zero(model_dtype=torch.float16)),
                         ("quantize_param_gather", lambda: _zero(quantize_param_gather=True)),
@@ -309,3 +401,30 @@ def test_the_boxes_of_a_flat_range_cover_it_in_order_each_contiguous(seed):
         assert torch.equal(region, torch.arange(int(region[0]), int(region[0]) + region.numel()))  # contiguous
         covered += region.tolist()
     assert covered == list(range(start, end))
+
+
+def test_a_0_dim_parameter_and_one_without_state_move_as_in_torch(runs):
+    """A 0-dim parameter (the box of no dimensions) goes from zeroimpl to one process of torch, from DDP to zeroimpl
+    and from zeroimpl to zeroimpl, bitwise. Saved after step 0, when it had no gradient yet, it has no state entries,
+    as in torch's; an optimizer that has not stepped expects state for every parameter (as get_state_dict makes a
+    torch optimizer's), so that checkpoint is refused on every rank naming the key, as torch's AdamW refuses it."""
+    saved, at_2 = runs["saved"], runs["at 2"]
+    keys = {key: value for by_rank in saved for key, value in by_rank["tempered keys"].items()}
+    assert keys == saved[0]["torch tempered keys"] and not any("temperature" in key for key in keys if "state." in key)
+    assert _max_diff(runs["one process"]["tempered"], saved[0]["tempered at 2"]) == 0.0
+    for rank in range(2):
+        assert _max_diff(at_2[rank]["tempered from 2"], saved[rank]["tempered"]) == 0.0
+        assert _max_diff(at_2[rank]["tempered from ddp"], saved[rank]["tempered ddp"]) == 0.0
+        assert "Missing key in checkpoint state_dict: app.optim.state.temperature." in at_2[rank]["tempered from 0"]
+
+
+def test_a_compiled_ddp_model_is_named_as_the_model(runs):
+    for by_rank in runs["saved"]:
+        assert by_rank["compiled ddp names"] == ["body.bias", "body.weight", "temperature"]
+
+
+def test_placeholder_state_that_cannot_be_made_is_refused_on_every_rank(runs):
+    """Nothing stepped, and one group's class refuses lr=0: the rank that holds its one element and the rank that
+    holds none both raise, where the second would wait in DCP's collective."""
+    for by_rank in runs["at 2"]:
+        assert by_rank["no placeholder"] is not None and "_PositiveLr" in by_rank["no placeholder"]

@@ -18,11 +18,12 @@ masters (:meth:`DCPState.load_state_dict`).
 
 Decisions: the ``model`` entries of trainable parameters are the fp32 masters (for a 16-bit model, fp32 where
 ``get_state_dict`` of the 16-bit model would give its dtype: what FSDP2's mixed precision saves, its sharded fp32
-parameters); a parameter not stepped yet has placeholder state with the keys of its first step, as
-``get_state_dict`` gives a plain optimizer, which the optimizer itself does not take unless a load fills it
-(:func:`_fresh_state`). Refused by name: fp16 loss scaling (DCP's format has no place for the loss scale),
-``quantize_param_gather`` (its published parameters are not the masters), low-bit optimizers (their state is codes
-and scales, not torch's) and parameters in another memory format than contiguous.
+parameters); an optimizer that has not stepped on any rank has the placeholder state ``get_state_dict`` gives a
+torch optimizer (:func:`_fresh_state`), which it does not take unless a load fills it; once any rank has stepped, a
+parameter without gradients so far has no state entries, as in torch's. Refused by name: fp16 loss scaling (DCP's
+format has no place for the loss scale), ``quantize_param_gather`` (its published parameters are not the
+masters), low-bit optimizers (their state is codes and scales, not torch's) and parameters in another memory
+format than contiguous.
 
 ``dcp.async_save`` runs its last collective on a thread of its own: give it a process group of its own
 (``process_group=dist.new_group(backend="gloo")``, as torchtitan does), or it meets the training's collectives on
@@ -51,7 +52,9 @@ def boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     ``shape``: at most a partial box at each end per dimension and one of whole rows between, each contiguous."""
     if start >= end:
         return []
-    if len(shape) <= 1:
+    if not shape:  # a 0-dim tensor: its one element is the box of no dimensions
+        return [((), ())]
+    if len(shape) == 1:
         return [((start,), (end - start,))]
     inner = math.prod(shape[1:])
     found = []
@@ -138,22 +141,36 @@ class DCPState(Stateful):
         if refusal:
             raise CheckpointError(f"DCPState cannot hold this optimizer: {refusal}; save it with "
                                   "zeroimpl.checkpoint.save_checkpoint instead")
-        self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        self.optimizer = optimizer
+        self.model, self.optimizer = _bare(model), optimizer
 
     def state_dict(self) -> dict:
         """``{"model": ..., "optim": ...}`` (see the module docstring): views of this rank's masters and state, and
-        for ``dcp.load`` the destinations it loads into. A parameter not stepped yet gets placeholder state, which
-        the optimizer does not take unless a load fills it (:func:`_fresh_state`)."""
+        for ``dcp.load`` the destinations it loads into. Collective (two small all-gathers): an optimizer that has
+        not stepped on any rank gets placeholder state, which it does not take unless a load fills it
+        (:func:`_fresh_state`); where it cannot be made, every rank raises."""
         optimizer = self.optimizer
         optimizer.sync_masters()  # (the gathers in flight finished; parameters edited since the last step taken in)
         names = [first for first, *_ in param_names(optimizer, self.model)]
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        self._pieces = []  # (piece, master view, state) in piece_states() order: what a load then installs
-        for piece, master, state in optimizer.piece_states():
-            if state is None:
-                state = _fresh_state(group_of[id(optimizer.trainable_params[piece.param_index])], master)
-            self._pieces.append((piece, master, state))
+        pieces = optimizer.piece_states()
+        # as get_state_dict gives a torch optimizer: placeholder state where no rank has any (nothing stepped yet),
+        # else only the state there is (a parameter without gradients so far has none, in torch's too)
+        fresh = not any(optimizer.topology.all_gather_objects(
+            any(state is not None for _, _, state in pieces), None, "DCPState (whether any rank holds state)"))
+        error, placeholders = None, {}
+        try:
+            if fresh:
+                placeholders = {number: _fresh_state(group_of[id(optimizer.trainable_params[piece.param_index])],
+                                                     master) for number, (piece, master, _) in enumerate(pieces)}
+        except CheckpointError as caught:  # every rank must raise, not only those holding such a piece
+            error = str(caught)
+        failures = [failure for failure in optimizer.topology.all_gather_objects(
+            error, None, "DCPState (placeholder state)") if failure is not None]
+        if failures:
+            raise CheckpointError(failures[0])
+        # (piece, master view, state or None) in piece_states() order: what a load then installs
+        self._pieces = [(piece, master, placeholders.get(number, state))
+                        for number, (piece, master, state) in enumerate(pieces)]
         by_param: list[list] = [[] for _ in optimizer.trainable_params]
         for entry in self._pieces:
             by_param[entry[0].param_index].append(entry)
@@ -196,6 +213,8 @@ class DCPState(Stateful):
         if not by_param[index]:
             return {}
         piece, master, state = by_param[index][0]
+        if state is None:
+            return {}
         whole = piece.param_start == 0 and piece.param_end == self.optimizer.trainable_params[index].numel()
         found = {}
         for key, value in state.items():
@@ -211,8 +230,10 @@ class DCPState(Stateful):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """After ``dcp.load`` wrote the masters and the state in place (into what :meth:`state_dict` gave): install
-        the state (the placeholders of pieces not stepped before included) and the param groups' hyperparameters,
-        and all-gather the parameters from the masters. Collective."""
+        the state (placeholders included) and the param groups' hyperparameters, and all-gather the parameters from
+        the masters. Collective. A load that fails part-way (a file cut short) has written into the masters and the
+        state already, as DCP loads a torch optimizer in place: build the model and optimizer afresh before
+        training on."""
         optimizer, optim = self.optimizer, state_dict["optim"]
         names = [first for first, *_ in param_names(optimizer, self.model)]
         hyperparameters = []
@@ -225,32 +246,42 @@ class DCPState(Stateful):
             hyperparameters.append(values[0] if values else {})
         states = []
         for piece, _, state in self._pieces:  # values DCP loads as bytes come back in the dict, not in place
-            states.append({key: value if torch.is_tensor(value) else optim[f"state.{names[piece.param_index]}.{key}"]
-                           for key, value in state.items()})
+            states.append(None if state is None else {
+                key: value if torch.is_tensor(value) else optim[f"state.{names[piece.param_index]}.{key}"]
+                for key, value in state.items()})
         optimizer.restore_state(states, hyperparameters, [storage.master for storage in optimizer.storages])
 
 
 def _fresh_state(group: dict, master: torch.Tensor) -> dict:
-    """Placeholder state for a piece not stepped yet, with the keys, shapes and dtypes its first step would give
-    it, as ``get_state_dict`` gives a plain optimizer that has not stepped (which steps it on zero gradients at
-    learning rate 0): learnt by stepping the group's optimizer class so on a stand-in of the piece on the meta
-    device, then allocated like the piece (zeros, or the stand-in's value where it is a real tensor, such as
-    Adam's ``step``)."""
-    stand_in = torch.nn.Parameter(torch.empty(master.shape, dtype=master.dtype, device="meta"))
+    """Placeholder state for a piece of an optimizer that has not stepped: what ``get_state_dict`` gives a torch
+    optimizer that has not stepped, which steps it once on zero gradients at learning rate 0. The same step, of a
+    new optimizer of the group's class and hyperparameters, on a copy of the piece: the optimizer itself keeps no
+    state until a load installs it."""
+    stand_in = torch.nn.Parameter(master.detach().clone())
     stand_in.grad = torch.zeros_like(stand_in)
     try:
         probe = group["optimizer"]([stand_in], lr=0.0)
         probe.param_groups[0].update({key: group[key] for key in _hyperparameter_keys(group)
-                                      if key in probe.param_groups[0] and key not in ("lr", "foreach", "fused")})
+                                      if key in probe.param_groups[0] and key != "lr"})
         probe.step()
-    except Exception as error:  # noqa: BLE001 - any class that cannot step on the meta device
-        raise CheckpointError(f"DCPState needs the state of a parameter not stepped yet, and "
-                              f"{group['optimizer'].__name__} cannot step a stand-in on the meta device to tell its "
-                              f"keys ({type(error).__name__}: {error}): take a training step before saving or "
-                              "loading through DCPState") from error
-    return {key: (torch.zeros(value.shape, dtype=value.dtype, device=master.device) if value.is_meta
-                  else value.clone()) if torch.is_tensor(value) else value
-            for key, value in probe.state[stand_in].items()}
+    except Exception as error:  # noqa: BLE001 - any class that cannot be built or stepped so
+        raise CheckpointError(f"DCPState needs the state of an optimizer that has not stepped yet, as get_state_dict "
+                              f"gives it, and a {group['optimizer'].__name__} over a copy of a parameter cannot be "
+                              f"built with lr=0 and stepped ({type(error).__name__}: {error}): take a training step "
+                              "before saving or loading through DCPState") from error
+    return probe.state[stand_in]
+
+
+def _bare(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under its DDP and ``torch.compile`` wrappers, in any order, as ``get_state_dict`` names it."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
+                                                                       torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def _hyperparameter_keys(group: dict) -> list[str]:
