@@ -2,16 +2,18 @@
 
 See :mod:`.files` (directory layout, crash safety, safe loading), :mod:`.reshard` (the arithmetic),
 zeroimpl.state_format (an optimizer's state split into what reshards, torchao's quantized state as plain tensors),
-:mod:`.api` (save / load), :mod:`.convert` (torch formats, offline export) and :mod:`.dcp` (torch.distributed.checkpoint's
-format, both ways).
+:mod:`.api` (save / load), :mod:`.convert` (torch formats, offline export), :mod:`.dcp` (torch.distributed.checkpoint's
+format, both ways) and :mod:`.deepspeed` (a DeepSpeed ZeRO-1/2 checkpoint converted).
 """
 
 from ..state_format import CheckpointError
 from .api import exists_on_every_rank, load_checkpoint, save_checkpoint
 from .convert import consolidated_optimizer_state_dict, export_fp32_state_dict, load_torch_optimizer_state
+from .deepspeed import from_deepspeed
 
-__all__ = ["save_checkpoint", "load_checkpoint", "exists_on_every_rank", "export_fp32_state_dict", "consolidated_optimizer_state_dict",
-           "load_torch_optimizer_state", "DCPState", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "exists_on_every_rank", "export_fp32_state_dict",
+           "consolidated_optimizer_state_dict", "load_torch_optimizer_state", "DCPState", "from_deepspeed",
+           "CheckpointError"]
 
 
 def __getattr__(name: str):

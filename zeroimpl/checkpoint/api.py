@@ -320,7 +320,9 @@ def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> 
                                   "building the optimizer; a checkpoint that records no strides (written before "
                                   "zeroimpl kept memory formats) holds every parameter contiguous: "
                                   "p.data = p.data.contiguous() first")
-    if [g["members"] for g in index["groups"]] != [g["members"] for g in describe_groups(optimizer)]:
+    trainable = [[[m for m in g["members"] if m >= 0] for g in groups]  # (frozen members hold no state)
+                 for groups in (index["groups"], describe_groups(optimizer))]
+    if trainable[0] != trainable[1]:
         raise CheckpointError("the checkpoint's param groups hold other parameters than this optimizer's; "
                               "build the optimizer with the same param groups")
     if sorted(index["files"]) != sorted([rank_file(r) for r in range(index["world_size"])] + [EXTRAS]):
