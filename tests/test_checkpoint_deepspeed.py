@@ -10,8 +10,9 @@ checkpoint in fresh processes: the reference. The converted checkpoint (the CLI,
   which Adam turns into up to lr on near-zero gradients).
 
 Refused by name, before anything is written: tensor parallelism (an ``mp_rank_01`` file), pipeline parallelism
-(``layer_*`` files), a ``latest`` that names a missing tag, ZeRO stage 3, an optimizer other than Adam or AdamW, and
-a call from inside a training job's process group.
+(``layer_*`` files), a ``latest`` that names a missing tag, ZeRO stage 3, an optimizer other than Adam or AdamW,
+``offload_optimizer`` and BF16_Optimizer's files (not carried yet), and a call from inside a training job's process
+group.
 """
 
 import importlib.util
@@ -155,6 +156,21 @@ def test_stage_3_and_other_optimizers_are_refused_by_name(runs, tmp_path, change
                 per_group["momentum_buffer"] = per_group.pop("exp_avg")
         torch.save(saved, path)
     assert named in _refusal(copy)
+
+
+def test_an_offloaded_or_bf16_optimizers_checkpoint_is_refused_by_name(runs, tmp_path):
+    """Not carried yet: DeepSpeedCPUAdam's state (offload_optimizer), BF16_Optimizer's files."""
+    from zeroimpl.checkpoint.deepspeed import MODEL_STATES, _read
+
+    copy = _copy(runs, tmp_path)
+    model_states = _read(str(copy / MODEL_STATES))
+    model_states["ds_config"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    torch.save(model_states, copy / MODEL_STATES)
+    assert "offload_optimizer" in _refusal(copy)
+    bf16 = _copy(runs, tmp_path / "bf16")
+    first = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    os.rename(bf16 / first, bf16 / f"bf16_{first}")
+    assert "BF16_Optimizer" in _refusal(bf16)
 
 
 def _inside_a_job(rank, world_size, saved):

@@ -49,7 +49,8 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
     masters, Adam's moments and step counts, the param groups with their hyperparameters, and the frozen
     parameters and buffers. In one process with no process group of its own (``python -m zeroimpl.checkpoint
     from-deepspeed DS_DIR OUT_DIR``). Refused by name: tensor or pipeline parallelism, stage 3, an optimizer
-    other than Adam or AdamW, fp16 loss scaling."""
+    other than Adam or AdamW, fp16 loss scaling, ``offload_optimizer`` and BF16_Optimizer's files (not carried
+    yet)."""
     if dist.is_available() and dist.is_initialized():
         raise CheckpointError("from_deepspeed converts in one process, with a process group of its own: run it "
                               "outside the training job (python -m zeroimpl.checkpoint from-deepspeed DS_DIR OUT_DIR)")
@@ -61,7 +62,7 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(rendezvous, 'store')}", rank=0,
                                 world_size=1)
         try:
-            optimizer = ShardedOptimizer(groups, _optimizer_class(state), stage=2)
+            optimizer = ShardedOptimizer(groups, _optimizer_class(model_states, state), stage=2)
             load_torch_optimizer_state(optimizer, state)
             save_checkpoint(out_dir, optimizer, stand_in)
         finally:
@@ -90,6 +91,9 @@ def _rank_files(tag: str) -> list[str]:
     found = {}
     for name in os.listdir(tag):
         match = _RANK_FILE.match(name)
+        if match and match.group(1):
+            raise CheckpointError(f"{tag!r} holds {name}: DeepSpeed's bf16 optimizer (BF16_Optimizer), whose files "
+                                  "this conversion does not read yet; ZeRO-1/2's own files (zero_pp_rank_*) convert")
         if match:
             if int(match.group(3)) != 0:
                 raise CheckpointError(f"{tag!r} holds {name}: a checkpoint with tensor parallelism (mp_rank > 0), "
@@ -146,7 +150,8 @@ def _converted(model_states: dict, ranks: list[dict]) -> tuple[list[dict], torch
         flat = {key: torch.cat([_partition(rank, g, key) for rank in ranks]) for key in ("master", "exp_avg",
                                                                                          "exp_avg_sq")}
         step = first["base_optimizer_state"]["state"][g]["step"]
-        paddings = first.get("param_alignment_paddings", [[0] * len(shapes)] * len(ranks))[g]
+        saved_paddings = first.get("param_alignment_paddings")  # (a checkpoint without them: no padding)
+        paddings = saved_paddings[g] if saved_paddings else [0] * len(shapes)
         members, offset = [], 0
         for (name, shape), padding in zip(shapes.items(), paddings):
             numel = torch.Size(shape).numel()
@@ -196,6 +201,8 @@ def _stand_in_model(module: dict, model_states: dict) -> tuple[torch.nn.Module, 
                 owner.add_module(part, torch.nn.Module())
             owner = getattr(owner, part)
         if name in shared:
+            if shared[name] not in made:
+                raise CheckpointError(f"the checkpoint ties {name} to {shared[name]}, which it does not hold before it")
             owner.register_parameter(leaf, made[shared[name]])
         elif name in trainable:
             made[name] = torch.nn.Parameter(torch.empty(tensor.shape, dtype=torch.float32))
@@ -210,9 +217,14 @@ def _stand_in_model(module: dict, model_states: dict) -> tuple[torch.nn.Module, 
     return root, made
 
 
-def _optimizer_class(state: dict) -> type:
-    decoupled = {bool(group.get("decoupled_weight_decay", group.get("adam_w_mode", False)))
-                 for group in state["param_groups"]}
+def _optimizer_class(model_states: dict, state: dict) -> type:
+    """torch's AdamW or Adam, as the saved param groups say; an offloaded optimizer (DeepSpeedCPUAdam, whose groups
+    do not say) is refused."""
+    zero = (model_states.get("ds_config") or {}).get("zero_optimization") or {}
+    if zero.get("offload_optimizer"):
+        raise CheckpointError("the checkpoint was trained with offload_optimizer (DeepSpeedCPUAdam), whose state this "
+                              "conversion does not carry yet: convert the weights with DeepSpeed's zero_to_fp32.py")
+    decoupled = {bool(group.get("decoupled_weight_decay", False)) for group in state["param_groups"]}
     if decoupled == {True}:
         return torch.optim.AdamW
     if decoupled == {False}:
