@@ -18,7 +18,8 @@ start_ranks_from_forkserver(["torch", "torch.distributed", "transformers",
 # under xdist), so they are collected first, longest first: started last, one of them would leave the other worker
 # idle at the end. (Only the order depends on this list: a module missing from it still runs, after these.)
 LONGEST_FIRST = ("test_optimizer_misuse", "test_trainer", "test_pending_rank_faults", "test_comparison",
-                 "test_offload", "test_inflight_overlap", "test_optimizer_training_loops", "test_example_nanogpt",
+                 "test_checkpoint_deepspeed", "test_offload", "test_inflight_overlap", "test_optimizer_training_loops",
+                 "test_example_nanogpt",
                  "test_optimizer_long_run", "test_optimizer_kinds_whole_parameter", "test_checkpoint",
                  "test_optimizer_kinds_torchao", "test_optimizer_drop_in_loops", "test_topology_multinode",
                  "test_quantized_comm", "test_optimizer_kinds_lowbit", "test_benchmark_network", "test_shutdown",
