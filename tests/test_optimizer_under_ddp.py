@@ -351,12 +351,25 @@ def _consolidated_then_scheduled(rank):
     return optimizer.state_dict()["param_groups"][0]["lr"] if rank == 0 else None, optimizer.param_groups[0]["lr"]
 
 
+def _consolidated_then_loaded(rank, shared):
+    """consolidate_state_dict, then load_checkpoint of an earlier state: rank 0's state_dict() is no longer the full
+    state consolidated before the load (its own shard, as after a step)."""
+    from zeroimpl.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer = _train(rank, 2)
+    save_checkpoint(os.path.join(shared, "before-consolidation"), optimizer, model)
+    optimizer.consolidate_state_dict(0)
+    load_checkpoint(os.path.join(shared, "before-consolidation"), optimizer, model)
+    return optimizer.state_dict().get("format")
+
+
 def _all(rank, world_size, shared):
     cases = {"tutorial": lambda: _tutorial_runs(rank, shared), "under ddp": lambda: _under_ddp(rank),
              "fp16": lambda: _fp16_follows(rank), "consolidated": lambda: _consolidated(rank, shared),
              "replaced twice": lambda: _replaced_twice(rank), "edits under ddp": lambda: _edits_under_ddp(rank),
              "wrapped after a backward": lambda: _wrapped_after_a_first_backward(rank),
              "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
+             "consolidated then loaded": lambda: _consolidated_then_loaded(rank, shared),
              "partly converted after loading": lambda: _partly_converted_after_loading(rank, shared)}
     for change in ("cpu:0", "double"):
         for load in ("checkpoint", "full state"):
@@ -504,6 +517,10 @@ def test_under_ddp_edits_of_param_grad_before_the_step_count(ranks, name):
 def test_a_model_wrapped_in_ddp_after_a_first_backward_trains_as_ddp(ranks):
     for torch_run, zero_run in case_results(ranks, "wrapped after a backward"):
         assert _bitwise(zero_run, torch_run)
+
+
+def test_a_load_ends_the_consolidated_state(ranks):
+    assert case_results(ranks, "consolidated then loaded") == ["zeroimpl.sharded_optimizer/2"] * 2
 
 
 def test_the_consolidated_state_gives_the_learning_rate_as_it_is_now(ranks):

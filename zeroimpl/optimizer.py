@@ -686,6 +686,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         without offload): then the masters keep following the parameters, which the user loads."""
         self.param_sync.finish_param_sync()  # no all-gather may still write the parameters, no copy read the masters
         self._loaded = True
+        self._consolidated = None  # (the state it holds is no longer this optimizer's)
         kernels = [{k: v for k, v in g.items() if k in KERNEL_KEYS} for g in self.inner.param_groups]
         # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
         inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in
