@@ -9,10 +9,12 @@ checkpoint in fresh processes: the reference. The converted checkpoint (the CLI,
 * at 3 ranks, stage 1: the parameters bitwise, 4 more steps within PARAM_ATOL = 1e-4 (another summation order,
   which Adam turns into up to lr on near-zero gradients).
 
-Refused by name, before anything is written: tensor parallelism (an ``mp_rank_01`` file), pipeline parallelism
-(``layer_*`` files), a ``latest`` that names a missing tag, ZeRO stage 3, an optimizer other than Adam or AdamW,
-``offload_optimizer`` and BF16_Optimizer's files (not carried yet), and a call from inside a training job's process
-group.
+The converted fp32 weights of this checkpoint and of a bf16 ZeRO-2 one (``bf16_zero_pp_rank_*`` files) are what
+DeepSpeed's own ``zero_to_fp32`` reads from the same files, bitwise. Adam or AdamW is read from the saved config, or
+torch's groups. Refused by name, before anything is written: tensor parallelism (an ``mp_rank_01`` file), pipeline
+parallelism (``layer_*`` files), a ``latest`` that names a missing tag, ZeRO stage 3, an optimizer other than Adam
+or AdamW, ``elastic_checkpoint`` and ``offload_optimizer`` (not carried yet), an Adam that tells neither AdamW nor
+Adam, and a call from inside a training job's process group.
 """
 
 import importlib.util
@@ -39,12 +41,13 @@ def _params(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _engine(world_size):
+def _engine(world_size, **extra):
     import deepspeed
 
     model = build_model("gpt2", torch.float32)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
-              "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 2},
+    config = {**extra, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "train_batch_size": world_size, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+              "zero_optimization": {"stage": 2},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
                                                         "weight_decay": 0.1, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -57,8 +60,8 @@ def _train(engine, rank, world_size, steps):
         engine.step()
 
 
-def _deepspeed_saves(rank, world_size, root):
-    model, engine = _engine(world_size)
+def _deepspeed_saves(rank, world_size, root, extra=None):
+    model, engine = _engine(world_size, **(extra or {}))
     _train(engine, rank, world_size, range(SAVE_AT))
     engine.save_checkpoint(root, tag="step4")
     return _params(model)
@@ -83,16 +86,32 @@ def _zeroimpl_continues(rank, world_size, converted, stage):
     return loaded, _params(model)
 
 
+def _convert(saved: str, converted: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zeroimpl.checkpoint", "from-deepspeed", saved, converted],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _deepspeeds_own_fp32(rank, world_size, saved: list[str]):
+    """DeepSpeed's own reader (zero_to_fp32) of each checkpoint: the full fp32 weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return [dict(get_fp32_state_dict_from_zero_checkpoint(path)) for path in saved]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     saved, converted = str(root / "deepspeed"), str(root / "zeroimpl")
+    bf16_saved, bf16_converted = str(root / "deepspeed-bf16"), str(root / "zeroimpl-bf16")
     at_save = run_distributed(2, _deepspeed_saves, saved, env=DEEPSPEED)[0]
     reference = run_distributed(2, _deepspeed_continues, saved, env=DEEPSPEED)[0]
-    done = subprocess.run([sys.executable, "-m", "zeroimpl.checkpoint", "from-deepspeed", saved, converted],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_distributed(2, _deepspeed_saves, bf16_saved, {"bf16": {"enabled": True}}, env=DEEPSPEED)
+    for source, target in ((saved, converted), (bf16_saved, bf16_converted)):
+        done = _convert(source, target)
+        assert done.returncode == 0, done.stderr[-3000:]
     return {"saved": saved, "at save": at_save, "reference": reference,
+            "deepspeed's fp32": run_distributed(1, _deepspeeds_own_fp32, [saved, bf16_saved], env=DEEPSPEED)[0],
+            "converted": [converted, bf16_converted],
             "at 2": run_distributed(2, _zeroimpl_continues, converted, 2),
             "at 3": run_distributed(3, _zeroimpl_continues, converted, 1)}
 
@@ -111,6 +130,17 @@ def test_a_converted_zero2_checkpoint_continues_at_3_ranks(runs):
     for loaded, final in runs["at 3"]:
         assert _max_diff(loaded, runs["at save"]) == 0.0
         assert _max_diff(final, runs["reference"]) <= PARAM_ATOL
+
+
+def test_the_converted_fp32_weights_are_deepspeeds_own_reading_bitwise(runs):
+    """fp32 and bf16 ZeRO-2 (whose files DeepSpeed names bf16_zero_pp_rank_*): the converted checkpoint's fp32 weights
+    are what DeepSpeed's own zero_to_fp32 reads from the same files, bitwise (tied names included)."""
+    from zeroimpl.checkpoint import export_fp32_state_dict
+
+    for converted, theirs in zip(runs["converted"], runs["deepspeed's fp32"]):
+        ours = export_fp32_state_dict(converted)
+        trainable = {name for name in theirs if name in ours}
+        assert len(trainable) == len(theirs) and all(torch.equal(ours[name], theirs[name]) for name in trainable)
 
 
 def _refusal(ds_dir) -> str:
@@ -141,36 +171,70 @@ def test_tensor_and_pipeline_parallel_checkpoints_are_refused_by_name(runs, tmp_
     assert "names the tag 'global_step9'" in _refusal(pipeline)
 
 
-@pytest.mark.parametrize("change, named", [("stage 3", "ZeRO stage 3"), ("momentum", "only Adam and AdamW")])
-def test_stage_3_and_other_optimizers_are_refused_by_name(runs, tmp_path, change, named):
-    from zeroimpl.checkpoint.deepspeed import _read
+def _edited(copy, change_rank_state=None, change_config=None):
+    """The copied checkpoint with each rank's optimizer state and the saved DeepSpeed config changed (DeepSpeed's
+    own objects taken out of the files, so that torch.save can write them)."""
+    from zeroimpl.checkpoint.deepspeed import MODEL_STATES, _read
 
-    copy = _copy(runs, tmp_path)
     for rank in range(2):
         path = copy / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         saved = _read(str(path))
-        state = saved["optimizer_state_dict"]  # (DeepSpeed's objects out, so that torch.save can write it)
-        state.update(loss_scaler=None, param_slice_mappings=None, zero_stage=3 if change == "stage 3" else 2)
-        if change == "momentum":
-            for per_group in state["base_optimizer_state"]["state"].values():
-                per_group["momentum_buffer"] = per_group.pop("exp_avg")
+        state = saved["optimizer_state_dict"]
+        state.update(loss_scaler=None, param_slice_mappings=None, zero_stage=2)
+        if change_rank_state:
+            change_rank_state(state)
         torch.save(saved, path)
-    assert named in _refusal(copy)
-
-
-def test_an_offloaded_or_bf16_optimizers_checkpoint_is_refused_by_name(runs, tmp_path):
-    """Not carried yet: DeepSpeedCPUAdam's state (offload_optimizer), BF16_Optimizer's files."""
-    from zeroimpl.checkpoint.deepspeed import MODEL_STATES, _read
-
-    copy = _copy(runs, tmp_path)
     model_states = _read(str(copy / MODEL_STATES))
-    model_states["ds_config"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if change_config:
+        model_states["ds_config"] = change_config(model_states["ds_config"])
     torch.save(model_states, copy / MODEL_STATES)
-    assert "offload_optimizer" in _refusal(copy)
-    bf16 = _copy(runs, tmp_path / "bf16")
-    first = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    os.rename(bf16 / first, bf16 / f"bf16_{first}")
-    assert "BF16_Optimizer" in _refusal(bf16)
+    return copy
+
+
+def _momentum(state):
+    for per_group in state["base_optimizer_state"]["state"].values():
+        per_group["momentum_buffer"] = per_group.pop("exp_avg")
+
+
+def _fused_adams_groups(state):  # DeepSpeed's FusedAdam and CPU Adam: bias_correction, no decoupled_weight_decay
+    for group in state["base_optimizer_state"]["param_groups"]:
+        group.pop("decoupled_weight_decay")
+        group["bias_correction"] = True
+
+
+EDITS = {
+    "stage 3": (lambda state: state.update(zero_stage=3), None, "ZeRO stage 3"),
+    "momentum": (_momentum, None, "only Adam and AdamW"),
+    "elastic_checkpoint": (lambda state: state.update(base_optimizer_state=[state["base_optimizer_state"]]), None,
+                           "elastic_checkpoint"),
+    "offload": (None, lambda config: {**config, "zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu"}}}, "offload_optimizer"),
+    "FusedAdam's groups, no config": (_fused_adams_groups, lambda config: None, "neither in its DeepSpeed config"),
+    "Lamb": (None, lambda config: {**config, "optimizer": {"type": "Lamb", "params": {}}}, "'Lamb'"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_what_does_not_convert_is_refused_by_name(runs, tmp_path, edit):
+    """Stage 3, other optimizers (by their state or their config), elastic_checkpoint's per-group state, an
+    offloaded optimizer's, and an Adam that tells neither AdamW nor Adam (FusedAdam's groups, a config not saved)."""
+    change_state, change_config, named = EDITS[edit]
+    assert named in _refusal(_edited(_copy(runs, tmp_path), change_state, change_config))
+
+
+@pytest.mark.parametrize("config, groups, expected", [
+    ({"type": "Adam", "params": {"adam_w_mode": False}}, _fused_adams_groups, "torch.optim.adam.Adam"),
+    ({"type": "Adam", "params": {}}, _fused_adams_groups, "torch.optim.adamw.AdamW"),
+    (None, None, "torch.optim.adamw.AdamW")])
+def test_adam_or_adamw_is_read_from_the_config_or_torchs_groups(runs, tmp_path, config, groups, expected):
+    """DeepSpeed's "Adam" is AdamW unless adam_w_mode is off; without a saved config (a client optimizer, a config
+    passed as a path) torch's groups say it; FusedAdam's extra bias_correction is dropped."""
+    copy = _edited(_copy(runs, tmp_path), groups,
+                   (lambda saved: {**saved, "optimizer": config}) if config else (lambda saved: "ds_config.json"))
+    done = _convert(str(copy), str(tmp_path / "converted"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    index = torch.load(tmp_path / "converted" / "index.pt", weights_only=True)
+    assert index["optimizer_classes"] == [expected, expected]
 
 
 def _inside_a_job(rank, world_size, saved):

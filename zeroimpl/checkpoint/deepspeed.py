@@ -48,21 +48,23 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
     zeroimpl checkpoint at ``out_dir``, which :func:`load_checkpoint` loads at any world size. Carries the fp32
     masters, Adam's moments and step counts, the param groups with their hyperparameters, and the frozen
     parameters and buffers. In one process with no process group of its own (``python -m zeroimpl.checkpoint
-    from-deepspeed DS_DIR OUT_DIR``). Refused by name: tensor or pipeline parallelism, stage 3, an optimizer
-    other than Adam or AdamW, fp16 loss scaling, ``offload_optimizer`` and BF16_Optimizer's files (not carried
-    yet)."""
+    from-deepspeed DS_DIR OUT_DIR``). Adam or AdamW as the saved DeepSpeed config says (or torch's own groups).
+    Refused by name: tensor or pipeline parallelism, stage 3, an optimizer other than Adam or AdamW, an Adam that
+    tells neither, and, not carried yet, fp16 loss scaling, ``offload_optimizer``, ``elastic_checkpoint`` and
+    BF16_Optimizer's state."""
     if dist.is_available() and dist.is_initialized():
         raise CheckpointError("from_deepspeed converts in one process, with a process group of its own: run it "
                               "outside the training job (python -m zeroimpl.checkpoint from-deepspeed DS_DIR OUT_DIR)")
     tag = _tag_folder(ds_dir)
     model_states = _read(os.path.join(tag, MODEL_STATES))
     partitions = _rank_files(tag)
-    groups, stand_in, state = _converted(model_states, [_read(path)["optimizer_state_dict"] for path in partitions])
+    groups, stand_in, state, optimizer_class = _converted(model_states,
+                                                         [_read(path)["optimizer_state_dict"] for path in partitions])
     with tempfile.TemporaryDirectory() as rendezvous:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(rendezvous, 'store')}", rank=0,
                                 world_size=1)
         try:
-            optimizer = ShardedOptimizer(groups, _optimizer_class(model_states, state), stage=2)
+            optimizer = ShardedOptimizer(groups, optimizer_class, stage=2)
             load_torch_optimizer_state(optimizer, state)
             save_checkpoint(out_dir, optimizer, stand_in)
         finally:
@@ -90,10 +92,7 @@ def _rank_files(tag: str) -> list[str]:
     """The per-rank optimizer files, in data-parallel rank order; refusing tensor parallelism and missing ranks."""
     found = {}
     for name in os.listdir(tag):
-        match = _RANK_FILE.match(name)
-        if match and match.group(1):
-            raise CheckpointError(f"{tag!r} holds {name}: DeepSpeed's bf16 optimizer (BF16_Optimizer), whose files "
-                                  "this conversion does not read yet; ZeRO-1/2's own files (zero_pp_rank_*) convert")
+        match = _RANK_FILE.match(name)  # ("bf16_" whenever bf16 is on: told apart by what the file holds)
         if match:
             if int(match.group(3)) != 0:
                 raise CheckpointError(f"{tag!r} holds {name}: a checkpoint with tensor parallelism (mp_rank > 0), "
@@ -130,10 +129,14 @@ def _read(path: str) -> dict:
                               f"{str(error)[:400]})") from error
 
 
-def _converted(model_states: dict, ranks: list[dict]) -> tuple[list[dict], torch.nn.Module, dict]:
-    """(param groups over a stand-in model, the stand-in, a torch optimizer state dict over those groups)."""
+def _converted(model_states: dict, ranks: list[dict]) -> tuple[list[dict], torch.nn.Module, dict, type]:
+    """(param groups over a stand-in model, the stand-in, a torch optimizer state dict over those groups, the torch
+    optimizer class)."""
     first = ranks[0]
-    stage = first.get("zero_stage")
+    if "zero_stage" not in first:
+        raise CheckpointError("the checkpoint's optimizer files hold DeepSpeed's BF16_Optimizer state (bf16 without "
+                              "ZeRO's own optimizer), which this conversion does not read yet")
+    stage = first["zero_stage"]
     stage = stage.args[0] if hasattr(stage, "args") else stage
     if int(stage) not in (1, 2):
         raise CheckpointError(f"the checkpoint is of ZeRO stage {int(stage)}: only stages 1 and 2 convert")
@@ -142,9 +145,14 @@ def _converted(model_states: dict, ranks: list[dict]) -> tuple[list[dict], torch
         raise CheckpointError("the checkpoint was trained with fp16 loss scaling, which this conversion does not "
                               "carry yet: train in bf16 or fp32, or convert the weights with DeepSpeed's "
                               "zero_to_fp32.py")
+    if not isinstance(first.get("base_optimizer_state"), dict):
+        raise CheckpointError("the checkpoint was saved with elastic_checkpoint (its optimizer state is per group, "
+                              "without param groups), which this conversion does not read yet")
     module = model_states["module"]
     stand_in, params = _stand_in_model(module, model_states)
-    base_groups = first["base_optimizer_state"]["param_groups"]
+    optimizer_class = _optimizer_class(model_states, first["base_optimizer_state"]["param_groups"])
+    base_groups = [_torch_hyperparameters(group, optimizer_class)
+                   for group in first["base_optimizer_state"]["param_groups"]]
     groups, state, number = [], {}, 0
     for g, shapes in enumerate(model_states["param_shapes"]):
         flat = {key: torch.cat([_partition(rank, g, key) for rank in ranks]) for key in ("master", "exp_avg",
@@ -163,13 +171,12 @@ def _converted(model_states: dict, ranks: list[dict]) -> tuple[list[dict], torch
             members.append(params[name])
             offset += numel + padding
             number += 1
-        hyperparameters = {k: v for k, v in base_groups[g].items() if k != "params"}
-        groups.append({"params": members, **hyperparameters})
+        groups.append({"params": members, **base_groups[g]})
     torch_state = {"state": state, "param_groups": [
         {**{k: v for k, v in group.items() if k != "params"},
          "params": list(range(sum(len(g["params"]) for g in groups[:i]),
                               sum(len(g["params"]) for g in groups[:i + 1])))} for i, group in enumerate(groups)]}
-    return groups, stand_in, torch_state
+    return groups, stand_in, torch_state, optimizer_class
 
 
 def _partition(rank: dict, group: int, key: str) -> torch.Tensor:
@@ -217,16 +224,39 @@ def _stand_in_model(module: dict, model_states: dict) -> tuple[torch.nn.Module, 
     return root, made
 
 
-def _optimizer_class(model_states: dict, state: dict) -> type:
-    """torch's AdamW or Adam, as the saved param groups say; an offloaded optimizer (DeepSpeedCPUAdam, whose groups
-    do not say) is refused."""
-    zero = (model_states.get("ds_config") or {}).get("zero_optimization") or {}
-    if zero.get("offload_optimizer"):
+def _optimizer_class(model_states: dict, groups: list[dict]) -> type:
+    """torch's AdamW or Adam, as the DeepSpeed config says (``type``; ``adam_w_mode`` for "Adam", which defaults to
+    AdamW) or, without one (a client optimizer), as torch's own param groups say (``decoupled_weight_decay``).
+    DeepSpeed's CPU Adam (``offload_optimizer``) is refused, as is a checkpoint that tells neither."""
+    config = model_states.get("ds_config")
+    config = config if isinstance(config, dict) else {}  # (a JSON path, or None, where the job passed no dict)
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if str(offload.get("device", "none")).lower() != "none":
         raise CheckpointError("the checkpoint was trained with offload_optimizer (DeepSpeedCPUAdam), whose state this "
                               "conversion does not carry yet: convert the weights with DeepSpeed's zero_to_fp32.py")
-    decoupled = {bool(group.get("decoupled_weight_decay", False)) for group in state["param_groups"]}
+    named = (config.get("optimizer") or {}).get("type")
+    if named is not None:
+        kind = str(named).lower()
+        if kind == "adamw":
+            return torch.optim.AdamW
+        if kind == "adam":
+            adam_w_mode = (config["optimizer"].get("params") or {}).get("adam_w_mode", True)
+            return torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        raise CheckpointError(f"the checkpoint's optimizer is DeepSpeed's {named!r}: only Adam and AdamW convert")
+    decoupled = {group.get("decoupled_weight_decay") for group in groups}
     if decoupled == {True}:
         return torch.optim.AdamW
     if decoupled == {False}:
         return torch.optim.Adam
-    raise CheckpointError("the checkpoint's param groups mix Adam and AdamW: convert them as one class")
+    raise CheckpointError("the checkpoint says neither in its DeepSpeed config nor in its param groups whether its "
+                          "Adam decays weights as AdamW or as Adam (L2): it cannot be converted safely")
+
+
+def _torch_hyperparameters(group: dict, optimizer_class: type) -> dict:
+    """A saved param group's hyperparameters that ``optimizer_class`` has (a DeepSpeed kernel's own, such as
+    ``bias_correction``, dropped once checked to be what torch does)."""
+    if group.get("bias_correction", True) is not True:
+        raise CheckpointError("the checkpoint's Adam ran without bias correction, which torch's Adam has no setting "
+                              "for: it cannot be converted")
+    known = set(optimizer_class([torch.nn.Parameter(torch.zeros(1))]).defaults) | {"initial_lr"}
+    return {key: value for key, value in group.items() if key in known}
