@@ -145,9 +145,9 @@ class DCPState(Stateful):
 
     def state_dict(self) -> dict:
         """``{"model": ..., "optim": ...}`` (see the module docstring): views of this rank's masters and state, and
-        for ``dcp.load`` the destinations it loads into. Collective (two small all-gathers): an optimizer that has
-        not stepped on any rank gets placeholder state, which it does not take unless a load fills it
-        (:func:`_fresh_state`); where it cannot be made, every rank raises."""
+        for ``dcp.load`` the destinations it loads into. Collective (a small all-gather; two before any step): an
+        optimizer that has not stepped on any rank gets placeholder state, which it does not take unless a load
+        fills it (:func:`_fresh_state`); where it cannot be made, every rank raises."""
         optimizer = self.optimizer
         optimizer.sync_masters()  # (the gathers in flight finished; parameters edited since the last step taken in)
         names = [first for first, *_ in param_names(optimizer, self.model)]
@@ -157,17 +157,18 @@ class DCPState(Stateful):
         # else only the state there is (a parameter without gradients so far has none, in torch's too)
         fresh = not any(optimizer.topology.all_gather_objects(
             any(state is not None for _, _, state in pieces), None, "DCPState (whether any rank holds state)"))
-        error, placeholders = None, {}
-        try:
-            if fresh:
+        placeholders = {}
+        if fresh:  # (the same on every rank: the agreement that follows only then)
+            error = None
+            try:
                 placeholders = {number: _fresh_state(group_of[id(optimizer.trainable_params[piece.param_index])],
                                                      master) for number, (piece, master, _) in enumerate(pieces)}
-        except CheckpointError as caught:  # every rank must raise, not only those holding such a piece
-            error = str(caught)
-        failures = [failure for failure in optimizer.topology.all_gather_objects(
-            error, None, "DCPState (placeholder state)") if failure is not None]
-        if failures:
-            raise CheckpointError(failures[0])
+            except CheckpointError as caught:  # every rank must raise, not only those holding such a piece
+                error = str(caught)
+            failures = [failure for failure in optimizer.topology.all_gather_objects(
+                error, None, "DCPState (placeholder state)") if failure is not None]
+            if failures:
+                raise CheckpointError(failures[0])
         # (piece, master view, state or None) in piece_states() order: what a load then installs
         self._pieces = [(piece, master, placeholders.get(number, state))
                         for number, (piece, master, state) in enumerate(pieces)]

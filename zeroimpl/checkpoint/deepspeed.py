@@ -172,10 +172,12 @@ def _converted(model_states: dict, ranks: list[dict]) -> tuple[list[dict], torch
             offset += numel + padding
             number += 1
         groups.append({"params": members, **base_groups[g]})
+    firsts = [0]  # torch numbers the parameters over the groups in order
+    for group in groups:
+        firsts.append(firsts[-1] + len(group["params"]))
     torch_state = {"state": state, "param_groups": [
-        {**{k: v for k, v in group.items() if k != "params"},
-         "params": list(range(sum(len(g["params"]) for g in groups[:i]),
-                              sum(len(g["params"]) for g in groups[:i + 1])))} for i, group in enumerate(groups)]}
+        {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(first, end))}
+        for group, first, end in zip(groups, firsts, firsts[1:])]}
     return groups, stand_in, torch_state, optimizer_class
 
 
