@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from distributed import run_distributed
-from workloads import build_model, local_batch, param_groups, train_on_global_batch
+from workloads import build_model, local_batch, max_param_diff, param_groups, train_on_global_batch
 from zeroimpl import ShardedOptimizer
 from zeroimpl.checkpoint import CheckpointError, DCPState
 
@@ -308,10 +308,6 @@ def runs(tmp_path_factory):
             "at 3": run_distributed(3, _switch_at_3, root)}
 
 
-def _max_diff(a, b):
-    return max((a[n] - b[n]).abs().max().item() for n in b)
-
-
 def test_dcp_state_has_the_keys_shapes_and_dtypes_of_torchs_get_state_dict(runs):
     saved = runs["saved"]
     for part in ("model", "optim"):
@@ -323,16 +319,16 @@ def test_dcp_state_has_the_keys_shapes_and_dtypes_of_torchs_get_state_dict(runs)
 def test_fsdp2_and_zeroimpl_continue_each_others_checkpoints_bitwise(runs):
     saved, at_2 = runs["saved"], runs["at 2"]
     for rank in range(2):
-        assert _max_diff(at_2[rank]["fsdp"], saved[rank]["fsdp"]) == 0.0
-        assert _max_diff(at_2[rank]["zeroimpl on fsdp"], saved[rank]["zeroimpl"]) == 0.0
+        assert max_param_diff(at_2[rank]["fsdp"], saved[rank]["fsdp"]) == 0.0
+        assert max_param_diff(at_2[rank]["zeroimpl on fsdp"], saved[rank]["zeroimpl"]) == 0.0
 
 
 def test_a_ddp_checkpoint_continues_on_zeroimpl_at_2_and_3_ranks(runs):
     saved = runs["saved"]
     for rank in range(2):  # (at 2 ranks the sums are DDP's: bitwise)
-        assert _max_diff(runs["at 2"][rank]["ddp"], saved[rank]["ddp"]) == 0.0
+        assert max_param_diff(runs["at 2"][rank]["ddp"], saved[rank]["ddp"]) == 0.0
     for by_rank in runs["at 3"]:
-        assert _max_diff(by_rank["ddp"], saved[0]["ddp"]) <= PARAM_ATOL
+        assert max_param_diff(by_rank["ddp"], saved[0]["ddp"]) <= PARAM_ATOL
 
 
 def test_a_mesh_loads_and_saves_through_dcp(runs):
@@ -340,26 +336,26 @@ def test_a_mesh_loads_and_saves_through_dcp(runs):
     mesh saves (its replicas write the same boxes, which DCP writes once) loads exactly at 3 ranks, stage 1."""
     on_mesh = runs["on a mesh"]
     for params in on_mesh:
-        assert _max_diff(params, runs["saved"][0]["ddp"]) <= PARAM_ATOL
+        assert max_param_diff(params, runs["saved"][0]["ddp"]) <= PARAM_ATOL
     for by_rank in runs["at 3"]:
-        assert _max_diff(by_rank["mesh"], on_mesh[0]) == 0.0
+        assert max_param_diff(by_rank["mesh"], on_mesh[0]) == 0.0
 
 
 def test_a_zeroimpl_checkpoint_continues_in_one_process_with_torchs_adamw(runs):
     """Loaded exactly (parameters and state bitwise zeroimpl's consolidated state at the save), then 4 steps."""
     saved, alone = runs["saved"], runs["one process"]["zeroimpl"]
-    assert _max_diff(alone["params"], saved[0]["at_save"]) == 0.0
+    assert max_param_diff(alone["params"], saved[0]["at_save"]) == 0.0
     consolidated = saved[0]["consolidated"]
     assert consolidated["state"].keys() == alone["state"]["state"].keys()
     for number, state in consolidated["state"].items():
         for key, value in state.items():
             assert torch.equal(alone["state"]["state"][number][key], value), (number, key)
-    assert _max_diff(alone["final"], saved[0]["zeroimpl"]) <= PARAM_ATOL
+    assert max_param_diff(alone["final"], saved[0]["zeroimpl"]) <= PARAM_ATOL
 
 
 def test_an_async_save_writes_the_state_of_its_call_while_training_goes_on(runs):
     saved, alone = runs["saved"], runs["one process"]
-    assert _max_diff(alone["async"]["params"], saved[0]["at_save"]) == 0.0
+    assert max_param_diff(alone["async"]["params"], saved[0]["at_save"]) == 0.0
     for number, state in saved[0]["consolidated"]["state"].items():
         for key, value in state.items():
             assert torch.equal(alone["async"]["state"]["state"][number][key], value), (number, key)
@@ -411,10 +407,10 @@ def test_a_0_dim_parameter_and_one_without_state_move_as_in_torch(runs):
     saved, at_2 = runs["saved"], runs["at 2"]
     keys = {key: value for by_rank in saved for key, value in by_rank["tempered keys"].items()}
     assert keys == saved[0]["torch tempered keys"] and not any("temperature" in key for key in keys if "state." in key)
-    assert _max_diff(runs["one process"]["tempered"], saved[0]["tempered at 2"]) == 0.0
+    assert max_param_diff(runs["one process"]["tempered"], saved[0]["tempered at 2"]) == 0.0
     for rank in range(2):
-        assert _max_diff(at_2[rank]["tempered from 2"], saved[rank]["tempered"]) == 0.0
-        assert _max_diff(at_2[rank]["tempered from ddp"], saved[rank]["tempered ddp"]) == 0.0
+        assert max_param_diff(at_2[rank]["tempered from 2"], saved[rank]["tempered"]) == 0.0
+        assert max_param_diff(at_2[rank]["tempered from ddp"], saved[rank]["tempered ddp"]) == 0.0
         assert "Missing key in checkpoint state_dict: app.optim.state.temperature." in at_2[rank]["tempered from 0"]
 
 

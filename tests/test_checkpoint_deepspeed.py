@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from workloads import build_model, local_batch, param_groups, train_on_global_batch
+from workloads import build_model, local_batch, max_param_diff, param_groups, train_on_global_batch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is not installed (the README's test command installs it)")
@@ -116,20 +116,16 @@ def runs(tmp_path_factory):
             "at 3": run_distributed(3, _zeroimpl_continues, converted, 1)}
 
 
-def _max_diff(a, b):
-    return max((a[n] - b[n]).abs().max().item() for n in b)
-
-
 def test_a_converted_zero2_checkpoint_continues_bitwise_at_2_ranks(runs):
     for loaded, final in runs["at 2"]:
-        assert _max_diff(loaded, runs["at save"]) == 0.0
-        assert _max_diff(final, runs["reference"]) == 0.0
+        assert max_param_diff(loaded, runs["at save"]) == 0.0
+        assert max_param_diff(final, runs["reference"]) == 0.0
 
 
 def test_a_converted_zero2_checkpoint_continues_at_3_ranks(runs):
     for loaded, final in runs["at 3"]:
-        assert _max_diff(loaded, runs["at save"]) == 0.0
-        assert _max_diff(final, runs["reference"]) <= PARAM_ATOL
+        assert max_param_diff(loaded, runs["at save"]) == 0.0
+        assert max_param_diff(final, runs["reference"]) <= PARAM_ATOL
 
 
 def test_the_converted_fp32_weights_are_deepspeeds_own_reading_bitwise(runs):
