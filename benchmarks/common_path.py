@@ -1,0 +1,204 @@
+"""The common path's fixed cost, against DDP, in alternating rounds (issue 54, point 6).
+
+    python benchmarks/common_path.py [--rounds 20] [--steps 10] [--nanogpt-rounds 3] [--nanogpt-iters 60]
+
+Two workloads, both on 2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW:
+
+* **Tiny GPT-2** (2 layers, 64 wide, 2 heads, vocabulary 2048; 4 x 64 tokens per rank, no clipping, one
+  micro-batch per step), the model of ``benchmarks/step_profile.py``. One torchrun job builds four set-ups side
+  by side on each rank -- the bare model's forward and backward ("compute": no communication, no step), DDP +
+  torch AdamW, and zeroimpl stages 1 and 2 -- and times them in ``--rounds`` rounds of ``--steps`` steps each,
+  the set-ups taking turns within a round and the order rotating from round to round, so that the machine's
+  drifts (this machine's step times move by several ms between minutes) hit every set-up alike. A round's time
+  per step is its steps' wall time over their count, from a barrier, with zeroimpl's last parameter gathers
+  finished inside it (they would otherwise land in the next set-up's first forward). Per set-up: the median
+  over rounds; its overhead is that minus the compute's.
+* **nanoGPT's train.py** (``examples/nanogpt_train.py``: 2 layers, 64 wide, 2 micro-batches per rank with
+  DDP's ``require_backward_grad_sync``, clipping at 1.0): the script on DDP, and the script with
+  ``examples/nanogpt_zeroimpl.patch`` at stage 1 and at stage 2, each a fresh torchrun job of
+  ``--nanogpt-iters`` iterations, taking turns in ``--nanogpt-rounds`` rounds (order rotating). Per run the
+  median of the iteration times the script prints, the first 5 left out; per path the fastest run.
+
+Writes ``common_path.md`` and ``common_path.json`` under ``--out`` (default benchmarks/results). The targets
+(issue 54): zeroimpl's overhead over the compute on the tiny GPT-2 at most DDP's, at stages 1 and 2; nanoGPT's
+recipe at stage 1 within 1.05x of DDP's time per iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from step_phases import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ("compute", "DDP", "zeroimpl stage 1", "zeroimpl stage 2")
+NANOGPT_PATHS = ("DDP", "zeroimpl stage 1", "zeroimpl stage 2")
+WARMUP = 5
+
+
+def rank_main(rounds: int, steps: int) -> None:
+    """One rank of the tiny GPT-2 job: the four set-ups, timed in turns; rank 0 prints every round's ms per step."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from zeroimpl import ShardedOptimizer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    setups = {}
+    for kind in KINDS:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=2048, n_positions=64, n_embd=64, n_layer=2, n_head=2,
+                                         attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+        if kind == "compute":
+            setups[kind] = (model, model, None)
+        elif kind == "DDP":
+            setups[kind] = (model, torch.nn.parallel.DistributedDataParallel(model),
+                            torch.optim.AdamW(model.parameters()))
+        else:
+            setups[kind] = (model, model, ShardedOptimizer(model.parameters(), torch.optim.AdamW,
+                                                           stage=int(kind[-1])))
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, 2048, (4, 64), generator=generator) for _ in range(steps)]
+
+    def train(kind: str, ids) -> None:
+        model, network, optimizer = setups[kind]
+        network(input_ids=ids, labels=ids).loss.backward()
+        if optimizer is None:
+            model.zero_grad()
+        else:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def settle(kind: str) -> None:
+        """Land zeroimpl's parameter gathers still in flight, so that no set-up pays for another's."""
+        optimizer = setups[kind][2]
+        if kind.startswith("zeroimpl"):
+            optimizer.finish_param_gathers()
+
+    for kind in KINDS:
+        for step in range(WARMUP):
+            train(kind, batches[step % steps])
+        settle(kind)
+    times = {kind: [] for kind in KINDS}
+    for round_index in range(rounds):
+        shift = round_index % len(KINDS)
+        for kind in KINDS[shift:] + KINDS[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            for ids in batches:
+                train(kind, ids)
+            settle(kind)
+            times[kind].append((time.perf_counter() - start) * 1e3 / steps)
+    if rank == 0:
+        print("ROUNDS " + json.dumps(times), flush=True)
+    dist.destroy_process_group()
+
+
+def nanogpt_scripts(directory: str) -> dict[str, str]:
+    """The nanoGPT script per path: the example as it is (DDP), and patched with the recipe at stages 1 and 2."""
+    scripts = {"DDP": os.path.join(ROOT, "examples", "nanogpt_train.py")}
+    for stage in (1, 2):
+        folder = os.path.join(directory, f"stage{stage}")
+        os.makedirs(folder)
+        script = os.path.join(folder, "nanogpt_train.py")
+        shutil.copy(scripts["DDP"], script)
+        subprocess.run(["git", "apply", "-p1", os.path.join(ROOT, "examples", "nanogpt_zeroimpl.patch")],
+                       cwd=folder, check=True)
+        with open(script) as handle:
+            text = handle.read()
+        patched = text.replace("stage=2)", f"stage={stage})")
+        assert patched.count(f"stage={stage})") == 1, "the recipe's stage argument moved: update this benchmark"
+        with open(script, "w") as handle:
+            handle.write(patched)
+        scripts[f"zeroimpl stage {stage}"] = script
+    return scripts
+
+
+def nanogpt_run(script: str, iterations: int, out_dir: str) -> float:
+    """One torchrun job of the script: the median of the iteration times it printed, after the first 5."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
+               f"--max_iters={iterations}", "--eval_interval=1000000", f"--out_dir={out_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True)
+    times = [float(ms) for ms in re.findall(r"time ([\d.]+)ms", completed.stdout)][WARMUP:]
+    if completed.returncode or not times:
+        raise RuntimeError(f"{script} exited {completed.returncode} after printing {len(times)} iteration "
+                           f"times:\n{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}")
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10, help="tiny GPT-2 steps per set-up and round")
+    parser.add_argument("--nanogpt-rounds", type=int, default=3)
+    parser.add_argument("--nanogpt-iters", type=int, default=60)
+    parser.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)  # internal: one rank
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    args = parser.parse_args()
+    if args.rank_job:
+        return rank_main(args.rounds, args.steps)
+    import torch
+
+    rounds = run_ranks(__file__, ["--rank-job", "--rounds", str(args.rounds), "--steps", str(args.steps)], 2,
+                       "ROUNDS")
+    tiny = {kind: statistics.median(values) for kind, values in rounds.items()}
+    over = {kind: tiny[kind] - tiny["compute"] for kind in KINDS}
+    print("tiny GPT-2, ms per step: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in tiny.items()), flush=True)
+    nanogpt = {path: [] for path in NANOGPT_PATHS}
+    with tempfile.TemporaryDirectory() as directory:
+        scripts = nanogpt_scripts(directory)
+        for round_index in range(args.nanogpt_rounds):
+            shift = round_index % len(NANOGPT_PATHS)
+            for path in NANOGPT_PATHS[shift:] + NANOGPT_PATHS[:shift]:
+                out_dir = os.path.join(directory, "out", path.replace(" ", "-"), str(round_index))
+                nanogpt[path].append(nanogpt_run(scripts[path], args.nanogpt_iters, out_dir))
+                print(f"nanoGPT {path}: {nanogpt[path][-1]:.2f} ms per iteration", flush=True)
+    best = {path: min(values) for path, values in nanogpt.items()}
+    lines = ["# The common path's fixed cost, against DDP", "",
+             f"Command: `python benchmarks/common_path.py --rounds {args.rounds} --steps {args.steps} "
+             f"--nanogpt-rounds {args.nanogpt_rounds} --nanogpt-iters {args.nanogpt_iters}` (see its docstring); "
+             f"2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW; torch {torch.__version__}, "
+             f"{os.cpu_count()} CPU cores. Milliseconds on rank 0.", "",
+             f"## Tiny GPT-2: {args.rounds} alternating rounds of {args.steps} steps per set-up, in one job", "",
+             "| set-up | ms per step (median of rounds) | over the compute | vs DDP's overhead | rounds' range |",
+             "|---|---|---|---|---|"]
+    for kind in KINDS:
+        ratio = "-" if kind == "compute" else f"{over[kind] / over['DDP']:.2f}x"
+        lines.append(f"| {kind} | {tiny[kind]:.2f} | {over[kind]:+.2f} | {ratio} | "
+                     f"{min(rounds[kind]):.2f} - {max(rounds[kind]):.2f} |")
+    lines += ["", f"## nanoGPT's train.py: {args.nanogpt_rounds} alternating runs of {args.nanogpt_iters} "
+              "iterations per path", "",
+              "| path | ms per iteration (fastest run) | vs DDP | runs |", "|---|---|---|---|"]
+    for path in NANOGPT_PATHS:
+        lines.append(f"| {path} | {best[path]:.2f} | {best[path] / best['DDP']:.2f}x | "
+                     + ", ".join(f"{ms:.2f}" for ms in nanogpt[path]) + " |")
+    verdicts = [
+        ("tiny GPT-2, stage 1 overhead at most DDP's", over["zeroimpl stage 1"] <= over["DDP"]),
+        ("tiny GPT-2, stage 2 overhead at most DDP's", over["zeroimpl stage 2"] <= over["DDP"]),
+        ("nanoGPT, stage 1 within 1.05x of DDP", best["zeroimpl stage 1"] <= 1.05 * best["DDP"]),
+    ]
+    lines += ["", "Targets (issue 54, point 6):", ""]
+    lines += [f"- {name}: {'met' if met else 'not met'}" for name, met in verdicts]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "common_path.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "common_path.json"), "w") as handle:
+        json.dump({"tiny_rounds": rounds, "nanogpt_runs": nanogpt}, handle, indent=1)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
