@@ -9,11 +9,20 @@ checkpoint in fresh processes: the reference. The converted checkpoint (the CLI,
 * at 3 ranks, stage 1: the parameters bitwise, 4 more steps within PARAM_ATOL = 1e-4 (another summation order,
   which Adam turns into up to lr on near-zero gradients).
 
-The converted fp32 weights of this checkpoint and of a bf16 ZeRO-2 one (``bf16_zero_pp_rank_*`` files) are what
-DeepSpeed's own ``zero_to_fp32`` reads from the same files, bitwise. Adam or AdamW is read from the saved config, or
-torch's groups. Refused by name, before anything is written: tensor parallelism (an ``mp_rank_01`` file), pipeline
-parallelism (``layer_*`` files), a ``latest`` that names a missing tag, ZeRO stage 3, an optimizer other than Adam
-or AdamW, ``elastic_checkpoint`` and ``offload_optimizer`` (not carried yet), an Adam that tells neither AdamW nor
+The same checkpoint in DeepSpeed's universal format (``ds_to_universal.py``, one folder per parameter) converts to
+the same training: 4 steps bitwise DeepSpeed's at 2 ranks. Two more DeepSpeed runs save at step 4 and go on to step 8
+in the same processes (the reference: what DeepSpeed continues from the state it saved):
+
+* bf16 ZeRO-2 at 2 ranks (``bf16_zero_pp_rank_*`` files): zeroimpl with bf16 parameters and ``reduce_dtype=bf16``
+  (DeepSpeed reduces bf16 gradients in bf16) continues bitwise DeepSpeed's;
+* ZeRO-2 with ``offload_optimizer`` (DeepSpeed's own Adam, DeepSpeedCPUAdam) at 3 data-parallel ranks: zeroimpl
+  (torch's AdamW) continues at 3 ranks within PARAM_ATOL (DeepSpeed's Adam kernel is not torch's).
+
+The converted fp32 weights of the fp32 and bf16 checkpoints are what DeepSpeed's own ``zero_to_fp32`` reads from the
+same files, bitwise. Adam or AdamW is read from the saved config, or torch's groups. Refused by name, before anything
+is written: tensor parallelism (an ``mp_rank_01`` file, or a universal folder whose parameters are larger than the
+saved shapes), pipeline parallelism (``layer_*`` files), a ``latest`` that names a missing tag, ZeRO stage 3, an
+optimizer other than Adam or AdamW, ``elastic_checkpoint`` (not carried yet), an Adam that tells neither AdamW nor
 Adam, and a call from inside a training job's process group.
 """
 
@@ -41,15 +50,17 @@ def _params(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _engine(world_size, **extra):
+def _engine(world_size, offload=False, **extra):
+    """DeepSpeed ZeRO-2 with torch's AdamW (``torch_adam``), or with ``offload`` DeepSpeed's own CPU Adam."""
     import deepspeed
 
     model = build_model("gpt2", torch.float32)
+    zero = {"stage": 2, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     config = {**extra, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "train_batch_size": world_size, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
-              "zero_optimization": {"stage": 2},
+              "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                        "weight_decay": 0.1, "torch_adam": True}}}
+                                                        "weight_decay": 0.1, "torch_adam": not offload}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     return model, engine
 
@@ -60,11 +71,17 @@ def _train(engine, rank, world_size, steps):
         engine.step()
 
 
-def _deepspeed_saves(rank, world_size, root, extra=None):
+def _deepspeed_saves(rank, world_size, root, extra=None, go_on=False):
+    """DeepSpeed's parameters at the save (step 4), and with ``go_on`` also at step 8, trained on in the same
+    processes."""
     model, engine = _engine(world_size, **(extra or {}))
     _train(engine, rank, world_size, range(SAVE_AT))
     engine.save_checkpoint(root, tag="step4")
-    return _params(model)
+    at_save = _params(model)
+    if not go_on:
+        return at_save
+    _train(engine, rank, world_size, range(SAVE_AT, STEPS))
+    return at_save, _params(model)
 
 
 def _deepspeed_continues(rank, world_size, root):
@@ -74,16 +91,22 @@ def _deepspeed_continues(rank, world_size, root):
     return _params(model)
 
 
-def _zeroimpl_continues(rank, world_size, converted, stage):
+def _zeroimpl_continues(rank, world_size, runs):
+    """Per ``(converted checkpoint, stage, dtype)`` of ``runs``: zeroimpl's parameters loaded, and after 4 more
+    steps. 16-bit parameters reduce in their dtype, as DeepSpeed does."""
     from zeroimpl import ShardedOptimizer
     from zeroimpl.checkpoint import load_checkpoint
 
-    model = build_model("gpt2", torch.float32)
-    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=LR)
-    load_checkpoint(converted, optimizer, model)
-    loaded = _params(model)
-    train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
-    return loaded, _params(model)
+    results = []
+    for converted, stage, dtype in runs:
+        model = build_model("gpt2", dtype)
+        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=LR,
+                                     reduce_dtype=None if dtype == torch.float32 else dtype)
+        load_checkpoint(converted, optimizer, model)
+        loaded = _params(model)
+        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
+        results.append((loaded, _params(model)))
+    return results
 
 
 def _convert(saved: str, converted: str) -> subprocess.CompletedProcess:
@@ -98,22 +121,42 @@ def _deepspeeds_own_fp32(rank, world_size, saved: list[str]):
     return [dict(get_fp32_state_dict_from_zero_checkpoint(path)) for path in saved]
 
 
+def _universal(saved: str, universal: str) -> None:
+    """DeepSpeed's own ds_to_universal.py on the saved tag folder."""
+    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           os.path.join(saved, "step4"), "--output_folder", universal, "--inject_missing_state"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **DEEPSPEED})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
-    saved, converted = str(root / "deepspeed"), str(root / "zeroimpl")
-    bf16_saved, bf16_converted = str(root / "deepspeed-bf16"), str(root / "zeroimpl-bf16")
+    saved, bf16_saved, offload_saved = str(root / "deepspeed"), str(root / "deepspeed-bf16"), str(root / "offload")
+    universal = str(root / "universal")
     at_save = run_distributed(2, _deepspeed_saves, saved, env=DEEPSPEED)[0]
     reference = run_distributed(2, _deepspeed_continues, saved, env=DEEPSPEED)[0]
-    run_distributed(2, _deepspeed_saves, bf16_saved, {"bf16": {"enabled": True}}, env=DEEPSPEED)
-    for source, target in ((saved, converted), (bf16_saved, bf16_converted)):
-        done = _convert(source, target)
+    bf16 = run_distributed(2, _deepspeed_saves, bf16_saved, {"bf16": {"enabled": True}}, True, env=DEEPSPEED)[0]
+    offload = run_distributed(3, _deepspeed_saves, offload_saved, {"offload": True}, True, env=DEEPSPEED)[0]
+    _universal(saved, universal)
+    converted = {}
+    for source in (saved, bf16_saved, offload_saved, universal):
+        converted[source] = source + "-converted"
+        # (the universal folder through its parent's latest_universal, which ds_to_universal.py wrote)
+        done = _convert(str(root) if source == universal else source, converted[source])
         assert done.returncode == 0, done.stderr[-3000:]
-    return {"saved": saved, "at save": at_save, "reference": reference,
+    at_2 = run_distributed(2, _zeroimpl_continues, [(converted[saved], 2, torch.float32),
+                                                    (converted[universal], 2, torch.float32),
+                                                    (converted[bf16_saved], 2, torch.bfloat16)])
+    at_3 = run_distributed(3, _zeroimpl_continues, [(converted[saved], 1, torch.float32),
+                                                    (converted[offload_saved], 2, torch.float32)])
+    return {"saved": saved, "universal": universal, "at save": at_save, "reference": reference, "bf16": bf16,
+            "offload": offload,
             "deepspeed's fp32": run_distributed(1, _deepspeeds_own_fp32, [saved, bf16_saved], env=DEEPSPEED)[0],
-            "converted": [converted, bf16_converted],
-            "at 2": run_distributed(2, _zeroimpl_continues, converted, 2),
-            "at 3": run_distributed(3, _zeroimpl_continues, converted, 1)}
+            "converted": [converted[saved], converted[bf16_saved]],
+            "at 2": [rank[0] for rank in at_2], "universal at 2": [rank[1] for rank in at_2],
+            "bf16 at 2": [rank[2] for rank in at_2],
+            "at 3": [rank[0] for rank in at_3], "offload at 3": [rank[1] for rank in at_3]}
 
 
 def test_a_converted_zero2_checkpoint_continues_bitwise_at_2_ranks(runs):
@@ -126,6 +169,30 @@ def test_a_converted_zero2_checkpoint_continues_at_3_ranks(runs):
     for loaded, final in runs["at 3"]:
         assert max_param_diff(loaded, runs["at save"]) == 0.0
         assert max_param_diff(final, runs["reference"]) <= PARAM_ATOL
+
+
+def test_the_universal_format_converts_to_the_same_training(runs):
+    """ds_to_universal.py's folder per parameter (named by the latest_universal file it writes beside it): loaded
+    bitwise, and 4 steps bitwise DeepSpeed's own resume."""
+    for loaded, final in runs["universal at 2"]:
+        assert max_param_diff(loaded, runs["at save"]) == 0.0
+        assert max_param_diff(final, runs["reference"]) == 0.0
+
+
+def test_a_converted_bf16_checkpoint_continues_bitwise_in_bf16(runs):
+    at_save, reference = runs["bf16"]
+    for loaded, final in runs["bf16 at 2"]:
+        assert all(p.dtype == torch.bfloat16 for p in final.values())
+        assert max_param_diff(loaded, at_save) == 0.0
+        assert max_param_diff(final, reference) == 0.0
+
+
+def test_an_offloaded_checkpoint_of_3_ranks_continues_within_tolerance(runs):
+    """offload_optimizer: DeepSpeed's own CPU Adam at 3 data-parallel ranks, then torch's AdamW on zeroimpl."""
+    at_save, reference = runs["offload"]
+    for loaded, final in runs["offload at 3"]:
+        assert max_param_diff(loaded, at_save) == 0.0
+        assert 0.0 < max_param_diff(final, reference) <= PARAM_ATOL  # (the kernels differ: not bitwise)
 
 
 def test_the_converted_fp32_weights_are_deepspeeds_own_reading_bitwise(runs):
@@ -167,6 +234,25 @@ def test_tensor_and_pipeline_parallel_checkpoints_are_refused_by_name(runs, tmp_
     assert "names the tag 'global_step9'" in _refusal(pipeline)
 
 
+def test_a_universal_folder_of_other_parallelism_is_refused_by_name(runs, tmp_path):
+    """A parameter larger than the saved shape (merged from tensor-parallel ranks), a parameter folder that the model
+    states do not name (another pipeline stage's), and a trainable parameter without its folder."""
+    name = "transformer.h.0.mlp.c_fc.weight"
+    merged = tmp_path / "merged"
+    shutil.copytree(runs["universal"], merged)
+    saved = torch.load(merged / "zero" / name / "fp32.pt", weights_only=True)
+    torch.save({**saved, "param": torch.cat([saved["param"]] * 2, dim=1)}, merged / "zero" / name / "fp32.pt")
+    assert "merged from tensor-parallel ranks" in _refusal(merged)
+    other_stage = tmp_path / "other_stage"
+    shutil.copytree(runs["universal"], other_stage)
+    shutil.copytree(other_stage / "zero" / name, other_stage / "zero" / "transformer.h.2.mlp.c_fc.weight")
+    assert "['transformer.h.2.mlp.c_fc.weight'] that mp_rank_00_model_states.pt does not name" in _refusal(other_stage)
+    missing = tmp_path / "missing"
+    shutil.copytree(runs["universal"], missing)
+    shutil.rmtree(missing / "zero" / name)
+    assert f"misses ['{name}']" in _refusal(missing)
+
+
 def _edited(copy, change_rank_state=None, change_config=None):
     """The copied checkpoint with each rank's optimizer state and the saved DeepSpeed config changed (DeepSpeed's
     own objects taken out of the files, so that torch.save can write them)."""
@@ -203,8 +289,6 @@ EDITS = {
     "momentum": (_momentum, None, "only Adam and AdamW"),
     "elastic_checkpoint": (lambda state: state.update(base_optimizer_state=[state["base_optimizer_state"]]), None,
                            "elastic_checkpoint"),
-    "offload": (None, lambda config: {**config, "zero_optimization": {"stage": 2, "offload_optimizer": {
-        "device": "cpu"}}}, "offload_optimizer"),
     "FusedAdam's groups, no config": (_fused_adams_groups, lambda config: None, "neither in its DeepSpeed config"),
     "Lamb": (None, lambda config: {**config, "optimizer": {"type": "Lamb", "params": {}}}, "'Lamb'"),
 }
@@ -212,8 +296,8 @@ EDITS = {
 
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_what_does_not_convert_is_refused_by_name(runs, tmp_path, edit):
-    """Stage 3, other optimizers (by their state or their config), elastic_checkpoint's per-group state, an
-    offloaded optimizer's, and an Adam that tells neither AdamW nor Adam (FusedAdam's groups, a config not saved)."""
+    """Stage 3, other optimizers (by their state or their config), elastic_checkpoint's per-group state, and an Adam
+    that tells neither AdamW nor Adam (FusedAdam's groups, a config not saved)."""
     change_state, change_config, named = EDITS[edit]
     assert named in _refusal(_edited(_copy(runs, tmp_path), change_state, change_config))
 

@@ -12,8 +12,15 @@ What DeepSpeed 0.19 writes for ZeRO-1/2 (per tag folder; a ``latest`` file besid
   ``param_alignment_paddings``, ``zero_stage`` and ``partition_count``.
 
 A group's flat vector is its ranks' partitions in rank order; its parameters follow in ``param_shapes`` order, each
-followed by its alignment padding (DeepSpeed's own ``zero_to_fp32.py`` reads them so). The files pickle three
-DeepSpeed classes (the loss scaler, the stage enum, a fragment address): they are read with
+followed by its alignment padding (DeepSpeed's own ``zero_to_fp32.py`` reads them so). With ``offload_optimizer``
+the files are the same, with DeepSpeedCPUAdam's state (the same three keys) in ``base_optimizer_state``.
+
+DeepSpeed's universal format (what ``ds_to_universal.py`` writes) holds the same in one folder per parameter:
+``mp_rank_00_model_states.pt`` as above, ``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`` (each ``{"param": the whole
+tensor, "cat_dim": ...}``) and ``zero/<name>/step.pt`` for each trainable parameter (frozen and tied ones have
+``fp32.pt`` alone), and ``zero/optimizer_state.pt`` with the ``param_groups``, ``zero_stage`` and ``loss_scaler``.
+
+The files pickle three DeepSpeed classes (the loss scaler, the stage enum, a fragment address): they are read with
 ``torch.load(weights_only=True)`` and stand-ins of those classes, so DeepSpeed need not be installed and a crafted
 file cannot run code.
 
@@ -29,6 +36,7 @@ import glob
 import os
 import re
 import tempfile
+from typing import NamedTuple, Union
 
 import torch
 import torch.distributed as dist
@@ -39,27 +47,40 @@ from .api import save_checkpoint
 from .convert import load_torch_optimizer_state
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+UNIVERSAL = "zero"  # the universal format's folder of per-parameter folders, beside MODEL_STATES
 _RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ADAM_KEYS = {"exp_avg", "exp_avg_sq", "step"}
 
 
 def from_deepspeed(ds_dir: str, out_dir: str) -> None:
-    """Convert the DeepSpeed ZeRO-1/2 checkpoint in ``ds_dir`` (a tag folder, or its parent with ``latest``) into a
-    zeroimpl checkpoint at ``out_dir``, which :func:`load_checkpoint` loads at any world size. Carries the fp32
+    """Convert the DeepSpeed ZeRO-1/2 checkpoint in ``ds_dir`` into a zeroimpl checkpoint at ``out_dir``, which
+    :func:`load_checkpoint` loads at any world size. ``ds_dir``: a tag folder of per-rank files, or a folder in
+    DeepSpeed's universal format (``ds_to_universal.py``'s output); or their parent, with ``latest`` (else
+    ``latest_universal``) naming it. Carries the fp32
     masters, Adam's moments and step counts, the param groups with their hyperparameters, and the frozen
-    parameters and buffers. In one process with no process group of its own (``python -m zeroimpl.checkpoint
+    parameters and buffers; with or without ``offload_optimizer``, from fp32 or bf16 training, at any
+    data-parallel degree. In one process with no process group of its own (``python -m zeroimpl.checkpoint
     from-deepspeed DS_DIR OUT_DIR``). Adam or AdamW as the saved DeepSpeed config says (or torch's own groups).
     Refused by name: tensor or pipeline parallelism, stage 3, an optimizer other than Adam or AdamW, an Adam that
-    tells neither, and, not carried yet, fp16 loss scaling, ``offload_optimizer``, ``elastic_checkpoint`` and
-    BF16_Optimizer's state."""
+    tells neither, and, not carried yet, fp16 loss scaling, ``elastic_checkpoint`` and BF16_Optimizer's state."""
     if dist.is_available() and dist.is_initialized():
         raise CheckpointError("from_deepspeed converts in one process, with a process group of its own: run it "
                               "outside the training job (python -m zeroimpl.checkpoint from-deepspeed DS_DIR OUT_DIR)")
     tag = _tag_folder(ds_dir)
     model_states = _read(os.path.join(tag, MODEL_STATES))
-    partitions = _rank_files(tag)
-    groups, stand_in, state, optimizer_class = _converted(model_states,
-                                                         [_read(path)["optimizer_state_dict"] for path in partitions])
+    if os.path.isdir(os.path.join(tag, UNIVERSAL)):
+        common = _read(os.path.join(tag, UNIVERSAL, "optimizer_state.pt"))
+        _check_source(common)
+        saved_groups, by_name = common.get("param_groups"), _universal_state(tag, model_states)
+    else:
+        ranks = [_read(path)["optimizer_state_dict"] for path in _rank_files(tag)]
+        _check_source(ranks[0])
+        if not isinstance(ranks[0].get("base_optimizer_state"), dict):
+            raise CheckpointError("the checkpoint was saved with elastic_checkpoint (its optimizer state is per group, "
+                                  "without param groups), which this conversion does not read yet")
+        saved_groups, by_name = ranks[0]["base_optimizer_state"]["param_groups"], _partitioned_state(model_states,
+                                                                                                     ranks)
+    groups, stand_in, state, optimizer_class = _converted(model_states, saved_groups, by_name)
     with tempfile.TemporaryDirectory() as rendezvous:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(rendezvous, 'store')}", rank=0,
                                 world_size=1)
@@ -74,18 +95,19 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
 def _tag_folder(ds_dir: str) -> str:
     if os.path.isfile(os.path.join(ds_dir, MODEL_STATES)):
         return ds_dir
-    latest = os.path.join(ds_dir, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as handle:
-            tag = os.path.join(ds_dir, handle.read().strip())
-        if os.path.isfile(os.path.join(tag, MODEL_STATES)):
-            return tag
-        raise CheckpointError(f"{latest} names the tag {os.path.basename(tag)!r}, which has no {MODEL_STATES}")
+    for pointer in ("latest", "latest_universal"):  # (ds_to_universal.py writes the second beside its folder)
+        latest = os.path.join(ds_dir, pointer)
+        if os.path.isfile(latest):
+            with open(latest) as handle:
+                tag = os.path.join(ds_dir, handle.read().strip())
+            if os.path.isfile(os.path.join(tag, MODEL_STATES)):
+                return tag
+            raise CheckpointError(f"{latest} names the tag {os.path.basename(tag)!r}, which has no {MODEL_STATES}")
     if glob.glob(os.path.join(ds_dir, "layer_*-model_states.pt")):
         raise CheckpointError(f"{ds_dir!r} is a DeepSpeed pipeline-parallel checkpoint (layer_*-model_states.pt): "
                               "only data-parallel ZeRO-1/2 checkpoints convert")
-    raise CheckpointError(f"{ds_dir!r} is not a DeepSpeed checkpoint: no {MODEL_STATES} in it, and no 'latest' file "
-                          "naming a tag folder that has one")
+    raise CheckpointError(f"{ds_dir!r} is not a DeepSpeed checkpoint: no {MODEL_STATES} in it, and no 'latest' (or "
+                          "'latest_universal') file naming a folder that has one")
 
 
 def _rank_files(tag: str) -> list[str]:
@@ -129,49 +151,100 @@ def _read(path: str) -> dict:
                               f"{str(error)[:400]})") from error
 
 
-def _converted(model_states: dict, ranks: list[dict]) -> tuple[list[dict], torch.nn.Module, dict, type]:
-    """(param groups over a stand-in model, the stand-in, a torch optimizer state dict over those groups, the torch
-    optimizer class)."""
-    first = ranks[0]
-    if "zero_stage" not in first:
+class SavedParam(NamedTuple):
+    """One trainable parameter's optimizer state as DeepSpeed saved it, in the parameter's shape (fp32)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: Union[int, float, torch.Tensor]
+
+
+def _check_source(common: dict) -> None:
+    """Refuse what this conversion does not carry, from the state every rank shares (a rank file's, or the universal
+    format's ``optimizer_state.pt``)."""
+    if "zero_stage" not in common:
         raise CheckpointError("the checkpoint's optimizer files hold DeepSpeed's BF16_Optimizer state (bf16 without "
                               "ZeRO's own optimizer), which this conversion does not read yet")
-    stage = first["zero_stage"]
+    stage = common["zero_stage"]
     stage = stage.args[0] if hasattr(stage, "args") else stage
     if int(stage) not in (1, 2):
         raise CheckpointError(f"the checkpoint is of ZeRO stage {int(stage)}: only stages 1 and 2 convert")
-    scaler = first.get("loss_scaler")
+    scaler = common.get("loss_scaler")
     if getattr(scaler, "dynamic", False) or float(getattr(scaler, "cur_scale", 1.0)) != 1.0:
         raise CheckpointError("the checkpoint was trained with fp16 loss scaling, which this conversion does not "
                               "carry yet: train in bf16 or fp32, or convert the weights with DeepSpeed's "
                               "zero_to_fp32.py")
-    if not isinstance(first.get("base_optimizer_state"), dict):
-        raise CheckpointError("the checkpoint was saved with elastic_checkpoint (its optimizer state is per group, "
-                              "without param groups), which this conversion does not read yet")
-    module = model_states["module"]
-    stand_in, params = _stand_in_model(module, model_states)
-    optimizer_class = _optimizer_class(model_states, first["base_optimizer_state"]["param_groups"])
-    base_groups = [_torch_hyperparameters(group, optimizer_class)
-                   for group in first["base_optimizer_state"]["param_groups"]]
-    groups, state, number = [], {}, 0
+
+
+def _partitioned_state(model_states: dict, ranks: list[dict]) -> dict[str, SavedParam]:
+    """Each trainable parameter's state, by name, from the ranks' flat partitions of every group."""
+    by_name = {}
     for g, shapes in enumerate(model_states["param_shapes"]):
         flat = {key: torch.cat([_partition(rank, g, key) for rank in ranks]) for key in ("master", "exp_avg",
                                                                                          "exp_avg_sq")}
-        step = first["base_optimizer_state"]["state"][g]["step"]
-        saved_paddings = first.get("param_alignment_paddings")  # (a checkpoint without them: no padding)
+        step = ranks[0]["base_optimizer_state"]["state"][g]["step"]
+        saved_paddings = ranks[0].get("param_alignment_paddings")  # (a checkpoint without them: no padding)
         paddings = saved_paddings[g] if saved_paddings else [0] * len(shapes)
-        members, offset = [], 0
+        offset = 0
         for (name, shape), padding in zip(shapes.items(), paddings):
             numel = torch.Size(shape).numel()
-            with torch.no_grad():
-                params[name].copy_(flat["master"][offset:offset + numel].view(shape))
-            state[number] = {"step": step.clone() if torch.is_tensor(step) else step,
-                             **{key: flat[key][offset:offset + numel].view(shape).clone()
-                                for key in ("exp_avg", "exp_avg_sq")}}
-            members.append(params[name])
+            by_name[name] = SavedParam(*(flat[key][offset:offset + numel].view(shape).clone() for key in flat),
+                                       step.clone() if torch.is_tensor(step) else step)
             offset += numel + padding
+    return by_name
+
+
+def _universal_state(tag: str, model_states: dict) -> dict[str, SavedParam]:
+    """Each trainable parameter's state, by name, from the universal format's folder per parameter; refusing a
+    folder of parameters other than the saved model's (pipeline stages) or of other shapes (tensor parallelism)."""
+    folder = os.path.join(tag, UNIVERSAL)
+    trainable = {name: torch.Size(shape) for shapes in model_states["param_shapes"] for name, shape in shapes.items()}
+    named = set(trainable) | set(model_states.get("frozen_param_shapes") or ()) | set(
+        model_states.get("shared_params") or ())
+    present = {entry for entry in os.listdir(folder) if os.path.isdir(os.path.join(folder, entry))}
+    if present - named or set(trainable) - present:
+        raise CheckpointError(f"{folder!r} holds the parameters {sorted(present - named)[:5]} that {MODEL_STATES} "
+                              f"does not name, and misses {sorted(set(trainable) - present)[:5]} that it does: not "
+                              "the universal format of one data-parallel ZeRO-1/2 model (pipeline stages, or "
+                              "another model's folder)")
+    by_name = {}
+    for name, shape in trainable.items():
+        values = [_universal_tensor(os.path.join(folder, name, key + ".pt"))
+                  for key in ("fp32", "exp_avg", "exp_avg_sq")]
+        if any(value.shape != shape for value in values):
+            raise CheckpointError(f"{name} has the shape {tuple(values[0].shape)} in {folder!r} and {tuple(shape)} "
+                                  f"in {MODEL_STATES}: a universal checkpoint merged from tensor-parallel ranks, "
+                                  "which zeroimpl does not shard; only data-parallel ZeRO-1/2 checkpoints convert")
+        by_name[name] = SavedParam(*values, _read(os.path.join(folder, name, "step.pt")))
+    return by_name
+
+
+def _universal_tensor(path: str) -> torch.Tensor:
+    saved = _read(path)
+    return (saved["param"] if isinstance(saved, dict) else saved).float()
+
+
+def _converted(model_states: dict, saved_groups: list[dict],
+               by_name: dict[str, SavedParam]) -> tuple[list[dict], torch.nn.Module, dict, type]:
+    """(param groups over a stand-in model, the stand-in, a torch optimizer state dict over those groups, the torch
+    optimizer class), from the saved torch param groups (hyperparameters) and each parameter's state."""
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(model_states["param_shapes"]):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups or ())} param groups and "
+                              f"{MODEL_STATES} {len(model_states['param_shapes'])}: the files are not of one save")
+    stand_in, params = _stand_in_model(model_states["module"], model_states)
+    optimizer_class = _optimizer_class(model_states, saved_groups)
+    groups, state, number = [], {}, 0
+    for saved_group, shapes in zip(saved_groups, model_states["param_shapes"]):
+        members = []
+        for name in shapes:
+            saved = by_name[name]
+            with torch.no_grad():
+                params[name].copy_(saved.master)
+            state[number] = {"step": saved.step, "exp_avg": saved.exp_avg, "exp_avg_sq": saved.exp_avg_sq}
+            members.append(params[name])
             number += 1
-        groups.append({"params": members, **base_groups[g]})
+        groups.append({"params": members, **_torch_hyperparameters(saved_group, optimizer_class)})
     firsts = [0]  # torch numbers the parameters over the groups in order
     for group in groups:
         firsts.append(firsts[-1] + len(group["params"]))
@@ -228,14 +301,11 @@ def _stand_in_model(module: dict, model_states: dict) -> tuple[torch.nn.Module, 
 
 def _optimizer_class(model_states: dict, groups: list[dict]) -> type:
     """torch's AdamW or Adam, as the DeepSpeed config says (``type``; ``adam_w_mode`` for "Adam", which defaults to
-    AdamW) or, without one (a client optimizer), as torch's own param groups say (``decoupled_weight_decay``).
-    DeepSpeed's CPU Adam (``offload_optimizer``) is refused, as is a checkpoint that tells neither."""
+    AdamW) or, without one (a client optimizer), as torch's own param groups say (``decoupled_weight_decay``); a
+    checkpoint that tells neither is refused. DeepSpeed's own kernels (FusedAdam, DeepSpeedCPUAdam with
+    ``offload_optimizer``) become torch's class of the same update rule."""
     config = model_states.get("ds_config")
     config = config if isinstance(config, dict) else {}  # (a JSON path, or None, where the job passed no dict)
-    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    if str(offload.get("device", "none")).lower() != "none":
-        raise CheckpointError("the checkpoint was trained with offload_optimizer (DeepSpeedCPUAdam), whose state this "
-                              "conversion does not carry yet: convert the weights with DeepSpeed's zero_to_fp32.py")
     named = (config.get("optimizer") or {}).get("type")
     if named is not None:
         kind = str(named).lower()
