@@ -60,6 +60,17 @@ def _overflow_run(rank, world_size, stage, hysteresis, overflow_steps, offload=N
 
 
 OVERFLOW_CASES = [(1, None), (2, None), (1, "cpu"), (2, "cpu")]
+TINY_GRADIENT, SCALE = 3e-7, 4096.0  # scaled, a normal fp16 number; unscaled, below fp16's smallest normal (6.1e-5)
+
+
+def _unscaled_run(rank, world_size, stage):
+    """An fp16 bias whose gradient is TINY_GRADIENT on every rank, reduced in fp16: the unscaled gradient's
+    inf-norm (read through param.grad, in fp32)."""
+    bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    optimizer = ShardedOptimizer([bias], torch.optim.SGD, stage=stage, lr=1.0, reduce_dtype=torch.float16,
+                                 loss_scale=LossScaleConfig(initial_scale=SCALE))
+    optimizer.backward((bias * TINY_GRADIENT).sum())
+    return torch.linalg.vector_norm(bias.grad, float("inf"), dtype=torch.float32).item()
 
 
 def _all_runs(rank, world_size):
@@ -68,6 +79,8 @@ def _all_runs(rank, world_size):
     for stage, offload in OVERFLOW_CASES:
         cases[("overflow", stage, offload)] = partial(_overflow_run, rank, world_size, stage, 1, (1,), offload)
     cases["hysteresis"] = partial(_overflow_run, rank, world_size, 2, 2, (1, 2))
+    for stage in (1, 2):
+        cases[("unscaled", stage)] = partial(_unscaled_run, rank, world_size, stage)
     return run_cases(cases)
 
 
@@ -83,3 +96,14 @@ def test_fp16_hysteresis_delays_backoff(runs):
     for records in case_results(runs, "hysteresis"):
         assert [r["changed"] for r in records] == [True, False, False, True]
         assert [r["scale"] for r in records] == [1024.0, 1024.0, 512.0, 512.0]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_16bit_gradient_shard_is_unscaled_in_fp32(runs, stage):
+    """Reduced in fp16 (``reduce_dtype``), a gradient is unscaled after widening to fp32, as DeepSpeed unscales
+    its fp32 gradient partition: in fp16, 3e-7 would round to a subnormal (5 x 2**-24 = 2.98e-7)."""
+    scaled = torch.tensor(TINY_GRADIENT * SCALE, dtype=torch.float16)  # the gradient autograd gives (every rank)
+    expected = (scaled.float() * (1.0 / SCALE)).item()
+    assert expected != (scaled * (1.0 / SCALE)).float().item()  # (what unscaling in fp16 gives)
+    for norm in case_results(runs, ("unscaled", stage)):
+        assert norm == expected

@@ -40,7 +40,9 @@ class StateBytes:
     * ``gradients`` -- full-size ``param.grad`` tensors of trainable parameters that exist right now
       (stage 1 between backward and step; always 0 in stage 2 outside backward).
     * ``gradient_shard`` -- this rank's averaged gradient shard (reduce dtype on the device; fp32 on the
-      host with offload, plus a device accumulator while ``accumulating()`` micro-batches are summed).
+      host with offload, plus a device accumulator while ``accumulating()`` micro-batches are summed). Under
+      loss scaling a 16-bit shard is widened to fp32 when the step unscales it, until ``zero_grad()``; the
+      estimate counts the reduce dtype.
     * ``master_weights`` -- fp32 copies of this rank's shard; 0 for fp32 models without offload, whose
       shard is the master.
     * ``optimizer_state`` -- every tensor in the inner optimizer's state (moments, step counters, ...).

@@ -9,7 +9,8 @@ masters: :mod:`zeroimpl.param_sync`):
 * :class:`HostGradientShards` -- CPU offload (:mod:`zeroimpl.offload` holds the policy and carves the host
   memory): shards in the master's dtype in (pinned) host memory, filled by copies on a side stream.
 
-Shared interface: ``add(bucket_index, reduced)``, ``ready()``, ``clear(set_to_none)``, ``has_gradients``,
+Shared interface: ``add(bucket_index, reduced)``, ``ready()``, ``unscale(factor)``, ``clear(set_to_none)``,
+``has_gradients``,
 ``device_tensors()`` / ``host_tensors()`` (for memory accounting and streams), ``accumulating()`` (a context
 marking non-final micro-batches: offload sums them on the device).
 """
@@ -39,6 +40,15 @@ class DeviceGradientShards:
 
     def ready(self) -> list[Optional[torch.Tensor]]:
         return self.shards
+
+    def unscale(self, factor: float) -> None:
+        """Multiply every shard by ``factor`` (the loss scale's inverse). A 16-bit shard is widened to fp32 first
+        (and kept so until ``clear``): unscaled in 16 bits, a small gradient would round to a subnormal or to
+        zero, which the loss scale is there to prevent."""
+        for index, shard in enumerate(self.shards):
+            if shard is not None and shard.element_size() < 4:
+                self.shards[index] = shard.float()
+        torch._foreach_mul_([shard for shard in self.shards if shard is not None], factor)
 
     def clear(self, set_to_none: bool) -> None:
         if set_to_none:
@@ -140,6 +150,10 @@ class HostGradientShards:
                 self._to_host(index, device_sum)
         self.wait_copies()
         return [None if fill is ShardFill.EMPTY else shard for shard, fill in zip(self.shards, self._fill)]
+
+    def unscale(self, factor: float) -> None:
+        """Multiply every shard by ``factor`` (the loss scale's inverse), on the host, in the master's dtype."""
+        torch._foreach_mul_([shard for shard in self.ready() if shard is not None], factor)
 
     def clear(self, set_to_none: bool) -> None:
         self._device_sums = [None] * len(self.shards)

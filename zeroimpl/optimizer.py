@@ -95,6 +95,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         max_inflight_buckets: reduce-scatters (hybrid: and replica all-reduces) in flight before backward waits for
             the oldest (default 2; 0: each at once): bounds the buffers alive during backward.
         reduce_dtype: dtype in which gradients are reduced and their shard kept (default fp32; fp64 for fp64 models).
+            Under loss scaling a 16-bit shard is unscaled in fp32 (kept so until ``zero_grad()``), as DeepSpeed
+            unscales its fp32 gradient partition.
         loss_scale: dynamic loss scaling. ``"auto"`` (default): on when any parameter is fp16. A
             :class:`LossScaleConfig`: on with those settings (fp16 autocast over fp32 parameters). ``None``: off.
             When on, call ``optimizer.backward(loss)`` (or ``optimizer.scale_loss(loss).backward()``) instead

@@ -109,7 +109,7 @@ class StepChecks:
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
             return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
         if self.loss_scaler is not None and not self.unscaled:
-            torch._foreach_mul_(self.shards(), 1.0 / self.loss_scaler.scale)
+            self.gradients.unscale(1.0 / self.loss_scaler.scale)  # (16-bit shards widened to fp32 first)
             self.unscaled = True
         self._prepared = True
         return True
