@@ -16,7 +16,16 @@ in the same processes (the reference: what DeepSpeed continues from the state it
 * bf16 ZeRO-2 at 2 ranks (``bf16_zero_pp_rank_*`` files): zeroimpl with bf16 parameters and ``reduce_dtype=bf16``
   (DeepSpeed reduces bf16 gradients in bf16) continues bitwise DeepSpeed's;
 * ZeRO-2 with ``offload_optimizer`` (DeepSpeed's own Adam, DeepSpeedCPUAdam) at 3 data-parallel ranks: zeroimpl
-  (torch's AdamW) continues at 3 ranks within PARAM_ATOL (DeepSpeed's Adam kernel is not torch's).
+  (torch's AdamW) continues at 3 ranks within PARAM_ATOL (DeepSpeed's Adam kernel is not torch's);
+* fp16 ZeRO-2 at 2 ranks with dynamic loss scaling (a window of 3 steps: the scale grows at steps 3 and 6):
+  zeroimpl continues with fp16 parameters, ``reduce_dtype=fp16`` and the converted loss scale. Its scale is
+  DeepSpeed's after every step, and its parameters are bitwise DeepSpeed's after steps 4 and 5. At step 6 they
+  part: DeepSpeed 0.19.8 (``stage_1_and_2.py``, ``step``) updates the loss scale before it unscales the gradients,
+  so on a step where the scale grows it divides them by the grown scale, half the one they were scaled by;
+  zeroimpl unscales by the scale the loss was multiplied with. After step 7 they are within FP16_ATOL. This
+  machine's CPU lacks native fp16, which DeepSpeed's CPU accelerator asks for before it allows fp16; the run tells
+  it fp16 is supported (torch computes fp16 on the CPU regardless), and DeepSpeed runs as it would on a device that
+  has it.
 
 The converted fp32 weights of the fp32 and bf16 checkpoints are what DeepSpeed's own ``zero_to_fp32`` reads from the
 same files, bitwise. Adam or AdamW is read from the saved config, or torch's groups. Refused by name, before anything
@@ -43,6 +52,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 
 SAVE_AT, STEPS, LR = 4, 8, 1e-2
 PARAM_ATOL = 1e-4
+FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3}
+FP16_ATOL = 1e-2  # = LR: DeepSpeed's step 6 applies half the gradient, which Adam turns into up to a third of LR
 DEEPSPEED = {"DS_ACCELERATOR": "cpu"}
 
 
@@ -53,6 +64,11 @@ def _params(model):
 def _engine(world_size, offload=False, **extra):
     """DeepSpeed ZeRO-2 with torch's AdamW (``torch_adam``), or with ``offload`` DeepSpeed's own CPU Adam."""
     import deepspeed
+
+    if "fp16" in extra:  # (see the module docstring)
+        from deepspeed.accelerator import get_accelerator
+
+        type(get_accelerator()).is_fp16_supported = lambda self: True
 
     model = build_model("gpt2", torch.float32)
     zero = {"stage": 2, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
@@ -66,22 +82,25 @@ def _engine(world_size, offload=False, **extra):
 
 
 def _train(engine, rank, world_size, steps):
+    """DeepSpeed's parameters and loss scale after each step."""
+    after = []
     for step in steps:
         engine.backward(engine(**local_batch(step, rank, world_size)).loss)
         engine.step()
+        after.append((_params(engine.module), float(engine.optimizer.loss_scale)))
+    return after
 
 
 def _deepspeed_saves(rank, world_size, root, extra=None, go_on=False):
-    """DeepSpeed's parameters at the save (step 4), and with ``go_on`` also at step 8, trained on in the same
-    processes."""
+    """DeepSpeed's parameters at the save (step 4), and with ``go_on`` also its parameters and loss scale after each
+    later step, trained on in the same processes."""
     model, engine = _engine(world_size, **(extra or {}))
     _train(engine, rank, world_size, range(SAVE_AT))
     engine.save_checkpoint(root, tag="step4")
     at_save = _params(model)
     if not go_on:
         return at_save
-    _train(engine, rank, world_size, range(SAVE_AT, STEPS))
-    return at_save, _params(model)
+    return at_save, _train(engine, rank, world_size, range(SAVE_AT, STEPS))
 
 
 def _deepspeed_continues(rank, world_size, root):
@@ -92,20 +111,25 @@ def _deepspeed_continues(rank, world_size, root):
 
 
 def _zeroimpl_continues(rank, world_size, runs):
-    """Per ``(converted checkpoint, stage, dtype)`` of ``runs``: zeroimpl's parameters loaded, and after 4 more
-    steps. 16-bit parameters reduce in their dtype, as DeepSpeed does."""
-    from zeroimpl import ShardedOptimizer
+    """Per ``(converted checkpoint, stage, dtype)`` of ``runs``: zeroimpl's parameters loaded, and its parameters
+    and loss scale after each of 4 more steps (fp16: scaled as the DeepSpeed run's config says). 16-bit parameters
+    reduce in their dtype, as DeepSpeed does."""
+    from zeroimpl import LossScaleConfig, ShardedOptimizer
     from zeroimpl.checkpoint import load_checkpoint
 
     results = []
     for converted, stage, dtype in runs:
         model = build_model("gpt2", dtype)
+        scaling = LossScaleConfig(initial_scale=2.0 ** FP16["initial_scale_power"],
+                                  growth_interval=FP16["loss_scale_window"]) if dtype == torch.float16 else None
         optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=LR,
-                                     reduce_dtype=None if dtype == torch.float32 else dtype)
+                                     reduce_dtype=None if dtype == torch.float32 else dtype, loss_scale=scaling)
         load_checkpoint(converted, optimizer, model)
-        loaded = _params(model)
-        train_on_global_batch(model, optimizer, rank, world_size, range(SAVE_AT, STEPS))
-        results.append((loaded, _params(model)))
+        loaded, after = _params(model), []
+        for step in range(SAVE_AT, STEPS):
+            train_on_global_batch(model, optimizer, rank, world_size, [step])
+            after.append((_params(model), optimizer.loss_scale))
+        results.append((loaded, after))
     return results
 
 
@@ -133,66 +157,82 @@ def _universal(saved: str, universal: str) -> None:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     saved, bf16_saved, offload_saved = str(root / "deepspeed"), str(root / "deepspeed-bf16"), str(root / "offload")
+    fp16_saved = str(root / "deepspeed-fp16")
     universal = str(root / "universal")
     at_save = run_distributed(2, _deepspeed_saves, saved, env=DEEPSPEED)[0]
     reference = run_distributed(2, _deepspeed_continues, saved, env=DEEPSPEED)[0]
     bf16 = run_distributed(2, _deepspeed_saves, bf16_saved, {"bf16": {"enabled": True}}, True, env=DEEPSPEED)[0]
     offload = run_distributed(3, _deepspeed_saves, offload_saved, {"offload": True}, True, env=DEEPSPEED)[0]
+    fp16 = run_distributed(2, _deepspeed_saves, fp16_saved, {"fp16": FP16}, True, env=DEEPSPEED)[0]
     _universal(saved, universal)
     converted = {}
-    for source in (saved, bf16_saved, offload_saved, universal):
+    for source in (saved, bf16_saved, offload_saved, fp16_saved, universal):
         converted[source] = source + "-converted"
         # (the universal folder through its parent's latest_universal, which ds_to_universal.py wrote)
         done = _convert(str(root) if source == universal else source, converted[source])
         assert done.returncode == 0, done.stderr[-3000:]
     at_2 = run_distributed(2, _zeroimpl_continues, [(converted[saved], 2, torch.float32),
                                                     (converted[universal], 2, torch.float32),
-                                                    (converted[bf16_saved], 2, torch.bfloat16)])
+                                                    (converted[bf16_saved], 2, torch.bfloat16),
+                                                    (converted[fp16_saved], 2, torch.float16)])
     at_3 = run_distributed(3, _zeroimpl_continues, [(converted[saved], 1, torch.float32),
                                                     (converted[offload_saved], 2, torch.float32)])
     return {"saved": saved, "universal": universal, "at save": at_save, "reference": reference, "bf16": bf16,
-            "offload": offload,
+            "offload": offload, "fp16": fp16,
             "deepspeed's fp32": run_distributed(1, _deepspeeds_own_fp32, [saved, bf16_saved], env=DEEPSPEED)[0],
             "converted": [converted[saved], converted[bf16_saved]],
             "at 2": [rank[0] for rank in at_2], "universal at 2": [rank[1] for rank in at_2],
-            "bf16 at 2": [rank[2] for rank in at_2],
+            "bf16 at 2": [rank[2] for rank in at_2], "fp16 at 2": [rank[3] for rank in at_2],
             "at 3": [rank[0] for rank in at_3], "offload at 3": [rank[1] for rank in at_3]}
 
 
 def test_a_converted_zero2_checkpoint_continues_bitwise_at_2_ranks(runs):
-    for loaded, final in runs["at 2"]:
+    for loaded, after in runs["at 2"]:
         assert max_param_diff(loaded, runs["at save"]) == 0.0
-        assert max_param_diff(final, runs["reference"]) == 0.0
+        assert max_param_diff(after[-1][0], runs["reference"]) == 0.0
 
 
 def test_a_converted_zero2_checkpoint_continues_at_3_ranks(runs):
-    for loaded, final in runs["at 3"]:
+    for loaded, after in runs["at 3"]:
         assert max_param_diff(loaded, runs["at save"]) == 0.0
-        assert max_param_diff(final, runs["reference"]) <= PARAM_ATOL
+        assert max_param_diff(after[-1][0], runs["reference"]) <= PARAM_ATOL
+
+
+def test_a_converted_fp16_checkpoint_continues_with_deepspeeds_loss_scale(runs):
+    """The loss scale at the save (512: 256 grown at step 3) and its counters carry over: zeroimpl's scale after
+    each later step is DeepSpeed's (it grows at step 6 in both). Bitwise until DeepSpeed's step 6 unscales by the
+    grown scale (see the module docstring)."""
+    at_save, theirs = runs["fp16"]
+    for loaded, ours in runs["fp16 at 2"]:
+        assert all(p.dtype == torch.float16 for p in ours[-1][0].values())
+        assert max_param_diff(loaded, at_save) == 0.0
+        assert [scale for _, scale in ours] == [scale for _, scale in theirs] == [512.0, 512.0, 1024.0, 1024.0]
+        assert [max_param_diff(a, b) == 0.0 for (a, _), (b, _) in zip(ours, theirs)] == [True, True, False, False]
+        assert max_param_diff(ours[-1][0], theirs[-1][0]) <= FP16_ATOL
 
 
 def test_the_universal_format_converts_to_the_same_training(runs):
     """ds_to_universal.py's folder per parameter (named by the latest_universal file it writes beside it): loaded
     bitwise, and 4 steps bitwise DeepSpeed's own resume."""
-    for loaded, final in runs["universal at 2"]:
+    for loaded, after in runs["universal at 2"]:
         assert max_param_diff(loaded, runs["at save"]) == 0.0
-        assert max_param_diff(final, runs["reference"]) == 0.0
+        assert max_param_diff(after[-1][0], runs["reference"]) == 0.0
 
 
 def test_a_converted_bf16_checkpoint_continues_bitwise_in_bf16(runs):
-    at_save, reference = runs["bf16"]
-    for loaded, final in runs["bf16 at 2"]:
-        assert all(p.dtype == torch.bfloat16 for p in final.values())
+    at_save, theirs = runs["bf16"]
+    for loaded, ours in runs["bf16 at 2"]:
+        assert all(p.dtype == torch.bfloat16 for p in ours[-1][0].values())
         assert max_param_diff(loaded, at_save) == 0.0
-        assert max_param_diff(final, reference) == 0.0
+        assert max_param_diff(ours[-1][0], theirs[-1][0]) == 0.0
 
 
 def test_an_offloaded_checkpoint_of_3_ranks_continues_within_tolerance(runs):
     """offload_optimizer: DeepSpeed's own CPU Adam at 3 data-parallel ranks, then torch's AdamW on zeroimpl."""
-    at_save, reference = runs["offload"]
-    for loaded, final in runs["offload at 3"]:
+    at_save, theirs = runs["offload"]
+    for loaded, ours in runs["offload at 3"]:
         assert max_param_diff(loaded, at_save) == 0.0
-        assert 0.0 < max_param_diff(final, reference) <= PARAM_ATOL  # (the kernels differ: not bitwise)
+        assert 0.0 < max_param_diff(ours[-1][0], theirs[-1][0]) <= PARAM_ATOL  # (the kernels differ: not bitwise)
 
 
 def test_the_converted_fp32_weights_are_deepspeeds_own_reading_bitwise(runs):

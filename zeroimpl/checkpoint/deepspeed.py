@@ -36,12 +36,13 @@ import glob
 import os
 import re
 import tempfile
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..optimizer import ShardedOptimizer
+from ..precision import LossScaleConfig
 from ..state_format import CheckpointError
 from .api import save_checkpoint
 from .convert import load_torch_optimizer_state
@@ -58,11 +59,12 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
     DeepSpeed's universal format (``ds_to_universal.py``'s output); or their parent, with ``latest`` (else
     ``latest_universal``) naming it. Carries the fp32
     masters, Adam's moments and step counts, the param groups with their hyperparameters, and the frozen
-    parameters and buffers; with or without ``offload_optimizer``, from fp32 or bf16 training, at any
-    data-parallel degree. In one process with no process group of its own (``python -m zeroimpl.checkpoint
+    parameters and buffers, and the dynamic fp16 loss scale with its counters; with or without
+    ``offload_optimizer``, from fp32, bf16 or fp16 training, at any data-parallel degree. In one process with no process group of its own (``python -m zeroimpl.checkpoint
     from-deepspeed DS_DIR OUT_DIR``). Adam or AdamW as the saved DeepSpeed config says (or torch's own groups).
     Refused by name: tensor or pipeline parallelism, stage 3, an optimizer other than Adam or AdamW, an Adam that
-    tells neither, and, not carried yet, fp16 loss scaling, ``elastic_checkpoint`` and BF16_Optimizer's state."""
+    tells neither, a static fp16 loss scale or ``consecutive_hysteresis`` (zeroimpl's scaler has neither), and, not
+    carried yet, ``elastic_checkpoint`` and BF16_Optimizer's state."""
     if dist.is_available() and dist.is_initialized():
         raise CheckpointError("from_deepspeed converts in one process, with a process group of its own: run it "
                               "outside the training job (python -m zeroimpl.checkpoint from-deepspeed DS_DIR OUT_DIR)")
@@ -74,19 +76,23 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
         saved_groups, by_name = common.get("param_groups"), _universal_state(tag, model_states)
     else:
         ranks = [_read(path)["optimizer_state_dict"] for path in _rank_files(tag)]
-        _check_source(ranks[0])
+        common = ranks[0]
+        _check_source(common)
         if not isinstance(ranks[0].get("base_optimizer_state"), dict):
             raise CheckpointError("the checkpoint was saved with elastic_checkpoint (its optimizer state is per group, "
                                   "without param groups), which this conversion does not read yet")
         saved_groups, by_name = ranks[0]["base_optimizer_state"]["param_groups"], _partitioned_state(model_states,
                                                                                                      ranks)
     groups, stand_in, state, optimizer_class = _converted(model_states, saved_groups, by_name)
+    scaling = _loss_scale(common, model_states)
     with tempfile.TemporaryDirectory() as rendezvous:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(rendezvous, 'store')}", rank=0,
                                 world_size=1)
         try:
-            optimizer = ShardedOptimizer(groups, optimizer_class, stage=2)
+            optimizer = ShardedOptimizer(groups, optimizer_class, stage=2, loss_scale=scaling and scaling[0])
             load_torch_optimizer_state(optimizer, state)
+            if scaling is not None:
+                optimizer.loss_scaler.load_state_dict(scaling[1])
             save_checkpoint(out_dir, optimizer, stand_in)
         finally:
             dist.destroy_process_group()
@@ -171,10 +177,36 @@ def _check_source(common: dict) -> None:
     if int(stage) not in (1, 2):
         raise CheckpointError(f"the checkpoint is of ZeRO stage {int(stage)}: only stages 1 and 2 convert")
     scaler = common.get("loss_scaler")
-    if getattr(scaler, "dynamic", False) or float(getattr(scaler, "cur_scale", 1.0)) != 1.0:
-        raise CheckpointError("the checkpoint was trained with fp16 loss scaling, which this conversion does not "
-                              "carry yet: train in bf16 or fp32, or convert the weights with DeepSpeed's "
-                              "zero_to_fp32.py")
+    if not getattr(scaler, "dynamic", False) and float(getattr(scaler, "cur_scale", 1.0)) != 1.0:
+        raise CheckpointError("the checkpoint was trained with a static fp16 loss scale, which zeroimpl's dynamic "
+                              "loss scaler does not keep: convert the weights with DeepSpeed's zero_to_fp32.py")
+    if getattr(scaler, "dynamic", False) and getattr(scaler, "consecutive_hysteresis", False):
+        raise CheckpointError("the checkpoint's fp16 loss scaler refills its hysteresis after every clean step "
+                              "(consecutive_hysteresis), which zeroimpl's loss scaler does not: it cannot continue "
+                              "as DeepSpeed would")
+
+
+def _loss_scale(common: dict, model_states: dict) -> Optional[tuple[LossScaleConfig, dict]]:
+    """DeepSpeed's dynamic fp16 loss scaler as zeroimpl's: its settings, and its state at the save (the scale,
+    the clean steps counted towards the next growth, the overflows left before it backs off, the steps skipped);
+    None without one. Both back off at the overflow that finds one hysteresis left and refill it on growth.
+    DeepSpeed grows at a clean step that follows a positive multiple of its window of clean steps since the last
+    overflow (``stable``: ``cur_iter - last_overflow_iter - 1`` at the next step), zeroimpl after a window of clean
+    steps since it last grew or backed off: the count below makes the next growth fall on DeepSpeed's step. Only
+    where the save follows an overflow at once does zeroimpl grow one step before DeepSpeed would (and after each
+    later overflow likewise)."""
+    scaler = common.get("loss_scaler")
+    if not getattr(scaler, "dynamic", False):
+        return None
+    config = LossScaleConfig(initial_scale=float(scaler.cur_scale), growth_factor=float(scaler.scale_factor),
+                             backoff_factor=1.0 / float(scaler.scale_factor),
+                             growth_interval=int(scaler.scale_window), hysteresis=int(scaler.delayed_shift),
+                             min_scale=float(scaler.min_scale))
+    window, stable = int(scaler.scale_window), int(scaler.cur_iter) - int(scaler.last_overflow_iter) - 1
+    clean = window - 1 - (-stable) % window if stable > 0 else 0  # DeepSpeed grows 1 + (-stable) % window steps on
+    return config, {"scale": float(scaler.cur_scale), "clean_steps": clean,
+                    "hysteresis_left": int(scaler.cur_hysteresis),
+                    "skipped_steps": int(model_states.get("skipped_steps") or 0)}
 
 
 def _partitioned_state(model_states: dict, ranks: list[dict]) -> dict[str, SavedParam]:
