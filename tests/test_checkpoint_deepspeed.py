@@ -324,6 +324,16 @@ def _fused_adams_groups(state):  # DeepSpeed's FusedAdam and CPU Adam: bias_corr
         group["bias_correction"] = True
 
 
+def _loss_scaler(static: bool):
+    """DeepSpeed's own loss scaler: a static scale of 128, or a dynamic one with consecutive_hysteresis."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    def change(state):
+        state["loss_scaler"] = LossScaler(scale=128) if static else DynamicLossScaler(
+            init_scale=512, scale_window=3, min_scale=1, delayed_shift=2, consecutive_hysteresis=True)
+    return change
+
+
 EDITS = {
     "stage 3": (lambda state: state.update(zero_stage=3), None, "ZeRO stage 3"),
     "momentum": (_momentum, None, "only Adam and AdamW"),
@@ -331,13 +341,16 @@ EDITS = {
                            "elastic_checkpoint"),
     "FusedAdam's groups, no config": (_fused_adams_groups, lambda config: None, "neither in its DeepSpeed config"),
     "Lamb": (None, lambda config: {**config, "optimizer": {"type": "Lamb", "params": {}}}, "'Lamb'"),
+    "static loss scale": (_loss_scaler(static=True), None, "a static fp16 loss scale"),
+    "consecutive_hysteresis": (_loss_scaler(static=False), None, "(consecutive_hysteresis)"),
 }
 
 
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_what_does_not_convert_is_refused_by_name(runs, tmp_path, edit):
-    """Stage 3, other optimizers (by their state or their config), elastic_checkpoint's per-group state, and an Adam
-    that tells neither AdamW nor Adam (FusedAdam's groups, a config not saved)."""
+    """Stage 3, other optimizers (by their state or their config), elastic_checkpoint's per-group state, an Adam that
+    tells neither AdamW nor Adam (FusedAdam's groups, a config not saved), and fp16 loss scalers that zeroimpl's
+    cannot continue (a static scale, consecutive_hysteresis)."""
     change_state, change_config, named = EDITS[edit]
     assert named in _refusal(_edited(_copy(runs, tmp_path), change_state, change_config))
 
