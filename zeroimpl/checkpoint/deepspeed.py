@@ -57,11 +57,14 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
     """Convert the DeepSpeed ZeRO-1/2 checkpoint in ``ds_dir`` into a zeroimpl checkpoint at ``out_dir``, which
     :func:`load_checkpoint` loads at any world size. ``ds_dir``: a tag folder of per-rank files, or a folder in
     DeepSpeed's universal format (``ds_to_universal.py``'s output); or their parent, with ``latest`` (else
-    ``latest_universal``) naming it. Carries the fp32
-    masters, Adam's moments and step counts, the param groups with their hyperparameters, and the frozen
-    parameters and buffers, and the dynamic fp16 loss scale with its counters; with or without
-    ``offload_optimizer``, from fp32, bf16 or fp16 training, at any data-parallel degree. In one process with no process group of its own (``python -m zeroimpl.checkpoint
-    from-deepspeed DS_DIR OUT_DIR``). Adam or AdamW as the saved DeepSpeed config says (or torch's own groups).
+    ``latest_universal``) naming it.
+
+    Carries the fp32 masters, Adam's moments and step counts, the param groups with their hyperparameters, the
+    frozen parameters and buffers, and the dynamic fp16 loss scale with its counters; with or without
+    ``offload_optimizer``, from fp32, bf16 or fp16 training, at any data-parallel degree. Adam or AdamW as the saved
+    DeepSpeed config says (or torch's own groups). Runs in one process, with a process group of its own
+    (``python -m zeroimpl.checkpoint from-deepspeed DS_DIR OUT_DIR``).
+
     Refused by name: tensor or pipeline parallelism, stage 3, an optimizer other than Adam or AdamW, an Adam that
     tells neither, a static fp16 loss scale or ``consecutive_hysteresis`` (zeroimpl's scaler has neither), and, not
     carried yet, ``elastic_checkpoint`` and BF16_Optimizer's state."""
@@ -70,19 +73,7 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
                               "outside the training job (python -m zeroimpl.checkpoint from-deepspeed DS_DIR OUT_DIR)")
     tag = _tag_folder(ds_dir)
     model_states = _read(os.path.join(tag, MODEL_STATES))
-    if os.path.isdir(os.path.join(tag, UNIVERSAL)):
-        common = _read(os.path.join(tag, UNIVERSAL, "optimizer_state.pt"))
-        _check_source(common)
-        saved_groups, by_name = common.get("param_groups"), _universal_state(tag, model_states)
-    else:
-        ranks = [_read(path)["optimizer_state_dict"] for path in _rank_files(tag)]
-        common = ranks[0]
-        _check_source(common)
-        if not isinstance(ranks[0].get("base_optimizer_state"), dict):
-            raise CheckpointError("the checkpoint was saved with elastic_checkpoint (its optimizer state is per group, "
-                                  "without param groups), which this conversion does not read yet")
-        saved_groups, by_name = ranks[0]["base_optimizer_state"]["param_groups"], _partitioned_state(model_states,
-                                                                                                     ranks)
+    common, saved_groups, by_name = _saved_state(tag, model_states)
     groups, stand_in, state, optimizer_class = _converted(model_states, saved_groups, by_name)
     scaling = _loss_scale(common, model_states)
     with tempfile.TemporaryDirectory() as rendezvous:
@@ -96,6 +87,22 @@ def from_deepspeed(ds_dir: str, out_dir: str) -> None:
             save_checkpoint(out_dir, optimizer, stand_in)
         finally:
             dist.destroy_process_group()
+
+
+def _saved_state(tag: str, model_states: dict) -> tuple[dict, list[dict], dict[str, SavedParam]]:
+    """(the state every rank shares: stage, loss scaler; the saved torch param groups; each trainable parameter's
+    state by name), from the universal format's folders or the per-rank files; refusing what does not convert."""
+    if os.path.isdir(os.path.join(tag, UNIVERSAL)):
+        common = _read(os.path.join(tag, UNIVERSAL, "optimizer_state.pt"))
+        _check_source(common)
+        return common, common.get("param_groups"), _universal_state(tag, model_states)
+    ranks = [_read(path)["optimizer_state_dict"] for path in _rank_files(tag)]
+    common = ranks[0]
+    _check_source(common)
+    if not isinstance(common.get("base_optimizer_state"), dict):
+        raise CheckpointError("the checkpoint was saved with elastic_checkpoint (its optimizer state is per group, "
+                              "without param groups), which this conversion does not read yet")
+    return common, common["base_optimizer_state"]["param_groups"], _partitioned_state(model_states, ranks)
 
 
 def _tag_folder(ds_dir: str) -> str:
