@@ -38,48 +38,26 @@ import tempfile
 import time
 
 from step_phases import run_ranks
+from step_profile import KINDS, model_and_batches, set_up, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("compute", "DDP", "zeroimpl stage 1", "zeroimpl stage 2")
 NANOGPT_PATHS = ("DDP", "zeroimpl stage 1", "zeroimpl stage 2")
 WARMUP = 5
 
 
 def rank_main(rounds: int, steps: int) -> None:
     """One rank of the tiny GPT-2 job: the four set-ups, timed in turns; rank 0 prints every round's ms per step."""
-    import torch
     import torch.distributed as dist
-    import transformers
-
-    from zeroimpl import ShardedOptimizer
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     setups = {}
     for kind in KINDS:
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(vocab_size=2048, n_positions=64, n_embd=64, n_layer=2, n_head=2,
-                                         attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
-        model = transformers.GPT2LMHeadModel(config)
-        if kind == "compute":
-            setups[kind] = (model, model, None)
-        elif kind == "DDP":
-            setups[kind] = (model, torch.nn.parallel.DistributedDataParallel(model),
-                            torch.optim.AdamW(model.parameters()))
-        else:
-            setups[kind] = (model, model, ShardedOptimizer(model.parameters(), torch.optim.AdamW,
-                                                           stage=int(kind[-1])))
-    generator = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, 2048, (4, 64), generator=generator) for _ in range(steps)]
+        model, batches = model_and_batches(rank, steps)
+        setups[kind] = (model, *set_up(kind, model))
 
     def train(kind: str, ids) -> None:
-        model, network, optimizer = setups[kind]
-        network(input_ids=ids, labels=ids).loss.backward()
-        if optimizer is None:
-            model.zero_grad()
-        else:
-            optimizer.step()
-            optimizer.zero_grad()
+        train_step(*setups[kind], ids)
 
     def settle(kind: str) -> None:
         """Land zeroimpl's parameter gathers still in flight, so that no set-up pays for another's."""

@@ -32,7 +32,8 @@ KINDS = ("compute", "DDP", "zeroimpl stage 1", "zeroimpl stage 2")
 WARMUP = 5
 
 
-def _model_and_batches(rank: int, steps: int):
+def model_and_batches(rank: int, steps: int):
+    """The tiny GPT-2 (the same weights on every rank) and ``steps`` batches of 4 x 64 tokens for ``rank``."""
     import torch
     import transformers
 
@@ -43,6 +44,30 @@ def _model_and_batches(rank: int, steps: int):
     generator = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 2048, (4, 64), generator=generator) for _ in range(steps)]
     return model, batches
+
+
+def set_up(kind: str, model):
+    """``(network, optimizer)`` of one of ``KINDS`` over ``model`` (in a process group): the bare model and no
+    optimizer ("compute"), DDP + torch AdamW, or zeroimpl's AdamW at stage 1 or 2."""
+    import torch
+
+    from zeroimpl import ShardedOptimizer
+
+    if kind == "compute":
+        return model, None
+    if kind == "DDP":
+        return torch.nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(model.parameters())
+    return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=int(kind[-1]))
+
+
+def train_step(model, network, optimizer, ids) -> None:
+    """Forward, backward and (but for "compute") the optimizer's step, then the gradients cleared."""
+    network(input_ids=ids, labels=ids).loss.backward()
+    if optimizer is None:
+        model.zero_grad()
+    else:
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def _where(code: tuple) -> str:
@@ -56,28 +81,15 @@ def _where(code: tuple) -> str:
 
 
 def rank_main(kind: str, steps: int, top: int) -> None:
-    import torch
     import torch.distributed as dist
-
-    from zeroimpl import ShardedOptimizer
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, batches = _model_and_batches(rank, WARMUP + 2 * steps)
-    if kind == "compute":
-        network, optimizer = model, None
-    elif kind == "DDP":
-        network, optimizer = torch.nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(model.parameters())
-    else:
-        network, optimizer = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=int(kind[-1]))
+    model, batches = model_and_batches(rank, WARMUP + 2 * steps)
+    network, optimizer = set_up(kind, model)
 
     def train(ids) -> None:
-        network(input_ids=ids, labels=ids).loss.backward()
-        if optimizer is None:
-            model.zero_grad()
-        else:
-            optimizer.step()
-            optimizer.zero_grad()
+        train_step(model, network, optimizer, ids)
 
     for ids in batches[:WARMUP]:
         train(ids)
