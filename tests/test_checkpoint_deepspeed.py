@@ -293,6 +293,78 @@ def test_a_universal_folder_of_other_parallelism_is_refused_by_name(runs, tmp_pa
     assert f"misses ['{name}']" in _refusal(missing)
 
 
+def test_a_universal_folder_of_zero1_with_a_frozen_parameter_converts(runs, tmp_path):
+    """ZeRO-1 saves no frozen_param_shapes (DeepSpeed writes them only where gradients are partitioned), while
+    ds_to_universal.py still writes the frozen parameter's folder: it converts as the ZeRO-2 folder does."""
+    from zeroimpl.checkpoint import export_fp32_state_dict
+    from zeroimpl.checkpoint.deepspeed import MODEL_STATES, _read
+
+    zero1 = tmp_path / "zero1"
+    shutil.copytree(runs["universal"], zero1)
+    model_states = _read(str(zero1 / MODEL_STATES))
+    torch.save({**model_states, "frozen_param_shapes": None}, zero1 / MODEL_STATES)
+    done = _convert(str(zero1), str(tmp_path / "converted"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours, reference = export_fp32_state_dict(str(tmp_path / "converted")), export_fp32_state_dict(runs["converted"][0])
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[n], reference[n]) for n in ours)
+
+
+def test_a_stale_latest_gives_way_to_latest_universal(runs, tmp_path):
+    """A parent whose latest names a tag since deleted, and whose latest_universal names the universal folder."""
+    parent = tmp_path / "parent"
+    shutil.copytree(runs["universal"], parent / "step4_universal")
+    (parent / "latest").write_text("global_step4")
+    (parent / "latest_universal").write_text("step4_universal")
+    done = _convert(str(parent), str(tmp_path / "converted"))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _deepspeeds_scaler_against_zeroimpls(rank, world_size):
+    """Per (window, hysteresis, overflows before the save, overflows after): DeepSpeed's own DynamicLossScaler run
+    through the steps before a save, converted (``_loss_scale``) into zeroimpl's scaler, and both run on through
+    the steps after; their scales after each later step."""
+    import itertools
+
+    import deepspeed
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler as DeepSpeeds
+
+    from zeroimpl.checkpoint.deepspeed import _loss_scale
+    from zeroimpl.precision import DynamicLossScaler
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = []
+    for window, hysteresis, before_length in itertools.product((1, 2, 3), (1, 2, 3), range(5)):
+        for before in itertools.product((False, True), repeat=before_length):
+            for after in itertools.product((False, True), repeat=6):
+                theirs = DeepSpeeds(init_scale=2.0 ** 12, scale_window=window, min_scale=1,
+                                    delayed_shift=hysteresis, consecutive_hysteresis=False,
+                                    raise_error_at_min_scale=False)
+                for overflow in before:
+                    theirs.update_scale(overflow)
+                config, state = _loss_scale({"loss_scaler": theirs}, {"skipped_steps": sum(before)})
+                ours = DynamicLossScaler(config)
+                ours.load_state_dict(state)
+                scales = []
+                for overflow in after:
+                    theirs.update_scale(overflow)
+                    ours.update(overflow)
+                    scales.append((theirs.cur_scale, ours.scale))
+                results.append(((window, hysteresis, before, after), scales))
+    return results
+
+
+def test_the_converted_loss_scale_grows_and_backs_off_at_deepspeeds_steps():
+    """Every save point of up to 4 steps, windows 1-3 and hysteresis 1-3, then 6 more steps of every overflow
+    pattern: zeroimpl's scale is DeepSpeed's at every step, or, after a later overflow, until a window of clean
+    steps has passed (zeroimpl then grows, DeepSpeed one clean step later)."""
+    for (window, hysteresis, before, after), scales in run_distributed(1, _deepspeeds_scaler_against_zeroimpls,
+                                                                       env=DEEPSPEED)[0]:
+        if True in after:
+            first = after.index(True)
+            scales = scales[:first + window]
+        assert [theirs for theirs, _ in scales] == [ours for _, ours in scales], (window, hysteresis, before, after)
+
+
 def _edited(copy, change_rank_state=None, change_config=None):
     """The copied checkpoint with each rank's optimizer state and the saved DeepSpeed config changed (DeepSpeed's
     own objects taken out of the files, so that torch.save can write them)."""

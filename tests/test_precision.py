@@ -56,3 +56,11 @@ def test_state_round_trip_keeps_the_remaining_hysteresis():
         s.update(found_overflow=True)
     assert restored.scale == original.scale == 512.0
     assert restored.state_dict() == original.state_dict()
+
+def test_a_state_counted_past_a_shorter_growth_interval_grows_at_the_next_clean_step():
+    """Resumed with a growth interval shorter than the clean steps the state has counted (a converted DeepSpeed run
+    with a window of 2000, resumed with the default 1000), the scale grows at the next clean step, not never."""
+    s = scaler(growth_interval=1000)
+    s.load_state_dict({"scale": 1024.0, "clean_steps": 1499, "hysteresis_left": 2, "skipped_steps": 0})
+    s.update(found_overflow=False)
+    assert s.scale == 2048.0 and s.state_dict()["clean_steps"] == 0

@@ -60,6 +60,26 @@ def _overflow_run(rank, world_size, stage, hysteresis, overflow_steps, offload=N
 
 
 OVERFLOW_CASES = [(1, None), (2, None), (1, "cpu"), (2, "cpu")]
+
+
+def _redone_run(rank, world_size, stage):
+    """fp16 GPT-2 reduced in fp16, two micro-batches: each parameter's gradient norm (fp32) in a fresh round, and
+    in the same round run again after a first micro-batch was read through param.grad (which unscales, widening the
+    shards to fp32) and cleared with zero_grad(set_to_none=False)."""
+    norms = []
+    for redo in (False, True):
+        model = build_model("gpt2", torch.float16)
+        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2,
+                                     reduce_dtype=torch.float16)
+        if redo:
+            optimizer.backward(model(**batch(rank, 0, 0)).loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            optimizer.zero_grad(set_to_none=False)
+        for micro in range(2):
+            optimizer.backward(model(**batch(rank, 0, micro)).loss)
+        norms.append([torch.linalg.vector_norm(p.grad, dtype=torch.float32).item()
+                      for p in model.parameters() if p.grad is not None])
+    return norms
 TINY_GRADIENT, SCALE = 3e-7, 4096.0  # scaled, a normal fp16 number; unscaled, below fp16's smallest normal (6.1e-5)
 
 
@@ -81,6 +101,7 @@ def _all_runs(rank, world_size):
     cases["hysteresis"] = partial(_overflow_run, rank, world_size, 2, 2, (1, 2))
     for stage in (1, 2):
         cases[("unscaled", stage)] = partial(_unscaled_run, rank, world_size, stage)
+        cases[("redone", stage)] = partial(_redone_run, rank, world_size, stage)
     return run_cases(cases)
 
 
@@ -107,3 +128,11 @@ def test_a_16bit_gradient_shard_is_unscaled_in_fp32(runs, stage):
     assert expected != (scaled * (1.0 / SCALE)).float().item()  # (what unscaling in fp16 gives)
     for norm in case_results(runs, ("unscaled", stage)):
         assert norm == expected
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_round_after_zero_grad_without_none_sums_as_a_fresh_one(runs, stage):
+    """The widened fp32 shard does not outlive zero_grad(set_to_none=False): the next round sums its fp16
+    reductions in fp16, as a fresh round does."""
+    for fresh, redone in case_results(runs, ("redone", stage)):
+        assert redone == fresh

@@ -31,6 +31,7 @@ class DeviceGradientShards:
 
     def __init__(self, num_buckets: int):
         self.shards: list[Optional[torch.Tensor]] = [None] * num_buckets  # (shard_numel,), reduce dtype
+        self._widened: dict[int, torch.dtype] = {}  # bucket -> the reduce dtype of a shard unscale() widened
 
     def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
         if self.shards[bucket_index] is None:
@@ -47,16 +48,21 @@ class DeviceGradientShards:
         zero, which the loss scale is there to prevent."""
         for index, shard in enumerate(self.shards):
             if shard is not None and shard.element_size() < 4:
+                self._widened[index] = shard.dtype
                 self.shards[index] = shard.float()
         torch._foreach_mul_([shard for shard in self.shards if shard is not None], factor)
 
     def clear(self, set_to_none: bool) -> None:
+        """Forget the gradients: ``None`` per bucket, or (``set_to_none=False``) zeros in the reduce dtype."""
         if set_to_none:
             self.shards = [None] * len(self.shards)
         else:
-            for shard in self.shards:
-                if shard is not None:
+            for index, shard in enumerate(self.shards):
+                if index in self._widened:  # the next round sums in the reduce dtype, as a fresh one does
+                    self.shards[index] = torch.zeros_like(shard, dtype=self._widened[index])
+                elif shard is not None:
                     shard.zero_()
+        self._widened = {}
 
     @property
     def has_gradients(self) -> bool:

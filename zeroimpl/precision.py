@@ -76,7 +76,7 @@ class DynamicLossScaler:
                 self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
         else:
             self._clean_steps += 1
-            if self._clean_steps == cfg.growth_interval:
+            if self._clean_steps >= cfg.growth_interval:  # (>=: a state counted under a longer interval)
                 self._clean_steps = 0
                 self._hysteresis_left = cfg.hysteresis
                 self.scale *= cfg.growth_factor

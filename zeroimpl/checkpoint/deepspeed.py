@@ -108,6 +108,7 @@ def _saved_state(tag: str, model_states: dict) -> tuple[dict, list[dict], dict[s
 def _tag_folder(ds_dir: str) -> str:
     if os.path.isfile(os.path.join(ds_dir, MODEL_STATES)):
         return ds_dir
+    stale = []
     for pointer in ("latest", "latest_universal"):  # (ds_to_universal.py writes the second beside its folder)
         latest = os.path.join(ds_dir, pointer)
         if os.path.isfile(latest):
@@ -115,7 +116,9 @@ def _tag_folder(ds_dir: str) -> str:
                 tag = os.path.join(ds_dir, handle.read().strip())
             if os.path.isfile(os.path.join(tag, MODEL_STATES)):
                 return tag
-            raise CheckpointError(f"{latest} names the tag {os.path.basename(tag)!r}, which has no {MODEL_STATES}")
+            stale.append(f"{latest} names the tag {os.path.basename(tag)!r}, which has no {MODEL_STATES}")
+    if stale:
+        raise CheckpointError("; ".join(stale))
     if glob.glob(os.path.join(ds_dir, "layer_*-model_states.pt")):
         raise CheckpointError(f"{ds_dir!r} is a DeepSpeed pipeline-parallel checkpoint (layer_*-model_states.pt): "
                               "only data-parallel ZeRO-1/2 checkpoints convert")
@@ -199,9 +202,9 @@ def _loss_scale(common: dict, model_states: dict) -> Optional[tuple[LossScaleCon
     None without one. Both back off at the overflow that finds one hysteresis left and refill it on growth.
     DeepSpeed grows at a clean step that follows a positive multiple of its window of clean steps since the last
     overflow (``stable``: ``cur_iter - last_overflow_iter - 1`` at the next step), zeroimpl after a window of clean
-    steps since it last grew or backed off: the count below makes the next growth fall on DeepSpeed's step. Only
-    where the save follows an overflow at once does zeroimpl grow one step before DeepSpeed would (and after each
-    later overflow likewise)."""
+    steps since it last grew or backed off: the count below makes the next growth fall on DeepSpeed's step (-1
+    where the save follows an overflow, or no step: DeepSpeed then waits a window and one more clean step). After
+    a later overflow zeroimpl regrows one clean step before DeepSpeed would."""
     scaler = common.get("loss_scaler")
     if not getattr(scaler, "dynamic", False):
         return None
@@ -210,7 +213,7 @@ def _loss_scale(common: dict, model_states: dict) -> Optional[tuple[LossScaleCon
                              growth_interval=int(scaler.scale_window), hysteresis=int(scaler.delayed_shift),
                              min_scale=float(scaler.min_scale))
     window, stable = int(scaler.scale_window), int(scaler.cur_iter) - int(scaler.last_overflow_iter) - 1
-    clean = window - 1 - (-stable) % window if stable > 0 else 0  # DeepSpeed grows 1 + (-stable) % window steps on
+    clean = window - 1 - (-stable) % window if stable > 0 else -1  # DeepSpeed grows 1 + (-stable) % window steps on
     return config, {"scale": float(scaler.cur_scale), "clean_steps": clean,
                     "hysteresis_left": int(scaler.cur_hysteresis),
                     "skipped_steps": int(model_states.get("skipped_steps") or 0)}
@@ -239,8 +242,8 @@ def _universal_state(tag: str, model_states: dict) -> dict[str, SavedParam]:
     folder of parameters other than the saved model's (pipeline stages) or of other shapes (tensor parallelism)."""
     folder = os.path.join(tag, UNIVERSAL)
     trainable = {name: torch.Size(shape) for shapes in model_states["param_shapes"] for name, shape in shapes.items()}
-    named = set(trainable) | set(model_states.get("frozen_param_shapes") or ()) | set(
-        model_states.get("shared_params") or ())
+    named = set(trainable) | set(model_states["module"]) | set(model_states.get("shared_params") or ())
+    # (the module's names cover the frozen parameters, which ZeRO-1 leaves out of frozen_param_shapes)
     present = {entry for entry in os.listdir(folder) if os.path.isdir(os.path.join(folder, entry))}
     if present - named or set(trainable) - present:
         raise CheckpointError(f"{folder!r} holds the parameters {sorted(present - named)[:5]} that {MODEL_STATES} "
