@@ -7,7 +7,8 @@ checkpoint in fresh processes: the reference. The converted checkpoint (the CLI,
 
 * at 2 ranks, stage 2: the parameters bitwise DeepSpeed's at the save, and 4 more steps bitwise DeepSpeed's;
 * at 3 ranks, stage 1: the parameters bitwise, 4 more steps within PARAM_ATOL = 1e-4 (another summation order,
-  which Adam turns into up to lr on near-zero gradients).
+  which Adam turns into up to lr on near-zero gradients) both of DeepSpeed's resume at 2 ranks and of DeepSpeed
+  itself resumed at 3 ranks from the universal format.
 
 The same checkpoint in DeepSpeed's universal format (``ds_to_universal.py``, one folder per parameter) converts to
 the same training: 4 steps bitwise DeepSpeed's at 2 ranks. Two more DeepSpeed runs save at step 4 and go on to step 8
@@ -103,11 +104,14 @@ def _deepspeed_saves(rank, world_size, root, extra=None, go_on=False):
     return at_save, _train(engine, rank, world_size, range(SAVE_AT, STEPS))
 
 
-def _deepspeed_continues(rank, world_size, root):
-    model, engine = _engine(world_size)
+def _deepspeed_continues(rank, world_size, root, universal=False):
+    """DeepSpeed resumed from its checkpoint in fresh processes (``universal``: from the universal folder that
+    ``latest_universal`` in ``root`` names, at any world size): its parameters loaded, and after 4 more steps."""
+    model, engine = _engine(world_size, **({"checkpoint": {"load_universal": True}} if universal else {}))
     engine.load_checkpoint(root)
+    loaded = _params(model)
     _train(engine, rank, world_size, range(SAVE_AT, STEPS))
-    return _params(model)
+    return loaded, _params(model)
 
 
 def _zeroimpl_continues(rank, world_size, runs):
@@ -160,11 +164,12 @@ def runs(tmp_path_factory):
     fp16_saved = str(root / "deepspeed-fp16")
     universal = str(root / "universal")
     at_save = run_distributed(2, _deepspeed_saves, saved, env=DEEPSPEED)[0]
-    reference = run_distributed(2, _deepspeed_continues, saved, env=DEEPSPEED)[0]
+    reference = run_distributed(2, _deepspeed_continues, saved, env=DEEPSPEED)[0][1]
     bf16 = run_distributed(2, _deepspeed_saves, bf16_saved, {"bf16": {"enabled": True}}, True, env=DEEPSPEED)[0]
     offload = run_distributed(3, _deepspeed_saves, offload_saved, {"offload": True}, True, env=DEEPSPEED)[0]
     fp16 = run_distributed(2, _deepspeed_saves, fp16_saved, {"fp16": FP16}, True, env=DEEPSPEED)[0]
     _universal(saved, universal)
+    deepspeed_at_3 = run_distributed(3, _deepspeed_continues, str(root), True, env=DEEPSPEED)[0]
     converted = {}
     for source in (saved, bf16_saved, offload_saved, fp16_saved, universal):
         converted[source] = source + "-converted"
@@ -178,7 +183,7 @@ def runs(tmp_path_factory):
     at_3 = run_distributed(3, _zeroimpl_continues, [(converted[saved], 1, torch.float32),
                                                     (converted[offload_saved], 2, torch.float32)])
     return {"saved": saved, "universal": universal, "at save": at_save, "reference": reference, "bf16": bf16,
-            "offload": offload, "fp16": fp16,
+            "offload": offload, "fp16": fp16, "deepspeed at 3": deepspeed_at_3,
             "deepspeed's fp32": run_distributed(1, _deepspeeds_own_fp32, [saved, bf16_saved], env=DEEPSPEED)[0],
             "converted": [converted[saved], converted[bf16_saved]],
             "at 2": [rank[0] for rank in at_2], "universal at 2": [rank[1] for rank in at_2],
@@ -209,6 +214,15 @@ def test_a_converted_fp16_checkpoint_continues_with_deepspeeds_loss_scale(runs):
         assert [scale for _, scale in ours] == [scale for _, scale in theirs] == [512.0, 512.0, 1024.0, 1024.0]
         assert [max_param_diff(a, b) == 0.0 for (a, _), (b, _) in zip(ours, theirs)] == [True, True, False, False]
         assert max_param_diff(ours[-1][0], theirs[-1][0]) <= FP16_ATOL
+
+
+def test_at_3_ranks_it_stays_within_tolerance_of_deepspeed_itself_resumed_at_3(runs):
+    """DeepSpeed resumes the universal folder at 3 ranks (loaded bitwise); zeroimpl at 3 ranks (stage 1) from the
+    converted checkpoint stays within PARAM_ATOL of it: the two sum each gradient over 3 ranks in other orders."""
+    loaded, theirs = runs["deepspeed at 3"]
+    assert max_param_diff(loaded, runs["at save"]) == 0.0
+    for _, ours in runs["at 3"]:
+        assert max_param_diff(ours[-1][0], theirs) <= PARAM_ATOL
 
 
 def test_the_universal_format_converts_to_the_same_training(runs):
