@@ -115,7 +115,7 @@ def markdown(best: dict, command: str) -> str:
     if "zeroimpl stage 2" not in over:
         return "\n".join(lines) + "\n"
     ours, ddp, fairscale = over["zeroimpl stage 2"], over["DDP"], over.get("FairScale OSS+SDP")
-    lines += ["", "Targets (issue 47):", "",
+    lines += ["", "Targets:", "",
               f"- zeroimpl's overhead at most {OVERHEAD_VS_DDP}x DDP's: {ours / ddp:.2f}x, "
               + ("met" if ours <= OVERHEAD_VS_DDP * ddp else "missed")]
     if fairscale is not None:
