@@ -10,9 +10,8 @@ masters: :mod:`zeroimpl.param_sync`):
   memory): shards in the master's dtype in (pinned) host memory, filled by copies on a side stream.
 
 Shared interface: ``add(bucket_index, reduced)``, ``ready()``, ``unscale(factor)``, ``clear(set_to_none)``,
-``has_gradients``,
-``device_tensors()`` / ``host_tensors()`` (for memory accounting and streams), ``accumulating()`` (a context
-marking non-final micro-batches: offload sums them on the device).
+``has_gradients``, ``device_tensors()`` / ``host_tensors()`` (for memory accounting and streams), ``accumulating()``
+(a context marking non-final micro-batches: offload sums them on the device).
 """
 
 from __future__ import annotations
