@@ -25,8 +25,27 @@ def _poison_first_element(gradient: torch.Tensor, value: str) -> torch.Tensor:
     return poisoned
 
 
-def _train(rank, stage, offload, nonfinite, poison, clip, steps=3, drop_step=None, **zero_kwargs):
-    """fp32 GPT-2, AdamW; at BAD_STEP one element of rank 1's gradient of one weight is poisoned (nan or inf).
+def _norm(how, optimizer: ShardedOptimizer, model: torch.nn.Module) -> float:
+    """The gradient norm before the step, ``how``: False, none; True, ``optimizer.clip_grad_norm_(1.0)``;
+    ``"torch"``, torch's ``clip_grad_norm_`` on ``param.grad``; ``"read"``, torch's ``get_total_norm`` only."""
+    if how is True:
+        return optimizer.clip_grad_norm_(1.0).item()
+    if how == "torch":
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+    if how == "read":
+        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+    return None
+
+
+# edits of param.grad after the norm was read, at BAD_STEP, on every rank
+EDITS = {"nan_to_num": lambda params: [p.grad.nan_to_num_(0.0) for p in params if p.grad is not None],
+         "overflow": lambda params: [p.grad.mul_(torch.tensor(1e30)).mul_(torch.tensor(1e30)) for p in params
+                                     if p.grad is not None]}
+
+
+def _train(rank, stage, offload, nonfinite, poison, clip, steps=3, drop_step=None, edit=None, **zero_kwargs):
+    """fp32 GPT-2, AdamW; at BAD_STEP one element of rank 1's gradient of one weight is poisoned (nan or inf),
+    and ``edit`` (a key of EDITS) applied after the norm (``clip``: see :func:`_norm`).
 
     ``drop_step``: leave that step out entirely (no backward, no step): the reference for a skipped step.
     Returns per step what happened, and the final parameters and optimizer step counts.
@@ -46,7 +65,9 @@ def _train(rank, stage, offload, nonfinite, poison, clip, steps=3, drop_step=Non
         if handle:
             handle.remove()
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        norm = optimizer.clip_grad_norm_(1.0).item() if clip else None
+        norm = _norm(clip, optimizer, model)
+        if edit is not None and step == BAD_STEP:
+            EDITS[edit](model.parameters())
         try:
             optimizer.step()
             event = "stepped"
@@ -61,7 +82,8 @@ def _train(rank, stage, offload, nonfinite, poison, clip, steps=3, drop_step=Non
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-POLICY_CASES = [(1, None, "nan", False), (2, None, "inf", True), (2, "cpu", "nan", True), (1, "cpu", "inf", False)]
+POLICY_CASES = [(1, None, "nan", False), (2, None, "inf", True), (2, "cpu", "nan", True), (1, "cpu", "inf", False),
+                (1, None, "inf", "torch"), (2, "cpu", "nan", "torch")]
 
 
 def _policies(rank, world_size):
@@ -74,7 +96,10 @@ def _policies(rank, world_size):
 def _all_runs(rank, world_size):
     return {"policies": _policies(rank, world_size), "huge_but_finite": _huge_but_finite(rank, world_size),
             "fp32_scaled": {stage: _fp32_scaled(rank, world_size, stage) for stage in (1, 2)},
-            "fp16_at_minimum_scale": _fp16_at_minimum_scale(rank, world_size)}
+            "fp16_at_minimum_scale": _fp16_at_minimum_scale(rank, world_size),
+            "edited": {(stage, edit, read): _train(rank, stage, None, "raise", "nan" if edit == "nan_to_num" else None,
+                                                   "read" if read else False, edit=edit)
+                       for stage in (1, 2) for edit in EDITS for read in (False, True)}}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +133,23 @@ def test_nonfinite_gradients_raise_or_skip_on_every_rank(policy_runs, case):
         for name, param in reference["params"].items():  # both policies recover exactly
             assert torch.equal(skipped["params"][name], param), name
             assert torch.equal(result["raise"]["params"][name], param), name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_edit_after_the_norm_is_checked_by_the_step(runs, stage):
+    """The norm's all-reduce carries the step's NaN/Inf check, whose verdict stands across torch's clipping (a
+    multiplication by at most 1). Any other edit of param.grad after it is checked again by the step: NaN
+    replaced by nan_to_num_ steps as without the norm read (bitwise), and finite gradients multiplied into
+    overflow raise on every rank, with nothing changed."""
+    for edited in (by_rank["edited"] for by_rank in runs):
+        cleaned, cleaned_unread = edited[(stage, "nan_to_num", True)], edited[(stage, "nan_to_num", False)]
+        assert [e["event"] for e in cleaned["events"]] == ["stepped"] * 3
+        for name, param in cleaned_unread["params"].items():
+            assert torch.equal(cleaned["params"][name], param), name
+        for read in (True, False):
+            events = edited[(stage, "overflow", read)]["events"]
+            assert events[BAD_STEP]["event"].startswith("raised: the averaged gradients hold NaN or Inf")
+            assert events[BAD_STEP]["unchanged"]
 
 
 def _huge_but_finite(rank, world_size):

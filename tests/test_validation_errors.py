@@ -165,6 +165,15 @@ def _misuse(rank, world_size):
         optimizer.step()
     errors["backward_counts"] = _catch(different_backward_counts)
 
+    def different_backward_counts_clipped():  # the norm's all-reduce carries the check: step() still raises
+        model = _linear()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1)
+        for _ in range(rank + 1):
+            model(torch.ones(2, 4)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    errors["backward_counts_clipped"] = _catch(different_backward_counts_clipped)
+
     def all_frozen():
         ShardedOptimizer([torch.nn.Parameter(torch.zeros(2), requires_grad=False)], torch.optim.AdamW)
     errors["frozen"] = _catch(all_frozen)
@@ -206,6 +215,7 @@ MISUSE = {  # case -> what its error must say
     "ddp2": ["wrapped in DistributedDataParallel", "use stage=1", "drop the DDP wrap", "strategy=\"zero2\"",
              "zeroimpl.integrations.accelerate.prepare", "ZeroTrainer"],
     "backward_counts": ["different numbers of backward passes"],
+    "backward_counts_clipped": ["different numbers of backward passes"],
     "sharding": ["ranks differ in the number, shapes or memory formats", "or the shard layout (param groups"],
     "muon_differing": ["ranks differ in the values of the parameters"],
     "capturable": ["capturable=True keeps the optimizer's step count on the GPU", "offload=None"],
