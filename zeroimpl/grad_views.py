@@ -9,8 +9,9 @@ So the lines of a training loop that read the gradients work as under DDP, at st
 * ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` / ``clip_grads_with_norm_`` (any ``norm_type``,
   ``foreach`` or not): a norm of a gradient is the norm of the full averaged gradient. The first norm asked
   for computes the norms of every parameter of the optimizer at once from the local pieces, with **one
-  all-reduce** of one value per parameter in the shard group; later norms of the same order reuse them
-  until a gradient changes (the cache is keyed on the shards' version counters).
+  all-reduce** of one value per parameter; later norms of the same order reuse them until a gradient
+  changes. The first of a step (order > 0 or inf) carries the step's checks in that all-reduce
+  (:meth:`~zeroimpl.step_checks.StepChecks.agree`), so that after torch's clipping the step issues none.
 * ``clip_grad_value_`` and in-place scaling (``mul_``, ``div_``, ``clamp_``, ``zero_``, their ``_foreach``
   forms): applied to the local piece; no communication.
 * ``torch.amp.GradScaler.unscale_`` (``_amp_foreach_non_finite_check_and_unscale_``): the pieces are
@@ -64,6 +65,8 @@ _FOREACH = {aten._foreach_mul_.Scalar: aten.mul_.Scalar, aten._foreach_mul_.Tens
             aten._foreach_clamp_max_.Scalar: aten.clamp_max_.default, aten._foreach_zero_.default: aten.zero_.default}
 _ALIASES = {aten.detach.default, aten.alias.default}
 # the norms, and GradScaler's unscale-and-check: ran on the gradients as the ranks agree on them
+# multiplications by one factor (torch's clipping): the step's verdict stands across factors of magnitude <= 1
+_MULTIPLICATIONS = {aten.mul_.Tensor, aten.mul_.Scalar, aten._foreach_mul_.Scalar, aten._foreach_mul_.Tensor}
 _NORMS_AND_UNSCALE = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar,
                       aten._amp_foreach_non_finite_check_and_unscale_.default}
 
@@ -243,6 +246,7 @@ class GradViews:
         if func is aten._amp_foreach_non_finite_check_and_unscale_.default:
             return self._unscale(*args, **kwargs)
         self.changed()  # every other supported operation writes the gradients
+        self.checks.note_edit(args[1] if func in _MULTIPLICATIONS and len(args) == 2 and not kwargs else None)
         if func in _ELEMENTWISE:
             self._apply(func, args[0], args[1:], kwargs)
             return args[0]
@@ -309,7 +313,10 @@ class GradViews:
         values = torch.stack([t if t is not None else torch.full((), empty, dtype=torch.float64, device=device)
                               for t in terms])  # (torch.full: torch.tensor(x, device="cuda") blocks the host)
         values = to_device(values, _comm_device(self.params[0].device, device))  # (from the host: no sync)
-        comm.all_reduce_(values, op, self.group, self.timeout, "gradient norm all-reduce")
+        if self.checks.verdict is None and (op is dist.ReduceOp.MAX or ord > 0):  # the step's checks ride along
+            self.checks.agree(ord if op is dist.ReduceOp.MAX else None, riders=values)
+        else:
+            comm.all_reduce_(values, op, self.group, self.timeout, "gradient norm all-reduce")
         return values if op is not dist.ReduceOp.SUM or ord == 0 else values ** (1.0 / ord)
 
     def _unscale(self, grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
@@ -328,6 +335,8 @@ class GradViews:
             found = torch.zeros(1, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale.to(device))
             local = torch.maximum(local, to_device(found, local.device))
+        self.changed()
+        self.checks.note_edit()
         agreed = local.to(_comm_device(found_inf.device, local.device))
         comm.all_reduce_(agreed, dist.ReduceOp.MAX, self.group, self.timeout, "GradScaler found_inf all-reduce")
         found_inf.copy_(torch.maximum(found_inf, agreed.to(found_inf.device).reshape(found_inf.shape)))

@@ -328,11 +328,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- gradients --------------------------------------------------------------------------------
     def _agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """The step's agreement all-reduce (:meth:`StepChecks.agree`) unless its verdict stands and no norm is asked
-        for; raises on every rank (gradients cleared) when ranks ran different numbers of backward passes."""
-        if self.checks.verdict is not None and norm_type is None:
-            return None
-        total = self.checks.agree(norm_type)
+        """The step's agreement all-reduce (:meth:`StepChecks.agree`) unless its verdict stands (a norm read through
+        ``param.grad`` carried it) and no norm is asked for; raises on every rank (gradients cleared) when ranks ran
+        different numbers of backward passes."""
+        stands = norm_type is None and self.checks.verdict_stands()
+        total = None if stands else self.checks.agree(norm_type)
         if not self.checks.verdict.same_passes:
             passes = self.reducer.backward_passes
             self.zero_grad()

@@ -7,6 +7,8 @@ step and the first operation on a ``param.grad`` view (:mod:`zeroimpl.grad_views
 tells whether any rank's shard holds NaN/Inf, whether every rank ran the same number of backward passes,
 the global gradient norm when clipping, and whether some rank lacks a gradient for some parameter (only
 then does a second all-reduce, one flag per parameter, say which parameters have a gradient on no rank).
+The first gradient norm read through ``param.grad`` (torch's ``clip_grad_norm_``) carries its per-parameter
+norms in the same all-reduce (``riders``), so that a clipping loop's step issues none of its own.
 
 The step's facts, each set once and all forgotten by :meth:`StepChecks.reset` (at the end of ``step()`` and at
 ``zero_grad()``); the gradient reducer writes none of them (it counts backward passes, which ``prepare`` reads):
@@ -18,7 +20,9 @@ The step's facts, each set once and all forgotten by :meth:`StepChecks.reset` (a
 * ``checked_in`` -- this rank checked in under torch's ``Join`` (:mod:`zeroimpl.uneven`) before the step's
   collectives: a later ``prepare`` (the step after clipping) need not check in again until a backward ran.
 * ``verdict`` -- the step's agreement all-reduce ran (:class:`StepVerdict`). A backward pass after it forgets it,
-  so the checks run again.
+  so the checks run again; so does an edit of the gradients through ``param.grad`` (:meth:`StepChecks.note_edit`)
+  other than a multiplication by a factor of magnitude at most 1 (torch's clipping), which leaves NaN/Inf
+  and finite values as they were.
 * ``prepared`` -- the shards hold this round's averaged gradients: ``prepare`` found gradients to step on and no
   backward pass ran since (the ``param.grad`` views run it at their first operation only when it is false).
 
@@ -73,9 +77,30 @@ class StepChecks:
         self.unscaled = False
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
+        self._factors: dict[int, object] = {}  # id -> a factor the gradients were multiplied by since the verdict
         self._prepared = False  # prepare() found gradients to step on (see ``prepared``)
         self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
         self._takes_seen = self.reducer.takes  # under DDP: param.grad copied afresh since, the facts are stale
+
+    def note_edit(self, factor=None) -> None:
+        """The gradients were edited through ``param.grad`` (on every rank alike): multiplied by ``factor`` (a number
+        or a one-element tensor), or otherwise (``None``). The verdict stands across factors of magnitude at most 1,
+        read at the next :meth:`verdict_stands`; any other edit forgets it."""
+        if factor is None:
+            self.verdict, self._factors = None, {}
+        elif self.verdict is not None:
+            self._factors[id(factor)] = factor
+
+    def verdict_stands(self) -> bool:
+        """Whether the verdict holds for the gradients as they are now (reads the factors of :meth:`note_edit` on
+        the host: one copy of each tensor factor)."""
+        if self.verdict is not None and self._factors:
+            factors = torch.stack([torch.as_tensor(f).detach().to("cpu", torch.float64).reshape(())
+                                   for f in self._factors.values()])
+            if not bool((factors.abs() <= 1).all()):  # (NaN compares false)
+                self.verdict = None
+        self._factors = {}
+        return self.verdict is not None
 
     def note_loss_scaled(self) -> None:
         """A loss of this step was multiplied by the loss scale (``scale_loss`` / ``backward``)."""
@@ -97,7 +122,7 @@ class StepChecks:
             problem = loss_scaling_misuse(self.loss_scaled, self.unscaled) if self.loss_scaler is not None else None
             if problem is not None:
                 raise RuntimeError(problem)
-            self.verdict, self.checked_in = None, False
+            self.verdict, self._factors, self.checked_in = None, {}, False
             self._passes_seen = self.reducer.backward_passes
         if not self.checked_in:  # once per round of gradients, not again at the step after clipping
             self.uneven.check_in()
@@ -105,7 +130,7 @@ class StepChecks:
         self.ownership.check_unchanged(self.storages)
         self.reducer.reduce_held_grads()
         if self.reducer.takes != self._takes_seen:  # under DDP, DDP's param.grad taken afresh: check it afresh
-            self._takes_seen, self.verdict, self.unscaled = self.reducer.takes, None, False
+            self._takes_seen, self.verdict, self._factors, self.unscaled = self.reducer.takes, None, {}, False
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
             return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
         if self.loss_scaler is not None and not self.unscaled:
@@ -133,9 +158,11 @@ class StepChecks:
         """The user cleared these parameters' ``.grad``: forget their gradients (:meth:`GradientReducer.forget`)."""
         self.reducer.forget(param_indices)
 
-    def agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
+    def agree(self, norm_type: Optional[float] = None, riders: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Run the agreement all-reduce (call after :meth:`prepare`); store the verdict in ``verdict``
         and return the global gradient norm for ``norm_type`` (on the device; ``None`` without one).
+        ``riders``: more values (1-D, fp64) that travel in the same all-reduce, reduced in place by its
+        operation (a sum; the maximum for ``norm_type=inf``), counted once under hybrid sharding as the norm is.
 
         NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
         over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
@@ -156,8 +183,15 @@ class StepChecks:
             if self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
                 norm_term = torch.zeros_like(norm_term)
         values = to_device(encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum), self.device)
+        if riders is not None:
+            counted = riders if maximum or self.topology.replicate_rank == 0 else torch.zeros_like(riders)
+            values = torch.cat([values, to_device(counted, self.device)])
         agreed = self.topology.all_reduce_(values, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
                                            self.topology.timeout, "gradient check all-reduce", read_on_host=True)
+        if riders is not None:
+            riders.copy_(agreed[CHECK_VALUES:])
+            agreed = agreed[:CHECK_VALUES]
+        self._factors = {}
         suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum,  # the host sync
                                                       self.topology.world_size)
         if not same_passes:
@@ -217,6 +251,9 @@ def passes_message(passes: int) -> str:
     """Why ``step()`` raises when the ranks ran different numbers of backward passes (``passes``: this rank's)."""
     return (f"the ranks ran different numbers of backward passes before step() (this rank: {passes}); every rank "
             "must run the same micro-batches per optimizer step. The gradients were cleared; nothing was updated")
+
+
+CHECK_VALUES = 5  # the length of encode_checks' values
 
 
 def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum: bool) -> torch.Tensor:
