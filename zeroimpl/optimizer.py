@@ -88,8 +88,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             (replicate x shard, dims named ``("replicate", "shard")`` as FSDP2's HSDP, or unnamed): *hybrid
             sharding* -- state (and, in stage 2, gradients) sharded within each shard group (typically one
             node), replicated across the replicate group: reduce-scatter in the shard group, all-reduce of the
-            shard across replicas, all-gather in the shard group, so that the traffic between replicas is Ψ/n
-            per rank (n: shard-group size) instead of DDP's 2Ψ. ``rank`` and ``world_size`` then describe the
+            shard across replicas, all-gather in the shard group, so that the traffic between replicas is an
+            all-reduce of Ψ/n elements, 2Ψ/n per rank (n: shard-group size), instead of DDP's 2Ψ. ``rank`` and ``world_size`` then describe the
             shard group; ``topology`` describes both.
         bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32).
         max_inflight_buckets: reduce-scatters (hybrid: and replica all-reduces) in flight before backward waits for
