@@ -62,6 +62,34 @@ def test_every_page_quotes_a_generated_table_where_it_shows_one():
                 f"benchmarks/render_docs.py that reads benchmarks/results/): {line[:160]}")
 
 
+def _committed_results() -> str:
+    """The text of every committed result (benchmarks/results/: .md, .json, .csv), concatenated."""
+    texts = []
+    for folder, _, names in os.walk(os.path.join(ROOT, "benchmarks", "results")):
+        texts += [open(os.path.join(folder, name), errors="replace").read() for name in sorted(names)
+                  if name.endswith((".md", ".json", ".csv"))]
+    return "\n".join(texts)
+
+
+def test_every_ratio_in_the_prose_is_in_a_committed_result():
+    """A ratio quoted in the README or docs/ (``0.94x``, also in prose) is one that a committed result states, so a
+    figure from a run that was not kept, or from before a result was re-run, cannot stand in the docs unseen."""
+    results = _committed_results()
+    missing = sorted({(page, ratio) for page in PAGES for ratio in re.findall(r"(?<![\w.])(\d+\.\d+)x\b",
+                                                                             open(os.path.join(ROOT, page)).read())
+                      if ratio + "x" not in results and ratio not in results})
+    assert not missing, f"ratios that no file under benchmarks/results/ states: {missing}"
+
+
+def test_user_docs_do_not_speak_of_the_teams_work():
+    """No sentence of the README or docs/ speaks of the team's sessions or issue numbers."""
+    for page in PAGES:
+        text = open(os.path.join(ROOT, page)).read()
+        found = re.findall(r"[^.\n]*\b(?:issue \d+|issues? (?:was|were) filed|the issue's|this session)\b[^.\n]*", text,
+                           re.I)
+        assert not found, f"{page}: {found}"
+
+
 def test_api_reference_is_generated_from_the_code():
     current = open(os.path.join(ROOT, "docs", "api.md")).read()
     rendered = rendered_api()
