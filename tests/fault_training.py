@@ -100,7 +100,7 @@ if __name__ == "__main__":
         main()
     except BaseException:
         # A rank whose collective failed cannot tear gloo down: the process group's destructor would wait for
-        # that collective. Print the error and leave without finalizing, as docs/usage.md ("Exiting") advises.
+        # that collective. Print the error and leave without finalizing, as docs/advanced.md ("Exiting") advises.
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)

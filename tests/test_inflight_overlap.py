@@ -180,7 +180,7 @@ UNSEEN_READS = {
 
 
 def _unseen_reads(rank, world_size):
-    """After each step, a read the guard cannot see (docs/usage.md lists them): before
+    """After each step, a read the guard cannot see (docs/advanced.md lists them): before
     finish_param_gathers(), and after it. Rank 1 issues its all-gathers late, so rank 0's are surely in flight."""
     issue_gathers_late_on_rank_1(rank)
     models, optimizers = overlap_pair()
@@ -232,7 +232,7 @@ def test_the_guards_leave_once_every_gather_has_landed(collectives):
 
 
 def _compiled_step(rank, world_size):
-    """A compiled training-step function (fullgraph), the recipe of docs/usage.md: finish_param_gathers() just
+    """A compiled training-step function (fullgraph), the recipe of docs/advanced.md: finish_param_gathers() just
     before it. Returns the graphs dynamo made over 4 steps, and whether the parameters equal those of the same
     model trained without overlap, uncompiled. (A plain torch model: transformers' GPT-2 logs from its forward,
     which fullgraph refuses on its own.)"""
