@@ -99,7 +99,10 @@ def _all_runs(rank, world_size):
             "fp16_at_minimum_scale": _fp16_at_minimum_scale(rank, world_size),
             "edited": {(stage, edit, read): _train(rank, stage, None, "raise", "nan" if edit == "nan_to_num" else None,
                                                    "read" if read else False, edit=edit)
-                       for stage in (1, 2) for edit in EDITS for read in (False, True)}}
+                       for stage in (1, 2) for edit in EDITS for read in (False, True)},
+            "after_the_norm": {(stage, case): _after_the_norm(rank, stage, case)
+                               for stage, case in [(1, "cleared"), (2, "cleared"), (1, "set_nan"),
+                                                   (2, "factor_reused")]}}
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +153,47 @@ def test_an_edit_after_the_norm_is_checked_by_the_step(runs, stage):
             events = edited[(stage, "overflow", read)]["events"]
             assert events[BAD_STEP]["event"].startswith("raised: the averaged gradients hold NaN or Inf")
             assert events[BAD_STEP]["unchanged"]
+
+
+def _after_the_norm(rank, stage, case):
+    """A step whose norm was read through param.grad (torch's clip_grad_norm_), then: ``"cleared"``, the user
+    clears every param.grad (torch then steps nothing); ``"set_nan"`` (stage 1), a NaN gradient set by hand;
+    ``"factor_reused"``, the gradients multiplied into overflow by a factor tensor later set to 0.5. Returns what
+    the step did and whether the parameters changed."""
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2, bucket_numel=4096)
+    optimizer.backward(model(**batch(rank, 0, 0)).loss)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if case == "cleared":
+        model.zero_grad()
+    elif case == "set_nan":
+        target = model.transformer.h[0].mlp.c_fc.weight
+        target.grad = torch.full_like(target, float("nan"))
+    else:
+        factor = torch.tensor(1e30)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor).mul_(factor)
+        factor.fill_(0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        optimizer.step()
+        event = "stepped"
+    except FloatingPointError:
+        event = "raised"
+    optimizer.zero_grad()
+    return event, all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("stage, case", [(1, "cleared"), (2, "cleared"), (1, "set_nan"), (2, "factor_reused")])
+def test_what_changed_after_the_norm_decides_the_step(runs, stage, case):
+    """The step reuses the norm's check only for the gradients the norm saw: cleared gradients step nothing (as
+    torch skips a parameter without .grad), a NaN gradient set by hand after it raises, and a factor is judged by
+    the value it multiplied by, not by the value its tensor holds at the step."""
+    for by_rank in runs:
+        event, unchanged = by_rank["after_the_norm"][(stage, case)]
+        assert unchanged, (stage, case, event)
+        assert event == ("stepped" if case == "cleared" else "raised"), (stage, case, event)
 
 
 def _huge_but_finite(rank, world_size):
