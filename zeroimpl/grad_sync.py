@@ -455,13 +455,14 @@ class GradientReducer:
             self._close_round()
 
     @reducer_verb()
-    def reduce_held_grads(self) -> None:
+    def reduce_held_grads(self) -> bool:
         """Stage 1: reduce-scatter the gradients ``param.grad`` holds into the store, every bucket in order (the step's
-        one reduction). Stage 2: refuse a ``param.grad`` set outside the hooks. After :meth:`finish_grad_sync`."""
+        one reduction); return whether there were any. Stage 2: refuse a ``param.grad`` set outside the hooks.
+        After :meth:`finish_grad_sync`."""
         if self.under_ddp:
             self._take_averaged_grads()
             self.streams.hand_over(*self.gradients.device_tensors())
-            return
+            return False
         with_grad = [p for s in self.storages for p in s.params if p.grad is not None]
         if self.stage == 2 and with_grad:
             raise RuntimeError("stage 2 reduces gradients during backward, so a param.grad set outside zeroimpl's "
@@ -481,6 +482,7 @@ class GradientReducer:
                 self._finish_in_flight()
             self._reset_buckets()
         self.streams.hand_over(*self.gradients.device_tensors())  # the step reads them next
+        return bool(with_grad)
 
     def _take_averaged_grads(self) -> None:
         """Under DDP (stage 1): copy this rank's pieces of ``param.grad``, which DDP has averaged, into the store,

@@ -77,7 +77,8 @@ class StepChecks:
         self.unscaled = False
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
-        self._factors: dict[int, object] = {}  # id -> a factor the gradients were multiplied by since the verdict
+        # (id, version) of each factor the gradients were multiplied by since the verdict -> (it, its value then)
+        self._factors: dict[tuple, tuple] = {}
         self._prepared = False  # prepare() found gradients to step on (see ``prepared``)
         self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
         self._takes_seen = self.reducer.takes  # under DDP: param.grad copied afresh since, the facts are stale
@@ -89,14 +90,17 @@ class StepChecks:
         if factor is None:
             self.verdict, self._factors = None, {}
         elif self.verdict is not None:
-            self._factors[id(factor)] = factor
+            key = (id(factor), factor._version if isinstance(factor, torch.Tensor) else None)
+            if key not in self._factors:  # the value it multiplied by, whatever the tensor holds later
+                value = factor.detach().clone() if isinstance(factor, torch.Tensor) else factor
+                self._factors[key] = (factor, value)  # (holding it keeps its id unique)
 
     def verdict_stands(self) -> bool:
         """Whether the verdict holds for the gradients as they are now (reads the factors of :meth:`note_edit` on
         the host: one copy of each tensor factor)."""
         if self.verdict is not None and self._factors:
-            factors = torch.stack([torch.as_tensor(f).detach().to("cpu", torch.float64).reshape(())
-                                   for f in self._factors.values()])
+            factors = torch.stack([torch.as_tensor(value).to("cpu", torch.float64).reshape(())
+                                   for _, value in self._factors.values()])
             if not bool((factors.abs() <= 1).all()):  # (NaN compares false)
                 self.verdict = None
         self._factors = {}
@@ -128,7 +132,8 @@ class StepChecks:
             self.uneven.check_in()
             self.checked_in = True
         self.ownership.check_unchanged(self.storages)
-        self.reducer.reduce_held_grads()
+        if self.reducer.reduce_held_grads():  # stage 1: a param.grad set by hand since: the verdict did not see it
+            self.verdict, self._factors = None, {}
         if self.reducer.takes != self._takes_seen:  # under DDP, DDP's param.grad taken afresh: check it afresh
             self._takes_seen, self.verdict, self._factors, self.unscaled = self.reducer.takes, None, {}, False
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
@@ -155,8 +160,10 @@ class StepChecks:
         return True
 
     def forget(self, param_indices: list[int]) -> None:
-        """The user cleared these parameters' ``.grad``: forget their gradients (:meth:`GradientReducer.forget`)."""
+        """The user cleared these parameters' ``.grad``: forget their gradients (:meth:`GradientReducer.forget`),
+        and the verdict, which counted them."""
         self.reducer.forget(param_indices)
+        self.verdict, self._factors = None, {}
 
     def agree(self, norm_type: Optional[float] = None, riders: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Run the agreement all-reduce (call after :meth:`prepare`); store the verdict in ``verdict``
