@@ -80,17 +80,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         stage: 1 -- shard optimizer state and master weights; gradients are reduce-scattered once per step.
             2 -- also shard gradients: they are reduce-scattered bucket by bucket during backward.
         offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`: the fp32 master weights, the optimizer state
-            and the fp32 gradient shard live in host memory and the step runs on the CPU (fused where it can); the
+            and the fp32 gradient shard live in host memory, and the step runs on the CPU (fused where it can). The
             device keeps the parameters and transient buckets. In stage 2, run non-final micro-batches under
             ``optimizer.accumulating()``: they sum on the device and the shard crosses to the host once per step.
         process_group: the data-parallel group (default: the whole world).
-        device_mesh: instead of ``process_group``, a ``torch.distributed.DeviceMesh``. 1-D: as its group. 2-D
-            (replicate x shard, dims named ``("replicate", "shard")`` as FSDP2's HSDP, or unnamed): *hybrid
-            sharding* -- state (and, in stage 2, gradients) sharded within each shard group (typically one
-            node), replicated across the replicate group: reduce-scatter in the shard group, all-reduce of the
-            shard across replicas, all-gather in the shard group, so that the traffic between replicas is an
-            all-reduce of Ψ/n elements, 2Ψ/n per rank (n: shard-group size), instead of DDP's 2Ψ. ``rank`` and ``world_size`` then describe the
-            shard group; ``topology`` describes both.
+        device_mesh: instead of ``process_group``, a ``torch.distributed.DeviceMesh``: 1-D, as its group; 2-D
+            (replicate x shard), hybrid sharding. 2-D dims are named ``("replicate", "shard")`` as FSDP2's HSDP, or
+            unnamed: state (and, in stage 2, gradients) sharded within each shard group (typically one node),
+            replicated across the replicate group: reduce-scatter in the shard group, all-reduce of the shard
+            across replicas, all-gather in the shard group, so that the traffic between replicas is an all-reduce
+            of Ψ/n elements, 2Ψ/n per rank (n: shard-group size), instead of DDP's 2Ψ. ``rank`` and
+            ``world_size`` then describe the shard group; ``topology`` describes both.
         bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32).
         max_inflight_buckets: reduce-scatters (hybrid: and replica all-reduces) in flight before backward waits for
             the oldest (default 2; 0: each at once): bounds the buffers alive during backward.
@@ -103,16 +103,16 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             of ``loss.backward()``; steps whose gradients overflow are skipped and the scale backs off.
         verify_every: every this many steps, compare a checksum of the parameters across ranks (one small
             all-reduce) and raise :class:`zeroimpl.DivergenceError` naming the first that differs (``None``: never).
-        nonfinite: what ``step()`` does when the averaged gradients hold NaN or Inf and no loss scaling is on (or
-            the scale is at its minimum). ``"raise"`` (default): clear the gradients, leave parameters and state
-            untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear the gradients, skip the
-            step and count it in ``skipped_steps``. Never an update with NaN.
+        nonfinite: ``"raise"`` or ``"skip"``: what ``step()`` does when the averaged gradients hold NaN or Inf and
+            no loss scaling is on (or the scale is at its minimum). ``"raise"`` (default): clear the gradients,
+            leave parameters and state untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear
+            the gradients, skip the step and count it in ``skipped_steps``. Never an update with NaN.
         collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take before
-            it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs); on CUDA, the waits where the host
+            it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs). On CUDA: the waits where the host
             blocks anyway (:mod:`zeroimpl.pending`). ``None`` (default): the process group's timeout.
         alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
         overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()``
-            (default ``True``): the first torch operation or module forward that touches one of its parameters
+            (default ``True``). The first torch operation or module forward that touches one of its parameters
             waits for it (see :mod:`zeroimpl.inflight`, and for the reads it cannot see
             :meth:`finish_param_gathers` or ``False``). Results are bitwise those of ``False``.
         quantize_param_gather: all-gather each step's change of the parameters in 8 bits (every rank adds the same
@@ -121,8 +121,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         assume_elementwise: shard unknown classes flat (only if they update each element from its own values alone).
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
             class whose update of a parameter needs all of it), besides Muon and Adafactor.
-        init_sync: ``"broadcast"`` (default): rank 0's ``params`` overwrite every rank's at construction, as DDP does
-            (buffers: :func:`zeroimpl.sync_buffers`). ``"check"``: raise if their values differ between ranks.
+        init_sync: ``"broadcast"`` (default) or ``"check"``: rank 0's ``params`` overwrite every rank's at
+            construction, as DDP does (buffers: :func:`zeroimpl.sync_buffers`), or a difference raises on every rank.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, weight_decay, betas, ...).
 
     Invariant: every rank holds the same parameters after ``step()``; rank r's inner optimizers hold state
