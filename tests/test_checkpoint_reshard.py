@@ -1,4 +1,4 @@
-"""The reshard plan (zeroimpl.checkpoint.reshard.plan), in process: every piece of a new layout is filled from the
+"""The reshard plan (zeroimpl.checkpoint.format.plan), in process: every piece of a new layout is filled from the
 saved pieces exactly once, on random layouts. Checkpoints saved and loaded across world sizes: test_checkpoint.py."""
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from zeroimpl.checkpoint.reshard import plan
+from zeroimpl.checkpoint.format import plan
 from zeroimpl.layout import ParamSpec, build_layout
 
 

@@ -1,6 +1,6 @@
 """Sharded checkpoints of a ShardedOptimizer: save per rank, load on any world size, convert to torch formats.
 
-See :mod:`.files` (directory layout, crash safety, safe loading), :mod:`.reshard` (the arithmetic),
+See :mod:`.files` (directory layout, crash safety, safe loading), :mod:`.format` (the index, its checks, resharding),
 zeroimpl.state_format (an optimizer's state split into what reshards, torchao's quantized state as plain tensors),
 :mod:`.api` (save / load), :mod:`.convert` (torch formats, offline export), :mod:`.dcp` (torch.distributed.checkpoint's
 format, both ways) and :mod:`.deepspeed` (a DeepSpeed ZeRO-1/2 checkpoint converted).

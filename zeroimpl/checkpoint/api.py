@@ -28,24 +28,19 @@ time.
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..memory_format import flattened, same_order, shaped
+from ..memory_format import flattened
 from ..optimizer import ShardedOptimizer
-from ..state_format import (CheckpointError, block_range, describe_groups, is_per_block, joined, require_logical_order,
-                            split_state)
+from ..state_format import CheckpointError, describe_groups, split_state
 from . import files
 from .files import EXTRAS, INDEX, rank_file
-from .format import (FORMAT, check_format, class_name, copy_scalars, file_keys, group_classes, key_offsets,
-                     merge_scalars, param_scalars, read_rank, saved_layout, saved_memory_order, state_dtypes)
-from .reshard import plan
-
-_UNCOMPILED = re.compile(r"(^|\.)_orig_mod\.")  # torch.compile's OptimizedModule in a state-dict name
+from .format import (FORMAT, check_fits, check_format, merge_scalars, model_state, optimizer_classes, param_names,
+                     read_new_shard)
 
 
 # -- save ---------------------------------------------------------------------------------------------
@@ -180,29 +175,11 @@ def _rank_payload(optimizer: ShardedOptimizer, split: list, save: str) -> dict:
     return payload
 
 
-def param_names(optimizer: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
-    """Every state-dict name of each trainable parameter (tied weights have several)."""
-    names: dict[int, list[str]] = {}
-    for name, tensor in model_state(model, keep_vars=True).items():
-        names.setdefault(id(tensor), []).append(name)
-    found = [names.get(id(p), []) for p in optimizer.trainable_params]
-    if not all(found):
-        raise CheckpointError("the optimizer holds a parameter that is not in the model's state_dict; pass the "
-                              "model whose parameters the optimizer was built from")
-    return found
-
-
 def _model_extras(optimizer: ShardedOptimizer, model: torch.nn.Module) -> dict:
     """The model state the optimizer does not hold: frozen parameters and persistent buffers."""
     trainable = {id(p) for p in optimizer.trainable_params}
     return {name: tensor.detach().cpu().clone() for name, tensor in model_state(model, keep_vars=True).items()
             if id(tensor) not in trainable}
-
-
-def model_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` under the names of the model itself, also when ``torch.compile`` wrapped it (whose
-    state dict prefixes every name with ``_orig_mod.``): a compiled model and the model are one checkpoint."""
-    return {_UNCOMPILED.sub(r"\1", name): tensor for name, tensor in model.state_dict(keep_vars=keep_vars).items()}
 
 
 def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, save: str, listing: dict,
@@ -216,7 +193,7 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, save: str, listi
         "world_size": optimizer.world_size,
         "stage": optimizer.stage,
         "offload": optimizer.offload is not None,
-        "optimizer_classes": _classes(optimizer),
+        "optimizer_classes": optimizer_classes(optimizer),
         "layout": optimizer.layout.fingerprint(),
         "params": [{"shape": tuple(p.shape), "strides": tuple(p.stride()), "dtype": str(p.dtype), "names": n}
                    for p, n in zip(optimizer.trainable_params, names)],
@@ -283,9 +260,8 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         index, extras = optimizer.topology.broadcast_object((index, extras), holders[0], timeout,
                                                             "checkpoint agreement (sharing the checkpoint's index)")
     try:
-        _check_index(index, optimizer, model)
-        _check_extras(extras, model)
-        restored = _read_shards(own, index, optimizer)
+        check_fits(index, extras, optimizer, model)
+        restored = read_new_shard(own, index, optimizer)
     except Exception as caught:
         error = caught
     _agree(error, optimizer, timeout, "loading the checkpoint")
@@ -297,131 +273,6 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         state = model_state(model)
         for name, tensor in extras.items():
             state[name].copy_(tensor)
-
-
-def _check_index(index, optimizer: ShardedOptimizer, model: torch.nn.Module) -> None:
-    """Whether the checkpoint's index (its format checked when read) fits this optimizer and model."""
-    if group_classes(index) != _classes(optimizer):
-        raise CheckpointError(f"the checkpoint's param groups step with {group_classes(index)}; this optimizer's "
-                              f"with {_classes(optimizer)}: build the optimizer with the same optimizer classes")
-    saved, names = index["params"], param_names(optimizer, model)
-    if len(saved) != len(optimizer.trainable_params):
-        raise CheckpointError(f"the checkpoint has {len(saved)} trainable parameters, this model "
-                              f"{len(optimizer.trainable_params)}: a checkpoint of another model")
-    for i, (entry, param, name) in enumerate(zip(saved, optimizer.trainable_params, names)):
-        if tuple(entry["shape"]) != tuple(param.shape) or entry["names"] != name:
-            raise CheckpointError(f"trainable parameter {i} is {entry['names']} {tuple(entry['shape'])} in the "
-                                  f"checkpoint but {name} {tuple(param.shape)} here: a checkpoint of another model")
-        saved_strides = saved_memory_order(entry)
-        if not same_order(param.shape, saved_strides, param.stride()):
-            raise CheckpointError(f"trainable parameter {i} ({name}) was saved in the memory format of strides "
-                                  f"{saved_strides}, but has strides {tuple(param.stride())} here: convert the model "
-                                  "as it was when saved (e.g. model.to(memory_format=torch.channels_last)) before "
-                                  "building the optimizer; a checkpoint that records no strides (written before "
-                                  "zeroimpl kept memory formats) holds every parameter contiguous: "
-                                  "p.data = p.data.contiguous() first")
-    trainable = [[[m for m in g["members"] if m >= 0] for g in groups]  # (frozen members hold no state)
-                 for groups in (index["groups"], describe_groups(optimizer))]
-    if trainable[0] != trainable[1]:
-        raise CheckpointError("the checkpoint's param groups hold other parameters than this optimizer's; "
-                              "build the optimizer with the same param groups")
-    if sorted(index["files"]) != sorted([rank_file(r) for r in range(index["world_size"])] + [EXTRAS]):
-        raise CheckpointError("the checkpoint's index lists other files than its world size needs")
-
-
-def _classes(optimizer: ShardedOptimizer) -> list[str]:
-    return [class_name(group["optimizer"]) for group in optimizer.param_groups]
-
-
-def _check_extras(extras: dict, model: torch.nn.Module) -> None:
-    state = model_state(model)
-    for name, tensor in extras.items():
-        if name not in state or tuple(state[name].shape) != tuple(tensor.shape):
-            raise CheckpointError(f"the checkpoint's model entry {name!r} {tuple(tensor.shape)} does not fit this "
-                                  "model: a checkpoint of another model")
-
-
-def _read_shards(directory: str, index: dict, optimizer: ShardedOptimizer):
-    """Read this rank's new shard: (masters per bucket, the inner state per piece, hyperparameters, and per bucket
-    the parameters as published where every file read holds them, else None)."""
-    saved = saved_layout(index)
-    scalars, keys_of, dtypes_of = param_scalars(index), file_keys(index), state_dtypes(index)
-    masters = [torch.zeros(s.master.numel(), dtype=s.master.dtype) for s in optimizer.storages]
-    published = [torch.zeros(s.shard.numel(), dtype=s.shard.dtype) for s in optimizer.storages]
-    has_published = True  # every file read holds the parameters as published (saved with a quantized all-gather)
-    targets = optimizer.piece_states()
-    arrays: list[dict[str, torch.Tensor]] = [{} for _ in targets]  # per new piece: per-element state by key
-    whole: list[dict] = [{} for _ in targets]  # per new piece: whole-parameter state
-
-    copies = plan(saved, optimizer.layout, optimizer.rank)
-    for source in sorted({c.source_rank for c in copies}):
-        payload = read_rank(directory, index, saved, source, keys_of)
-        source_pieces = saved.pieces(source)
-        has_published &= "published" in payload
-        offsets = key_offsets(source_pieces, keys_of)
-        for c in (c for c in copies if c.source_rank == source):
-            src, dst = slice(c.source_offset, c.source_offset + c.length), slice(c.target_offset, c.target_offset + c.length)
-            masters[c.target_bucket][dst] = payload["master"][src]
-            if has_published:
-                published[c.target_bucket][dst] = payload["published"][src]
-            piece, master, _ = targets[c.target_piece]
-            for key in keys_of[piece.param_index]:
-                start = offsets[key][c.source_piece] + c.piece_offset
-                values = payload["state"][key]
-                dtype = dtypes_of[piece.param_index].get(key, values.dtype)
-                array = arrays[c.target_piece].setdefault(key, torch.zeros(piece.length, dtype=dtype))
-                array[c.target_piece_offset:c.target_piece_offset + c.length] = values[start:start + c.length]
-            found = payload["whole_state"].get(piece.param_index)
-            saved_bucket = saved.buckets[saved.slots[piece.param_index].bucket_index]
-            saved_block = saved_bucket.block
-            if optimizer.layout.buckets[piece.bucket_index].whole and not saved_bucket.whole:
-                # saved from flat shards (blocks of the memory order), stepped whole (of the logical order); the
-                # scalars hold the recipes of torchao's state
-                require_logical_order(scalars[piece.param_index], tuple(master.shape), master.stride(),
-                                      piece.param_index)
-            if found and saved_block:
-                _copy_blocks(found, saved_block, optimizer.layout.buckets[piece.bucket_index],
-                             source_pieces[c.source_piece].param_start + c.piece_offset, c.length,
-                             source_pieces[c.source_piece].param_start, piece, whole[c.target_piece])
-            elif found:
-                if not optimizer.layout.buckets[piece.bucket_index].whole:
-                    raise CheckpointError(f"trainable parameter {piece.param_index} has whole-parameter optimizer "
-                                          f"state ({', '.join(found)}), but this optimizer shards it flat; shard its "
-                                          "group by whole parameters, as when it was saved")
-                whole[c.target_piece] = found
-
-    piece_states = []
-    for (piece, master, _), by_key, whole_state in zip(targets, arrays, whole):
-        found = scalars[piece.param_index]
-        piece_states.append(None if found is None else joined(
-            {**copy_scalars(found), **{key: shaped(array, master.shape, master.stride()) for key, array in by_key.items()},
-             **{key: value.clone() for key, value in whole_state.items()}}, tuple(master.shape)))
-    return masters, piece_states, [g["hyperparameters"] for g in index["groups"]], published if has_published else None
-
-
-def _copy_blocks(found: dict, block: int, target, start: int, length: int, source_start: int, piece,
-                 into: dict) -> None:
-    """Copy the low-bit state of elements ``[start, start + length)`` of a parameter (saved in a piece from
-    ``source_start``, ``found``) into a new piece's (``into``, of bucket ``target``): the scales of the blocks
-    they span, and the quantization map, the same in every piece. Both layouts must cut the parameter on the
-    same blocks; a whole-parameter piece is cut on any, counted from the parameter's first element as the
-    optimizer class counts them (a flat checkpoint loaded with ``per_parameter``, or one of bitsandbytes'
-    LAMB/LARS saved before they were stepped whole)."""
-    target_block = target.block or (block if target.whole else 0)
-    if target_block != block:
-        laid_out = f"in blocks of {target_block}" if target_block else "without blocks"
-        raise CheckpointError(f"parameter {piece.param_index}'s optimizer state is quantized in blocks of {block}, "
-                              f"but this optimizer lays it out {laid_out}; load it into the low-bit optimizer class "
-                              "it was saved with")
-    first, last = block_range(start, start + length, block)
-    source_first, target_first = block_range(source_start, source_start, block)[0], block_range(
-        piece.param_start, piece.param_start, block)[0]
-    for key, value in found.items():
-        if not is_per_block(key):
-            into.setdefault(key, value)
-            continue
-        blocks = into.setdefault(key, torch.zeros(-(-piece.length // block), dtype=value.dtype))
-        blocks[first - target_first:last - target_first] = value[first - source_first:last - source_first]
 
 
 # -- collective error handling ---------------------------------------------------------------------

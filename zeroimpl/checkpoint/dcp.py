@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..optimizer import ShardedOptimizer
 from ..state_format import CheckpointError
-from .api import model_state, param_names
+from .format import model_state, param_names
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a box of a tensor
 
