@@ -100,9 +100,7 @@ def _all_runs(rank, world_size):
             "edited": {(stage, edit, read): _train(rank, stage, None, "raise", "nan" if edit == "nan_to_num" else None,
                                                    "read" if read else False, edit=edit)
                        for stage in (1, 2) for edit in EDITS for read in (False, True)},
-            "after_the_norm": {(stage, case): _after_the_norm(rank, stage, case)
-                               for stage, case in [(1, "cleared"), (2, "cleared"), (1, "set_nan"),
-                                                   (2, "factor_reused")]}}
+            "after_the_norm": {(stage, case): _after_the_norm(rank, stage, case) for stage, case in AFTER_THE_NORM}}
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +156,10 @@ def test_an_edit_after_the_norm_is_checked_by_the_step(runs, stage):
 def _after_the_norm(rank, stage, case):
     """A step whose norm was read through param.grad (torch's clip_grad_norm_), then: ``"cleared"``, the user
     clears every param.grad (torch then steps nothing); ``"set_nan"`` (stage 1), a NaN gradient set by hand;
-    ``"factor_reused"``, the gradients multiplied into overflow by a factor tensor later set to 0.5. Returns what
-    the step did and whether the parameters changed."""
+    ``"factor_reused"``, the gradients multiplied into overflow by a factor tensor later set to 0.5;
+    ``"factor_data"``, multiplied by a factor of 0.5, which is then set to 1e30 through ``.data`` (no version bump)
+    and multiplies them into overflow; ``"inference_factor"``, multiplied by 0.5 made under ``inference_mode``
+    (a tensor without a version counter). Returns what the step did and whether the parameters changed."""
     model = build_model("gpt2")
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2, bucket_numel=4096)
     optimizer.backward(model(**batch(rank, 0, 0)).loss)
@@ -169,12 +169,26 @@ def _after_the_norm(rank, stage, case):
     elif case == "set_nan":
         target = model.transformer.h[0].mlp.c_fc.weight
         target.grad = torch.full_like(target, float("nan"))
-    else:
+    elif case == "factor_reused":
         factor = torch.tensor(1e30)
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(factor).mul_(factor)
         factor.fill_(0.5)
+    elif case == "factor_data":
+        factor = torch.tensor(0.5)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for grad in grads:
+            grad.mul_(factor)
+        factor.data.fill_(1e30)
+        for grad in grads:
+            grad.mul_(factor).mul_(factor)
+    else:
+        with torch.inference_mode():
+            factor = torch.tensor(0.5)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
         optimizer.step()
@@ -185,13 +199,21 @@ def _after_the_norm(rank, stage, case):
     return event, all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("stage, case", [(1, "cleared"), (2, "cleared"), (1, "set_nan"), (2, "factor_reused")])
+AFTER_THE_NORM = [(1, "cleared"), (2, "cleared"), (1, "set_nan"), (2, "factor_reused"), (1, "factor_data"),
+                  (2, "inference_factor")]
+
+
+@pytest.mark.parametrize("stage, case", AFTER_THE_NORM)
 def test_what_changed_after_the_norm_decides_the_step(runs, stage, case):
     """The step reuses the norm's check only for the gradients the norm saw: cleared gradients step nothing (as
     torch skips a parameter without .grad), a NaN gradient set by hand after it raises, and a factor is judged by
-    the value it multiplied by, not by the value its tensor holds at the step."""
+    the value it multiplied by, not by the value its tensor holds at the step (however it was changed); a factor
+    made under inference_mode, which has no version counter, multiplies as any other."""
     for by_rank in runs:
         event, unchanged = by_rank["after_the_norm"][(stage, case)]
+        if case == "inference_factor":
+            assert event == "stepped" and not unchanged, (stage, case, event)
+            continue
         assert unchanged, (stage, case, event)
         assert event == ("stepped" if case == "cleared" else "raised"), (stage, case, event)
 
