@@ -77,34 +77,38 @@ class StepChecks:
         self.unscaled = False
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
-        # (id, version) of each factor the gradients were multiplied by since the verdict -> (it, its value then)
-        self._factors: dict[tuple, tuple] = {}
+        # per device: the largest magnitude of the factors the gradients were multiplied by since the verdict, taken
+        # when each multiplied (a factor's tensor may change later, with or without a version counter)
+        self._largest: dict[torch.device, torch.Tensor] = {}
         self._prepared = False  # prepare() found gradients to step on (see ``prepared``)
         self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
         self._takes_seen = self.reducer.takes  # under DDP: param.grad copied afresh since, the facts are stale
 
     def note_edit(self, factor=None) -> None:
         """The gradients were edited through ``param.grad`` (on every rank alike): multiplied by ``factor`` (a number
-        or a one-element tensor), or otherwise (``None``). The verdict stands across factors of magnitude at most 1,
-        read at the next :meth:`verdict_stands`; any other edit forgets it."""
-        if factor is None:
-            self.verdict, self._factors = None, {}
-        elif self.verdict is not None:
-            key = (id(factor), factor._version if isinstance(factor, torch.Tensor) else None)
-            if key not in self._factors:  # the value it multiplied by, whatever the tensor holds later
-                value = factor.detach().clone() if isinstance(factor, torch.Tensor) else factor
-                self._factors[key] = (factor, value)  # (holding it keeps its id unique)
+        or a one-element tensor), or otherwise (``None``). The verdict stands across factors of magnitude at most 1:
+        a number is judged now; a tensor's magnitude is taken now, on its device (one small op, no sync), and judged
+        at the next :meth:`verdict_stands`. Any other edit forgets the verdict."""
+        if self.verdict is None:
+            return
+        if factor is None or not isinstance(factor, torch.Tensor) and not abs(factor) <= 1:  # (NaN compares false)
+            self._forget_verdict()
+        elif isinstance(factor, torch.Tensor):
+            magnitude = factor.detach().abs().reshape(()).to(torch.float64)  # (a NaN factor stays NaN)
+            largest = self._largest.get(magnitude.device)
+            self._largest[magnitude.device] = magnitude if largest is None else torch.maximum(largest, magnitude)
 
     def verdict_stands(self) -> bool:
-        """Whether the verdict holds for the gradients as they are now (reads the factors of :meth:`note_edit` on
-        the host: one copy of each tensor factor)."""
-        if self.verdict is not None and self._factors:
-            factors = torch.stack([torch.as_tensor(value).to("cpu", torch.float64).reshape(())
-                                   for _, value in self._factors.values()])
-            if not bool((factors.abs() <= 1).all()):  # (NaN compares false)
-                self.verdict = None
-        self._factors = {}
+        """Whether the verdict holds for the gradients as they are now: every factor of :meth:`note_edit` since it
+        was finite and of magnitude at most 1 (the host reads one value per device the factors were on)."""
+        if self.verdict is not None and not all(bool(largest <= 1) for largest in self._largest.values()):
+            self.verdict = None  # (NaN compares false)
+        self._largest = {}
         return self.verdict is not None
+
+    def _forget_verdict(self) -> None:
+        """The gradients changed in a way the verdict did not see: the step checks them again."""
+        self.verdict, self._largest = None, {}
 
     def note_loss_scaled(self) -> None:
         """A loss of this step was multiplied by the loss scale (``scale_loss`` / ``backward``)."""
@@ -126,16 +130,18 @@ class StepChecks:
             problem = loss_scaling_misuse(self.loss_scaled, self.unscaled) if self.loss_scaler is not None else None
             if problem is not None:
                 raise RuntimeError(problem)
-            self.verdict, self._factors, self.checked_in = None, {}, False
+            self._forget_verdict()
+            self.checked_in = False
             self._passes_seen = self.reducer.backward_passes
         if not self.checked_in:  # once per round of gradients, not again at the step after clipping
             self.uneven.check_in()
             self.checked_in = True
         self.ownership.check_unchanged(self.storages)
         if self.reducer.reduce_held_grads():  # stage 1: a param.grad set by hand since: the verdict did not see it
-            self.verdict, self._factors = None, {}
+            self._forget_verdict()
         if self.reducer.takes != self._takes_seen:  # under DDP, DDP's param.grad taken afresh: check it afresh
-            self._takes_seen, self.verdict, self._factors, self.unscaled = self.reducer.takes, None, {}, False
+            self._takes_seen, self.unscaled = self.reducer.takes, False
+            self._forget_verdict()
         if not self.gradients.has_gradients and not any(self.reducer.grad_exists):
             return False  # (zero gradients kept by zero_grad(set_to_none=False) step, as in torch)
         if self.loss_scaler is not None and not self.unscaled:
@@ -163,7 +169,7 @@ class StepChecks:
         """The user cleared these parameters' ``.grad``: forget their gradients (:meth:`GradientReducer.forget`),
         and the verdict, which counted them."""
         self.reducer.forget(param_indices)
-        self.verdict, self._factors = None, {}
+        self._forget_verdict()
 
     def agree(self, norm_type: Optional[float] = None, riders: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Run the agreement all-reduce (call after :meth:`prepare`); store the verdict in ``verdict``
@@ -198,7 +204,7 @@ class StepChecks:
         if riders is not None:
             riders.copy_(agreed[CHECK_VALUES:])
             agreed = agreed[:CHECK_VALUES]
-        self._factors = {}
+        self._largest = {}
         suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum,  # the host sync
                                                       self.topology.world_size)
         if not same_passes:
