@@ -74,9 +74,9 @@ def main():
             else:
                 optimizer.backward(loss)
         norm = optimizer.clip_grad_norm_(1.0)
+        report = optimizer.memory_report()  # before the step: the gradients held (stage 2: the shard), no bucket alive
         optimizer.step()
         schedule.step()
-        report = optimizer.memory_report()  # after the step: gradient shard still held, no bucket alive
         optimizer.zero_grad()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item() * args.accum:.4f}  grad norm {norm.item():.3f}  "
