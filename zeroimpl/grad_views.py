@@ -207,6 +207,12 @@ class GradViews:
         """The gradients changed (call on every rank alike): norms are computed afresh."""
         self._norms = {}
 
+    def _written(self, factor=None) -> None:
+        """The user's operation wrote the gradients (multiplied them by ``factor``, or otherwise): norms are computed
+        afresh, and the step's verdict stands only as :meth:`StepChecks.note_edit` allows."""
+        self.changed()
+        self.checks.note_edit(factor)
+
     def full_gradients(self) -> list[torch.Tensor]:
         """The full-size gradients this rank holds now: plain ``.grad`` tensors and the local gradients the views
         keep (stage 1, before ``prepare``). For memory accounting."""
@@ -245,8 +251,8 @@ class GradViews:
                     else torch.linalg.vector_norm(g, ord, dtype=dtype) for g in args[0]]
         if func is aten._amp_foreach_non_finite_check_and_unscale_.default:
             return self._unscale(*args, **kwargs)
-        self.changed()  # every other supported operation writes the gradients
-        self.checks.note_edit(args[1] if func in _MULTIPLICATIONS and len(args) == 2 and not kwargs else None)
+        # every other supported operation writes the gradients
+        self._written(args[1] if func in _MULTIPLICATIONS and len(args) == 2 and not kwargs else None)
         if func in _ELEMENTWISE:
             self._apply(func, args[0], args[1:], kwargs)
             return args[0]
@@ -335,8 +341,7 @@ class GradViews:
             found = torch.zeros(1, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale.to(device))
             local = torch.maximum(local, to_device(found, local.device))
-        self.changed()
-        self.checks.note_edit()
+        self._written()
         agreed = local.to(_comm_device(found_inf.device, local.device))
         comm.all_reduce_(agreed, dist.ReduceOp.MAX, self.group, self.timeout, "GradScaler found_inf all-reduce")
         found_inf.copy_(torch.maximum(found_inf, agreed.to(found_inf.device).reshape(found_inf.shape)))

@@ -94,7 +94,7 @@ class StepChecks:
         if factor is None or not isinstance(factor, torch.Tensor) and not abs(factor) <= 1:  # (NaN compares false)
             self._forget_verdict()
         elif isinstance(factor, torch.Tensor):
-            magnitude = factor.detach().abs().reshape(()).to(torch.float64)  # (a NaN factor stays NaN)
+            magnitude = factor.detach().abs().reshape(())  # (a NaN factor stays NaN, through the maximum too)
             largest = self._largest.get(magnitude.device)
             self._largest[magnitude.device] = magnitude if largest is None else torch.maximum(largest, magnitude)
 
