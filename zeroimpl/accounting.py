@@ -225,7 +225,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     dtype: torch.dtype = torch.float32, offload: OffloadOption = None,
                     optimizer_class: type = torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None,
                     reduce_dtype: Optional[torch.dtype] = None, bucket_numel: int = 2 ** 22,
-                    alignment: int = 8, rank: Optional[int] = None,
+                    rank: Optional[int] = None,
                     per_parameter: Collection[type] = (), quantize_param_gather: bool = False,
                     quantize_grad_reduce: bool = False) -> MemoryReport:
     """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
@@ -246,7 +246,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                                                  dict(optimizer_kwargs or {}), per_parameter)
     if policy is not None:
         refuse_capturable(groups)
-    layout = build_layout(specs, world_size, bucket_numel, alignment)
+    layout = build_layout(specs, world_size, bucket_numel)
     probes: dict = {}
 
     def piece_state(piece, master_dtype: torch.dtype, shared_of_rank: dict) -> int:

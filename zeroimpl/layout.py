@@ -295,7 +295,8 @@ def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
 
 def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int,
                  alignment: int = 8) -> ShardLayout:
-    """Pack ``params`` into buckets and pad each bucket to a multiple of ``world_size * alignment``.
+    """Pack ``params`` into buckets and pad each bucket to a multiple of ``world_size * alignment``
+    (ShardedOptimizer's is 8: aligned chunk starts, and room for the fp32 scales of the 8-bit payloads).
 
     Flat buckets hold at most ``bucket_numel`` elements (a larger parameter gets a bucket of its own).
     Whole-parameter buckets grow past ``bucket_numel`` until their chunks pack with little padding

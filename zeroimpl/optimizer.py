@@ -40,8 +40,7 @@ from .state_format import (describe_groups, pieces_of_torch_state, place_piece, 
 from .step_checks import StepChecks, nonfinite_message, passes_message
 from .topology import Topology, resolve_topology
 
-STATE_FORMAT = "zeroimpl.sharded_optimizer/2"  # /1 held the inner state per bucket, not per piece
-OLD_STATE_FORMAT = "zeroimpl.sharded_optimizer/1"
+STATE_FORMAT = "zeroimpl.sharded_optimizer/2"
 
 
 class _PartSettings(NamedTuple):
@@ -54,7 +53,6 @@ class _PartSettings(NamedTuple):
     optimizer_class: type
     optimizer_kwargs: dict[str, Any]
     bucket_numel: int
-    alignment: int
     quantize_param_gather: bool
     quantize_grad_reduce: Union[bool, str]
     reduce_dtype: Optional[torch.dtype]
@@ -110,7 +108,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take before
             it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs). On CUDA: the waits where the host
             blocks anyway (:mod:`zeroimpl.pending`). ``None`` (default): the process group's timeout.
-        alignment: each bucket is padded to a multiple of ``world_size * alignment`` elements (default 8).
         overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()``
             (default ``True``). The first torch operation or module forward that touches one of its parameters
             waits for it (see :mod:`zeroimpl.inflight`, and for the reads it cannot see
@@ -135,7 +132,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                  bucket_numel: int = 2 ** 22, max_inflight_buckets: int = 2, reduce_dtype: Optional[torch.dtype] = None,
                  loss_scale: Union[Literal["auto"], None, LossScaleConfig] = "auto",
                  nonfinite: Literal["raise", "skip"] = "raise",
-                 collective_timeout: Optional[float] = None, alignment: int = 8, assume_elementwise: bool = False,
+                 collective_timeout: Optional[float] = None, assume_elementwise: bool = False,
                  per_parameter: Collection[type] = (), verify_every: Optional[int] = None,
                  overlap_param_gather: bool = True, quantize_param_gather: bool = False,
                  quantize_grad_reduce: Union[bool, Literal["replicas"]] = False,
@@ -143,7 +140,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         quantized = {"quantize_param_gather": bool(quantize_param_gather), "quantize_grad_reduce": quantize_grad_reduce}
         validation.refuse_peer_arguments(optimizer_kwargs)
         validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
-                                 alignment, quantized, init_sync)
+                                 quantized, init_sync)
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
         groups, step_works, blocks = optimizer_kinds.plan(params, optimizer_class, optimizer_kwargs, per_parameter,
@@ -162,7 +159,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.rank, self.world_size = self.topology.shard_rank, self.topology.shard_size
         self.nonfinite, self._skipped_without_scaler = nonfinite, 0
         self._settings = _PartSettings(step_works, blocks, classes, optimizer_class, optimizer_kwargs, bucket_numel,
-                                       alignment, bool(quantize_param_gather), quantize_grad_reduce, reduce_dtype,
+                                       bool(quantize_param_gather), quantize_grad_reduce, reduce_dtype,
                                        max_inflight_buckets, loss_scale)
         trainable, layout = self._lay_out()
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
@@ -183,7 +180,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """The trainable parameters of the groups as they are now, and their shard layout."""
         settings = self._settings
         trainable, specs = trainable_specs(self.param_groups, settings.step_works, settings.blocks)
-        return trainable, build_layout(specs, self.world_size, settings.bucket_numel, settings.alignment)
+        return trainable, build_layout(specs, self.world_size, settings.bucket_numel)
 
     def _build_parts(self, trainable: list[torch.nn.Parameter], layout: ShardLayout, agree: bool) -> None:
         """Build the parts that hold the parameters' memory from ``trainable`` as they are now: flat buffers,
@@ -613,10 +610,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _load_problem(self, state_dict) -> Optional[str]:
         """Why this rank cannot load ``state_dict``; None if it can. Local."""
-        if isinstance(state_dict, dict) and state_dict.get("format") == OLD_STATE_FORMAT:
-            return ("this state was saved by an older zeroimpl, whose optimizer state was per bucket; it cannot be "
-                    "loaded with load_state_dict. Resume from a checkpoint written by "
-                    "zeroimpl.checkpoint.save_checkpoint instead (those of every version load)")
         if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
             return (f"not a ShardedOptimizer state dict (missing format tag {STATE_FORMAT!r}); a plain torch "
                     "optimizer state needs the checkpoint API")

@@ -21,16 +21,12 @@ FRAMEWORK_ROUTES = (
 
 
 def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
-                  alignment: int = 8, quantized: Optional[dict] = None, init_sync: str = "broadcast") -> None:
+                  quantized: Optional[dict] = None, init_sync: str = "broadcast") -> None:
     """Refuse a ShardedOptimizer option out of range, naming it and what it accepts. ``quantized``: the
     ``quantize_*`` options by name."""
     grads = (quantized or {}).get("quantize_grad_reduce", False)
     if grads not in (False, True, "replicas"):
         raise ValueError(f"quantize_grad_reduce must be False, True or 'replicas', got {grads!r}")
-    for option, on in (quantized or {}).items():
-        if on and alignment % 4:
-            raise ValueError(f"{option} needs an alignment that is a multiple of 4 (its payloads hold fp32 scales "
-                             f"after the 8-bit codes of a shard), got alignment={alignment}; use 8, the default")
     check_stage(stage)
     check_loss_scale(loss_scale)
     check_nonfinite(nonfinite)
