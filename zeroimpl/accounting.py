@@ -2,20 +2,16 @@
 tensors it holds (:func:`memory_report` of ``ShardedOptimizer.held_tensors()``), or predicted before building one
 (:func:`estimate_memory`).
 
-``estimate_memory`` answers "will it fit?" for a model (exact: it builds the same layout the optimizer
-would) or for a bare parameter count (close: padding is estimated from bucket sizes). It predicts what
-:meth:`ShardedOptimizer.memory_report` reports at the peak of model states in a training loop: right after
-the backward passes of a step, once the optimizer state exists (every parameter stepped). Stage 1 then
-holds the full ``.grad`` (freed bucket by bucket as ``step()`` reduces it into the shard); stage 2 holds
-the gradient shard instead. Transient bucket buffers (0 outside backward and step) and activations are not
-model states and are not included.
+``estimate_memory`` answers "will it fit?" for a model (exact: it builds the same layout the optimizer would) or for
+a bare parameter count (close: padding is estimated from bucket sizes). It predicts what
+:meth:`ShardedOptimizer.memory_report` reports at the peak of model states: right after a step's backward passes,
+once every parameter has optimizer state. Stage 1 then holds the full ``.grad`` (freed bucket by bucket as
+``step()`` reduces it), stage 2 the gradient shard. Transient bucket buffers and activations are not counted.
 
-Optimizer state is measured, not tabulated: each group's optimizer class takes one step on a 3-element
-tensor, and each state tensor counts per element (same size as the parameter) or per piece -- the part of
-one parameter in one rank's shard, which the inner optimizer sees as one tensor -- (a scalar such as Adam's
-``step``); for a whole-parameter group (Muon, Adafactor) it takes one step on a tensor of each parameter's
-shape (Adafactor's factored state), and a low-bit class on a tensor of each piece's size (its blocks,
-8-bit or fp32 by size). So any optimizer is predicted, with the kernel offload would choose.
+Optimizer state is measured, not tabulated, so any optimizer is predicted, with the kernel offload would choose:
+each group's class steps a probe (3 elements; for a whole-parameter class, each parameter's shape; for a low-bit
+class, each piece's size), and each state tensor counts per element, or per piece (one parameter's part of one
+rank's shard) for a scalar such as Adam's ``step``.
 """
 
 from __future__ import annotations
@@ -33,22 +29,20 @@ from .precision import at_least_fp32
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes of one memory (the device or the host), by kind. Each tensor is counted once, by what it is.
+    """Bytes of one memory (the device or the host), by kind; each tensor counted once, by what it is.
 
-    * ``parameters`` -- the flat buffers behind the trainable parameters (padding included); with
-      ``quantize_param_gather`` also the copy of this rank's shard as the last all-gather left it.
-    * ``gradients`` -- full-size ``param.grad`` tensors of trainable parameters that exist right now
-      (stage 1 between backward and step; always 0 in stage 2 outside backward).
-    * ``gradient_shard`` -- this rank's averaged gradient shard (reduce dtype on the device; fp32 on the
-      host with offload, plus a device accumulator while ``accumulating()`` micro-batches are summed). Under
-      loss scaling a 16-bit shard is widened to fp32 when the step unscales it, until ``zero_grad()``; the
-      estimate counts the reduce dtype.
-    * ``master_weights`` -- fp32 copies of this rank's shard; 0 for fp32 models without offload, whose
-      shard is the master.
+    * ``parameters`` -- the flat buffers behind the trainable parameters (padding included), and with
+      ``quantize_param_gather`` the copy of this rank's shard as the last all-gather left it.
+    * ``gradients`` -- full-size ``param.grad`` tensors of trainable parameters that exist now (stage 1 between
+      backward and step; 0 in stage 2 outside backward).
+    * ``gradient_shard`` -- this rank's averaged gradient shard: reduce dtype on the device; with offload, fp32 on
+      the host plus a device accumulator while ``accumulating()`` sums micro-batches. Under loss scaling the step
+      widens a 16-bit shard to fp32 until ``zero_grad()``; the estimate counts the reduce dtype.
+    * ``master_weights`` -- fp32 (or wider) copies of this rank's shard; 0 for fp32 models without offload or
+      ``quantize_param_gather``, whose shard is the master.
     * ``optimizer_state`` -- every tensor in the inner optimizer's state (moments, step counters, ...).
-    * ``bucket_buffers`` -- gradient bucket buffers alive right now (0 outside backward and step); on the
-      host (offload of a 16-bit model), the two staging buffers per dtype that the masters are converted
-      into on their way to the device (always there).
+    * ``bucket_buffers`` -- gradient bucket buffers alive now (0 outside backward and step); on the host (offload
+      of a 16-bit model), the two staging buffers per dtype that carry the masters to the device (always there).
     """
 
     parameters: int = 0
@@ -83,9 +77,8 @@ class MemoryReport:
 
 
 def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors that hold ``tensor``'s memory: itself, or for a tensor subclass that wraps others (torch's
-    ``__tensor_flatten__`` protocol: torchao's quantized optimizer state keeps uint8 codes and per-block
-    scales in an fp32-looking tensor), the tensors it wraps, recursively."""
+    """The tensors that hold ``tensor``'s memory: itself, or those a wrapper subclass wraps (``__tensor_flatten__``:
+    torchao's quantized state keeps uint8 codes and block scales in an fp32-looking tensor), recursively."""
     if not hasattr(type(tensor), "__tensor_flatten__"):
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
@@ -93,8 +86,7 @@ def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def tensor_bytes(tensors) -> int:
-    """Bytes of the distinct tensors in ``tensors``, each counted by what it stores (:func:`stored_tensors`;
-    ``None`` and non-tensors are skipped)."""
+    """Bytes of the distinct tensors in ``tensors`` by what they store (:func:`stored_tensors`); non-tensors skipped."""
     seen, total = set(), 0
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
@@ -107,8 +99,7 @@ def tensor_bytes(tensors) -> int:
 
 
 def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryReport:
-    """The report of the tensors ``ShardedOptimizer.held_tensors()`` returns; ``offload``: the masters and the
-    optimizer state live on the host."""
+    """The report of ``ShardedOptimizer.held_tensors()``; ``offload``: masters and optimizer state are on the host."""
     held_bytes = {kind: tensor_bytes(tensors) for kind, tensors in held.items()}
     device = StateBytes(
         parameters=held_bytes["parameters"],
@@ -146,8 +137,8 @@ def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: 
 
 
 def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, shape: tuple) -> int:
-    """Bytes of ``optimizer_class``'s state for one whole parameter of ``shape`` and ``dtype``: one step on a
-    shape-only (meta) tensor, or on a real zero tensor for classes that read values while stepping."""
+    """Bytes of ``optimizer_class``'s state for one parameter of ``shape`` and ``dtype``: one step on a meta tensor,
+    or on real zeros for a class that reads values while stepping."""
     for device in ("meta", "cpu"):
         probe = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
         probe.grad = torch.zeros_like(probe)
@@ -163,22 +154,22 @@ def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torc
 
 
 def shared_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, numel: int) -> dict[str, int]:
-    """By key, the bytes of the state tensors that one optimizer shares between its parameters (a low-bit
-    class's quantization maps), held once per optimizer: one step over two ``numel``-element tensors."""
+    """By key, the bytes of the state tensors an optimizer shares between its parameters (a low-bit class's
+    quantization maps, held once): one step over two ``numel``-element tensors."""
     probes = [torch.zeros(numel, dtype=dtype, requires_grad=True) for _ in range(2)]
     for probe in probes:
         probe.grad = torch.zeros_like(probe)
     optimizer = optimizer_class(probes, **optimizer_kwargs)
     optimizer.step()
     first, second = (optimizer.state[probe] for probe in probes)
-    return {key: tensor_bytes([value]) for key, value in first.items() if torch.is_tensor(value) and value is second.get(key)}
+    return {key: tensor_bytes([value]) for key, value in first.items()
+            if torch.is_tensor(value) and value is second.get(key)}
 
 
 def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int, optimizer_class: type,
                       optimizer_kwargs: dict, per_parameter: Collection[type]) -> tuple[list[dict], list, list]:
-    """The param groups (with their classes), trainable parameters (``None`` for a bare count) and layout
-    input for a model's parameters or param groups (each with its own dtype), or for ``params`` elements of
-    ``dtype`` in one group."""
+    """The param groups (with their classes), trainable parameters (``None`` for a bare count) and layout specs
+    for a model's parameters or param groups, or for a count of ``dtype`` elements in one group."""
     if isinstance(params, int):
         if params <= 0:
             raise ValueError(f"the parameter count must be positive, got {params}")
@@ -230,14 +221,13 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     quantize_grad_reduce: bool = False) -> MemoryReport:
     """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
 
-    ``world_size``: the ranks that share the shards -- with hybrid sharding (a 2-D ``device_mesh``), the
-    shard group's size. ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact; each
-    parameter's own dtype is used, and each group's optimizer class and hyperparameters), or the number of
-    trainable elements, all of ``dtype``, for a flat optimizer class (padding estimated). ``rank``: the rank
-    to predict (default: the one holding the most). The other arguments are ShardedOptimizer's
-    (``optimizer_kwargs`` are its ``**optimizer_kwargs``). Ranks differ in optimizer state: padding has none,
-    each piece of a flat parameter has its own scalars (Adam's ``step``), and whole parameters differ in size.
-    ``quantize_grad_reduce`` holds nothing between steps (taken for the symmetry of the arguments).
+    ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact, with each
+    parameter's dtype and each group's class and hyperparameters), or the number of trainable elements, all of
+    ``dtype``, for a flat optimizer class (padding estimated). ``world_size``: the ranks that share the shards (with
+    hybrid sharding, the shard group's size). ``rank``: the rank to predict (default: the one holding the most;
+    ranks differ in optimizer state, as padding has none, each piece has its own scalars and whole parameters
+    differ in size). The other arguments are ShardedOptimizer's (``optimizer_kwargs``: its ``**optimizer_kwargs``);
+    ``quantize_grad_reduce`` holds nothing between steps and changes nothing here.
     """
     quantize_param_gather = quantize_param_gather and comm.issues_collectives(world_size)  # (not at one rank)
     validation.check_stage(stage)
@@ -262,9 +252,9 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
         if key not in probes:
             probes[key] = (whole_state_bytes(group["optimizer"], kwargs, master_dtype, shape) if whole
                            else optimizer_state_bytes(group["optimizer"], kwargs, master_dtype))
-        if whole and optimizer_kinds.is_blockwise(group["optimizer"]):  # a low-bit piece (blocked or whole): its
-            shared_key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype)  # shared quantization maps
-            blocks = specs[piece.param_index].blocks or optimizer_kinds.blocks_of(group)  # count once per rank
+        if whole and optimizer_kinds.is_blockwise(group["optimizer"]):  # low-bit: shared maps count once per rank
+            shared_key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype)
+            blocks = specs[piece.param_index].blocks or optimizer_kinds.blocks_of(group)
             if shared_key not in probes:
                 probes[shared_key] = shared_state_bytes(group["optimizer"], kwargs, master_dtype,
                                                         max(blocks.threshold, blocks.size))

@@ -1,18 +1,16 @@
 """Flat parameter storage: one buffer per bucket, every parameter a view into it.
 
-Tensors named here (all 1-D unless said otherwise):
+Tensors named here (all 1-D):
 
-* ``param_buffer`` -- ``bucket.padded_numel`` elements in the model's dtype on the model's device. After
-  :func:`flatten_params`, ``param.data`` of every bucket member is a view of it (shape and memory format of
-  the parameter: :mod:`zeroimpl.memory_format`),
-  so an in-place all-gather into ``param_buffer`` updates the model without any copy.
+* ``param_buffer`` -- ``bucket.padded_numel`` elements in the model's dtype on its device. After
+  :func:`flatten_params` every member's ``param.data`` is a view of it (with the parameter's shape and memory
+  format: :mod:`zeroimpl.memory_format`), so an all-gather into ``param_buffer`` updates the model in place.
 * ``shard`` -- this rank's ``bucket.shard_numel`` elements of ``param_buffer`` (a view).
-* ``master`` -- the tensor the inner optimizer updates (fp32, or fp64 for fp64 models). Without offload,
-  for fp32 (or wider) models it *is* ``shard``: the model's own parameters are the master weights, no
-  copy. For 16-bit models (and with a quantized all-gather, for any) it is an fp32 copy of ``shard`` that
-  only this rank holds; with CPU offload that copy is always made, in host memory.
-* ``published`` -- with a quantized all-gather only: a copy of ``shard`` as the last all-gather left it (the
-  model's dtype and device), what the next step's 8-bit delta starts from and what an edit is told apart by.
+* ``master`` -- what the inner optimizer updates, fp32 (fp64 for fp64 models). It *is* ``shard`` for fp32 and
+  fp64 models: their parameters are the master weights. It is a copy only this rank holds for 16-bit models,
+  with a quantized all-gather, and with CPU offload (then in host memory).
+* ``published`` -- quantized all-gather only: ``shard`` as the last all-gather left it (model dtype and device),
+  what the next step's 8-bit delta starts from and what tells an edit apart.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ class BucketStorage:
     params: list[torch.nn.Parameter]  # bucket members, in buffer order
     param_buffer: torch.Tensor  # (padded_numel,), model dtype
     shard: torch.Tensor  # (shard_numel,), view of param_buffer
-    master: torch.Tensor  # (shard_numel,), fp32 copy (16-bit model or offload), else the same tensor as shard
+    master: torch.Tensor  # (shard_numel,), a copy of shard (16-bit, quantized or offload) or shard itself
     blocks: Optional[ShardBlocks] = None  # quantized all-gather: its blocks (zeroimpl.quantized_comm)
     published: Optional[torch.Tensor] = None  # quantized all-gather: the shard as the last all-gather left it
     edited: bool = False  # quantized all-gather: a member was written outside the optimizer since the last step
@@ -63,12 +61,9 @@ class BucketStorage:
         return self.master is not self.shard
 
     def publish_master(self, staging: Optional[torch.Tensor] = None) -> None:
-        """Write the updated master weights into this rank's shard of the model parameters; ``staging`` (host,
-        the shard's dtype and size): convert there on the host first, so that the copy to the device moves
-        the parameters' bytes, not the master's.
-
-        Asynchronous when the master (or ``staging``) is in pinned host memory and the parameters on CUDA.
-        """
+        """Write the master into this rank's shard of the parameters; asynchronous when the master (or ``staging``)
+        is in pinned host memory and the parameters on CUDA. ``staging`` (host, the shard's dtype and size):
+        convert there first, so that the copy to the device moves the parameters' bytes, not the master's."""
         if not self.has_separate_master:
             return
         if staging is not None:
@@ -84,11 +79,10 @@ class BucketStorage:
         self._versions = tuple(p._version for p in self.params)
 
     def sync_master_with_params(self) -> None:
-        """Take parameters written outside the optimizer (``model.load_state_dict``, ``torch.nn.init``, any
-        in-place edit under ``torch.no_grad()``) into the master, for each edited parameter's slice of this
-        shard, unless the master already rounds to it. Without this, the next step would silently overwrite
-        the user's values with the stale master. (Writes through ``param.data`` bypass autograd's version
-        counter and are not seen.)"""
+        """Take parameters written outside the optimizer (``model.load_state_dict``, ``torch.nn.init``, in-place
+        edits under ``torch.no_grad()``) into the master: each edited member's slice of this shard that differs
+        from :meth:`published_values`; else the next step would overwrite them with the stale master. Edits are
+        found by autograd's version counters, which writes through ``param.data`` bypass."""
         if not self.has_separate_master:
             return
         versions = tuple(p._version for p in self.params)
@@ -115,14 +109,14 @@ class BucketStorage:
         self._versions = versions
 
     def published_values(self) -> torch.Tensor:
-        """What this rank's shard of the parameters holds when nothing edited it: the master in the parameters'
-        dtype, or with a quantized all-gather what the last one left there."""
+        """What this rank's shard of the parameters holds when nothing edited it: ``published``, else the master in
+        the parameters' dtype."""
         if self.published is not None:
             return self.published
         return self.master.to(self.shard.device, self.shard.dtype)
 
     def mark_published(self) -> None:
-        """Record the shard as an all-gather has just left it (quantized all-gather only)."""
+        """Record the shard as an all-gather has just left it (quantized all-gather)."""
         if self.published is not None:
             self.published.copy_(self.shard)
 
@@ -130,14 +124,11 @@ class BucketStorage:
 def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int,
                    host_masters: Optional[list[torch.Tensor]] = None,
                    quantized: bool = False) -> list[BucketStorage]:
-    """Move ``params`` (indexed as in ``layout``) into flat bucket buffers and rebind ``param.data`` to views.
-
-    Values are preserved exactly; padding is zero. ``host_masters``: per bucket, a host tensor of the
-    shard's size (fp32, fp64 for fp64 models: :func:`~zeroimpl.precision.at_least_fp32`) that becomes the master, whatever
-    the model's dtype (CPU offload). ``quantized``: the all-gather sends 8 bits (:mod:`zeroimpl.quantized_comm`):
-    each storage gets its blocks, a copy of its published shard, and a master of its own also for fp32 (or wider)
-    models.
-    """
+    """Move ``params`` (indexed as in ``layout``) into flat bucket buffers, values exact and padding zero, and
+    rebind ``param.data`` to views. ``host_masters`` (CPU offload): per bucket, the master, a host tensor of the
+    shard's size in :func:`~zeroimpl.precision.at_least_fp32` of the model's dtype. ``quantized``: the
+    all-gather sends 8 bits (:mod:`zeroimpl.quantized_comm`), so each storage gets blocks, ``published`` and a
+    master of its own."""
     quantized = quantized and comm.issues_collectives(layout.world_size)  # (at one rank nothing crosses a link)
     storages = []
     for bucket in layout.buckets:

@@ -1,48 +1,29 @@
 """The collectives zeroimpl issues, in one place so that they can be read, counted and replaced.
 
 Two algorithms move the same bytes (each rank sends ``(N - 1) / N`` of the tensor per reduce-scatter or
-all-gather, the ring minimum):
+all-gather, the ring minimum); the 8-bit all-to-all of :func:`reduce_scatter_quantized` chooses between them alike:
 
 * ``native`` -- the backend's ``reduce_scatter_single`` / ``all_gather_single`` (torch < 2.13:
-  ``reduce_scatter_tensor`` / ``all_gather_into_tensor``). NCCL runs ring algorithms: the default on GPUs.
-* ``pairwise`` -- N - 1 point-to-point exchanges, in step k sending to rank ``r + k`` and receiving from
-  ``r - k`` (mod N), all posted at once and then waited for; a reduce-scatter then sums the N
-  pieces of its shard locally (fixed order: own piece, then ``r - 1``, ``r - 2``, ...; at N = 2 the one
-  sum ``own + other`` equals the native sum bitwise). The piece from ``r - 1`` is received into the output
-  itself, which saves a shard-sized buffer (fresh memory, whose page faults cost more on the CPU than the
-  sum). The default on gloo, whose native reduce-scatter and
-  all-gather cost 1.2x and 0.65x its all-reduce of the same 4M-element buckets on 2 ranks, pairwise
-  0.85x and 0.5x (``benchmarks/results/collectives-gloo.md``). A pairwise reduce-scatter holds a receive
-  buffer of ``(N - 2) / N`` of its bucket until its wait.
+  ``reduce_scatter_tensor`` / ``all_gather_into_tensor``). Always used off the CPU.
+* ``pairwise`` -- N - 1 point-to-point exchanges, step k sending to rank ``r + k`` and receiving from ``r - k``
+  (mod N), all posted at once; a reduce-scatter then sums its shard's pieces locally. The default on gloo, whose
+  native reduce-scatter and all-gather cost 1.2x and 0.65x its all-reduce of 4M-element buckets on 2 ranks,
+  pairwise 0.85x and 0.5x (``benchmarks/results/collectives-gloo.md``).
 
-:func:`reduce_scatter_quantized` sends 8-bit payloads instead (``quantize_grad_reduce=True``): an all-to-all,
-``all_to_all_single`` natively, else the same pairwise exchange, each rank summing what it received in fp32.
+Across nodes a pairwise exchange sends ``1 / N`` of the tensor between *every* two ranks, where a ring (ranks
+numbered node by node, as torchrun does) crosses each node boundary on one edge: two nodes of 2 ranks over
+1 Gbit/s, a 16 MB all-gather takes 138-167 ms pairwise, 103-112 ms as gloo's native ring
+(``benchmarks/results/network/collectives-1gbit.md``). So a gloo all-gather over a group that spans nodes
+(:func:`spans_nodes`) is ``native``; the reduce-scatter stays pairwise, as gloo's native one costs more than an
+all-reduce there too (207-216 ms). ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors
+(read per collective; set it alike on every rank).
 
-Which ranks exchange matters once a group spans machines: a pairwise exchange sends ``1 / N`` of the tensor
-between *every* two ranks, so with ``L`` ranks per node ``(N - L) / N`` of each rank's bytes cross between
-nodes, where a ring (gloo's native all-gather; node-contiguous ranks, as torchrun numbers them) crosses the
-node boundary on one edge per node only. Two nodes of 2 ranks over a 1 Gbit/s link: a pairwise all-gather
-of 16 MB takes 138-167 ms, the ring 103-112 ms (``benchmarks/results/network/collectives-1gbit.md``); at 8
-ranks per node the pairwise exchange would move 4x the ring's bytes across. So a gloo all-gather over a group
-that spans nodes (:func:`spans_nodes`: by torchrun's ``GROUP_RANK``, agreed by the group once) is
-``native``; the reduce-scatter stays pairwise, as gloo's native one costs more than an all-reduce there too
-(207-216 ms).
+At world size 1 an in-place reduce-scatter (``output`` at the start of ``input``) issues nothing, any other
+collective the backend's one-rank copy; an optimizer issues none (:func:`issues_collectives`).
+``torch.distributed`` functions are looked up at call time, so that a test can wrap them.
 
-``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors (read when the collective is
-issued; set it alike on every rank). Tensors on an accelerator always use ``native``. The
-``torch.distributed`` functions are looked up at call time, so that a test can wrap them to count traffic.
-
-At world size 1 a reduce-scatter in place (``output`` at the start of ``input``) issues nothing; any other
-reduce-scatter or all-gather issues the backend's one-rank collective (a copy: NCCL and gloo take one-rank
-groups). An optimizer at one rank issues none: it asks :func:`issues_collectives` once, at its construction,
-looked up on this module then, so that a test on a machine with one GPU can answer True in its ranks and run
-the collective path there (tests/distributed.py's ``collectives_at_one_rank``): the reduce-scatter into an
-output of its own as at world size 2 and up, the all-gather (and ``quantize_param_gather``'s 8-bit one, the
-owner decoding its own payload) issued.
-
-Every wait goes through :class:`zeroimpl.pending.Pending`: bounded by ``timeout`` (``CollectiveError``), and
-failing for good once it raised. A collective that a gloo worker thread runs (all-reduce, native reduce-scatter
-and all-gather) gets fresh aliases of CPU tensors, which it hands to :mod:`zeroimpl.shutdown` after its wait.
+Every wait goes through :class:`zeroimpl.pending.Pending`: bounded by ``timeout``, failing for good once it
+raised, and handing the CPU tensors lent to gloo's worker threads (:func:`_aliases`) to :mod:`zeroimpl.shutdown`.
 """
 
 from __future__ import annotations
@@ -76,9 +57,9 @@ class PayloadBlocks(Protocol):
 
 
 def issues_collectives(world_size: int) -> bool:
-    """Whether an optimizer over ``world_size`` ranks issues the backend's collectives (and the 8-bit
-    all-gather's encoding): above one rank (at one they would be copies). Asked once, when an optimizer is
-    built."""
+    """Whether an optimizer over ``world_size`` ranks issues the backend's collectives (and the 8-bit all-gather's
+    encoding): above one rank, where they are more than copies. Asked on this module when an optimizer is built,
+    so that a test can patch it to run the collective path on one GPU (tests/distributed.py)."""
     return world_size > 1
 
 
@@ -87,9 +68,8 @@ def _collective(new_name: str, old_name: str):
 
 
 def algorithm(group, tensor: torch.Tensor, gather: bool = False, timeout: Optional[float] = None) -> str:
-    """``native`` or ``pairwise`` for ``tensor``'s reduce-scatter (or, ``gather``, all-gather): native off the
-    CPU, else the environment's choice, else on gloo pairwise -- but for an all-gather over a group that spans
-    nodes -- and native elsewhere."""
+    """``native`` or ``pairwise`` for ``tensor``'s reduce-scatter (``gather``: all-gather): native off the CPU, else
+    ``ZEROIMPL_COLLECTIVES`` (ValueError if unknown), else pairwise on gloo unless an all-gather spans nodes."""
     if tensor.device.type != "cpu":
         return "native"
     chosen = os.environ.get("ZEROIMPL_COLLECTIVES", "")
@@ -106,11 +86,9 @@ _spans: dict[tuple, bool] = {}  # (the group's global ranks, this rank's GROUP_R
 
 
 def spans_nodes(group, timeout: Optional[float] = None) -> bool:
-    """Whether ``group``'s ranks sit on more than one node, by the node number torchrun gives each rank
-    (``GROUP_RANK``). The ranks agree on it with one all-reduce of every rank's node number, the first time a
-    group asks (collective: all-gathers run on every rank of the group in the same order) and again only if
-    ``GROUP_RANK`` changes; so every rank gets the same answer, whatever each node's number of ranks. False
-    where some rank's launcher did not set ``GROUP_RANK``."""
+    """Whether ``group``'s ranks sit on more than one node, by torchrun's ``GROUP_RANK`` (False if a rank lacks it).
+    Collective the first time a group asks, and when ``GROUP_RANK`` changes: one all-reduce of the ranks' node
+    numbers, so all agree (asked from all-gathers, which every rank of the group issues in the same order)."""
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     node = os.environ.get("GROUP_RANK", "")
     key = (ranks, node)
@@ -129,10 +107,10 @@ def node_count(node_numbers) -> int:
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Optional[float] = None,
                    tag: int = 0) -> Pending:
-    """Start ``output = sum over ranks of input[rank * n:(rank + 1) * n]``; ``n = output.numel()``.
-
-    ``input`` (``world_size * n`` elements) must stay untouched until the wait; ``tag`` tells apart
-    reduce-scatters in flight at once (pairwise), one per bucket."""
+    """Start ``output = sum over ranks of input[rank * n:(rank + 1) * n]``; ``n = output.numel()``. ``input``
+    must stay untouched until the wait; ``tag`` (one per bucket) tells apart pairwise ones in flight at once.
+    Pairwise, the sum runs in a fixed order (own piece, then ``r - 1``, ``r - 2``, ...: at N = 2 bitwise the
+    native sum) and holds a receive buffer of ``(N - 2) / N`` of ``input`` until the wait."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     name, on_stream = "gradient reduce-scatter", input.device.type != "cpu"
     if world == 1 and output.data_ptr() == input.data_ptr():  # in place at one rank: nothing to sum
@@ -143,8 +121,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         return Pending([launch(*lent, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout, lent=lent,
                        on_stream=on_stream)
     pieces = input.view(world, -1)
-    # rank r - 1's piece lands in ``output`` itself (own + it is it + own, bitwise), the others beside it; an
-    # output that cannot take it (another dtype, not contiguous, or over ``input``) gets all of them beside it
+    # r - 1's piece lands in ``output`` itself if it can (own + it == it + own): a fresh shard-sized buffer's page
+    # faults cost more on the CPU than the sum
     direct = output.dtype == input.dtype and output.is_contiguous() and not _overlap(output, input)
     received = torch.empty(world - 1 - direct, output.numel(), dtype=input.dtype, device=input.device)
     works = _exchange([pieces[(rank + k) % world] for k in range(1, world)],
@@ -162,10 +140,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
 
 def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: PayloadBlocks, group,
                              timeout: Optional[float] = None, tag: int = 0) -> Pending:
-    """Start ``output`` = this rank's piece of ``input`` plus every other rank's, each sent to its owner as an
-    8-bit payload on the owner's ``blocks`` (:mod:`zeroimpl.quantized_comm`), dequantized and summed in fp32
-    (then ``output``'s dtype) on the owner: an all-to-all of payloads, about a quarter of the fp32 bytes of
-    :func:`reduce_scatter`. Shapes and ``tag`` as there; this rank's own piece is exact."""
+    """Start ``output`` = this rank's piece of ``input`` (exact) plus every other rank's, sent to its owner as an
+    8-bit payload on the owner's ``blocks`` (:mod:`zeroimpl.quantized_comm`) and summed there in fp32: an
+    all-to-all of about a quarter of :func:`reduce_scatter`'s fp32 bytes. Shapes and ``tag`` as there."""
     if dist.get_world_size(group) == 1:  # nothing crosses a link: nothing to quantize
         return reduce_scatter(output, input, group, timeout, tag)
     works, lent, sent, received = _send_payloads(input, blocks, group, tag)
@@ -176,11 +153,10 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: 
 
 def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, timeout: Optional[float] = None,
                          tag: int = 0) -> Pending:
-    """Start ``tensor`` = its sum over the group's ranks, in 8 bits both ways: a quantized reduce-scatter of its
-    pieces (as :func:`reduce_scatter_quantized`, ``blocks.shard_numel`` elements each, ``tensor`` zero-padded to
-    ``world_size`` of them), then, at the wait, an all-gather of each owner's fp32 sum as a payload on its
-    ``blocks``, which every rank -- the owner too -- decodes into ``tensor``, so that all ranks hold the same
-    values. ``tensor`` must stay untouched until the wait, which works in it (when it needs no padding)."""
+    """Start ``tensor`` = its sum over the group, 8 bits both ways: a :func:`reduce_scatter_quantized` of its
+    ``blocks.shard_numel``-element pieces (zero-padded), then at the wait an all-gather of each owner's fp32 sum
+    as a payload, which every rank -- the owner too -- decodes, so that all ranks hold the same values.
+    ``tensor`` must stay untouched until the wait, which works in it when it needs no padding."""
     world, rank, n, size = dist.get_world_size(group), dist.get_rank(group), blocks.shard_numel, blocks.payload_bytes
     name = "gradient shard all-reduce across replicas (8-bit)"
     if world == 1:  # the sum is the tensor
@@ -208,9 +184,8 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, tim
 
 
 def _send_payloads(input: torch.Tensor, blocks: PayloadBlocks, group, tag: int) -> tuple:
-    """Post the all-to-all of 8-bit payloads: each other rank's piece of ``input`` (``world_size`` pieces)
-    encoded on its owner's blocks, sent to it; return the works, the aliases lent to them, and the payloads
-    sent and received (``(world_size, payload_bytes)`` uint8, row r: to / from rank r)."""
+    """Post the all-to-all sending each other rank its piece of ``input``, encoded on its blocks; return the works,
+    the aliases lent, and the payloads sent and received (``(world_size, payload_bytes)`` uint8, row r: rank r)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = input.view(world, -1)
     sent = torch.empty(world, blocks.payload_bytes, dtype=torch.uint8, device=input.device)
@@ -264,10 +239,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, timeout: Option
 
 
 def wait_for_stream(stream, timeout: Optional[float], name: str) -> None:
-    """Block the host until ``stream`` (a CUDA stream) has run everything queued on it, bounded by ``timeout``
-    (then :class:`CollectiveError`): what it runs may wait for a collective that hangs (offload's copies of
-    reduced gradients), which ``stream.synchronize()`` would wait out for as long as NCCL's watchdog lets it.
-    Either way the host waits on an event recorded on ``stream`` now."""
+    """Block the host until a CUDA ``stream`` has run what is queued on it now, bounded by ``timeout`` (then
+    :class:`CollectiveError`): what it runs may wait for a hung collective (offload's copies of reduced
+    gradients), which ``stream.synchronize()`` would wait out for as long as NCCL's watchdog lets it."""
     event = stream.record_event()
     if timeout is None:
         event.synchronize()
@@ -299,9 +273,8 @@ def broadcast(tensor: torch.Tensor, group, timeout: Optional[float] = None, name
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
                 name: str = "all-reduce", read_on_host: bool = False) -> torch.Tensor:
-    """Reduce ``tensor`` in place across the group and return it. ``read_on_host``: the caller reads the result
-    on the host next, so the host waits for it here, bounded by ``timeout`` (:meth:`Pending.wait_on_host`);
-    else, on an accelerator, the current stream waits."""
+    """Reduce ``tensor`` in place across the group and return it. ``read_on_host``: the host waits for it, bounded
+    by ``timeout`` (the caller reads it next); else, on an accelerator, the current stream waits."""
     pending = all_reduce(tensor, op, group, timeout, name)
     (pending.wait_on_host if read_on_host else pending.wait)()
     return tensor
@@ -309,12 +282,10 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optiona
 
 def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather",
                        device: Optional[torch.device] = None) -> list:
-    """Every rank's ``value`` (anything picklable), in group-rank order, with the waits bounded by ``timeout``
-    as every other collective here (``dist.all_gather_object`` waits up to the process group's timeout, 30
-    minutes by default). Two all-gathers: the pickled sizes, then the pickles padded to the largest. On NCCL
-    the bytes travel on ``device`` (the caller's GPU: the optimizer's parameters' -- a script that moves its
-    model with ``.to(f"cuda:{local_rank}")`` without ``torch.cuda.set_device`` has every rank's current GPU at
-    0, where NCCL would see one GPU twice), else on the current GPU."""
+    """Every rank's picklable ``value``, in group-rank order, each wait bounded by ``timeout`` (where
+    ``dist.all_gather_object`` waits out the process group's timeout): the pickled sizes, then the pickles
+    padded to the largest. On NCCL they travel on ``device``, the parameters' GPU: a script that never calls
+    ``torch.cuda.set_device`` has current GPU 0 on every rank, where NCCL would see one GPU twice."""
     world = dist.get_world_size(group)
     if world == 1:  # nothing to gather (a copy, as one through the bytes would be)
         return [pickle.loads(pickle.dumps(value))]
@@ -330,9 +301,8 @@ def all_gather_objects(value, group, timeout: Optional[float] = None, name: str 
 
 def broadcast_object(value, source: int, group, timeout: Optional[float] = None, name: str = "object broadcast",
                      device: Optional[torch.device] = None):
-    """Group rank ``source``'s ``value`` (anything picklable) on every rank of the group, bounded by ``timeout`` as
-    :func:`all_gather_objects`: the pickle's size, then the pickle, each broadcast. Every rank receives the one
-    pickle, where an all-gather would pad every rank's row to it."""
+    """Group rank ``source``'s ``value`` on every rank of the group, bounded and placed as in
+    :func:`all_gather_objects`: two broadcasts, the pickle's size, then the pickle (no padded row per rank)."""
     if dist.get_world_size(group) == 1:
         return pickle.loads(pickle.dumps(value))
     device = _object_device(group, device)
@@ -346,9 +316,8 @@ def broadcast_object(value, source: int, group, timeout: Optional[float] = None,
 
 def gather_objects(value, to: int, group, timeout: Optional[float] = None, name: str = "object gather",
                    device: Optional[torch.device] = None) -> Optional[list]:
-    """Every rank's ``value`` (anything picklable) on group rank ``to``, in group-rank order; ``None`` on the
-    others. Bounded by ``timeout`` as :func:`all_gather_objects`: an all-gather of the pickled sizes, then each
-    pickle sent to ``to`` alone, so that only ``to`` holds them all."""
+    """Every rank's ``value`` on group rank ``to``, in group-rank order (``None`` on the others), bounded and placed
+    as in :func:`all_gather_objects`: an all-gather of the pickled sizes, then each pickle sent to ``to`` alone."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return [pickle.loads(pickle.dumps(value))]
@@ -367,8 +336,8 @@ def gather_objects(value, to: int, group, timeout: Optional[float] = None, name:
 
 def _pickled_with_sizes(value, group, timeout: Optional[float], name: str,
                         device: Optional[torch.device]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``value`` pickled into a uint8 tensor where the group's backend sends it (on NCCL ``device``, else the current
-    GPU; else the host), and every rank's pickle size (one all-gather, waited for on the host: read next)."""
+    """``value`` pickled into a uint8 tensor on :func:`_object_device`, and every rank's pickle size (one
+    all-gather, waited for on the host, which reads it next)."""
     device = _object_device(group, device)
     mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
     sizes = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
@@ -393,8 +362,8 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _aliases(*tensors: torch.Tensor) -> tuple:
-    """Fresh aliases (same memory, Python objects of their own) of ``tensors``, for a collective that a gloo
-    worker thread runs: after :meth:`Pending.wait` only the work holds them (see :mod:`zeroimpl.shutdown`)."""
+    """Fresh aliases (same memory, new Python objects) of ``tensors`` for a collective that a gloo worker thread
+    runs: after :meth:`Pending.wait` only the work holds them (:mod:`zeroimpl.shutdown`)."""
     return tuple(tensor.detach() for tensor in tensors)
 
 

@@ -1,17 +1,12 @@
 """Where this rank's averaged gradient shards live between the reduction and the optimizer step.
 
-Both stores take the output of each bucket's reduce-scatter (``reduced``: ``bucket.shard_numel`` elements
-in the reduce dtype, on the device), accumulate across reductions until ``clear()``, and hand the optimizer
-one tensor per bucket in ``ready()``. They store; they call nothing above them (the step publishes the
-masters: :mod:`zeroimpl.param_sync`):
+Both stores take each reduction of a bucket (``reduced``: ``bucket.shard_numel`` elements in the reduce dtype, on
+the device), sum the reductions until ``clear()``, and hand the optimizer one tensor per bucket (or None) in
+``ready()``. They call nothing above them.
 
 * :class:`DeviceGradientShards` -- no offload: the shards stay on the device, in the reduce dtype.
-* :class:`HostGradientShards` -- CPU offload (:mod:`zeroimpl.offload` holds the policy and carves the host
-  memory): shards in the master's dtype in (pinned) host memory, filled by copies on a side stream.
-
-Shared interface: ``add(bucket_index, reduced)``, ``ready()``, ``unscale(factor)``, ``clear(set_to_none)``,
-``has_gradients``, ``device_tensors()`` / ``host_tensors()`` (for memory accounting and streams), ``accumulating()``
-(a context marking non-final micro-batches: offload sums them on the device).
+* :class:`HostGradientShards` -- CPU offload (:mod:`zeroimpl.offload` carves the memory): shards in the master's
+  dtype in pinned host memory, filled by copies on a side stream.
 """
 
 from __future__ import annotations
@@ -42,9 +37,8 @@ class DeviceGradientShards:
         return self.shards
 
     def unscale(self, factor: float) -> None:
-        """Multiply every shard by ``factor`` (the loss scale's inverse). A 16-bit shard is widened to fp32 first
-        (and kept so until ``clear``): unscaled in 16 bits, a small gradient would round to a subnormal or to
-        zero, which the loss scale is there to prevent."""
+        """Multiply every shard by ``factor`` (the loss scale's inverse), widening 16-bit shards to fp32 until
+        ``clear``: in 16 bits a small gradient would round to a subnormal or zero, as loss scaling is to prevent."""
         for index, shard in enumerate(self.shards):
             if shard is not None and shard.element_size() < 4:
                 self._widened[index] = shard.dtype
@@ -89,10 +83,9 @@ class ShardFill(enum.Enum):
 class HostGradientShards:
     """Gradient shards on the host, filled by asynchronous copies as each bucket's reduction completes.
 
-    Invariant: after :meth:`ready` every gradient reduced since :meth:`clear` is summed in the host shards
-    (in the order of the reductions, as on the device), and no copy touching host memory is in flight.
-    Host syncs: :meth:`ready` waits once per step, whatever the number of buckets.
-    """
+    Invariant: after :meth:`ready` every gradient reduced since :meth:`clear` is summed in the host shards, in the
+    order of the reductions, and no copy touching host memory is in flight. Host syncs: one per step in
+    :meth:`ready`, plus one per bucket for each later micro-batch outside :meth:`accumulating`."""
 
     def __init__(self, device: torch.device, shards: list[torch.Tensor], timeout: Optional[float] = None):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream
@@ -105,8 +98,8 @@ class HostGradientShards:
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
-        """Inside the block, the backward passes are non-final micro-batches: their reductions sum on the device
-        and cross to the host once, at the first one outside it (or at ``ready()``)."""
+        """Mark non-final micro-batches: their reductions sum on the device and cross to the host once, at the
+        first reduction outside the block (or at ``ready()``)."""
         previous, self._accumulating = self._accumulating, True
         try:
             yield
@@ -141,8 +134,7 @@ class HostGradientShards:
         self._fill[bucket_index] = ShardFill.FILLED  # (a ZEROED shard is overwritten)
 
     def wait_copies(self) -> None:
-        """Block until no gradient copy to the host is in flight (the host shards may then be read or written):
-        a wait on the copy stream when a copy was queued since the last one, else nothing."""
+        """Block until no gradient copy to the host is in flight; then the host shards may be read or written."""
         if self._copying:
             comm.wait_for_stream(self._stream, self._timeout, "gradient copies to the host")
             self._copying = False

@@ -1,72 +1,45 @@
 """Gradient reduction: from each rank's full ``param.grad`` to the averaged gradient shard it owns, one round at a time.
 
-Tensors named here (all 1-D):
+Tensors named here (all 1-D, in the reduce dtype):
 
-* ``bucket buffer`` -- ``bucket.padded_numel`` elements in the reduce dtype; holds ``grad / world_size`` (every
-  rank of the topology: with hybrid sharding, shard size times replicas) of every bucket member (zero for
-  members without a gradient and for the padding). Lives only from the first gradient of the bucket until its
-  reduce-scatter has finished.
-* ``reduced`` -- ``bucket.shard_numel`` elements in the reduce dtype: this rank's part of one reduction
-  of the averaged gradient (at world size 1, the bucket buffer itself; with hybrid sharding, all-reduced
-  across the replicas once its reduce-scatter in the shard group has finished, that all-reduce in flight
-  while backward goes on, as the reduce-scatters are), handed to the gradient store
-  (:mod:`zeroimpl.grad_shards`), which sums the reductions since the last ``zero_grad()`` on the device
-  or, with offload, on the host.
+* ``bucket buffer`` -- ``bucket.padded_numel`` elements: ``grad / world_size`` of every bucket member (world size
+  of the whole topology: with hybrid sharding, shard size times replicas), zero for members without a gradient
+  and for the padding. Lives from the bucket's first gradient until its reduce-scatter has finished.
+* ``reduced`` -- ``bucket.shard_numel`` elements: this rank's part of one reduction (at world size 1, the bucket
+  buffer itself; with hybrid sharding, then all-reduced across the replicas, also during backward), handed to the
+  gradient store (:mod:`zeroimpl.grad_shards`), which sums the reductions until the step or ``zero_grad()``.
+  ``quantize_grad_reduce`` sends 8-bit payloads (:func:`zeroimpl.comm.reduce_scatter_quantized`), summed in fp32.
 
-With ``quantize_grad_reduce`` each reduce-scatter sends 8-bit payloads instead
-(:func:`zeroimpl.comm.reduce_scatter_quantized`, blocks of :mod:`zeroimpl.quantized_comm`): the same buffers,
-the same order, ``reduced`` summed in fp32 by its owner.
+Stage 1 keeps gradients in ``param.grad`` during backward and reduces every bucket once, when the optimizer needs
+them (:meth:`GradientReducer.reduce_held_grads`): one reduce-scatter per step however many micro-batches. Under
+torch's DistributedDataParallel (``under_ddp``, looked for until the first step), ``param.grad`` is averaged
+already: stage 1 copies this rank's pieces into the store (as ZeroRedundancyOptimizer does); stage 2 refuses.
 
-Stage 1 keeps gradients in ``param.grad`` during backward and reduces all buckets once, when the optimizer
-needs them (:meth:`GradientReducer.reduce_held_grads`): one reduce-scatter per step however many micro-batches.
-Under torch's DistributedDataParallel (looked for at each round's first gradient until the first step:
-``under_ddp``), DDP has already averaged ``param.grad``: stage 1 then copies this rank's pieces of it into the store
-and reduces nothing (as torch's ZeroRedundancyOptimizer does: DDP's all-reduce, 2Ψ, then the parameters'
-all-gather, Ψ); stage 2 refuses.
-
-Stage 2 reduces during backward. A post-accumulate-grad hook copies the gradient into its bucket buffer and
-frees ``param.grad``; a bucket's sync starts (:meth:`~GradientReducer.start_grad_sync`) *strictly in bucket
-order*: once every one of its parameters has a gradient and every bucket before it has started, so that every
-rank issues the same collectives in the same order whatever order its hooks fire in. At the end of backward
-(an autograd-engine callback) the buckets not started yet -- those with unused parameters -- start with zeros,
-and every collective is finished (:meth:`~GradientReducer.finish_grad_sync`), so no bucket buffer survives
-backward::
+Stage 2 reduces during backward: a post-accumulate-grad hook copies the gradient into its bucket buffer and frees
+``param.grad``. Buckets start their sync (:meth:`~GradientReducer.start_grad_sync`) *strictly in bucket order*,
+each once all its parameters have a gradient and every bucket before it has started, so that every rank issues the
+same collectives in the same order whatever order its hooks fire in. At the end of backward the buckets not
+started (unused parameters) start with zeros and every collective is finished: no bucket buffer survives backward::
 
     compute: --grad b0--|--grad b1--|--grad b2--|
     comm:               |--RS b0----|--RS b1----|--RS b2--|  (at most `max_inflight` in flight)
     hybrid:                         |--AR b0----|--AR b1----|--AR b2--|  (across replicas; as many)
 
-A *round* is what one backward pass reduces: each bucket once. Its one state machine, :class:`RoundState`:
+A *round* is what one backward pass reduces: each bucket once. Its states (:class:`RoundState`):
 
-* ``IDLE`` -> ``RUNNING`` at the round's first gradient: the end-of-backward callback is queued on the backward
-  now running (stage 2: after checking in under torch's ``Join``, see :meth:`GradientReducer._start_round`).
-* ``RUNNING`` -> ``IDLE`` when that callback runs at the end of the outermost backward: the round closes (the
-  buckets not started start, everything is finished, the backward pass is counted). At the end of a nested
-  backward (reentrant activation checkpointing) -> ``DEFERRED``: the next segments fill the same buckets
-  (-> ``RUNNING`` at their first gradient), and whoever needs the gradients next closes it.
-* ``RUNNING`` whose callback the engine dropped: the user's backward failed part-way. Its gradients are kept,
-  as torch keeps the ``.grad`` that a failed backward had already accumulated: the next backward, the step or
-  ``zero_grad()`` closes the round first.
-* any -> ``FAILED`` when zeroimpl's own work raises (a bucket buffer out of memory, a collective that failed or
-  timed out, a landing out of memory): the collectives of this rank are no longer those of the others, so
-  there is no retry. The error says so and names the way on (restart from the last checkpoint); the other
-  ranks raise ``CollectiveError`` at their next collective (within ``collective_timeout``); every later hook,
-  step and ``zero_grad()`` of this rank raises naming the first failure. Terminal. An interrupt (Ctrl-C) in the
-  round's work is one too, unless this rank has issued nothing of the round yet: the round then stays open as a
-  failed backward's.
+* ``IDLE`` -> ``RUNNING`` at the first gradient, which queues an end-of-backward callback on the running backward.
+* ``RUNNING`` -> ``IDLE`` when the callback runs at the end of the outermost backward and closes the round. At the
+  end of a nested (reentrant checkpointing) backward -> ``DEFERRED``: later segments fill the same buckets, and
+  whoever needs the gradients next closes the round. A failed backward drops the callback: its gradients are kept,
+  as torch keeps ``.grad``, and the next backward, step or ``zero_grad()`` closes the round first.
+* any -> ``FAILED``, terminal, when zeroimpl's own work raises (out of memory, a collective failed or timed out):
+  this rank's collectives no longer match the others', so every later verb raises, naming the first failure, and
+  the other ranks raise ``CollectiveError`` at their next collective. An interrupt (Ctrl-C) fails the round too,
+  unless this rank has issued nothing of it yet: the round then stays open as a failed backward's.
 
-The buckets of a round: those below ``_started`` have started their sync (each an :class:`InFlight` handle
-until finished, then in the store); the others hold the gradients that arrived (``_arrived``) in their buffer.
-
-Its work keeps three rules by construction: every verb (a hook, or a call of the optimizer's) is a
-:func:`reducer_verb`, refused once the reducer has failed and run as one span of its :class:`WorkStream`; every
-collective is issued through :meth:`GradientReducer._issue`, inside ``_own_work`` (whatever fails there leaves the
-reducer ``FAILED``: every later verb raises, naming it), its tensors recorded on the work stream, and kept as one
-:class:`InFlight` (buffer, output, work) until it is waited for (``tests/test_house.py`` holds new code to it).
-
-Besides the values, the reducer records which parameters received a gradient since the last
-``zero_grad()`` or step (``grad_exists``), so that parameters without one are not stepped, as in torch, and how
-many backward passes reached them (``backward_passes``), which the step's checks compare across ranks.
+Rules kept by construction (``tests/test_house.py`` holds new code to them): every verb (a hook, or a call of the
+optimizer's) is a :func:`reducer_verb`; every collective is issued through :meth:`GradientReducer._issue`, inside
+``_own_work`` (whatever fails there leaves the reducer ``FAILED``), and kept as one :class:`InFlight` until finished.
 """
 
 from __future__ import annotations
@@ -105,8 +78,8 @@ class RoundState(enum.Enum):
 
 
 class InFlight(NamedTuple):
-    """One bucket's collective in flight, with what it needs until it finishes: its reduce-scatter (``buffer``:
-    the bucket buffer it reads) or, hybrid, its reduced shard's all-reduce across replicas (``buffer`` None)."""
+    """One bucket's collective in flight, with the tensors it needs until it finishes: its reduce-scatter
+    (``buffer``: the bucket buffer it reads) or, hybrid, its shard's all-reduce across replicas (``buffer`` None)."""
 
     bucket_index: int
     buffer: Optional[torch.Tensor]
@@ -114,17 +87,14 @@ class InFlight(NamedTuple):
     work: Pending
 
     def wait(self, streams: WorkStream, on_host: bool) -> None:
-        """Wait for the collective; ``on_host``: block the host, not the compute stream, until it is done (CUDA).
-        Its tensors are recorded on the work stream first: the wait lets go of the work's buffers, and queues the
-        8-bit sum that reads them."""
+        """Wait for the collective; ``on_host``: block the host, not the compute stream (CUDA). Records its tensors
+        on the work stream first: the wait lets go of the work's buffers and queues the 8-bit sum that reads them."""
         streams.use(*(t for t in (self.buffer, self.output) if t is not None), *self.work.buffers)
         (self.work.wait_on_host if on_host else self.work.wait)()
 
 
 def reducer_verb(joined: bool = True):
-    """A verb of :class:`GradientReducer` (a hook, or what the optimizer calls): refused once the reducer has failed,
-    and run as one span of its work stream (``joined``: :meth:`WorkStream.span`). Its collectives go through
-    :meth:`GradientReducer._issue`, which holds them to ``_own_work``: the three conventions by construction."""
+    """Make a method a :class:`GradientReducer` verb: refused once it has failed, run as one span of its work stream."""
     def decorate(method):
         @functools.wraps(method)
         def refused_if_failed(self, *args, **kwargs):
@@ -138,14 +108,11 @@ class GradientReducer:
     """Owns the hooks, the round and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``.
 
     Args (keywords):
-        layout, storages: the shard layout and its buckets' storage (the parameters' flat buffers).
-        topology: the shard group (reduce-scatters), hybrid, the replicate group (all-reduces of the shards), and
-            the timeout of the collectives (``CollectiveError`` after it).
+        topology: the shard group, hybrid the replicate group, and the collectives' timeout (then CollectiveError).
         stage: 1 (reduce at the step) or 2 (reduce during backward).
         reduce_dtype: the dtype of the bucket buffers and shards (None: fp32, fp64 for fp64 parameters).
-        max_inflight: collectives in flight (each kind) before the oldest is waited for.
-        gradients: the gradient store that finished reductions go to.
-        uneven: the check-in under torch's ``Join`` before each stage-2 round's reduce-scatters.
+        max_inflight: the most collectives of each kind in flight; beyond it the oldest is waited for.
+        uneven: the ``Join`` check-in before each stage-2 round's reduce-scatters.
         quantized: ``quantize_grad_reduce`` (True, ``"replicas"`` or False).
     """
 
@@ -156,9 +123,7 @@ class GradientReducer:
         self.layout, self.storages, self.stage = layout, storages, stage
         self.group = topology.shard  # reduce-scatters
         self.replicate = topology.replicate  # all-reduces of the reduced shards (hybrid sharding), or None
-        # per bucket: the given dtype, or fp32 (fp64 for fp64 parameters)
-        self.reduce_dtypes = [reduce_dtype or at_least_fp32(s.param_buffer.dtype)
-                              for s in storages]
+        self.reduce_dtypes = [reduce_dtype or at_least_fp32(s.param_buffer.dtype) for s in storages]  # per bucket
         self.max_inflight, self.gradients, self.uneven = max_inflight, gradients, uneven
         self.timeout = topology.timeout
         self._scale = 1.0 / topology.world_size
@@ -166,11 +131,9 @@ class GradientReducer:
         self.streams = WorkStream(storages[0].param_buffer.device if storages else "cpu")  # GPU work in host order
         self._pieces = layout.pieces(topology.shard_rank)  # this rank's pieces of the gradient shards
         self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
-        # quantized: per bucket, the blocks its 8-bit reduce-scatter sends on, and those of its shard's 8-bit
-        # all-reduce across replicas (or None: not quantized)
+        # per bucket, the 8-bit blocks of its reduce-scatter and of its all-reduce across replicas (None: not quantized)
         self._blocks, self._replica_blocks = reduction_blocks(layout, quantized, topology.shard_rank, topology.replica)
 
-        # the round (see the module docstring)
         self.state = RoundState.IDLE
         self._callback: Optional[weakref.ref] = None  # the end-of-backward callback queued for the round
         self._failure: Optional[str] = None  # FAILED: what failed first
@@ -184,17 +147,15 @@ class GradientReducer:
         self._after_backward: Optional[weakref.WeakMethod] = None  # told at the end of every backward
 
         # since the last step or zero_grad()
-        self.backward_passes = 0  # rounds closed: backward passes that reached these parameters
+        self.backward_passes = 0  # rounds closed (backward passes that reached us): the step's checks compare it
         num_params = len(layout.slots)
-        self.grad_exists = [False] * num_params  # by parameter index: a gradient arrived since the last clear
+        self.grad_exists = [False] * num_params  # by param index: a gradient came since the last clear (else no step)
         self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
         self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
-        # whether DistributedDataParallel holds the parameters (it averages param.grad): None until the first gradient
-        self.under_ddp: Optional[bool] = None
+        self.under_ddp: Optional[bool] = None  # DDP wraps the model (it averages param.grad); None: not yet known
         self._stepped = False  # a step consumed gradients: the wrapping is settled
-        # under DDP: (backward passes, every param.grad's version) when param.grad was last taken, and how many takes
-        self._taken: Optional[tuple] = None
-        self.takes = 0
+        self._taken: Optional[tuple] = None  # under DDP: (backward passes, param.grad versions) at the last take
+        self.takes = 0  # under DDP: copies of param.grad into the store
 
         self._bucket_of = {}  # id(param) -> (bucket index, param index)
         self._params: dict[int, torch.nn.Parameter] = {}  # param index -> the parameter
@@ -230,8 +191,8 @@ class GradientReducer:
         if self._interrupted():  # the user's backward failed part-way: keep what its round reduced
             self._close_round()
         if self.stage == 2 and param_index in self._arrived[bucket_index]:
-            # a second gradient in one round: reentrant checkpointing whose outer backward we could not see
-            # end, or a parameter shared by two checkpointed segments. Close the round and start another.
+            # a second gradient in one round (reentrant checkpointing whose outer backward's end went unseen, or a
+            # parameter shared by two checkpointed segments): close the round and start another
             self._close_round()
         self._start_round()
         if self.stage == 1:
@@ -260,12 +221,9 @@ class GradientReducer:
         return None
 
     def _start_round(self) -> None:
-        """Have the end of the backward now running close the round (unless a callback is queued already).
-
-        A stage-2 round checks in under torch's ``Join`` at its start, here and nowhere else in the round: its
-        reduce-scatters run during backward, and a rank that joined answers the first collective of an iteration
-        with the check-in's all-reduce, so the check-in must come before them (the step checks in again before
-        its own collectives: :meth:`zeroimpl.step_checks.StepChecks.prepare`)."""
+        """Queue the round's end-of-backward callback on the running backward, unless one is queued. A new stage-2
+        round first checks in under ``Join``, before its reduce-scatters: a rank that joined answers an iteration's
+        first collective with the check-in's all-reduce (the step checks in again: ``StepChecks.prepare``)."""
         if self.state is RoundState.RUNNING:
             return
         if self.stage == 2 and self.state is RoundState.IDLE:
@@ -278,8 +236,7 @@ class GradientReducer:
         self.state = RoundState.RUNNING
 
     def _end_of_backward(self) -> None:
-        """The queued callback ran: close the round at the end of the outermost backward, defer it at the end of
-        a nested one (reentrant checkpointing); then tell the listener."""
+        """Close the round at the end of the outermost backward, defer it at a nested one's; then tell the listener."""
         self._callback = None
         if _inside_outer_backward():
             self.state = RoundState.DEFERRED
@@ -299,8 +256,7 @@ class GradientReducer:
         return self.state is RoundState.DEFERRED or self._interrupted()
 
     def _close_round(self) -> None:
-        """Stage 2: start the sync of every bucket not started yet, in order (each rank issues every bucket's
-        collective once per round, with zeros where no gradient came); finish them all; count the pass."""
+        """Start the buckets not started yet (stage 2; zeros where no gradient came), finish all, count the pass."""
         with self._own_work():
             if self.stage == 2:
                 for bucket_index in range(self._started, len(self._buffers)):
@@ -322,8 +278,7 @@ class GradientReducer:
     # -- failing fast ---------------------------------------------------------------------------
     @contextmanager
     def _own_work(self) -> Iterator[None]:
-        """Run zeroimpl's own work of the round (inside a span of the work stream): whatever it raises leaves the
-        reducer ``FAILED``."""
+        """Run zeroimpl's own work (in a work-stream span): whatever it raises leaves the reducer ``FAILED``."""
         assert self.streams.depth, "the reducer's own work runs inside a span of its work stream (reducer_verb)"
         self._owning += 1
         try:
@@ -348,9 +303,7 @@ class GradientReducer:
 
     def _issue(self, queue: deque, bucket_index: int, buffer: Optional[torch.Tensor], output: torch.Tensor,
                launch: Callable[[], Pending]) -> None:
-        """Issue one collective (``launch()``) and keep it in ``queue`` as one :class:`InFlight` until it is finished.
-        The reducer's only way to issue one: inside ``_own_work`` (a failure leaves the reducer ``FAILED``) and so
-        inside a span of the work stream, its tensors recorded there."""
+        """Issue ``launch()`` (the reducer's one way to issue), kept in ``queue`` as an :class:`InFlight` until done."""
         assert self._owning, "the reducer's collectives are issued inside _own_work"
         self.streams.use(*(t for t in (buffer, output) if t is not None))
         queue.append(InFlight(bucket_index, buffer, output, launch()))
@@ -369,8 +322,8 @@ class GradientReducer:
 
     # -- buckets --------------------------------------------------------------------------------
     def _buffer(self, bucket_index: int) -> torch.Tensor:
-        """The bucket's reduction buffer of this round: ``padded_numel`` elements, born with zero padding (it is
-        reduce-scattered into a gradient shard, whose norm must not see garbage); slots written or zeroed later."""
+        """The bucket's buffer of this round, born with zero padding (reduce-scattered into a gradient shard, whose
+        norm must not see garbage); its slots are written or zeroed later."""
         if self._buffers[bucket_index] is None:
             storage = self.storages[bucket_index]
             buffer = torch.empty(storage.bucket.padded_numel, dtype=self.reduce_dtypes[bucket_index],
@@ -392,9 +345,8 @@ class GradientReducer:
         self._arrived[bucket_index].add(param_index)
 
     def start_grad_sync(self, bucket_index: int) -> None:
-        """Start the next bucket's reduce-scatter: zero the slots no gradient wrote this round (the padding was
-        zeroed at allocation), issue it, and keep at most ``max_inflight`` in flight (the oldest waited for on the
-        host). Inside :meth:`_own_work`."""
+        """Start the next bucket's reduce-scatter, zeros in the slots no gradient wrote, keeping at most
+        ``max_inflight`` in flight (the oldest waited for on the host). Inside :meth:`_own_work`."""
         assert bucket_index == self._started, (bucket_index, self._started)
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
@@ -418,10 +370,9 @@ class GradientReducer:
             self._finish_oldest(self._reducing, on_host=buffer.is_cuda)
 
     def _finish_oldest(self, queue: deque, on_host: bool = False) -> None:
-        """Finish the oldest collective of ``queue`` and hand its shard on: to the store, or, a reduce-scatter's
-        under hybrid sharding, to its all-reduce across the replicas (issued here, finished later from
-        ``_replicating``, whose queue is bounded as ``_reducing`` is). ``on_host``: block the host, not the compute
-        stream, until the collective is done (CUDA)."""
+        """Finish the oldest collective of ``queue`` and hand its shard to the store or, a reduce-scatter's under
+        hybrid sharding, to its all-reduce across the replicas (kept in ``_replicating``, bounded as ``_reducing``
+        is). ``on_host``: as :meth:`InFlight.wait`."""
         reduction = queue[0]
         reduction.wait(self.streams, on_host)
         queue.popleft()
@@ -448,17 +399,16 @@ class GradientReducer:
     # -- the optimizer's verbs ------------------------------------------------------------------
     @reducer_verb()
     def finish_grad_sync(self) -> None:
-        """Every round of backward finished: close one left open by a reentrant backward or by the user's backward
-        that failed (before any other collective: the other ranks issued its reduce-scatters at the end of their
-        backward). Raises if the reducer has failed."""
+        """Close a round left open by a reentrant or a failed backward; call before any other collective (the other
+        ranks issued its reduce-scatters at the end of their backward). Raises if the reducer has failed."""
         if self._left_open():
             self._close_round()
 
     @reducer_verb()
     def reduce_held_grads(self) -> bool:
-        """Stage 1: reduce-scatter the gradients ``param.grad`` holds into the store, every bucket in order (the step's
-        one reduction); return whether there were any. Stage 2: refuse a ``param.grad`` set outside the hooks.
-        After :meth:`finish_grad_sync`."""
+        """Stage 1: reduce-scatter what ``param.grad`` holds into the store, every bucket in order; return whether
+        there was any (False under DDP, whose averaged ``param.grad`` is copied instead). Stage 2: refuse a
+        ``param.grad`` set outside the hooks. After :meth:`finish_grad_sync`."""
         if self.under_ddp:
             self._take_averaged_grads()
             self.streams.hand_over(*self.gradients.device_tensors())
@@ -485,11 +435,9 @@ class GradientReducer:
         return bool(with_grad)
 
     def _take_averaged_grads(self) -> None:
-        """Under DDP (stage 1): copy this rank's pieces of ``param.grad``, which DDP has averaged, into the store,
-        every bucket (zeros where no gradient came, as a reduce-scatter would); again whenever a backward ran or a
-        ``param.grad`` changed since (``torch.nn.utils.clip_grad_norm_``, GradScaler's unscaling, before the step or
-        between ``found_nonfinite()`` and it: ``takes`` counts the copies). ``param.grad`` stays the full gradient
-        DDP left, as with a torch optimizer."""
+        """Under DDP (stage 1): copy this rank's pieces of the averaged ``param.grad`` into the store (zeros where
+        no gradient came); again whenever a backward ran or a ``param.grad`` changed since (clipping, unscaling:
+        ``takes`` counts the copies). ``param.grad`` stays DDP's full gradient, as with a torch optimizer."""
         taken = (self.backward_passes, tuple(None if p.grad is None else p.grad._version
                                              for p in self._params.values()))
         if taken == self._taken:
@@ -512,8 +460,8 @@ class GradientReducer:
             self.gradients.add(bucket_index, shard)
 
     def _check_grads_unedited(self) -> None:
-        """Stage 1 reduces ``param.grad`` at the step: an in-place edit since backward of a local gradient (kept
-        by a hook: ``.grad`` itself is a view of the average after backward) would act on this rank's alone."""
+        """Refuse an in-place edit since backward of a local gradient (kept by a hook; ``.grad`` itself is a view
+        of the average): stage 1 reduces at the step, so the edit would act on this rank's gradient alone."""
         edited = [i for s in self.storages for i, p in zip(s.bucket.param_indices, s.params)
                   if p.grad is not None and i in self._grad_versions and p.grad._version != self._grad_versions[i]]
         if edited:
@@ -528,8 +476,7 @@ class GradientReducer:
 
     @reducer_verb()  # perhaps in a hook of the next backward, on a stream of the forward's
     def forget(self, param_indices: list[int]) -> None:
-        """The user cleared these parameters' ``.grad`` (``model.zero_grad()``, ``p.grad = None``): zero their
-        elements of the gradient shards and forget that they had a gradient since the last step, as torch would."""
+        """The user cleared these parameters' ``.grad``: zero their shard pieces and forget them, as torch would."""
         cleared = set(param_indices)
         shards = self.gradients.ready()
         self.streams.use(*(shard for shard in shards if shard is not None))
@@ -542,10 +489,8 @@ class GradientReducer:
             self._consumed[index] = False
 
     def end_step(self, stepped: Optional[list[bool]] = None) -> None:
-        """The optimizer step consumed this step's gradients (as ``zero_grad()`` would clear them): count
-        backward passes afresh, clear the gradient store and forget which parameters had a gradient,
-        remembering those the step stepped (``stepped``, agreed across ranks; ``None``: all) for
-        ``zero_grad(set_to_none=False)``. The reducer is the store's one owner: it fills it and clears it."""
+        """The step consumed the gradients: clear the store (the reducer is its one owner) and the counts, keeping
+        the stepped parameters (``stepped``, agreed across ranks; None: all) for ``zero_grad(set_to_none=False)``."""
         self.backward_passes = 0
         self._consumed = list(stepped) if stepped is not None else [True] * len(self.grad_exists)
         self.grad_exists = [False] * len(self.grad_exists)
@@ -585,8 +530,7 @@ class GradientReducer:
 
 
 def complete_through(arrived: list[set[int]], buckets, start: int) -> int:
-    """The end of the run of complete buckets from ``start``: buckets ``start`` up to it may start their sync, in
-    order (a bucket is complete once every one of its parameters, ``buckets[i].param_indices``, has arrived)."""
+    """The end of the run of complete buckets (every parameter arrived) from ``start``: they may start their sync."""
     end = start
     while end < len(buckets) and len(arrived[end]) == len(buckets[end].param_indices):
         end += 1
@@ -594,8 +538,7 @@ def complete_through(arrived: list[set[int]], buckets, start: int) -> int:
 
 
 def under_compiled_autograd() -> bool:
-    """Whether compiled autograd is tracing this backward (its graph cannot hold collectives and callbacks).
-    Reads torch's flag only when torch._dynamo has been imported."""
+    """Whether compiled autograd is tracing this backward (its graph cannot hold collectives and callbacks)."""
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
     return torch.compiler.is_compiling() or bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
@@ -607,8 +550,7 @@ def _inside_outer_backward() -> bool:
 
 
 class _EndOfBackward:
-    """The callback queued on a backward, holding the reducer weakly (a deleted optimizer lets go of the model);
-    the autograd engine drops it with a backward that fails."""
+    """The callback queued on a backward, holding the reducer weakly; the engine drops it if the backward fails."""
 
     def __init__(self, reducer_ref):
         self.reducer_ref = reducer_ref
@@ -628,6 +570,5 @@ def _forward_to(reducer_ref):
 
 
 def remove_hooks(handles) -> None:
-    """Remove hooks registered on tensors (``RemovableHandle`` s)."""
     for handle in handles:
         handle.remove()

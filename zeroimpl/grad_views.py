@@ -1,39 +1,26 @@
 """``param.grad`` after backward: the averaged gradient, held as this rank's shard, readable by torch's utilities.
 
-After a backward pass that reached a :class:`~zeroimpl.ShardedOptimizer`, every trainable parameter's
-``.grad`` is a :class:`ShardedGrad`: a tensor of the parameter's shape, dtype and device whose values are
-the *averaged* gradient (the one DDP would leave in ``.grad``), but which holds no full-size memory: its
-elements live in the gradient shards of the ranks (this rank holds one contiguous piece of it, or none).
-So the lines of a training loop that read the gradients work as under DDP, at stage 2's memory:
+After a backward that reached a :class:`~zeroimpl.ShardedOptimizer`, each trainable parameter's ``.grad`` (unless
+under DDP) is a :class:`ShardedGrad`: a tensor of the parameter's shape, dtype and device whose values are the
+*averaged* gradient DDP would leave, but whose elements live in the ranks' gradient shards (this rank holds one
+contiguous piece, or none). So a training loop reads gradients as under DDP, at stage 2's memory:
 
-* ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` / ``clip_grads_with_norm_`` (any ``norm_type``,
-  ``foreach`` or not): a norm of a gradient is the norm of the full averaged gradient. The first norm asked
-  for computes the norms of every parameter of the optimizer at once from the local pieces, with **one
-  all-reduce** of one value per parameter; later norms of the same order reuse them until a gradient
-  changes. The first of a step (order > 0 or inf) carries the step's checks in that all-reduce
+* ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm``, ``clip_grads_with_norm_`` (any ``norm_type``, foreach or
+  not): the first norm computes every parameter's norm with **one all-reduce** of one value per parameter, reused
+  until a gradient changes; the first of a step (order > 0) carries the step's checks
   (:meth:`~zeroimpl.step_checks.StepChecks.agree`), so that after torch's clipping the step issues none.
-* ``clip_grad_value_`` and in-place scaling (``mul_``, ``div_``, ``clamp_``, ``zero_``, their ``_foreach``
-  forms): applied to the local piece; no communication.
-* ``torch.amp.GradScaler.unscale_`` (``_amp_foreach_non_finite_check_and_unscale_``): the pieces are
-  unscaled and ``found_inf`` is agreed across the ranks (one all-reduce), so every rank skips the same steps
-  and moves the scale alike.
+* ``clip_grad_value_`` and in-place scaling (``mul_``, ``div_``, ``clamp_``, ``zero_``, their ``_foreach`` forms):
+  applied to the local piece.
+* ``torch.amp.GradScaler.unscale_``: ``found_inf`` is agreed across the ranks (one all-reduce).
 
-Any other operation on a sharded gradient raises a ``RuntimeError`` naming the alternatives (it would need
-the full gradient, which no rank holds). Because a norm is a collective, every rank must ask for it: a
-gradient norm read on one rank alone waits for the others (and fails after the collective timeout).
+Any other operation raises a ``RuntimeError`` naming the alternatives. The first operation after a backward
+finishes the reduction (and unscaling) through :meth:`GradViews.prepare`, a collective, as a norm is: every rank
+must run the same operations, or the first to do so waits for the others and fails after the collective timeout.
 
-The first operation on any of the optimizer's gradients after a backward finishes the reduction (stage 1:
-the reduce-scatter of the step; with loss scaling: the unscaling) through :meth:`GradViews.prepare`, which
-calls down into :meth:`zeroimpl.step_checks.StepChecks.prepare`, on every rank alike; ``step()`` calls it too.
-
-Lifecycle, per optimizer (:class:`GradViews`): :meth:`~GradViews.expose` at the end of each backward (the
-gradient reducer's end-of-backward callback calls :meth:`~GradViews.after_backward` once it has closed or
-deferred its round: :meth:`zeroimpl.grad_sync.GradientReducer.call_after_backward`) puts one
-persistent ``ShardedGrad`` per trainable parameter in ``.grad`` (stage 1: holding the rank's local
-gradient until ``prepare``); before the next backward accumulates (a tensor pre-hook), and at ``step()`` and
-``zero_grad()``, :meth:`~GradViews.withdraw` takes them off again. A view the user removed in between
-(``model.zero_grad()``, ``p.grad = None``) is *dropped*: its gradient is forgotten, as torch forgets a
-cleared ``.grad``.
+Lifecycle (:class:`GradViews`): :meth:`~GradViews.expose` puts one persistent ``ShardedGrad`` per trainable
+parameter in ``.grad`` at the end of each backward; :meth:`~GradViews.withdraw` and :meth:`~GradViews.discard` take
+them out. A view the user removed in between (``p.grad = None``) is *dropped*: its gradient is forgotten, as torch
+forgets a cleared ``.grad``.
 """
 
 from __future__ import annotations
@@ -64,19 +51,17 @@ _FOREACH = {aten._foreach_mul_.Scalar: aten.mul_.Scalar, aten._foreach_mul_.Tens
             aten._foreach_clamp_min_.Scalar: aten.clamp_min_.default,
             aten._foreach_clamp_max_.Scalar: aten.clamp_max_.default, aten._foreach_zero_.default: aten.zero_.default}
 _ALIASES = {aten.detach.default, aten.alias.default}
-# the norms, and GradScaler's unscale-and-check: ran on the gradients as the ranks agree on them
 # multiplications by one factor (torch's clipping): the step's verdict stands across factors of magnitude <= 1
 _MULTIPLICATIONS = {aten.mul_.Tensor, aten.mul_.Scalar, aten._foreach_mul_.Scalar, aten._foreach_mul_.Tensor}
+# collective: the norms, and GradScaler's unscale-and-check
 _NORMS_AND_UNSCALE = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar,
                       aten._amp_foreach_non_finite_check_and_unscale_.default}
 
 
 class ShardedGrad(torch.Tensor):
-    """The averaged gradient of one parameter, sharded across the ranks (see the module docstring).
-
-    Shape, strides, dtype and device are the parameter's; the values are read and written through the
-    :class:`GradViews` that made it, in this rank's piece of the gradient shard (the reduce dtype, fp32 by
-    default, on the host with offload)."""
+    """The averaged gradient of one parameter, sharded across the ranks. Shape, strides, dtype and device are the
+    parameter's; the values live in this rank's piece of the gradient shard (the reduce dtype; with offload, the
+    master's dtype on the host), read and written through the :class:`GradViews` that made it."""
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, index: int, views: "GradViews"):
@@ -118,9 +103,8 @@ class GradViews:
     Args:
         params: the optimizer's trainable parameters, by parameter index.
         pieces: this rank's pieces (at most one per parameter).
-        checks: the optimizer's :class:`~zeroimpl.step_checks.StepChecks`: it finishes the reduction and
-            unscaling (after which its ``gradients``, the gradient store, holds the averaged gradients) and forgets
-            the gradients of parameters whose view the user removed from ``.grad``.
+        checks: the optimizer's :class:`~zeroimpl.step_checks.StepChecks`: it finishes the reduction and unscaling
+            into its gradient store (``gradients``) and forgets the gradients of dropped views.
         topology: the shard group (norms and ``found_inf`` are all-reduced there) and the collectives' timeout.
     """
 
@@ -134,20 +118,19 @@ class GradViews:
         self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
         self._installed: set[int] = set()  # parameter indices whose .grad is its view
         self._local: dict[int, torch.Tensor] = {}  # stage 1, not prepared: the rank's own gradient, by index
-        # ord -> every parameter's norm (1-D, by parameter index), until a gradient changes: dropped on the
-        # same events on every rank (never on a rank-local fact such as a shard's version counter), so that
+        # ord -> every parameter's norm (1-D); dropped on events every rank sees (not a shard's version), so that
         # every rank runs the norm all-reduce alike
         self._norms: dict = {}
-        # (id, version, device) of a tensor argument -> (it, its copy on the device): clipping's coefficient,
-        # on the GPU, multiplies every piece, which offload keeps on the host; until the views are taken out
+        # (id, version, device) of a tensor argument -> (it, its copy there): with offload, clipping's coefficient
+        # on the GPU multiplies every host piece; kept until the views are taken out
         self._copies: dict = {}
         handles = [p.register_hook(_withdraw_before_accumulating(weakref.ref(self))) for p in params]
         self.remove_hooks = weakref.finalize(self, remove_hooks, handles)  # (callable: the optimizer rebuilt)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def prepare(self) -> bool:
-        """Finish the reduction and unscaling with the views out of ``.grad`` (collective); return whether there are
-        gradients to step on. Then every trainable parameter's ``.grad`` is its view of the averaged gradient."""
+        """Finish the reduction and unscaling with the views out of ``.grad``, then expose them (collective); return
+        whether there are gradients to step on."""
         self.withdraw()  # .grad as the reducer left it (stage 1: the local gradients)
         if not self.checks.prepare():
             return False
@@ -155,13 +138,12 @@ class GradViews:
         return True
 
     def after_backward(self) -> None:
-        """A backward that reached the optimizer ended (nested ones too: exposing is idempotent, and the next
-        accumulation withdraws the views first)."""
+        """Expose the views at the end of every backward, nested ones too (exposing is idempotent)."""
         self.expose(prepared=False)
 
     def expose(self, prepared: bool) -> None:
-        """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local
-        gradient it holds). ``prepared``: the shards already hold the averaged gradients."""
+        """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local gradient
+        it replaces). ``prepared``: the shards already hold the averaged gradients."""
         if self.checks.reducer.under_ddp:  # (stage 1 under DistributedDataParallel, which averages param.grad)
             return  # DDP's param.grad is the full averaged gradient already: no view replaces it
         for index, (param, view) in enumerate(zip(self.params, self._views)):
@@ -176,8 +158,8 @@ class GradViews:
         self.changed()
 
     def withdraw(self) -> list[int]:
-        """Take the views out of ``.grad`` (stage 1 before ``prepare``: give back the local gradients); return
-        the indices of parameters whose view the user had removed (and forget their gradients)."""
+        """Take the views out of ``.grad`` (giving back stage 1's local gradients) before a backward accumulates and
+        in :meth:`prepare`; forget the gradients of views the user had removed, and return their parameter indices."""
         dropped = self._take_out()
         if dropped:
             self.checks.forget(dropped)
@@ -188,8 +170,7 @@ class GradViews:
         self._take_out()
 
     def _take_out(self) -> list[int]:
-        """Each view still in ``.grad`` replaced by the local gradient it kept (or None); the views, local
-        gradients and copies let go. Returns the indices of parameters whose view the user had removed."""
+        """Swap each view still in ``.grad`` for its kept local gradient (or None); return dropped views' indices."""
         dropped = []
         for index in sorted(self._installed):
             param = self.params[index]
@@ -208,14 +189,13 @@ class GradViews:
         self._norms = {}
 
     def _written(self, factor=None) -> None:
-        """The user's operation wrote the gradients (multiplied them by ``factor``, or otherwise): norms are computed
-        afresh, and the step's verdict stands only as :meth:`StepChecks.note_edit` allows."""
+        """The user wrote the gradients (multiplied them by ``factor``, or otherwise): norms are computed afresh, and
+        the step's verdict stands only as :meth:`StepChecks.note_edit` allows."""
         self.changed()
         self.checks.note_edit(factor)
 
     def full_gradients(self) -> list[torch.Tensor]:
-        """The full-size gradients this rank holds now: plain ``.grad`` tensors and the local gradients the views
-        keep (stage 1, before ``prepare``). For memory accounting."""
+        """The full-size gradients this rank holds (plain ``.grad``, stage 1's kept local ones): memory accounting."""
         plain = [p.grad for p in self.params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
         return plain + list(self._local.values())
 
@@ -294,9 +274,8 @@ class GradViews:
         return norm.to(device=view.device, dtype=dtype or view.dtype)
 
     def _all_norms(self, ord: float) -> torch.Tensor:
-        """The ``ord``-norm of every parameter's averaged gradient (by parameter index; one all-reduce of as many
-        values, then kept until the gradients change). fp64 partial terms, so the result is within an ulp or two
-        of the norm of the full gradient."""
+        """The ``ord``-norm of every parameter's averaged gradient, by parameter index, cached until the gradients
+        change. Partial terms in fp64: within an ulp or two of the full gradient's norm."""
         if ord not in self._norms:
             self._norms[ord] = self._reduce_norms(ord)
         return self._norms[ord]
@@ -326,8 +305,7 @@ class GradViews:
         return values if op is not dist.ReduceOp.SUM or ord == 0 else values ** (1.0 / ord)
 
     def _unscale(self, grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-        """GradScaler's unscale: plain tensors as torch does; sharded ones in their pieces, with ``found_inf``
-        agreed across the shard group (every rank then skips the same steps)."""
+        """GradScaler's unscale: plain tensors as torch does, sharded ones in their pieces; ``found_inf`` agreed."""
         plain = [g for g in grads if not isinstance(g, ShardedGrad)]
         if plain:
             torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)
@@ -348,8 +326,7 @@ class GradViews:
 
 
 def _unsupported_arguments(func, args: tuple, kwargs: dict) -> Optional[str]:
-    """Why a supported operation cannot take these arguments on a sharded gradient, or None (checked before the
-    gradients are prepared, so on every rank alike and without a collective)."""
+    """Why a supported operation cannot take these arguments, or None; asked before ``prepare`` (no collective)."""
     if func is aten.linalg_vector_norm.default and (len(args) > 2 and args[2] is not None
                                                      or kwargs.get("dim") is not None):
         return ("a norm over some dimensions of a sharded param.grad is not supported (no rank holds whole rows); "
@@ -370,8 +347,7 @@ def _comm_device(param_device: torch.device, device: torch.device) -> torch.devi
 
 
 def _withdraw_before_accumulating(views_ref):
-    """A tensor pre-hook: before autograd accumulates a new gradient into ``.grad``, take the views out (the
-    first such hook of a backward withdraws all of them), so that it accumulates into what torch would."""
+    """A tensor pre-hook: withdraw the views, so that autograd accumulates into the ``.grad`` torch would."""
     def hook(grad):
         views = views_ref()
         if views is not None and views._installed:

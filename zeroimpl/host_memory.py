@@ -1,10 +1,7 @@
-"""Host memory next to a GPU: copies to the device that do not block the host, and page-locked buffers
-that cost their bytes up to a page.
-
-On CUDA, a copy from pageable host memory (``torch.tensor(values, device="cuda")``, ``cpu_tensor.to("cuda")``)
-makes the host wait for the device; staged through page-locked memory and issued with ``non_blocking=True``
-it is queued on the current stream like a kernel. The page-locked block comes from torch's caching host
-allocator, which does not reuse it before the copy has run. Off CUDA these are plain copies.
+"""Host memory next to a GPU: copies to the device that do not make the host wait (on CUDA, staged through torch's
+caching page-locked allocator, which does not reuse a block before its copy has run, and queued on the current
+stream with ``non_blocking=True``; plain copies elsewhere), and page-locked buffers that cost their bytes up to a
+page (:class:`HostArena`).
 """
 
 from __future__ import annotations
@@ -31,23 +28,18 @@ def device_tensor(values: list, device: torch.device, dtype: torch.dtype) -> tor
 
 
 class HostArena:
-    """Host tensors of several dtypes carved out of one allocation of whole pages, page-locked as one range on
-    a GPU.
+    """Host tensors of several dtypes carved out of one allocation of whole pages, page-locked as one range on a GPU.
 
-    ``pin_memory=True`` takes page-locked memory from torch's caching host allocator, which rounds every
-    block up to a power of two: per-bucket buffers could cost up to twice their bytes. Here one anonymous
-    private mapping (:func:`whole_pages`: zeroed, of its own pages) holds every slice, and on a GPU it is
-    registered with ``cudaHostRegister`` (portable: every device's copies see it as page-locked), so the
-    page-locked bytes are :attr:`nbytes`: the slices' bytes rounded up to whole pages. Slices are laid out
-    widest dtype first, so that each starts aligned to its element size with no gap between them.
+    ``pin_memory=True`` rounds every block up to a power of two, so per-bucket buffers could cost up to twice their
+    bytes. Here one mapping (:func:`whole_pages`) holds every slice and, on a GPU, is registered with
+    ``cudaHostRegister`` (portable: page-locked for every device), so the page-locked bytes are :attr:`nbytes`, the
+    slices' rounded up to whole pages. Slices are laid out widest dtype first: each aligned, with no gaps.
 
-    Invariants: each slice is a storage of its own over the mapping (``torch.save`` of one writes its bytes,
-    not the arena's; ``is_pinned()`` asks about the slice's own first byte), and each keeps the mapping
-    alive. When :attr:`pinned`, every non-empty slice is ``is_pinned()``: where the registration fails, or torch does
-    not count it, each slice is copied into torch's pinned allocator instead, with a warning
-    (:attr:`registered` is False then). The range is unregistered, after the device has finished every
-    queued copy, when the arena is garbage collected: its owner keeps it as long as it copies through the
-    slices.
+    Invariants: each slice is a storage of its own over the mapping (``torch.save`` of one writes its bytes, not the
+    arena's; ``is_pinned()`` asks about its own first byte) and keeps the mapping alive. When :attr:`pinned`, every
+    non-empty slice is ``is_pinned()``: where registration fails or torch does not count it, each slice is copied
+    into torch's pinned allocator instead, with a warning (:attr:`registered` False). The range is unregistered when
+    the arena is collected, after the device has finished every queued copy: its owner keeps it while it copies.
     """
 
     def __init__(self, sizes: list[tuple[int, torch.dtype]], pin_device: Optional[torch.device]):
@@ -70,12 +62,10 @@ class HostArena:
 
 
 def whole_pages(nbytes: int, inherited: bool = True) -> mmap.mmap:
-    """Zeroed host bytes, ``nbytes`` rounded up to whole pages (at least one), from an anonymous private
-    mapping: it starts on a page and no other allocation shares its pages (``cudaHostRegister`` refuses a
-    page registered already); a forked child writes into its own copy. Not ``inherited``: a forked child
-    (a DataLoader worker) has none of it (a child that touches it faults), so that no write of this process
-    copies a page away from under the device's copies (copy-on-write, on kernels or drivers that pin
-    without copying pinned pages at fork); where the kernel refuses the advice, it is left out."""
+    """Zeroed host bytes, ``nbytes`` rounded up to whole pages (at least one), from an anonymous private mapping: it
+    starts on a page and shares no page with another allocation (``cudaHostRegister`` refuses a page registered
+    already). Not ``inherited``: a forked child (a DataLoader worker) gets none of it, so that no write of this
+    process copies a page away from under the device's copies (copy-on-write); skipped where the kernel refuses."""
     length = max(1, -(-nbytes // mmap.PAGESIZE)) * mmap.PAGESIZE
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # (Windows: always private)
     pages = mmap.mmap(-1, length, **private)
@@ -92,17 +82,15 @@ def _address(pages: mmap.mmap) -> int:
 
 
 def _view(pages: mmap.mmap, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``numel`` elements of ``dtype`` at byte ``offset`` of ``pages``, as a storage of their own that keeps
-    ``pages`` alive."""
+    """``numel`` elements of ``dtype`` at byte ``offset`` of ``pages``: a storage of their own that keeps it alive."""
     if numel == 0:
         return torch.zeros(0, dtype=dtype)
     return torch.frombuffer(pages, dtype=dtype, count=numel, offset=offset)
 
 
 def _registered(arena: HostArena, pages: mmap.mmap, device: torch.device) -> bool:
-    """Whether ``arena``'s ``pages`` are now registered with ``cudaHostRegister`` and torch counts its slices as
-    pinned (then unregistered when ``arena`` is collected); if not, the registration is undone, the CUDA
-    error a failure leaves is consumed, and a warning says why."""
+    """Whether ``arena``'s ``pages`` are now registered (until ``arena`` is collected) and torch counts its slices
+    as pinned; if not, the registration is undone, a failure's CUDA error consumed, and a warning says why."""
     try:
         _register(arena.start, arena.nbytes, device)
     except (RuntimeError, AttributeError) as error:  # no cudaHostRegister here (a sandbox, another build)
@@ -121,9 +109,8 @@ def _registered(arena: HostArena, pages: mmap.mmap, device: torch.device) -> boo
 
 
 def _clear_cuda_error(device: torch.device) -> None:
-    """Consume the error a failed CUDA runtime call left as the thread's last error: otherwise the next checked
-    kernel launch (which reads and resets it) would raise it, far from its cause. A one-element launch here
-    reads it; what it raises is that stale error, expected."""
+    """Consume the error a failed CUDA runtime call left as the thread's last error, which the next checked kernel
+    launch would otherwise raise, far from its cause: a one-element launch here raises it, as expected."""
     try:
         torch.zeros(1, device=device)
         torch.cuda.synchronize(device)
@@ -140,8 +127,8 @@ def _register(address: int, nbytes: int, device: torch.device) -> None:
 
 
 def _unregister(pages: mmap.mmap, address: int, device: torch.device, registrant: int) -> None:
-    """(``pages``: held until here, so that the range stays mapped while registered. In a forked child, which
-    has no CUDA context and none of these pages, at its exit: nothing to do.)"""
+    """``pages`` is held until here, so the range stays mapped while registered. A forked child (no CUDA context,
+    none of these pages) has nothing to do."""
     if os.getpid() != registrant:
         return
     torch.cuda.synchronize(device)  # no copy may still read or write the range

@@ -1,57 +1,36 @@
 """The parameter all-gathers left in flight after ``step()`` (``overlap_param_gather``), and the guard that keeps
-its promise: every read of a parameter after ``step()`` sees the new values or waits for them (or raises,
-where its all-gather failed: :class:`zeroimpl.pending.Pending`). Results are bitwise those of
-``overlap_param_gather=False``.
+its promise: every read of a parameter after ``step()`` sees the new values or waits for them (or raises where its
+all-gather failed: :class:`zeroimpl.pending.Pending`). Results are bitwise those of ``overlap_param_gather=False``.
 
-Reads that are seen, and how:
+Reads that are seen:
 
-* Through torch, on the thread that called ``step()``: a :class:`~torch.overrides.TorchFunctionMode` at the
-  bottom of its mode stack waits for the buckets whose parameter buffer a tensor argument aliases (top level,
-  in a list or tuple, or a keyword value; an argument whose storage cannot be read -- a ``torch.func``
-  wrapper, a fake tensor -- waits for all). So the forward waits for bucket i at its first operation on one
-  of its parameters (the overlap), and an evaluation, ``state_dict()``, ``torch.save``, ``p.clone()``,
-  ``p.tolist()``, an EMA update or a write (``p.data.clamp_()``) see the new values. Reads of metadata alone
-  (``p.shape``, ``p.data``, ``p.numel()``, ``p.data_ptr()``, setting ``p.grad``) do not wait.
-* A module's forward, on any thread: a global forward pre-hook waits for the module's own parameters'
-  buckets, and for every bucket before a TorchScript or ``torch.compile`` module (whose code, like C++
-  extensions' kernels and custom ``autograd.Function`` s, runs below the mode). Under ``torch.compile`` the
-  wait is a graph break; with ``fullgraph=True`` an error naming the fixes (:data:`COMPILED_READ`).
-* On CUDA a wait is a stream's: the stream of the read waits, and then the default stream and the one
-  ``step()`` ran on wait for it.
+* Through torch, on the thread that called ``step()``: a :class:`~torch.overrides.TorchFunctionMode` at the bottom
+  of its mode stack waits for the buckets whose parameter buffer a tensor argument aliases (top level, in a list or
+  tuple, or a keyword value; one whose storage cannot be read, such as a fake tensor, waits for all). So the forward
+  waits for bucket i at its first use of one of its parameters (the overlap), and ``state_dict()``, an EMA update or
+  ``p.data.clamp_()`` see the new values. Metadata reads (``p.shape``, ``p.data``, setting ``p.grad``) do not wait.
+* A module's forward, on any thread: a global forward pre-hook waits for the module's own parameters' buckets, and
+  for all before a TorchScript or ``torch.compile`` module, whose code (like C++ kernels and custom
+  ``autograd.Function`` s) runs below the mode. Under ``torch.compile`` the wait is a graph break; with
+  ``fullgraph=True``, an error naming the fixes (:data:`COMPILED_READ`).
+* On CUDA a wait is a stream's: the reading stream waits, then the default stream and ``step()``'s wait for it.
 
-Reads that are not seen -- another thread's outside a module's forward, a third CUDA stream, kernels reached
-around torch (a NumPy array or raw pointer taken before ``step()``, apex's multi-tensor kernels, a
-``@torch.jit.script`` function, ``torch.utils.dlpack``, code under ``torch._C.DisableTorchFunction()``): call
-``optimizer.finish_param_gathers()`` first (:meth:`InFlightGathers.finish`), or build the optimizer with
-``overlap_param_gather=False``.
+Reads not seen -- another thread's outside a module's forward, a third CUDA stream, kernels reached around torch
+(raw pointers, apex, ``@torch.jit.script``, dlpack, ``torch._C.DisableTorchFunction()``) -- need
+``optimizer.finish_param_gathers()`` first, or ``overlap_param_gather=False``. So zeroimpl's own work on its own
+tensors (an inner step, a gather's landing) runs under :func:`guards_lifted`, and whatever hands parameters to code
+the guards cannot see calls ``finish_param_gathers()`` first, as the integrations do through one seam each
+(``ShardedStrategy.finish_param_gathers``, ``ZeroTrainer.save_model``).
 
-One rule for new code. zeroimpl's own work on its own tensors (an inner optimizer's step, a gather's landing) runs
-under :func:`guards_lifted`; anything else that hands parameters to code the guards cannot see (a framework's
-checkpoint or export, another thread, raw storage) calls ``ShardedOptimizer.finish_param_gathers()`` first, as the
-integrations do through their one seam (``ShardedStrategy.finish_param_gathers``, ``ZeroTrainer.save_model``).
+Why a mode, not module pre-hooks alone (Megatron's): with hooks alone, reads outside a module's forward (an EMA,
+``p.data.clamp_()``) would silently see the previous step's values, or be overwritten when the gather lands. The
+mode and hook exist only while a gather is in flight, and each forward first finishes the gathers that have
+arrived, so the cost, a Python call per torch operation, stops once the last has landed (on NCCL, at the first
+module forward: ``benchmarks/results/guard_cost*.md``). Why torch's private stack calls: a user's ``with mode:``
+block spanning ``step()`` pops the top of the stack on exit, where a mode pushed the public way would be.
 
-Why this and not Megatron's module pre-hooks alone: with hooks alone, reads outside a module's forward (an EMA
-update, ``p.data.clamp_()``, a functional evaluation) would see the previous step's values, or be overwritten when
-the gather lands, silently; the mode is what keeps those reads right, and it costs a Python call per torch
-operation only while a gather is in flight (``benchmarks/results/guard_cost*.md``: noise where the guard leaves at
-the first module forward, as on NCCL; +3.7 to +4.9 µs per call on CPU where it stays for the forward). Why torch's
-private stack calls: a mode pushed with the public ``with``/``__enter__`` sits on top, and a user's ``with mode:``
-block that spans ``step()`` would pop the guard, not its own mode, when it exits.
-
-The machinery, kept as small as the promise allows: the mode and the hook exist only while a gather is in
-flight (before each forward the gathers that have arrived, where the backend tells, are finished without a
-wait, so the cost per operation stops as soon as the last one lands); the inner optimizers step with the guards
-lifted (:func:`guards_lifted`: an inner step may be compiled code). A wait from inside the mode's own handler
-cannot take it off the stack (torch holds it off and puts it back): it stays inert until the hook, ``finish``
-or ``start`` removes it. A guard taken off the stack goes to :mod:`zeroimpl.shutdown` (a gloo work issued
-meanwhile may hold it). What is load-bearing, and the tests that guard it: the edits of torch's private mode
-stack (:func:`_push_at_bottom`, :func:`_remove_from_stack`: the guard outlives a user's ``with mode:`` and stays
-above ``torch.set_default_device``'s ``DeviceContext``) and the hook (TorchScript, compile, custom kernels,
-threads): ``tests/test_inflight_overlap.py::test_reads_below_torch_functions_and_the_mode_stack``; every argument seen
-(:meth:`InFlightGathers.buckets_touched`): ``test_every_read_after_step_sees_the_new_parameters``,
-``test_a_users_own_read_or_write_after_step_sees_the_new_parameters`` and test_optimizer_mutation_guards.py's keyword
-case; bitwise results: ``test_overlapped_gathers_give_bitwise_the_same_training``; exit safety:
-``tests/test_shutdown.py``.
+A guard taken off the stack goes to :mod:`zeroimpl.shutdown` (a gloo work issued meanwhile may hold it). Tests:
+``tests/test_inflight_overlap.py``, ``tests/test_optimizer_mutation_guards.py``, ``tests/test_shutdown.py``.
 """
 
 from __future__ import annotations
@@ -113,9 +92,8 @@ class InFlightGathers:
 
     def start(self, pending: dict[int, BucketGather], param_buffers: dict[int, torch.Tensor],
               params: dict[int, list[torch.nn.Parameter]], guard: bool) -> None:
-        """Take over ``pending`` (bucket index -> its gather into ``param_buffers[bucket index]``, whose
-        members are ``params[bucket index]``); with ``guard``, install the guards so that they may stay in
-        flight; without, wait for them now."""
+        """Take over ``pending`` (bucket index -> its gather into ``param_buffers[index]``, whose members are
+        ``params[index]``): with ``guard``, leave them in flight behind the guards; without, wait for them now."""
         self.finish()
         self._pending, self._streams = dict(pending), []
         if not guard:
@@ -134,8 +112,7 @@ class InFlightGathers:
     def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the gathers of ``buckets`` (default: all), in bucket order."""
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
-        # a landing is zeroimpl's own work on its own buffers (an 8-bit gather's decoding: thousands of operations
-        # per bucket), which the guards need not see
+        # a landing is zeroimpl's own work on its own buffers (8-bit decoding: thousands of operations per bucket)
         with guards_lifted() if chosen else contextlib.nullcontext():
             for index in chosen:
                 pending = self._pending[index].pending
@@ -143,9 +120,8 @@ class InFlightGathers:
                 if pending.done:  # (not when this wait re-entered itself from its own landing: the outer one pops it)
                     self._pending.pop(index)
         if chosen and self._streams:
-            # on CUDA the wait is the current stream's; a read on a side stream (an EMA on its own stream) must
-            # order the streams of the training loop too, which run the next forward and no longer wait for
-            # these buckets
+            # the wait was the current stream's; after a read on a side stream (an EMA's), the training loop's
+            # streams, which will no longer wait for these buckets, must be ordered after it too
             current = torch.cuda.current_stream(self._device)
             for stream in self._streams:
                 if stream != current:
@@ -184,8 +160,7 @@ class InFlightGathers:
         if type(module).__name__ in _WHOLE_MODULES:
             self.finish()
         elif self._pending:
-            # the buckets this module reads, and every one that has arrived meanwhile: once none is left in
-            # flight the guards leave, and the rest of the forward runs at full speed
+            # this module's buckets, and every one that has arrived: once none is in flight the guards leave
             self.finish({self._bucket_of_param.get(id(p)) for p in module.parameters(recurse=False)} - {None}
                         | {index for index, gather in self._pending.items() if gather.pending.arrived()})
         else:
@@ -198,7 +173,9 @@ class InFlightGathers:
             return
         guard.active = False
         if guard.handling or threading.get_ident() != self._thread:
-            return  # the hook (still registered), finish() or start() on its thread takes it off the stack later
+            # from the mode's own handler (torch puts the mode back after it) or another thread: inert until the
+            # hook, finish() or start() on its thread takes it off
+            return
         _remove_from_stack(guard)
         self._guard = None
         self._hook.remove()
@@ -207,9 +184,8 @@ class InFlightGathers:
 
 @contextlib.contextmanager
 def guards_lifted():
-    """Every optimizer's guard off this thread's mode stack while the block runs, and back under the other modes
-    after it: for an inner optimizer's step, which reads its own optimizer's tensors alone and may be code that
-    torch.compile traces with fullgraph=True (torchao's optimizers), which could not trace a guard."""
+    """Every optimizer's guard off this thread's mode stack for the block, then back under the other modes: for an
+    inner step, which reads only its own tensors and may be traced with fullgraph=True (torchao's optimizers)."""
     thread = threading.get_ident()
     lifted = [gathers._guard for gathers in list(_EVERY) if gathers._guard is not None and gathers._thread == thread]
     lifted = [guard for guard in lifted if _take_off(guard)]
@@ -221,9 +197,8 @@ def guards_lifted():
 
 
 class _Guard(TorchFunctionMode):
-    """Waits for the buckets an operation touches before running it (see the module docstring). Under
-    torch.compile the wait is a call the compiler does not trace: a graph break, and with ``fullgraph=True`` an
-    error that names the fix (:data:`COMPILED_READ`; only once torch's compiler is imported, which costs seconds)."""
+    """Waits for the buckets an operation touches before running it. The wait is a call torch.compile does not
+    trace (:data:`COMPILED_READ`), wrapped only once torch._dynamo is imported: importing it costs seconds."""
 
     def __init__(self, gathers: InFlightGathers) -> None:
         super().__init__()
@@ -255,12 +230,9 @@ def _reads_no_values(func) -> bool:
                                  and getattr(getattr(func, "__self__", None), "__name__", None) == "grad")
 
 
-# torch keeps a thread's TorchFunctionModes on a stack whose public API pushes and pops the top only; a user's
-# `with mode:` pops the top on exit, so the guard, which outlives such blocks, goes to the bottom (above a
-# DeviceContext, which torch keeps at the very bottom) and leaves by identity.
 def _push_at_bottom(mode: TorchFunctionMode) -> None:
-    """Push ``mode`` under every other mode but a ``torch.set_default_device`` / ``with torch.device`` one,
-    which torch requires at the very bottom."""
+    """Push ``mode`` under every other mode but a ``DeviceContext`` (``torch.set_default_device``, ``with
+    torch.device``), which torch requires at the very bottom. The guard leaves by identity (:func:`_take_off`)."""
     from torch.utils._device import DeviceContext
 
     stack = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())][::-1]

@@ -1,24 +1,15 @@
 """The torch optimizers that step this rank's pieces, one per optimizer class, seen as one optimizer.
 
-Megatron's "optimizer over ranges": the inner optimizers never see a model parameter. They see one tensor per
-*piece* (:class:`~zeroimpl.layout.ShardPiece`: the part of one parameter in this rank's master shard), a view
-of the master shard -- 1-D in flat groups, the whole parameter in its own shape in whole-parameter groups
-(:func:`piece_view`). :class:`PieceMasters` makes those views and steps them; ``step_pieces`` takes
-(master view, gradient view) pairs and steps only them.
+As in Megatron's "optimizer over ranges", the inner optimizers never see a model parameter: they see one view of the
+master shard per *piece* (:class:`~zeroimpl.layout.ShardPiece`: the part of one parameter in this rank's shard),
+1-D in flat groups, shaped as the parameter in whole-parameter groups (:func:`piece_view`).
 
-Group-level state is the inner optimizers'. An optimizer may keep state in its param group (timm's Adan a step
-counter, schedule-free AdamW ``k`` and ``weight_sum``): the outer (user-facing) groups mirror the inner ones
-after every step (:meth:`InnerOptimizers.report`), and before a step only the outer values that changed since
-(a scheduler's ``lr``, a user's edit) go in (:meth:`InnerOptimizers.follow`). The inner optimizers' own
-step hooks and torch's global ones do not fire for the inner steps: the ``ShardedOptimizer.step()`` around
-them is the one step the user sees.
-
-A ShardedOptimizer may mix optimizer classes (Muon for hidden matrices, AdamW for the rest): each outer
-param group names its class. :class:`InnerOptimizers` builds one torch optimizer per class over the pieces
-of that class's groups and presents them in the outer groups' order: ``param_groups[g]`` is outer group
-``g``'s inner group, ``state`` maps every piece to its state, and ``state_dict`` / ``load_state_dict`` use
-torch's format with the pieces numbered through all groups in that order, as one torch optimizer over the
-same groups would number them.
+:class:`InnerOptimizers` presents its optimizers in the outer groups' order: ``param_groups[g]`` is outer group
+``g``'s, ``state`` maps every piece, and ``state_dict`` numbers the pieces through all groups, as one torch optimizer
+over the same groups would. Group-level state (timm's Adan step counter, schedule-free AdamW's ``k``) is the inner
+optimizers': the outer groups mirror the inner ones after every step (:meth:`InnerOptimizers.report`), and before a
+step only the outer values changed since (a scheduler's ``lr``) go in (:meth:`InnerOptimizers.follow`). Inner steps
+fire no step hooks: the ``ShardedOptimizer.step()`` around them is the one step the user sees.
 """
 
 from __future__ import annotations
@@ -52,17 +43,15 @@ class InnerOptimizers:
 
     @property
     def param_groups(self) -> list[dict]:
-        """Outer group ``g``'s inner group, for every ``g`` (the optimizers' own dicts, which their
-        ``load_state_dict`` replaces: look them up each time)."""
+        """Outer group ``g``'s inner group, for every ``g`` (looked up each time: ``load_state_dict`` replaces them)."""
         return self._groups_by_class({cls: {"param_groups": optimizer.param_groups}
                                       for cls, optimizer in self.optimizers.items()})
 
     @property
     def defaults(self) -> dict:
-        """Every class's defaults (the first group's class first). When the classes name momentum differently
-        (Muon's and SGD's ``momentum``, AdamW's ``betas[0]``), ``betas`` is left out, so that a scheduler
-        cycling momentum (OneCycleLR, CyclicLR) writes ``momentum`` into every group, which :meth:`follow`
-        turns into ``betas[0]`` for the groups of a ``betas`` class: each group cycles as over its class alone."""
+        """Every class's defaults, the first group's class winning. Where classes name momentum differently (SGD's
+        ``momentum``, AdamW's ``betas[0]``), ``betas`` is left out: a scheduler cycling momentum (OneCycleLR) then
+        writes ``momentum`` into every group, which :meth:`follow` turns into ``betas[0]`` where needed."""
         merged: dict = {}
         for optimizer_class in self.classes:
             for key, value in self.optimizers[optimizer_class].defaults.items():
@@ -77,16 +66,14 @@ class InnerOptimizers:
         return {piece: state for optimizer in self.optimizers.values() for piece, state in optimizer.state.items()}
 
     def fill_defaults(self, outer_groups: list[dict]) -> None:
-        """Give the outer groups the hyperparameters they left to the classes' defaults (and the inner groups
-        the outer ones' values), then remember them as in sync."""
+        """Give the outer groups the hyperparameters they left to the classes' defaults; remember them as in sync."""
         for outer, inner in zip(outer_groups, self.param_groups):
             for key, value in inner.items():
                 outer.setdefault(key, value)
         self.report(outer_groups)
 
     def follow(self, outer_groups: list[dict]) -> None:
-        """Before a step: take the outer values changed since the groups were last in sync (a scheduler's
-        ``lr``, a user's edit), never the inner kernel's choice; keep everything else the optimizer wrote."""
+        """Before a step: take in the outer values changed since the last sync, never the kernel choice."""
         for outer, inner, synced in zip(outer_groups, self.param_groups, self._synced):
             for key, value in outer.items():
                 if key not in OUTER_ONLY_KEYS | KERNEL_KEYS and (key not in synced or synced[key] is not value):
@@ -97,17 +84,15 @@ class InnerOptimizers:
                         inner[key] = value
 
     def report(self, outer_groups: list[dict]) -> None:
-        """After a step or a load: show the inner groups' values (group-level state included) in the outer
-        groups, and remember them as in sync."""
+        """After a step or a load: copy the inner groups' values into the outer groups; remember them as in sync."""
         self._synced = []
         for outer, inner in zip(outer_groups, self.param_groups):
             outer.update({key: value for key, value in inner.items() if key != "params"})
             self._synced.append({key: value for key, value in outer.items() if key not in OUTER_ONLY_KEYS})
 
     def switch_mode(self, mode: str, outer_groups: list[dict]) -> bool:
-        """Schedule-free optimizers' ``train()`` / ``eval()`` (``mode``), over the master pieces, on every inner
-        optimizer whose class has it (after taking the outer groups' changes; then the outer groups show the
-        new mode). Whether any class has it: the same on every rank, since every rank builds every class."""
+        """Call ``mode`` (schedule-free ``train`` / ``eval``) on every inner optimizer that has it; whether any
+        has it, the same on every rank (every rank builds every class)."""
         switching = [optimizer for optimizer in self.optimizers.values() if callable(getattr(optimizer, mode, None))]
         if switching:
             self.follow(outer_groups)
@@ -117,8 +102,7 @@ class InnerOptimizers:
         return bool(switching)
 
     def refuse_parameter_overrides(self, params: Sequence[torch.Tensor]) -> None:
-        """Raise where a class's per-parameter overrides name the model's parameters (bitsandbytes'
-        GlobalOptimManager), which the inner optimizers never see."""
+        """Raise where per-parameter overrides (bitsandbytes' GlobalOptimManager) name the model's parameters."""
         for optimizer in self.optimizers.values():
             optimizer_kinds.refuse_bitsandbytes_overrides(optimizer, params)
 
@@ -137,9 +121,8 @@ class InnerOptimizers:
 
     @property
     def steps_in_parts(self) -> bool:
-        """Whether stepping the pieces in parts (the offload pipeline, bucket by bucket) is bitwise one step:
-        true for torch's own classes, whose state is per parameter only; another class (group-level state,
-        a counter in its step) is stepped once over every piece."""
+        """Whether stepping the pieces in parts (offload's pipeline) is bitwise one step: only for torch's own
+        classes, whose state is per parameter (another may keep group-level state, such as a step counter)."""
         return all(type(optimizer).__module__.startswith("torch.optim") for optimizer in self.optimizers.values())
 
     def step(self) -> None:
@@ -190,10 +173,8 @@ class InnerOptimizers:
 
 def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs: dict[type, dict], topology,
                         timeout: Optional[float], params: Sequence[torch.Tensor]) -> InnerOptimizers:
-    """:class:`InnerOptimizers` over this rank's pieces (of the model's trainable ``params``); a constructor that
-    refuses them (a class refusing a shape that only this rank owns) raises the same error on every rank,
-    never a later collective failure or hang: one object all-gather of each rank's outcome (``topology``: the
-    ranks that build together; ``None``: this rank alone, which raises its own error)."""
+    """:class:`InnerOptimizers` over this rank's pieces of ``params``. Collective unless ``topology`` is ``None``:
+    a refusal on one rank (a shape only it owns) raises the same error on every rank, never a later hang."""
     error, inner = None, None
     try:
         inner = InnerOptimizers(groups, classes, kwargs)
@@ -232,8 +213,7 @@ def _portable(error: Exception) -> tuple[type, str]:
 
 
 def piece_view(shard: torch.Tensor, piece: ShardPiece, layout: ShardLayout, param: torch.Tensor) -> torch.Tensor:
-    """The elements of ``piece`` (of parameter ``param``) in a shard-sized tensor: 1-D, or shaped as the
-    parameter when its bucket is whole-parameter."""
+    """``piece``'s elements of a shard-sized tensor: 1-D, or shaped as ``param`` in a whole-parameter bucket."""
     flat = shard[piece.shard_offset:piece.shard_offset + piece.length]
     if layout.buckets[piece.bucket_index].whole:
         return shaped(flat, param.shape, param.stride())
@@ -241,9 +221,7 @@ def piece_view(shard: torch.Tensor, piece: ShardPiece, layout: ShardLayout, para
 
 
 class PieceMasters:
-    """This rank's pieces and their views of the master shards; the inner param groups over them.
-
-    ``masters[k]`` is piece ``k``'s view of its bucket's master (``pieces`` in ``layout.pieces(rank)`` order)."""
+    """This rank's pieces (``layout.pieces(rank)`` order) and ``masters[k]``, piece ``k``'s view of its master."""
 
     def __init__(self, layout: ShardLayout, pieces: list[ShardPiece], storages: list[BucketStorage],
                  params: list[torch.nn.Parameter]):
@@ -251,7 +229,6 @@ class PieceMasters:
         self.masters = [self.view(storages[p.bucket_index].master, p) for p in pieces]
 
     def view(self, shard: torch.Tensor, piece: ShardPiece) -> torch.Tensor:
-        """Piece ``piece``'s elements of a shard-sized tensor (a master or a gradient shard)."""
         return piece_view(shard, piece, self.layout, self.params[piece.param_index])
 
     def inner_groups(self, outer_groups: list[dict]) -> list[dict]:
@@ -268,10 +245,9 @@ class PieceMasters:
 
     def gradient_pairs(self, grads: list[Optional[torch.Tensor]], stepped: Optional[list[bool]]
                        ) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """By bucket index, the (master view, gradient view) of the pieces that step. ``grads``: per bucket,
-        the gradient shard in the master's dtype, or ``None`` for a zero gradient kept by
-        ``zero_grad(set_to_none=False)``; ``stepped``: by parameter index, whether some rank has a gradient
-        (``None``: every parameter) -- a parameter with none is not stepped, as in torch."""
+        """By bucket index, the (master view, gradient view) of the pieces that step. ``grads``: per bucket, the
+        shard in the master's dtype (``None``: zeros, kept by ``zero_grad(set_to_none=False)``); ``stepped``: by
+        parameter index, whether some rank has a gradient (``None``: all); others are not stepped, as in torch."""
         pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for piece, master in zip(self.pieces, self.masters):
             if stepped is not None and not stepped[piece.param_index]:
@@ -283,9 +259,8 @@ class PieceMasters:
 
 
 def step_pieces(inner: InnerOptimizers, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Step the inner optimizers on these (master view, gradient) pairs alone: torch's optimizers skip
-    parameters without a gradient, and every class zeroimpl shards updates each parameter (flat: each element)
-    from its own gradient and state, so stepping the pieces in parts is bitwise stepping them at once."""
+    """Step the inner optimizers on these (master view, gradient) pairs alone (torch's skip the rest). Called per
+    bucket only where :attr:`InnerOptimizers.steps_in_parts`, so stepping in parts is bitwise one step."""
     if not pairs:
         return
     for master, grad in pairs:

@@ -1,40 +1,27 @@
-"""Where every trainable element lives: buckets, padding and shard ownership.
-
-Pure integer arithmetic, no tensors and no communication, so that it can be tested exhaustively.
+"""Where every trainable element lives: buckets, padding and shard ownership -- pure integer arithmetic, no
+tensors and no communication, so that it can be tested exhaustively.
 
 Vocabulary (used by every other module):
 
-* **parameter index** -- position of a trainable parameter in the deduplicated list the optimizer was
-  built from (param-group order, then order inside the group).
-* **bucket** -- a contiguous run of parameters that share a param group and a dtype. Each bucket owns one
-  flat 1-D buffer of ``padded_numel`` elements; parameter ``i`` of the bucket occupies
-  ``[offset, offset + numel)`` and the tail ``[numel, padded_numel)`` is zero padding.
-* **shard** -- bucket buffers are cut into ``world_size`` equal, contiguous chunks; rank ``r`` owns chunk
-  ``r`` of every bucket: ``[r * shard_numel, (r + 1) * shard_numel)``. In a *flat* bucket the parameters
-  are packed end to end and a parameter may straddle shards. In a *whole-parameter* bucket (param groups
-  whose optimizer needs whole tensors: Muon, Adafactor) each chunk holds whole parameters, bin-packed so
-  that the chunks are about equally full, each followed by its own padding. In a *blocked* bucket (param
-  groups of a low-bit optimizer, which quantizes state in blocks counted from a parameter's first element
-  and keeps fp32 state for small tensors: :class:`Blocks`) the parameters are flat but each starts on a
-  block, shards are whole blocks, and each is placed so that every piece of it is quantized exactly when the
-  whole parameter is (:func:`place_blocked`).
+* **parameter index** -- position in the deduplicated list of trainable parameters, in param-group order.
+* **bucket** -- a run of parameters of one param group and dtype, owning one flat 1-D buffer of
+  ``padded_numel`` elements: each member at ``[offset, offset + numel)``, every other element zero padding.
+* **shard** -- rank ``r`` owns ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket buffer. A *flat*
+  bucket packs parameters end to end, so they may straddle shards; a *whole-parameter* one (optimizers that need
+  whole tensors: Muon, Adafactor) bin-packs whole parameters into each shard; a *blocked* one (low-bit
+  optimizers: :class:`Blocks`) is flat, but starts each parameter on a block and makes each shard whole blocks.
 
 Invariants (checked by ``tests/test_layout.py``):
 
 * the layout is a function of the parameter list alone -- never of hook order or timing -- so it is
   identical on every rank;
-* buckets are filled in reverse parameter order (the order in which backward usually produces
-  gradients, as in DDP), never span two param groups or two dtypes, and never split a parameter between
-  buckets; a whole-parameter bucket never splits one between shards either;
-  the buckets of different param groups are interleaved by their position within their group
-  (see ``_completion_keys``), because backward and collectives both follow bucket order;
-* ``padded_numel`` is a multiple of ``world_size * alignment`` (for a flat bucket the smallest that holds
-  it; for a whole-parameter bucket ``world_size`` times its fullest chunk, rounded up), so every rank owns
-  exactly the same number of elements and the imbalance is bounded by the padding;
+* buckets are filled in reverse parameter order (the order backward usually produces gradients, as in DDP),
+  never span two param groups or dtypes, and never split a parameter between buckets (whole-parameter: nor
+  between shards); different groups' buckets are interleaved by :func:`_completion_keys`;
+* ``padded_numel`` is a multiple of ``world_size * alignment``: every rank owns the same number of elements;
 * every element of every parameter is owned by exactly one rank;
-* in a blocked bucket every member starts on a block and every shard is whole blocks, so a piece's blocks
-  are the whole parameter's; when a parameter is split, each piece has the whole parameter's quantization
-  (``Blocks.quantizes``) -- a piece is stepped as that part of the whole parameter would be.
+* in a blocked bucket each piece of a split parameter keeps the whole parameter's quantization
+  (``Blocks.quantizes``), so it is stepped as that part of the whole parameter would be.
 """
 
 from __future__ import annotations
@@ -76,20 +63,16 @@ class ParamSpec:
 
 
 def overlap(start: int, end: int, other_start: int, other_end: int) -> Optional[tuple[int, int]]:
-    """The common part ``[low, high)`` of the half-open ranges ``[start, end)`` and ``[other_start,
-    other_end)``; ``None`` when they share no element."""
+    """The common part ``[low, high)`` of ``[start, end)`` and ``[other_start, other_end)``, or ``None``."""
     low, high = max(start, other_start), min(end, other_end)
     return (low, high) if low < high else None
 
 
 def trainable_specs(groups: Sequence[dict], step_work: Sequence[Optional[Callable[[tuple], int]]] = (),
                     blocks: Sequence[Optional[Blocks]] = ()) -> tuple[list, list[ParamSpec]]:
-    """The trainable parameters of param groups (``{"params": [...]}``), each once, in group order, and the
-    :class:`ParamSpec` of each: what ShardedOptimizer lays out and ``estimate_memory`` predicts alike.
-
-    ``step_work[g]``: for a group sharded by whole parameters, the cost of stepping a parameter of a given
-    shape; ``None`` (or absent) for a flat group. ``blocks[g]``: for a flat group of a low-bit optimizer, how
-    it quantizes; ``None`` (or absent) otherwise."""
+    """The trainable parameters of param groups, each once, in group order, and their :class:`ParamSpec`: what
+    ShardedOptimizer lays out and ``estimate_memory`` predicts alike. ``step_work[g]``: group ``g`` is sharded by
+    whole parameters, at this cost per parameter shape; ``blocks[g]``: a flat group's low-bit quantization."""
     trainable, specs, seen = [], [], set()
     for group_index, group in enumerate(groups):
         work = step_work[group_index] if group_index < len(step_work) else None
@@ -119,8 +102,7 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class Bucket:
-    """A flat buffer of ``padded_numel`` elements holding ``param_indices`` (in buffer order), member ``k`` at
-    elements ``[offsets[k], offsets[k] + its numel)``; every other element is padding."""
+    """One flat buffer: member ``param_indices[k]`` at ``[offsets[k], offsets[k] + its numel)``, the rest padding."""
 
     index: int
     group_index: int
@@ -129,8 +111,7 @@ class Bucket:
     numel: int  # elements used by parameters
     padded_numel: int  # multiple of world_size * alignment
     world_size: int
-    offsets: tuple[int, ...]  # flat: end to end from 0; whole: each shard's members end to end from its start;
-    # blocked: each on a block (place_blocked)
+    offsets: tuple[int, ...]  # flat: end to end; whole: end to end from each shard's start; blocked: place_blocked
     whole: bool = False  # every shard holds whole parameters
     block: int = 0  # blocked: the quantization block (members start on one; shards are whole blocks); else 0
     shard_numel: int = field(init=False)  # padded_numel // world_size: each rank's shard
@@ -146,11 +127,8 @@ class Bucket:
 
 @dataclass(frozen=True)
 class ShardPiece:
-    """The part of one parameter that falls in one rank's shard of its bucket.
-
-    Elements ``[param_start, param_end)`` of the flattened parameter sit at
-    ``[shard_offset, shard_offset + length)`` of the rank's shard.
-    """
+    """The part of one parameter in one rank's shard: elements ``[param_start, param_end)`` of the flattened
+    parameter sit at ``[shard_offset, shard_offset + length)`` of the shard."""
 
     param_index: int
     bucket_index: int
@@ -217,10 +195,9 @@ class ShardLayout:
         return pieces
 
     def fingerprint(self) -> dict:
-        """A small, complete description of the layout: comparable, to refuse state from another layout, and
-        enough to rebuild it with :meth:`from_fingerprint` (checkpoints store it). A flat bucket is
-        ``(group, dtype, members, numel, padded_numel)``; a whole-parameter bucket adds its offsets, a blocked
-        one its offsets and block."""
+        """A small, complete description of the layout, stored by checkpoints: compared to refuse state from
+        another layout, and enough to rebuild it (:meth:`from_fingerprint`). A bucket is ``(group, dtype, members,
+        numel, padded_numel)``, plus its offsets if whole-parameter, its offsets and block if blocked."""
         return {
             "world_size": self.world_size,
             "alignment": self.alignment,
@@ -269,19 +246,14 @@ def _fits(bucket: Bucket, sizes: Sequence[int]) -> bool:
 
 
 def _end_to_end(sizes: Sequence[int]) -> tuple[int, ...]:
-    """Offsets of members packed end to end from 0."""
     return tuple(itertools.accumulate(sizes, initial=0))[:-1] if sizes else ()
 
 
 def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
-    """For each parameter, the fraction of its param group's elements at or behind it in the list.
-
-    Param groups usually list the model's parameters in model order, each group a subsequence of it
-    (e.g. decayed matrices, then undecayed biases and norms). A bucket is complete once its earliest
-    parameter has its gradient, so it completes at about that parameter's fraction. Ordering buckets by
-    it interleaves the groups' buckets the way backward fills them, so that bucket-order launching
-    overlaps communication with backward instead of waiting for a small group that spans the whole model.
-    """
+    """For each parameter, the fraction of its param group's elements at or behind it in the list: about when in
+    backward a bucket whose earliest member it is completes (groups list parameters in model order). Buckets
+    ordered by it interleave the groups as backward fills them, so that bucket-order launching overlaps backward
+    instead of waiting for a small group that spans the whole model."""
     group_numel: dict[int, int] = {}
     for spec in params:
         group_numel[spec.group_index] = group_numel.get(spec.group_index, 0) + spec.numel
@@ -295,15 +267,13 @@ def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
 
 def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int,
                  alignment: int = 8) -> ShardLayout:
-    """Pack ``params`` into buckets and pad each bucket to a multiple of ``world_size * alignment``
-    (ShardedOptimizer's is 8: aligned chunk starts, and room for the fp32 scales of the 8-bit payloads).
+    """Pack ``params`` (by parameter index) into buckets, each padded to a multiple of ``world_size * alignment``
+    (ShardedOptimizer uses the default 8: aligned shard starts, and room for the fp32 scales of 8-bit payloads).
+    Raises ValueError if ``world_size``, ``bucket_numel`` or ``alignment`` is below 1.
 
-    Flat buckets hold at most ``bucket_numel`` elements (a larger parameter gets a bucket of its own).
-    Whole-parameter buckets grow past ``bucket_numel`` until their chunks pack with little padding
-    (:func:`split_whole_run`), and across buckets their chunks go to the ranks so as to balance the
-    ranks' total ``work``. Blocked buckets hold what a flat one would, placed by
-    :func:`place_blocked` (padded to whole blocks).
-    """
+    A flat or blocked bucket holds at most ``bucket_numel`` elements (a larger parameter gets a bucket of its
+    own). A whole-parameter bucket grows past ``bucket_numel`` until its shards pack with little padding
+    (:func:`split_whole_run`), and its shards go to the ranks so as to balance their total ``work``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1 or alignment < 1:
@@ -352,19 +322,15 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
     return ShardLayout(world_size, alignment, tuple(buckets), tuple(slots))
 
 
-# -- whole-parameter buckets: a run of whole parameters cut into buckets, each bucket's members bin-packed into one
-# chunk per rank (each parameter in one shard), the chunks handed to the ranks so as to balance their step work.
-# A whole-parameter bucket is closed once it holds bucket_numel elements and its chunks are padded by
-# at most this fraction of its elements, or, whatever its padding, once it holds WHOLE_BUCKET_GROWTH times
-# world_size * max(bucket_numel, its largest parameter) elements
+# -- whole-parameter buckets: a run cut into buckets (split_whole_run, by these two constants), each bin-packed
+# into one chunk per rank (pack_whole), the chunks handed to the ranks to balance their step work (place_whole)
 WHOLE_PADDING_TARGET = 0.01
 WHOLE_BUCKET_GROWTH = 2
 
 
 def pack_whole(members: Sequence[int], params: Sequence[ParamSpec], world_size: int) -> list[list[int]]:
-    """Longest-processing-time bin packing of whole parameters into ``world_size`` chunks by numel (the
-    padding is ``world_size * fullest - total``): largest first, each into the least full chunk (ties: the
-    lower chunk). Members keep their order inside a chunk."""
+    """Longest-processing-time bin packing of ``members`` into ``world_size`` chunks by numel: largest first, each
+    into the least full chunk (ties: the lower). Members keep their order inside a chunk."""
     chunks: list[list[int]] = [[] for _ in range(world_size)]
     fill = [0] * world_size
     for index in sorted(members, key=lambda i: (-params[i].numel, members.index(i))):
@@ -382,13 +348,11 @@ def _chunk_padding(members: Sequence[int], params: Sequence[ParamSpec], world_si
 
 def split_whole_run(run: Sequence[int], params: Sequence[ParamSpec], world_size: int,
                      bucket_numel: int) -> list[list[int]]:
-    """Cut a run of whole parameters (reverse parameter order, one group and dtype) into buckets.
-
-    From each start, the bucket grows one parameter at a time; it is cut at the first length that holds
-    ``bucket_numel`` elements and packs with padding at most :data:`WHOLE_PADDING_TARGET` of them, else, once
-    it holds ``WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest member)`` elements, at the length
-    (holding ``bucket_numel``) of least relative padding seen. The run's tail may be smaller.
-    """
+    """Cut a run of whole parameters (reverse parameter order, one group and dtype) into buckets. Each grows one
+    parameter at a time and is cut at the first length that holds ``bucket_numel`` elements with padding at most
+    :data:`WHOLE_PADDING_TARGET` of them; failing that, once it holds ``WHOLE_BUCKET_GROWTH * world_size *
+    max(bucket_numel, largest member)`` elements, at the length (holding ``bucket_numel``) of least relative
+    padding seen. The run's last bucket may be smaller."""
     buckets, start = [], 0
     while start < len(run):
         best_end, best_fraction, total, largest = len(run), float("inf"), 0, 0
@@ -410,9 +374,8 @@ def split_whole_run(run: Sequence[int], params: Sequence[ParamSpec], world_size:
 
 def place_whole(members: list[int], params: Sequence[ParamSpec], world_size: int, alignment: int,
                  rank_work: list[int]) -> tuple[list[int], list[int], int]:
-    """Members in buffer order, their offsets and the padded size of a whole-parameter bucket. The chunks are
-    handed to the ranks heaviest work first, each to the rank with the least work so far (``rank_work``,
-    updated)."""
+    """A whole-parameter bucket's members in buffer order, their offsets, and its padded size. Chunks go to the
+    ranks heaviest first, each to the free rank with the least work so far (``rank_work``, updated in place)."""
     chunks = pack_whole(members, params, world_size)
     shard_numel = round_up(max(1, max(sum(params[i].numel for i in chunk) for chunk in chunks)), alignment)
     work = [sum(params[i].work for i in chunk) for chunk in chunks]
@@ -433,21 +396,17 @@ def place_whole(members: list[int], params: Sequence[ParamSpec], world_size: int
     return ordered, offsets, world_size * shard_numel
 
 
-# -- blocked buckets (low-bit optimizers): every member on a block, every shard whole blocks, each piece keeping
-# the whole parameter's 8-bit or fp32 choice
+# -- blocked buckets (low-bit optimizers)
 
 def place_blocked(sizes: Sequence[int], blocks: Blocks, world_size: int, alignment: int) -> tuple[list[int], int]:
-    """Offsets of the members (of ``sizes`` elements, in buffer order) of a blocked bucket, and its padded size.
+    """Offsets of a blocked bucket's members (of ``sizes`` elements, in buffer order), and its padded size.
 
-    Every member starts on a block and the shard size is a multiple of the block (and of ``alignment``), so
-    a piece of a member is whole blocks of it (but for the member's own last block). A member is placed at
-    the first offset, from the end of the previous one, where each of its pieces has its quantization
-    (``blocks.quantizes`` of the piece's size equals that of the member's): bitsandbytes and torchao decide a
-    tensor's state by its size, so a piece of a quantized member must not fall under the threshold, nor a
-    piece of an fp32 one rise to it. The shard size grows from the least that holds the members (doubling
-    its slack, then bisecting) until every member finds such an offset, and is at most one that holds them
-    all, each in one piece (a bucket of a few parameters under ``world_size`` thresholds: one rank owns each).
-    """
+    Every member starts on a block and the shard size is a multiple of the block and of ``alignment``, so a
+    piece of a member is whole blocks of it (but for the member's last block). bitsandbytes and torchao choose
+    a tensor's state (8-bit or fp32) by its size, so each member goes at the first offset, from the end of the
+    previous one, where every piece of it is quantized as the whole member is. The shard size grows from the
+    least that holds the members (doubling its slack, then bisecting) until every member finds such an offset;
+    at most it holds all of them whole (a few parameters under ``world_size`` thresholds: one rank owns each)."""
     unit = math.lcm(blocks.size, alignment)
     one_shard = round_up(max(1, sum(round_up(n, blocks.size) for n in sizes)), unit)  # holds every member whole
     low = round_up(-(-one_shard // world_size), unit)

@@ -1,11 +1,9 @@
 """A parameter's memory format (its strides), kept through flattening.
 
-Every trainable parameter lives as a run of ``numel`` elements of a flat buffer, in the parameter's own
-memory order: a channels_last conv weight of shape (8, 8, 3, 3) keeps its strides (72, 1, 24, 8), so that
-cuDNN still picks its NHWC kernels. Its gradient slot, its optimizer state (per element, in the same flat
-order) and the checkpoint files use that order too; the checkpoint index records the strides, and
-exports give tensors of the parameter's shape and strides. A parameter that is not dense (overlapping
-elements, or gaps: a slice of a larger tensor) is stored contiguous.
+Every trainable parameter is ``numel`` consecutive elements of a flat buffer in its own memory order: a
+channels_last conv weight of shape (8, 8, 3, 3) keeps its strides (72, 1, 24, 8), so that cuDNN still picks its
+NHWC kernels. Its gradient slot, optimizer state and checkpoint files use that order too (the checkpoint index
+records the strides). A parameter that is not dense (overlapping elements, or gaps) is stored contiguous.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ def shaped(flat: torch.Tensor, shape: Sequence[int], strides: Sequence[int]) -> 
 
 
 def flattened(tensor: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
-    """``tensor``'s elements as a 1-D tensor in the memory order that ``strides`` describe (a view when both
-    are contiguous, else a copy)."""
+    """``tensor``'s elements, 1-D, in the memory order of ``strides``: a view when both are contiguous, else a copy."""
     if tensor.dim() <= 1 or (tensor.is_contiguous()
                              and same_order(tensor.shape, strides, contiguous_strides(tensor.shape))):
         return tensor.reshape(-1)

@@ -1,22 +1,21 @@
 """CPU offload (ZeRO-Offload, arXiv 2101.06840): this rank's optimizer shard lives and steps on the host.
 
-Tensors, per bucket (1-D, ``bucket.shard_numel`` elements):
+Tensors, per bucket (1-D, ``bucket.shard_numel`` elements; host ones page-locked when the parameters are on CUDA):
 
-* ``master`` (:class:`~zeroimpl.buffers.BucketStorage`) -- fp32 (fp64 for fp64 models) on the host, pinned when the parameters
-  are on CUDA. The inner optimizer updates it, and keeps its state beside it, on the CPU.
-* ``host gradient shard`` -- in the master's dtype on the host, pinned likewise: the averaged gradient the host step reads.
-* ``device accumulator`` -- reduce dtype, on the device; exists only while the reductions of non-final
-  micro-batches (``ShardedOptimizer.accumulating()``) are summed there instead of on the host.
+* ``master`` (:class:`~zeroimpl.buffers.BucketStorage`) -- :func:`at_least_fp32` of the parameters' dtype, on the
+  host; the inner optimizer updates it and keeps its state beside it, on the CPU.
+* ``host gradient shard`` -- in the master's dtype, on the host: the averaged gradient the host step reads.
+* ``device accumulator`` -- reduce dtype, on the device: sums micro-batches run under ``accumulating()``.
 
-The device keeps only the model's parameters and transient gradient buckets. Stage 2, one micro-batch, CUDA::
+The device keeps only the parameters and transient gradient buckets. Stage 2, one micro-batch, CUDA, the host
+stepping bucket by bucket (:mod:`zeroimpl.param_sync`)::
 
     compute : --grad b0--|--grad b1--|--grad b2--|
-    nccl    :            |--RS b0----|--RS b1----|--RS b2--|                 |--AG--|
-    copy    :                        |D2H b0|    |D2H b1|  |D2H b2|     |H2D|
-    host    :                                                   |sync|step|
+    nccl    :            |--RS b0----|--RS b1----|--RS b2--|                           |AG b0  |AG b1  |AG b2  |
+    copy    :                        |D2H b0|    |D2H b1|  |D2H b2|            |H2D b0 |H2D b1 |H2D b2 |
+    host    :                                                     |sync|step b0|step b1|step b2|
 
-When the parameters are on the CPU (no GPU) the "device" and the host are the same memory and every copy is
-synchronous; the code path is the same, which is what the test suite exercises.
+Without a GPU the same code path runs with the host as "device" and synchronous copies (the test suite's case).
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ class CPUOffload:
     passed neither ``fused`` nor ``foreach``. Results differ from the for-loop kernel in the last bit."""
 
 
-# what ``offload=`` accepts: no offload, "cpu" (the default policy), or a policy
 OffloadOption = Union[None, Literal["cpu"], CPUOffload]
 
 
@@ -67,14 +65,13 @@ def resolve_offload(offload: "OffloadOption") -> Optional[CPUOffload]:
     raise ValueError(f"offload must be None, 'cpu' or zeroimpl.CPUOffload(...), got {offload!r}")
 
 
-# param-group keys that choose the inner optimizer's kernel or a mode the fused kernels refuse, not the math:
-# a user's choice of any of them keeps the host step off the fused kernel, and each optimizer keeps its own
+# keys that choose the kernel (or a mode fused kernels refuse), not the math: a user's choice of any keeps the host
+# step off the fused kernel, and each optimizer keeps its own
 KERNEL_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 def host_optimizer_kwargs(optimizer_class: type, kwargs: dict, group_keys: set, policy: CPUOffload) -> dict:
-    """The inner optimizer's keyword arguments for a host step: the fused kernel where it exists, unless the
-    user chose a kernel or mode (in ``kwargs`` or, ``group_keys``, in any param group)."""
+    """``kwargs`` with the fused kernel where it exists, unless a kernel or mode is chosen (``group_keys``: groups')."""
     if (policy.fused_step and issubclass(optimizer_class, FUSED_CPU_OPTIMIZERS)
             and not KERNEL_KEYS & (set(kwargs) | group_keys)):
         return {**kwargs, "fused": True}
@@ -82,8 +79,7 @@ def host_optimizer_kwargs(optimizer_class: type, kwargs: dict, group_keys: set, 
 
 
 def refuse_capturable(settings: list[dict]) -> None:
-    """Raise where the hyperparameters (keyword arguments, param groups) ask for ``capturable=True``, which keeps
-    the step count on the GPU for CUDA graphs: a host step cannot run it (torch refuses at the first step)."""
+    """Raise where the hyperparameters ask for ``capturable=True``, which torch refuses in a host step."""
     if any(setting.get("capturable") for setting in settings):
         raise ValueError("capturable=True keeps the optimizer's step count on the GPU for CUDA graphs, but with "
                          "offload='cpu' the optimizer steps on the host, where torch refuses it: drop capturable=True "
@@ -92,8 +88,8 @@ def refuse_capturable(settings: list[dict]) -> None:
 
 def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: dict, groups: list[dict],
                  policy: Optional[CPUOffload]) -> dict[type, dict]:
-    """Each inner optimizer class's constructor arguments: ``optimizer_kwargs`` for ``optimizer_class`` (the
-    other classes' groups carry their hyperparameters), with the fused host kernel where ``policy`` applies."""
+    """Each inner class's constructor arguments: ``optimizer_kwargs`` for ``optimizer_class`` (other classes' groups
+    carry theirs), with the fused host kernel where ``policy`` applies."""
     kwargs = {cls: {} for cls in classes}
     if optimizer_class in kwargs:
         kwargs[optimizer_class] = dict(optimizer_kwargs)  # checked by the class's constructor
@@ -106,8 +102,8 @@ def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: d
 
 
 def staging_sizes(layout, param_dtypes: list[torch.dtype]) -> dict[torch.dtype, int]:
-    """For each 16-bit parameter dtype of the layout's buckets, the largest shard of that dtype: the size of
-    each of :class:`~zeroimpl.param_sync.ParamSync`' two staging buffers for it (``param_dtypes``: by parameter index)."""
+    """Per 16-bit parameter dtype, its largest shard: the size of each of its two staging buffers
+    (:class:`~zeroimpl.param_sync.ParamSync`). ``param_dtypes``: by parameter index."""
     sizes: dict[torch.dtype, int] = {}
     for bucket in layout.buckets:
         dtype = param_dtypes[bucket.param_indices[0]]
@@ -118,9 +114,8 @@ def staging_sizes(layout, param_dtypes: list[torch.dtype]) -> dict[torch.dtype, 
 
 def host_buffers(layout, param_dtypes: list[torch.dtype], pin_device: Optional[torch.device]
                  ) -> tuple[HostArena, list[torch.Tensor], list[torch.Tensor], dict[torch.dtype, list[torch.Tensor]]]:
-    """Offload's host memory, carved out of one :class:`HostArena` (page-locked for ``pin_device``): per
-    bucket a master and a gradient shard (shard-sized, :func:`at_least_fp32`), and per 16-bit dtype the
-    two staging buffers of :func:`staging_sizes` (``param_dtypes``: by parameter index)."""
+    """Offload's host memory, slices of one :class:`HostArena` (page-locked for ``pin_device``): per bucket a
+    master and a gradient shard, and per 16-bit dtype the two staging buffers of :func:`staging_sizes`."""
     buckets = len(layout.buckets)
     dtypes = [at_least_fp32(param_dtypes[b.param_indices[0]]) for b in layout.buckets]
     staging = staging_sizes(layout, param_dtypes)
@@ -134,11 +129,8 @@ def host_buffers(layout, param_dtypes: list[torch.dtype], pin_device: Optional[t
 
 def gradient_store(policy: Optional[CPUOffload], layout, params: list[torch.nn.Parameter],
                    timeout: Optional[float] = None):
-    """Where the gradient shards live: ``(host arenas, host masters per bucket or None, the gradient store,
-    staging buffers per 16-bit dtype)``; without ``policy`` nothing on the host and a
-    :class:`~zeroimpl.grad_shards.DeviceGradientShards`, with it one arena holding masters, gradient shards
-    and staging (page-locked when the parameters are on CUDA) and a :class:`~zeroimpl.grad_shards.HostGradientShards`, whose waits
-    for its copies ``timeout`` bounds."""
+    """``(host arenas, host masters per bucket or None, gradient store, staging buffers per 16-bit dtype)``; with
+    ``policy``, one arena and host shards whose waits for their copies ``timeout`` bounds."""
     device = params[0].device
     if policy is None:
         return [], None, DeviceGradientShards(len(layout.buckets)), {}

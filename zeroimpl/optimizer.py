@@ -1,6 +1,6 @@
 """ShardedOptimizer: ZeRO stage 1 and 2 around torch optimizers, elementwise (AdamW) or not (Muon, Adafactor).
 
-One optimizer step, as seen from one rank (Ψ trainable elements, N ranks), and the module that does each part::
+One optimizer step on one rank (Ψ trainable elements, N ranks), and the module that does each part::
 
     backward -> gradients reduce-scattered into this rank's gradient shard (Ψ/N)  [grad_sync]
                 kept on the device, or copied to the host with offload              [grad_shards, offload]
@@ -10,7 +10,7 @@ One optimizer step, as seen from one rank (Ψ trainable elements, N ranks), and 
              -> masters into the parameter shard, all-gathered bucket by bucket (offload: each bucket's
                 host step, copy and all-gather in turn), left in flight into the next forward  [param_sync]
 
-This module builds those parts and runs the step; it calls down into them and none calls back up.
+This module builds those parts and runs the step; it calls down into them, none calls back up.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from .optimizer_kinds import OUTER_ONLY_KEYS
 from .ownership import ModelFollower, Ownership
 from .param_sync import ParamSync
 from .precision import DynamicLossScaler, LossScaleConfig
-from .state_format import (describe_groups, pieces_of_torch_state, place_piece, split_state,
-                           torch_optimizer_state)
+from .state_format import describe_groups, pieces_of_torch_state, place_piece, split_state, torch_optimizer_state
 from .step_checks import StepChecks, nonfinite_message, passes_message
 from .topology import Topology, resolve_topology
 
@@ -44,8 +43,7 @@ STATE_FORMAT = "zeroimpl.sharded_optimizer/2"
 
 
 class _PartSettings(NamedTuple):
-    """The constructor's choices that the parts holding the parameters' memory are built from (again, when the
-    model moves before the first step)."""
+    """The constructor's choices that :meth:`ShardedOptimizer._build_parts` builds from (again after a move)."""
 
     step_works: list  # per group: the cost of stepping a whole parameter (whole-parameter groups), or None
     blocks: list  # per group: a low-bit class's quantization blocks, or None
@@ -64,54 +62,44 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """Shards optimizer state (stage 1) and gradients (stage 2) of ``params`` across data-parallel ranks.
 
     Args:
-        params: parameters or param-group dicts, as any torch optimizer takes. Frozen parameters (``requires_grad=
-            False``) are left alone. Rank 0's values overwrite the others' at construction, as DDP's (``init_sync``).
-            Stage 2 reduces the gradients itself: call the bare model. Stage 1 also takes a model wrapped in
-            DistributedDataParallel (found at the first backward), as torch's ZeroRedundancyOptimizer does: DDP
-            averages ``param.grad``, this optimizer steps its shard of it and all-gathers the parameters (3Ψ of
-            traffic per step against 2Ψ unwrapped).
-            A group may name its own class under ``"optimizer"`` (``{"params": matrices, "optimizer":
-            torch.optim.Muon, "lr": 0.02}``); its other keys are that class's hyperparameters.
+        params: parameters or param-group dicts, as any torch optimizer takes; frozen ones are left alone. A group
+            may name its own class under ``"optimizer"`` (``{"params": matrices, "optimizer": torch.optim.Muon,
+            "lr": 0.02}``), its other keys being that class's hyperparameters. Stage 2 reduces gradients itself (call
+            the bare model); stage 1 also takes a DistributedDataParallel model, as torch's ZeroRedundancyOptimizer:
+            DDP averages ``param.grad``, this optimizer all-gathers the parameters (3Ψ of traffic against 2Ψ).
         optimizer_class: the ``torch.optim.Optimizer`` subclass of the groups that name none. Elementwise classes
-            (AdamW, Adam, SGD, ...) get flat shards; Muon, Adafactor and the classes in ``per_parameter`` get
+            (AdamW, Adam, SGD, ...) get flat shards; Muon, Adafactor and the ``per_parameter`` classes get
             whole-parameter shards (each parameter stepped whole, by one rank); LBFGS and SparseAdam are refused.
         stage: 1 -- shard optimizer state and master weights; gradients are reduce-scattered once per step.
             2 -- also shard gradients: they are reduce-scattered bucket by bucket during backward.
-        offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`: the fp32 master weights, the optimizer state
-            and the fp32 gradient shard live in host memory, and the step runs on the CPU (fused where it can). The
-            device keeps the parameters and transient buckets. In stage 2, run non-final micro-batches under
-            ``optimizer.accumulating()``: they sum on the device and the shard crosses to the host once per step.
+        offload: keep the fp32 master weights, optimizer state and gradient shard in host memory and step on the
+            CPU (fused where it can): ``"cpu"`` or a :class:`zeroimpl.CPUOffload` policy; ``None``: off. In stage 2,
+            run non-final micro-batches under ``optimizer.accumulating()``: they sum on the device, one copy per step.
         process_group: the data-parallel group (default: the whole world).
-        device_mesh: instead of ``process_group``, a ``torch.distributed.DeviceMesh``: 1-D, as its group; 2-D
-            (replicate x shard), hybrid sharding. 2-D dims are named ``("replicate", "shard")`` as FSDP2's HSDP, or
-            unnamed: state (and, in stage 2, gradients) sharded within each shard group (typically one node),
-            replicated across the replicate group: reduce-scatter in the shard group, all-reduce of the shard
-            across replicas, all-gather in the shard group, so that the traffic between replicas is an all-reduce
-            of Ψ/n elements, 2Ψ/n per rank (n: shard-group size), instead of DDP's 2Ψ. ``rank`` and
-            ``world_size`` then describe the shard group; ``topology`` describes both.
+        device_mesh: a ``torch.distributed.DeviceMesh`` instead of ``process_group``: 1-D, its group; 2-D
+            (replicate x shard), hybrid sharding. 2-D dims are unnamed or ``("replicate", "shard")`` as FSDP2's HSDP.
+            State (stage 2: and gradients) is sharded within each shard group (typically a node) and all-reduced
+            across replicas: 2Ψ/n per rank (n: shard-group size) against DDP's 2Ψ. ``rank`` and ``world_size``
+            then describe the shard group; ``topology`` describes both.
         bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32).
-        max_inflight_buckets: reduce-scatters (hybrid: and replica all-reduces) in flight before backward waits for
-            the oldest (default 2; 0: each at once): bounds the buffers alive during backward.
-        reduce_dtype: dtype in which gradients are reduced and their shard kept (default fp32; fp64 for fp64 models).
-            Under loss scaling a 16-bit shard is unscaled in fp32 (kept so until ``zero_grad()``), as DeepSpeed
-            unscales its fp32 gradient partition.
-        loss_scale: dynamic loss scaling. ``"auto"`` (default): on when any parameter is fp16. A
-            :class:`LossScaleConfig`: on with those settings (fp16 autocast over fp32 parameters). ``None``: off.
-            When on, call ``optimizer.backward(loss)`` (or ``optimizer.scale_loss(loss).backward()``) instead
-            of ``loss.backward()``; steps whose gradients overflow are skipped and the scale backs off.
+        max_inflight_buckets: how many reduce-scatters (hybrid: and replica all-reduces) backward keeps in flight
+            before it waits for the oldest (0: each waited at once); bounds the buffers alive during backward.
+        reduce_dtype: the dtype gradients are reduced and their shard kept in (default fp32; fp64 for fp64 models).
+            Under loss scaling a 16-bit shard is widened to fp32 to be unscaled, and kept so until ``zero_grad()``.
+        loss_scale: dynamic loss scaling: ``"auto"``, on when any parameter is fp16; a :class:`LossScaleConfig`, on
+            with those settings (for fp16 autocast); ``None``, off. When on, call ``optimizer.backward(loss)``
+            instead of ``loss.backward()``; steps whose gradients overflow are skipped and the scale backs off.
         verify_every: every this many steps, compare a checksum of the parameters across ranks (one small
             all-reduce) and raise :class:`zeroimpl.DivergenceError` naming the first that differs (``None``: never).
-        nonfinite: ``"raise"`` or ``"skip"``: what ``step()`` does when the averaged gradients hold NaN or Inf and
-            no loss scaling is on (or the scale is at its minimum). ``"raise"`` (default): clear the gradients,
-            leave parameters and state untouched, and raise ``FloatingPointError`` on every rank. ``"skip"``: clear
-            the gradients, skip the step and count it in ``skipped_steps``. Never an update with NaN.
+        nonfinite: what ``step()`` does when the averaged gradients hold NaN or Inf and no loss scaling is on (or
+            the scale is at its minimum): ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` skips.
+            Either way the gradients are cleared and the step counts in ``skipped_steps``; nothing is updated.
         collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take before
-            it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs). On CUDA: the waits where the host
-            blocks anyway (:mod:`zeroimpl.pending`). ``None`` (default): the process group's timeout.
-        overlap_param_gather: leave each bucket's parameter all-gather in flight at the end of ``step()``
-            (default ``True``). The first torch operation or module forward that touches one of its parameters
-            waits for it (see :mod:`zeroimpl.inflight`, and for the reads it cannot see
-            :meth:`finish_param_gathers` or ``False``). Results are bitwise those of ``False``.
+            it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs); on CUDA, the waits where the host
+            blocks anyway (:mod:`zeroimpl.pending`). ``None``: the process group's timeout.
+        overlap_param_gather: leave each bucket's parameter all-gather in flight after ``step()``, until the first
+            torch operation or module forward that touches its parameters (:mod:`zeroimpl.inflight`). For reads it
+            cannot see: :meth:`finish_param_gathers`, or ``False``. Results are bitwise those of ``False``.
         quantize_param_gather: all-gather each step's change of the parameters in 8 bits (every rank adds the same
             dequantized change; each keeps an exact fp32 master of its shard): :mod:`zeroimpl.quantized_comm`.
         quantize_grad_reduce: reduce the gradients in 8 bits, summed in fp32 (``"replicas"``: only across replicas).
@@ -172,20 +160,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             module_buffers.broadcast_parameters(members, self.topology, collective_timeout)
         self._build_parts(trainable, layout, agree=True)
         self._constructed = True
-        # until the first step, a model moved, converted or given new parameters is followed (:meth:`_follow_model`)
         self._follower: Optional[ModelFollower] = ModelFollower(self._follow_model, self.ownership)
         self._follower.remember(self.trainable_params)
 
     def _lay_out(self) -> tuple[list[torch.nn.Parameter], ShardLayout]:
-        """The trainable parameters of the groups as they are now, and their shard layout."""
         settings = self._settings
         trainable, specs = trainable_specs(self.param_groups, settings.step_works, settings.blocks)
         return trainable, build_layout(specs, self.world_size, settings.bucket_numel)
 
     def _build_parts(self, trainable: list[torch.nn.Parameter], layout: ShardLayout, agree: bool) -> None:
-        """Build the parts that hold the parameters' memory from ``trainable`` as they are now: flat buffers,
-        masters, gradient store, inner optimizers, hooks. ``agree``: the inner optimizers' construction is agreed
-        across the ranks (at construction; a rebuild before the first step is local, as the move that caused it)."""
+        """Build the buffers, masters, gradient store, inner optimizers and hooks from ``trainable``. ``agree``:
+        check the inner optimizers' construction on every rank (collective; a rebuild is local)."""
         settings, timeout = self._settings, self.collective_timeout
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         self.layout: ShardLayout = layout
@@ -211,20 +196,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                        quantized=settings.quantize_grad_reduce)
         self.checks = StepChecks(reducer=self.reducer, ownership=self.ownership, uneven=self.uneven,
                                  loss_scaler=self.loss_scaler, topology=self.topology, device=self._device)
-        # param.grad after backward: views of the averaged gradient, exposed by the reducer's end of backward
         self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
                                     topology=self.topology)
         self.reducer.call_after_backward(self.grad_views.after_backward)
 
     def _follow_model(self) -> None:
-        """Before the first step, take the parameters as the model now holds them, as a torch optimizer built before
-        ``model.to(device)``, ``.half()``, ``load_state_dict(assign=True)`` or a framework's placement would:
-        rebuild the flat buffers, masters and inner optimizers from the moved, converted or replacing parameters.
-        State loaded before the change (``load_state_dict``, ``zeroimpl.checkpoint.load_checkpoint``) is carried over
-        (inner state, masters, loss scale) where the parameters keep their pieces; where a conversion changed the
-        layout it is refused. Local (every rank moves its model alike), but for the parameters' all-gather from
-        carried masters. Once a step has run, or gradients are held, nothing is followed: the step refuses a changed
-        model (:meth:`Ownership.check_unchanged`)."""
+        """Before the first step or gradient, rebuild the parts from the parameters the model now holds (after
+        ``model.to()``, ``.half()``, ``load_state_dict(assign=True)``), carrying loaded state over where the pieces
+        keep their positions (else raise). Local but for the all-gather from carried masters; later, the step
+        refuses a changed model."""
         if self._follower is None:
             return
         successors = self.ownership.successors()
@@ -251,15 +231,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._carry_over(*carried)
 
     def _carried_state(self) -> tuple:
-        """What a rebuild keeps of state loaded into this optimizer: its pieces' positions and inner state, the
-        masters and the loss-scaler state."""
         pieces = self.pieces.states(self.inner)
         return (_positions(p for p, _, _ in pieces),
                 [state for _, _, state in pieces], [s.master for s in self.storages],
                 self.loss_scaler.state_dict() if self.loss_scaler else None)
 
     def _carry_over(self, positions: list, states: list, masters: list, loss_scaler: Optional[dict]) -> None:
-        """Install state carried over a rebuild (:meth:`_carried_state`) into the rebuilt parts."""
         sizes = [s.master.numel() for s in self.storages]
         if _positions(self.layout.pieces(self.rank)) != positions or [m.numel() for m in masters] != sizes:
             raise RuntimeError("the model was converted after optimizer state was loaded into the ShardedOptimizer, "
@@ -272,7 +249,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
         """A ShardedOptimizer of a torch ``optimizer``'s class, groups and defaults (``options``: its own keywords),
-        before that steps; ``optimizer``'s groups become this one's (for its LR schedulers) and its step() raises."""
+        before that steps (``ValueError`` once it holds state); ``optimizer``'s groups become this one's (for its LR
+        schedulers) and its step() raises."""
         groups, optimizer_class, defaults = optimizer_kinds.settings_of(optimizer)
         return optimizer_kinds.hand_over(optimizer, cls(groups, optimizer_class, stage, **{**defaults, **options}))
 
@@ -325,9 +303,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- gradients --------------------------------------------------------------------------------
     def _agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """The step's agreement all-reduce (:meth:`StepChecks.agree`) unless its verdict stands (a norm read through
-        ``param.grad`` carried it) and no norm is asked for; raises on every rank (gradients cleared) when ranks ran
-        different numbers of backward passes."""
+        """:meth:`StepChecks.agree` unless its verdict stands and no norm is asked for; raises on every rank
+        (gradients cleared) when ranks ran different numbers of backward passes."""
         stands = norm_type is None and self.checks.verdict_stands()
         total = None if stands else self.checks.agree(norm_type)
         if not self.checks.verdict.same_passes:
@@ -337,8 +314,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return total
 
     def found_nonfinite(self) -> bool:
-        """Whether this step's averaged gradients hold NaN or Inf on any rank, so that ``step()`` will skip (or raise:
-        ``nonfinite``). Same on every rank; collective: the step's small all-reduce, which ``step()`` reuses."""
+        """Whether the averaged gradients hold NaN/Inf (``step()`` will skip or raise). Collective, reused by step."""
         self._follow_model()
         with torch.no_grad():
             if not self.grad_views.prepare():
@@ -348,12 +324,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the averaged gradients of the whole model to ``max_norm``; return their total norm, as
-        ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients, from the shards with the step's one
-        small all-reduce, identical on every rank. NaN/Inf gradients stay unclipped (``step()`` skips or raises);
-        ``max_norm=inf`` reads the norm and leaves the gradients untouched.
-        Under DDP, whose ``param.grad`` is the full averaged gradient on every rank: ``torch.nn.utils.clip_grad_norm_``
-        over it, with no communication (bitwise DDP + torch's clipping)."""
+        """Clip as ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients and return the total norm,
+        identical on every rank, from the shards in the step's one small all-reduce (under DDP: torch's, local).
+        NaN/Inf gradients stay unclipped (``step()`` skips or raises); ``max_norm=inf`` only reads the norm."""
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
@@ -372,14 +345,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     # -- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective. Its phases
-        in order: the masters brought up to date; the reduction finished and unscaled; the agreement; the pieces
-        stepped; the parameters published and all-gathered; the step's end."""
+        """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective."""
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self._follow_model()
-        # the masters are the step's to write: the last step's all-gathers finished (one that failed raises here),
-        # parameters written outside the optimizer since taken in
+        # the masters are the step's to write: the last all-gathers finished, parameter edits taken in
         self.param_sync.finish_param_sync(take_edits=True)
         if not self.grad_views.prepare():  # the reduction finished and unscaled: False when no rank has gradients
             return loss
@@ -402,16 +372,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return loss
 
     def _pieces_to_step(self) -> dict[int, list]:
-        """By bucket index, this rank's (master piece, gradient piece) pairs to step, the hyperparameters the inner
-        optimizers step with followed."""
+        """By bucket index, this rank's (master piece, gradient piece) pairs to step."""
         self.inner.follow(self.param_groups)  # hyperparameters the user (or a scheduler) changed
         grads = [None if grad is None else grad.to(storage.master.dtype)
                  for storage, grad in zip(self.storages, self.gradients.ready())]
         return self.pieces.gradient_pairs(grads, self.checks.verdict.stepped)
 
     def _skip_step(self) -> None:
-        """NaN/Inf gradients: discard them, count the skip, back the loss scale off; raise where ``nonfinite`` says
-        so and no smaller loss scale is left to try."""
+        """NaN/Inf gradients: discard them, count the skip, back the scale off; raise per ``nonfinite`` at min scale."""
         raises = self.nonfinite == "raise" and (
             self.loss_scaler is None or self.loss_scaler.scale <= self.loss_scaler.config.min_scale)
         self.reducer.zero_grad(set_to_none=True)
@@ -436,10 +404,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._reset_gradients(consumed_by_step=False, set_to_none=set_to_none)
 
     def _reset_gradients(self, consumed_by_step: bool, set_to_none: bool = True) -> None:
-        """The one reset of a round of gradients, in the order its parts depend on: the views out of ``.grad``;
-        the reducer's counters, round and gradient store (``end_step`` after a step consumed them, remembering
-        which parameters it stepped, else ``zero_grad``); then the step checks, which record the reducer's
-        counters afresh (before it, the next backward would look like no backward)."""
+        """The one reset of a round of gradients. The step checks go last: they record the reducer's counters
+        afresh, or the next backward would look like none."""
         self.grad_views.discard()
         if consumed_by_step:
             verdict = self.checks.verdict
@@ -454,9 +420,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._switch_mode("train")
 
     def eval(self) -> None:
-        """Schedule-free optimizers' switch of the parameters to the averaged point for evaluation (``train()``
-        switches back), as under DDP: collective when an inner class has the method (its master shards move,
-        then the parameters are all-gathered from them); nothing for other classes."""
+        """Schedule-free optimizers' switch of the parameters to the averaged point (``train()`` switches back).
+        Collective when an inner class has the method (its masters move, the parameters are all-gathered)."""
         self._switch_mode("eval")
 
     def _switch_mode(self, mode: str) -> None:
@@ -466,14 +431,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- parameters -------------------------------------------------------------------------------
     def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
-        """Wait for the parameter all-gathers still in flight (``overlap_param_gather``), of ``buckets`` or of all:
-        then the parameters hold this step's values. Local: every rank issued them in ``step()``."""
+        """Wait for the parameter all-gathers in flight, of ``buckets`` or of all. Local: ``step()`` issued them."""
         self.param_sync.finish_param_sync(buckets)
 
     def trains(self, module: torch.nn.Module) -> bool:
-        """Whether a parameter of ``module`` is in this optimizer's param groups (frozen ones too: a parameter
-        frozen after construction stays the optimizer's): which optimizer a framework's module belongs to, for
-        its accumulation and its checkpoint."""
+        """Whether a parameter of ``module`` (frozen ones too) is in this optimizer's groups: which one owns it."""
         held = {id(p) for group in self.param_groups for p in group["params"]}
         return any(id(p) in held for p in module.parameters())
 
@@ -489,24 +451,19 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
-        """Raise :class:`zeroimpl.DivergenceError` on every rank unless all hold bit-identical parameters (trainable
-        and frozen members of the groups). Collective: one small all-reduce of checksums (:mod:`zeroimpl.verify`)."""
+        """Raise :class:`zeroimpl.DivergenceError` on every rank unless all hold identical parameters. Collective."""
         self.finish_param_gathers()
         verify.verify_ranks_agree(self.storages, self.ownership.frozen, self.topology, self._device,
                                   self.collective_timeout, self._steps_taken,
                                   lambda param: verify.param_name(self.param_groups, param))
 
     # -- state ------------------------------------------------------------------------------------
-    # Each rank's state holds that rank's shard only. A loop that saves ``optimizer.state_dict()`` on the master
-    # process alone (nanoGPT, many scripts written for DDP) hands rank 0's shard to every rank at resume: the rank
-    # that can load it must not go on into the next collective while another refuses, or the job hangs. So a load
-    # gathers every rank's verdict (one small object all-gather) and raises the same refusal on every rank.
+    # Each rank's state is its shard. A loop saving state_dict() on the master process alone (nanoGPT) hands rank 0's
+    # shard to every rank at resume: loads agree (_agree_to_load) so that all raise, rather than some hang.
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the full, unsharded state on rank ``to`` (of the shard group; with hybrid sharding on that rank of
-        every replica), as torch's ZeroRedundancyOptimizer does: its :meth:`state_dict` then returns it in
-        ``torch.optim.Optimizer.state_dict()`` format, loadable by the plain inner optimizer over the same param
-        groups (and by :meth:`load_state_dict` at any world size), until the next step or load. Collective; the
-        other ranks send their state and keep none. Lightning calls it before it checkpoints an optimizer."""
+        """Gather the full state on rank ``to`` of the shard group (hybrid: of every replica), as torch's
+        ZeroRedundancyOptimizer: until the next step or load, :meth:`state_dict` there returns it in torch's format,
+        loadable by the plain inner optimizer and by :meth:`load_state_dict` at any world size. Collective."""
         self.sync_masters()
         whole = [bucket.whole or bool(bucket.block) for bucket in self.layout.buckets]
         split = [(piece, *(_on_host(part) for part in split_state(state, tuple(master.shape),
@@ -516,7 +473,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._consolidated = None if gathered is None else self._full_state(gathered)
 
     def _full_state(self, gathered: list[list[tuple]]) -> dict:
-        """The full state in torch's format from every shard rank's split pieces (:meth:`consolidate_state_dict`)."""
         params = self.trainable_params
         states: list[dict] = [{} for _ in params]
         scalars: list[Optional[dict]] = [None] * len(params)
@@ -534,12 +490,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return full
 
     def state_dict(self) -> dict:
-        """This rank's state (tensors by reference, as torch's): the inner optimizers' state over the pieces, each
-        group's hyperparameters, the master shards when they are separate from the parameters, and the loss
-        scaler's state. Local only: safe to call on one rank alone. After :meth:`consolidate_state_dict`, on its
-        rank ``to`` and until the next step or load: the full state it gathered, in torch's format. Under DDP
-        (stage 1), as torch's ZeroRedundancyOptimizer: only that, and a ``RuntimeError`` otherwise (a framework saving
-        the main process's ``state_dict()`` alone would keep one rank's shard)."""
+        """This rank's state, tensors by reference (its pieces' inner state, group hyperparameters, separate master
+        shards, loss scaler); local. After :meth:`consolidate_state_dict`, on rank ``to``: the full state. Under DDP
+        (stage 1) only that, as torch's ZeroRedundancyOptimizer, else ``RuntimeError``."""
         if self._consolidated is not None:  # its hyperparameters as they are now (a scheduler may have moved them)
             groups = [{**described["hyperparameters"], "params": saved["params"]}
                       for described, saved in zip(describe_groups(self), self._consolidated["param_groups"])]
@@ -564,12 +517,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a state saved by ``state_dict()`` of the same rank, world size and parameter layout, or a full
-        state in ``torch.optim.Optimizer.state_dict()`` format (:meth:`consolidate_state_dict`'s, or a plain torch
-        optimizer's over the same param groups and classes), given to every rank, at any world size: each rank takes
-        its shard, and the master weights follow the parameters (load the model first). Collective: a state some
-        rank cannot load (another rank's, as a checkpoint saved on the master process alone holds) is refused on
-        every rank, before anything changes."""
+        """Restore this rank's ``state_dict()`` (same world size and layout), or a full state in torch's format
+        (:meth:`consolidate_state_dict`'s, or a plain torch optimizer's over the same groups and classes) given to
+        every rank at any world size: the masters then follow the parameters (load the model first). Collective:
+        a state some rank cannot load is refused on every rank, before anything changes."""
         self._follow_model()
         self._consolidated = None
         if _is_torch_format(state_dict):
@@ -578,16 +529,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._agree_to_load(self._load_problem(state_dict))
         self._install(state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
                       state_dict["loss_scaler"])
-        # a quantized all-gather's next step starts from the parameters as saved: the model loads them, before or
-        # after (a state without them, from before zeroimpl sent changes, published the dequantized masters)
+        # a quantized all-gather's next step starts from the parameters as saved (the model loads them, before or
+        # after); a state without them gives the dequantized masters
         for storage in (s for s in self.storages if s.blocks is not None):
             saved = state_dict.get("published_shards")
             storage.published.copy_(saved[storage.bucket.index] if saved else
                                     storage.blocks.decoded(storage.blocks.encode(storage.master)))
 
     def _load_full(self, state_dict: dict) -> None:
-        """Load a full state in torch's format (see :meth:`load_state_dict`), refused on every rank if some rank
-        cannot split it."""
+        """Load a full state in torch's format; refused on every rank if some rank cannot split it."""
         pieces = [(piece, master) for piece, master, _ in self.piece_states()]
         problem, split = None, None
         try:
@@ -598,8 +548,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.restore_state(*split, loss_scaler=state_dict.get("loss_scaler"))
 
     def _agree_to_load(self, problem: Optional[str]) -> None:
-        """Raise the same refusal on every rank unless every rank can load its state (``problem``: why this one
-        cannot, or None). Collective: one small object all-gather of the verdicts."""
+        """Raise the same refusal on every rank unless all can load (``problem``: why this one cannot). Collective."""
         problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
         if problem is not None:
             raise ValueError(problem)
@@ -647,20 +596,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- the checkpoint package's seam -----------------------------------------------------------
     def piece_states(self) -> list[tuple[ShardPiece, torch.Tensor, Optional[dict]]]:
-        """This rank's pieces, in ``layout.pieces(rank)`` order, each with its view of the master shard and
-        the inner optimizer's state for it (``None``: never stepped)."""
+        """This rank's pieces in ``layout.pieces(rank)`` order, with master views and inner state (``None``: none)."""
         self._follow_model()
         return self.pieces.states(self.inner)
 
     def restore_state(self, piece_states: list[Optional[dict]], hyperparameters: list[dict],
                       masters: Optional[list[torch.Tensor]] = None, loss_scaler: Optional[dict] = None,
                       published: Optional[list[torch.Tensor]] = None) -> None:
-        """Install optimizer state read from a checkpoint or converted from torch's format. ``piece_states``: the
-        inner state per piece, in :meth:`piece_states` order (``None``: not stepped yet); ``hyperparameters``:
-        each param group's. With ``masters`` (per bucket, this rank's master shard) the parameters are
-        all-gathered, unquantized, from them or from ``published`` (per bucket, this rank's shard of the
-        parameters as saved: a quantized all-gather's): collective. Without, the masters follow the parameters,
-        which the caller loads (local). ``loss_scaler``: a ``LossScaler.state_dict()`` (``None``: keep it)."""
+        """Install state from a checkpoint or torch's format: ``piece_states`` in :meth:`piece_states` order,
+        each group's ``hyperparameters``, a :meth:`DynamicLossScaler.state_dict` (``None``: keep the scaler's).
+        With ``masters`` (per bucket) the parameters are all-gathered from them, unquantized, or from ``published``
+        (a quantized all-gather's saved shards): collective. Without, the masters follow the parameters: local."""
         self._follow_model()
         number = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
         state = {number[id(master)]: piece_state for master, piece_state in zip(self.pieces.masters, piece_states)
@@ -675,21 +621,18 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _install(self, inner_state: dict, hyperparameters: list[dict], masters: Optional[list[torch.Tensor]],
                  loss_scaler_state: Optional[dict]) -> None:
-        """Install checked state (``inner_state``: the inner optimizers' state dict, torch's format): each group's
-        hyperparameters (the inner optimizers keep their own kernel choice), optionally the master shards and the
-        loss-scaler state. ``masters`` is ``None`` for a state saved without separate masters (an fp32 model
-        without offload): then the masters keep following the parameters, which the user loads."""
+        """Install checked state; the inner optimizers keep their own kernel choice. ``masters`` ``None``: saved
+        without separate masters, which keep following the parameters."""
         self.param_sync.finish_param_sync()  # no all-gather may still write the parameters, no copy read the masters
         self._loaded = True
-        self._consolidated = None  # (the state it holds is no longer this optimizer's)
+        self._consolidated = None
         kernels = [{k: v for k, v in g.items() if k in KERNEL_KEYS} for g in self.inner.param_groups]
         # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
         inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in
                                                        zip(inner_state["param_groups"], kernels)]}
         self.inner.load_state_dict(inner_state)  # moves the state to the masters' device and dtype
         for outer, own, saved, kernel in zip(self.param_groups, self.inner.param_groups, hyperparameters, kernels):
-            # the saved outer groups are the newer: they mirror the inner ones after each step, and a scheduler
-            # may have changed them since (its lr goes into the inner group at the next step)
+            # the saved outer groups are the newer: a scheduler may have changed them since the step mirrored them
             outer.update({k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS})
             own.update({k: v for k, v in saved.items() if k not in OUTER_ONLY_KEYS | KERNEL_KEYS})
             outer.update(kernel)
@@ -725,7 +668,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
 def _is_torch_format(state_dict) -> bool:
     """Whether ``state_dict`` is a full state in ``torch.optim.Optimizer.state_dict()`` format (no zeroimpl tag)."""
-    return isinstance(state_dict, dict) and "format" not in state_dict and {"state", "param_groups"} <= state_dict.keys()
+    return (isinstance(state_dict, dict) and "format" not in state_dict
+            and {"state", "param_groups"} <= state_dict.keys())
 
 
 def _positions(pieces) -> list[tuple[int, int, int, int]]:

@@ -1,20 +1,17 @@
 """Which torch optimizer classes ShardedOptimizer shards, and how.
 
-* **flat** -- elementwise optimizers (each element updated from its own parameter, gradient and state:
-  AdamW, SGD, ...): every bucket is cut into equal chunks wherever the element boundaries fall.
-* **whole** -- optimizers that need a whole parameter (Muon's Newton-Schulz orthogonalisation of a matrix,
-  Adafactor's factored second moments, and any class the user marks as per-parameter, e.g. Shampoo or SOAP):
-  each parameter belongs to exactly one rank, which steps it as the plain optimizer would.
-* **blocked** -- the low-bit optimizers of bitsandbytes and torchao, recognised without flags: elementwise
-  but for their state, quantized in blocks counted from a parameter's first element, and 8-bit (4-bit, fp8)
-  or fp32 by the tensor's size (:func:`blocks_of`). Flat shards whose cuts fall on block boundaries of
-  every parameter, each parameter placed so that its pieces keep its quantization
-  (:func:`zeroimpl.layout.place_blocked`): every block and every fp32/8-bit choice is the unsharded
-  optimizer's. Their quantization maps are replicated in every piece's state.
-* Third-party classes checked against DDP (timm's Adan and Lamb, schedule-free's AdamW, SGD and RAdam) are
-  recognised by name, flat or whole as :data:`THIRD_PARTY_SHARDING` says.
-* refused -- optimizers that need more than one parameter at a time (LBFGS's closure over the whole model)
-  or sparse gradients (SparseAdam), which reduce-scatter cannot give.
+* **flat** -- elementwise optimizers (each element updated from its own parameter, gradient and state: AdamW,
+  SGD, ...): every bucket is cut into equal chunks wherever the element boundaries fall.
+* **whole** -- optimizers that need a whole parameter (Muon's Newton-Schulz, Adafactor's factored moments, any
+  class in ``per_parameter`` such as Shampoo or SOAP): each parameter belongs to one rank, which steps it as the
+  plain optimizer would.
+* **blocked** -- bitsandbytes' and torchao's low-bit optimizers, recognised without flags: elementwise but for
+  state quantized in blocks counted from a parameter's first element, 8-bit (4-bit, fp8) or fp32 by size
+  (:func:`blocks_of`). Shards are cut on every parameter's block boundaries (:func:`zeroimpl.layout.place_blocked`),
+  so every block and every fp32/8-bit choice is the unsharded optimizer's; quantization maps are replicated.
+* Third-party classes checked against DDP are recognised by name, flat or whole (:data:`THIRD_PARTY_SHARDING`).
+* refused -- optimizers that need several parameters at once (LBFGS's closure over the whole model) or sparse
+  gradients (SparseAdam), which reduce-scatter cannot give.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ ELEMENTWISE_OPTIMIZERS = frozenset({
 # (torch.optim.Adafactor since torch 2.5, torch.optim.Muon since 2.9)
 WHOLE_PARAMETER_OPTIMIZERS = frozenset(cls for cls in (getattr(torch.optim, "Muon", None),
                                                        getattr(torch.optim, "Adafactor", None)) if cls is not None)
-# third-party classes checked bitwise against DDP + the same class (tests/test_optimizer_kinds_third_party.py), by
-# "module.qualname" (the core does not import them): sharded as listed without assume_elementwise or per_parameter
+# checked bitwise against DDP (tests/test_optimizer_kinds_third_party.py); matched by "module.qualname", never imported
 THIRD_PARTY_SHARDING: dict[str, "Sharding"] = {
     "timm.optim.adan.Adan": "flat",
     "schedulefree.adamw_schedulefree.AdamWScheduleFree": "flat",
@@ -46,12 +42,9 @@ THIRD_PARTY_SHARDING: dict[str, "Sharding"] = {
     "schedulefree.radam_schedulefree.RAdamScheduleFree": "flat",
     "timm.optim.lamb.Lamb": "whole",  # a trust ratio per parameter
 }
-# packages whose optimizers quantize state blockwise (recognised by module, without importing them: the core
-# depends on torch alone)
-# param-group keys about the model's parameters, which an inner optimizer (over pieces) does not have, and the
-# group's optimizer class (not a hyperparameter: never saved with them)
+# param-group keys that are not hyperparameters: never passed to an inner optimizer, never saved with them
 OUTER_ONLY_KEYS = frozenset({"params", "param_names", "optimizer"})
-BLOCKWISE_PACKAGES = ("bitsandbytes.", "torchao.")
+BLOCKWISE_PACKAGES = ("bitsandbytes.", "torchao.")  # quantize state blockwise; matched by module, never imported
 BITSANDBYTES_BLOCK = 256  # bitsandbytes' 8-bit optimizers quantize in blocks of 256 (fixed in its kernels)
 TORCHAO_THRESHOLD = 4096  # torchao quantizes a tensor of at least 4096 elements that whole blocks divide
 REFUSED_OPTIMIZERS = {
@@ -74,10 +67,9 @@ def check_per_parameter(per_parameter) -> None:
 
 
 def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_elementwise: bool) -> Sharding:
-    """How ``optimizer_class``'s param groups are sharded; raises a clear error for a class that cannot be.
-
-    ``per_parameter``: classes the user marks as needing whole parameters (any class, even an elementwise
-    one). ``assume_elementwise``: shard classes zeroimpl does not know flat."""
+    """How ``optimizer_class``'s param groups are sharded; ValueError, naming the fix, for a class that cannot be.
+    ``per_parameter``: classes the user marks whole (even elementwise ones); ``assume_elementwise``: shard unknown
+    classes flat."""
     check_class(optimizer_class)
     if optimizer_class in REFUSED_OPTIMIZERS:
         raise ValueError(f"{optimizer_class.__name__} cannot be sharded: {REFUSED_OPTIMIZERS[optimizer_class]}; "
@@ -102,14 +94,13 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
                      "from that element's own parameter, gradient and state only, pass assume_elementwise=True (flat "
                      "shards). Otherwise -- matrix or factored state (Shampoo, SOAP), state quantized in blocks, a "
                      "per-parameter norm or trust ratio (LAMB, LARS, max_unorm), or when unsure -- pass "
-                     f"per_parameter=[{optimizer_class.__name__}]: each parameter is stepped whole by one rank, exactly "
-                     "as the unsharded optimizer steps it (the safe choice)")
+                     f"per_parameter=[{optimizer_class.__name__}]: each parameter is stepped whole by one rank, "
+                     "exactly as the unsharded optimizer steps it (the safe choice)")
 
 
 def _clips_by_update_norm(optimizer_class: type) -> bool:
-    """Whether the class's update is scaled by its norm against the parameter's (bitsandbytes' ``max_unorm``, on
-    by default in its LAMB and LARS classes, and so in a subclass of theirs): a per-parameter norm, which a piece
-    of the parameter cannot give."""
+    """Whether the class scales its update by its norm against the parameter's (bitsandbytes' ``max_unorm``, on by
+    default in its LAMB and LARS and their subclasses): a per-parameter norm, which a piece cannot give."""
     for cls in optimizer_class.__mro__[:-1]:  # (not object)
         try:
             setting = inspect.signature(cls.__init__).parameters.get("max_unorm")
@@ -131,11 +122,10 @@ def _comes_from(optimizer_class: type, packages: tuple[str, ...]) -> bool:
 
 
 def blocks_of(group: dict) -> Blocks:
-    """How a param group's bitsandbytes or torchao class (``group["optimizer"]``) quantizes a tensor's state under
-    the group's hyperparameters: bitsandbytes' 8-bit classes in blocks of 256 from ``min_8bit_size`` elements on;
-    torchao's in blocks of ``block_size`` (AdamW8bit/Fp8 256, AdamW4bit 128) for tensors of at least 4096
-    elements that the blocks divide. (Its 32-bit classes never quantize; the constraint then is needless but
-    harmless.)"""
+    """How a group's bitsandbytes or torchao class (``group["optimizer"]``) quantizes a tensor's state under the
+    group's settings: bitsandbytes' in blocks of 256 from ``min_8bit_size`` elements on (its 32-bit classes never
+    quantize: the constraint is then harmless); torchao's in blocks of ``block_size`` (AdamW8bit/Fp8 256, AdamW4bit
+    128) for tensors of at least 4096 elements that the blocks divide."""
     optimizer_class = group["optimizer"]
     defaults = {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()}
     settings = {**defaults, **group}
@@ -148,8 +138,8 @@ def blocks_of(group: dict) -> Blocks:
 
 
 def step_work(optimizer_class: type) -> Callable[[tuple], int]:
-    """The relative cost of one step of a parameter of a given shape, which whole-parameter layouts balance
-    across ranks: Newton-Schulz for Muon (``m * n * min(m, n)``), the element count otherwise."""
+    """The relative cost of stepping a parameter of a given shape, which whole-parameter layouts balance across
+    ranks: ``m * n * min(m, n)`` for Muon's Newton-Schulz, else the element count."""
     if optimizer_class is getattr(torch.optim, "Muon", None):
         return lambda shape: math.prod(shape) * (min(shape[-2:]) if len(shape) >= 2 else 1)
     return lambda shape: math.prod(shape)
@@ -157,10 +147,9 @@ def step_work(optimizer_class: type) -> Callable[[tuple], int]:
 
 def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: Collection[type],
          assume_elementwise: bool) -> tuple[list[dict], list[Optional[Callable[[tuple], int]]], list[Optional[Blocks]]]:
-    """The param groups with their classes (:func:`groups_with_classes`); per group, the step cost that a
-    whole-parameter layout balances (:func:`step_work`), or ``None``; and per group, the quantization a
-    blocked layout keeps (:func:`blocks_of`), or ``None``. Raises on a class that cannot be sharded or cannot
-    be told apart (:func:`sharding_of`)."""
+    """The param groups with their classes (:func:`groups_with_classes`) and, per group, the step cost of a whole
+    group (:func:`step_work`) and the quantization of a blocked one (:func:`blocks_of`), else ``None``. Raises as
+    :func:`sharding_of` does."""
     check_class(optimizer_class)
     check_per_parameter(per_parameter)
     groups = groups_with_classes(params, optimizer_class, optimizer_kwargs)
@@ -171,9 +160,8 @@ def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: C
 
 
 def settings_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict], type, dict]:
-    """The param groups (copies, every hyperparameter in each), class and defaults (those its constructor takes)
-    of a torch optimizer, for a ShardedOptimizer that steps the same way. Refused once it holds state: that state
-    would be left behind."""
+    """A torch optimizer's param groups (copies, with every hyperparameter), class and defaults (those its
+    constructor takes), for a ShardedOptimizer that steps the same way. Refused once it holds state."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"from_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if any(optimizer.state.values()):
@@ -186,10 +174,9 @@ def settings_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict], type, dic
 
 
 def hand_over(optimizer: torch.optim.Optimizer, replacement: torch.optim.Optimizer):
-    """Let a torch ``optimizer`` that ``replacement`` replaced drive it, and return ``replacement``: ``optimizer``'s
-    ``param_groups`` become the replacement's own list, so that an LR scheduler built over it (a SequentialLR's
-    children too) or code that edits its groups sets the replacement's hyperparameters; its ``step()`` raises, since
-    stepping it would update the parameters outside the replacement."""
+    """Return ``replacement`` after making the ``optimizer`` it replaced share its ``param_groups`` list, so that an
+    LR scheduler over ``optimizer`` (SequentialLR's children too) sets the replacement's hyperparameters; its
+    ``step()`` then raises, as it would update the parameters behind the replacement's back."""
     optimizer.param_groups = replacement.param_groups
 
     def spent(*args, **kwargs):
@@ -201,10 +188,9 @@ def hand_over(optimizer: torch.optim.Optimizer, replacement: torch.optim.Optimiz
 
 
 def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:
-    """Param groups (copies) with their optimizer class under ``"optimizer"``: ``optimizer_class`` where a group
-    names none, and then ``optimizer_kwargs`` as defaults of the hyperparameters of every group of
-    ``optimizer_class`` (groups of another class take that class's defaults, filled in by its inner
-    optimizer). Raises when ``optimizer_kwargs`` would apply to no group."""
+    """Param groups (copies) with their class under ``"optimizer"`` (``optimizer_class`` where a group names none),
+    ``optimizer_kwargs`` filling in the groups of ``optimizer_class`` only (other classes take their own defaults).
+    Raises when ``optimizer_kwargs`` would apply to no group."""
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of parameters or of param-group dicts (e.g. "
                         f"model.parameters()), got a single tensor of shape {tuple(params.shape)}")
@@ -235,11 +221,10 @@ def _refuse_bitsandbytes_args(group: dict) -> None:
 
 
 def check_whole_groups(groups: list[dict], outer_only_keys: frozenset) -> None:
-    """Let torch's whole-parameter classes refuse their groups on every rank alike (torch.optim.Muon: parameters
-    that are not 2-D), not only on the rank that owns the offending parameter: build each once over
-    shape-only (meta) copies of the group's trainable parameters (``outer_only_keys``: the group keys that are
-    not hyperparameters). A class of the user's, whose constructor may read values, is built over this rank's
-    pieces only."""
+    """Build each group of torch's whole-parameter classes once over meta copies of its trainable parameters, so
+    that every rank, not only the owner, refuses a bad group (torch.optim.Muon: a parameter that is not 2-D).
+    ``outer_only_keys``: group keys that are not hyperparameters. A user's class (which may read values) is built
+    over this rank's pieces only."""
     for group in groups:
         trainable = [p for p in group["params"] if p.requires_grad]
         if group["optimizer"] in WHOLE_PARAMETER_OPTIMIZERS and trainable:
@@ -248,16 +233,16 @@ def check_whole_groups(groups: list[dict], outer_only_keys: frozenset) -> None:
 
 
 def refuse_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, params) -> None:
-    """Raise where bitsandbytes' per-parameter overrides (``GlobalOptimManager``: ``override_config``,
-    ``register_parameters``, ``register_module_override``) could reach this inner ``optimizer``: they name the
-    model's parameters ``params`` (or positions in the plain optimizer's groups), but the inner optimizer
-    steps pieces, so they would be ignored, or land on other pieces."""
+    """Raise where bitsandbytes' per-parameter overrides (``GlobalOptimManager``) could reach this inner
+    ``optimizer``: they name the model's ``params`` (or positions in the plain optimizer's groups), but the inner
+    optimizer steps pieces, so they would be ignored or land on other pieces."""
     manager = getattr(optimizer, "mng", None)  # bitsandbytes' 8-bit optimizers hold the process-wide manager
     if manager is None or not is_blockwise(type(optimizer)):
         return
     ids = {id(p) for p in params}
     named = ids & set(getattr(manager, "pid2config", {})) or any(
-        id(getattr(module, name, None)) in ids for module, name, _ in getattr(manager, "module_weight_config_triple", ()))
+        id(getattr(module, name, None)) in ids
+        for module, name, _ in getattr(manager, "module_weight_config_triple", ()))
     if named or getattr(manager, "index2config", None):
         raise ValueError(f"bitsandbytes' per-parameter overrides (GlobalOptimManager.override_config, "
                          f"register_parameters, register_module_override) are set, but {type(optimizer).__name__} "

@@ -1,15 +1,9 @@
-"""Which ShardedOptimizer manages which parameter, and the parameters a model swapped out from under it.
-
-A parameter may be managed by one live optimizer only (two would shard and step it twice). A module that
-*replaces* one (``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``) or a conversion that
-*rebinds* one to other memory (``model.to(...)``, ``.half()``, ``param.data = ...``) would leave the optimizer
-updating what the model no longer uses. :class:`Ownership` records the claim and the replacements.
-
-Before the first step the optimizer follows such changes, as a torch optimizer built before ``model.to(device)``
-does (it holds no state yet): :class:`ModelFollower` notices them at the first forward of a module that holds a
-moved or replacing parameter, and the step, the gradient operations and the state operations look too
-(``ShardedOptimizer._follow_model``). After it, :meth:`Ownership.check_unchanged` raises, before any collective
-of a step, when the model no longer is what the layout describes.
+"""Which ShardedOptimizer manages which parameter (one live optimizer per parameter, or it is stepped twice), and the
+parameters a model swapped out from under it: *replaced* by a module (``load_state_dict(assign=True)``,
+``module.weight = nn.Parameter(...)``) or *rebound* to other memory (``model.to(...)``, ``.half()``,
+``param.data = ...``), which would leave the optimizer updating what the model no longer uses. Before the first
+step the optimizer follows such changes, as a torch optimizer without state would (:class:`ModelFollower`,
+``ShardedOptimizer._follow_model``); after it, :meth:`Ownership.check_unchanged` raises before any collective.
 """
 
 from __future__ import annotations
@@ -62,8 +56,7 @@ class Ownership:
         _install_registration_hook()
 
     def successors(self) -> dict[int, torch.nn.Parameter]:
-        """``id(parameter)`` -> the Parameter a module put in its place, for the owned parameters (frozen members
-        too) replaced since construction."""
+        """``id(owned parameter)`` -> the Parameter now in its place, if replaced since construction (frozen too)."""
         return dict(self._successors)
 
     @property
@@ -106,10 +99,9 @@ class Ownership:
 
 
 def rebound_message(param_indices: list[int], param: torch.Tensor, home: torch.Tensor) -> str:
-    """Why the parameters ``param_indices`` no longer live in the optimizer's flat buffers, told from the first of
-    them, ``param``, against ``home`` (a flat buffer: the dtype and device they had): a conversion, a move to
-    another device, or a copy onto the same one -- which a framework's device placement makes on CPU, where
-    ``.to(torch.device("cpu", 0))`` copies a tensor on ``cpu`` (accelerate and Trainer place the model so)."""
+    """Why trainable parameters ``param_indices`` no longer live in the flat buffers, told from the first, ``param``,
+    against its flat buffer ``home``: a conversion, a move, or a copy onto the same device (a framework's placement
+    on CPU: ``.to(torch.device("cpu", 0))`` copies a tensor on ``cpu``)."""
     if param.dtype != home.dtype:
         cause = f"converted from {home.dtype} to {param.dtype} (.half(), .double(), .to(dtype))"
     elif param.device.type != home.device.type or (param.device.type != "cpu" and param.device != home.device):
@@ -144,7 +136,8 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
     if heir_of is not None:
         original = next(key for key, heir in heir_of._successors.items() if heir is old)
         del heir_of._successors[original], _HEIRS[id(old)]
-        if isinstance(param, torch.nn.Parameter) and param.shape == old.shape and param.requires_grad == old.requires_grad:
+        if (isinstance(param, torch.nn.Parameter) and param.shape == old.shape
+                and param.requires_grad == old.requires_grad):
             heir_of._succeed(original, param)
         return
     frozen_owner = _FROZEN_OWNERS.get(id(old))
@@ -158,15 +151,13 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
 
 
 class ModelFollower:
-    """Until :meth:`close` (the first step), calls ``follow`` (held weakly) before the forward of a module holding a
-    parameter that ``ownership`` replaced or that left the memory it had when last :meth:`remember` ed: the
-    optimizer then takes the model as it now is before any of it is used. Per module call it looks at that
-    module's own parameters only.
+    """Until :meth:`close` (the first step), calls ``follow`` (held weakly), so that the optimizer takes the model as
+    it now is, before any module's forward once ``ownership`` has a successor, and before the forward of a module
+    whose own parameters left the memory :meth:`remember` recorded.
 
-    One module-level forward pre-hook serves every follower, installed with the first and never removed: a hook
-    taken off at the first step would change the hooks that a ``torch.compile`` d forward was traced with (a
-    recompilation), and a compiled forward skips it (it cannot rebuild an optimizer; the step still follows). Once
-    no follower is open it returns at once."""
+    One global forward pre-hook serves every follower, installed with the first and never removed (removing it would
+    change the hooks a compiled forward was traced with: a recompilation); it returns at once when no follower is
+    open, and compiled code skips it (it cannot rebuild an optimizer; the step still follows)."""
 
     def __init__(self, follow, ownership: Ownership):
         self._follow = weakref.WeakMethod(follow)

@@ -1,14 +1,11 @@
-"""From the updated master weights to every rank's parameters: master -> (staging) -> parameter shard ->
-all-gather, bucket by bucket.
-
-Per bucket (1-D tensors of :mod:`zeroimpl.buffers`): the master (fp32, on the host with offload) is written into
-this rank's ``shard`` of the ``param_buffer``, and the bucket's all-gather is queued at once, so that it
-overlaps the next bucket's copy. With offload the step drives the pipeline one bucket at a time -- its host
-step, then its publish and all-gather (:meth:`ParamSync.start_param_sync`'s ``step_bucket``) -- so that a
-bucket's host step overlaps the copy and all-gather of the one before. A 16-bit model's host masters are
-converted on the host into one of two page-locked *staging* buffers of its dtype (taken in turn, a buffer
-refilled once its previous copy has run), so that half the bytes cross to the device. The gathers are left in flight into the next forward (``overlap_param_gather``), guarded by
-:mod:`zeroimpl.inflight`. On the CPU every copy is synchronous; the code path is the same::
+"""From the updated master weights to every rank's parameters, bucket by bucket: master -> (staging) -> this
+rank's ``shard`` of the ``param_buffer`` (:mod:`zeroimpl.buffers`) -> all-gather, queued at once so that it
+overlaps the next bucket's copy. With offload the step drives the pipeline one bucket at a time
+(``step_bucket``), so that a bucket's host step overlaps the copy and all-gather of the one before. A 16-bit
+model's host masters are converted on the host into one of two page-locked *staging* buffers of its dtype, taken
+in turn, so that half the bytes cross to the device. The gathers are left in flight into the next forward
+(``overlap_param_gather``), guarded by :mod:`zeroimpl.inflight`. On the CPU every copy is synchronous; the code
+path is the same::
 
     host   : |step b0|step b1|step b2|
     copy   :         |H2D b0 |H2D b1 |H2D b2|
@@ -32,18 +29,16 @@ from .topology import Topology
 
 
 class ParamSync:
-    """Publishes one optimizer's master weights into the parameters and all-gathers them: one round per step,
-    :meth:`start_param_sync` then :meth:`finish_param_sync`.
+    """Publishes one optimizer's master weights into the parameters and all-gathers them, once per step:
+    :meth:`start_param_sync`, then :meth:`finish_param_sync`. Invariant: after the start every bucket's all-gather
+    is issued (waited for, or left in :attr:`gathers`, guarded); after a finish of every bucket the parameters
+    hold the published values and no copy reads the masters or the staging buffers.
 
     Args:
         storages: the buckets' parameter memory.
-        topology: the shard group (the all-gathers run there) and the collectives' timeout.
+        topology: the shard group (where the all-gathers run) and the collectives' timeout.
         staging: offload of a 16-bit model: per 16-bit dtype, two host buffers of that dtype's largest shard
             (:func:`zeroimpl.offload.host_buffers`); empty otherwise.
-
-    Invariant: after :meth:`start_param_sync` every bucket's all-gather is issued (waited for, or left to
-    :attr:`gathers` and its guard); after :meth:`finish_param_sync` the parameters hold the published values,
-    and (of every bucket) no copy reads the masters or the staging buffers.
     """
 
     def __init__(self, storages: list[BucketStorage], topology: Topology,
@@ -61,15 +56,12 @@ class ParamSync:
 
     def start_param_sync(self, step_bucket: Optional[Callable[[BucketStorage], None]] = None, overlap: bool = False,
                          exact: bool = False, saved_shards: Optional[list[torch.Tensor]] = None) -> None:
-        """Write every bucket's master into its shard of the parameters and issue its all-gather, in bucket order
-        (after the previous round has finished with the parameters and the masters).
-
-        ``step_bucket(storage)``: run just before a bucket is published (offload's pipeline: its host step
-        overlaps the copy and all-gather of the bucket before). ``overlap``: leave the gathers in flight, guarded
-        (:mod:`zeroimpl.inflight`); else wait for them before returning. ``exact``: every bucket all-gathered
-        unquantized (a checkpoint restores the parameters exactly), where the all-gather is quantized from
-        ``saved_shards`` (per bucket, this rank's shard of the parameters as saved) when given, else from the
-        masters; otherwise edits made on some ranks only are overruled first (:meth:`_overrule_edits`)."""
+        """Collective (shard group): finish the previous round, then write every bucket's master into its shard of
+        the parameters and issue its all-gather, in bucket order. ``step_bucket(storage)``: run just before a
+        bucket is published (offload). ``overlap``: leave the gathers in flight, guarded; else wait for them.
+        ``exact`` (state load): all-gather every bucket unquantized, a quantized bucket's shard taken from
+        ``saved_shards`` (per bucket, this rank's shard of the parameters as saved) when given, else from its
+        master; when not ``exact``, edits made on some ranks only are first overruled (:meth:`_overrule_edits`)."""
         self.finish_param_sync()
         self._turns = dict.fromkeys(self.staging, 0)
         if not exact:
@@ -100,10 +92,9 @@ class ParamSync:
                            {s.bucket.index: s.params for s in self.storages}, guard=overlap)
 
     def finish_param_sync(self, buckets: Optional[Iterable[int]] = None, take_edits: bool = False) -> None:
-        """Wait for the all-gathers still in flight: of ``buckets``, or of every bucket, and then block until no
-        copy of masters (or staging buffers) to the device is in flight, so that the masters may be written.
-        ``take_edits``: then take parameters written outside the optimizer since the last round into the
-        masters (:meth:`BucketStorage.sync_master_with_params`)."""
+        """Wait for the all-gathers in flight of ``buckets`` (``None``: of every bucket, and then for every copy
+        out of the masters and staging buffers, so that they may be written). ``take_edits``: then take parameters
+        written outside the optimizer into the masters (:meth:`BucketStorage.sync_master_with_params`)."""
         self.gathers.finish(buckets)
         if buckets is None:
             for event in self._staged.values():
@@ -121,11 +112,9 @@ class ParamSync:
         return self.gathers.live_buffers()
 
     def _overrule_edits(self) -> None:
-        """With a quantized all-gather, before its steps are sent: where any rank has seen a member of a bucket
-        written outside the optimizer (``BucketStorage.edited``), every rank takes every owner's shard of that
-        bucket exactly (each owner's master has taken the edits of its own shard), so that an edit made on some
-        ranks only -- which the next step's change, added on every rank, would carry on -- is overruled by the
-        owner's values, as an unquantized all-gather overrules it. Collective: one small all-reduce per step."""
+        """Collective (one small all-reduce): where any rank saw a member of a quantized bucket written outside the
+        optimizer (``BucketStorage.edited``), all-gather the bucket exactly (each owner's master took its shard's
+        edits); else an edit made on some ranks only would persist, the next 8-bit deltas added on top of it."""
         quantized = [s for s in self.storages if s.blocks is not None]
         if not quantized:
             return
@@ -139,7 +128,7 @@ class ParamSync:
             storage.edited = False
 
     def _publish_master(self, storage: BucketStorage) -> None:
-        """Write the bucket's master into its shard of the parameters, through a staging buffer where there is one."""
+        """:meth:`BucketStorage.publish_master`, through the next staging buffer of its dtype where there is one."""
         buffers = self.staging.get(storage.shard.dtype) if storage.has_separate_master else None
         if buffers is None:
             storage.publish_master()
@@ -161,10 +150,9 @@ class ParamSync:
         return comm.all_gather(storage.param_buffer, storage.shard, self.group, self.timeout, tag=storage.bucket.index)
 
     def _gather_quantized(self, storage: BucketStorage) -> BucketGather:
-        """Issue the all-gather of every rank's 8-bit payload of the step from its published shard to its master;
-        when it lands, every rank adds each rank's decoded step to that rank's shard of the parameters (written
-        past the parameters' version counters, as a gather's own write is: :meth:`start_param_sync` counts
-        it). A landing that raises (out of memory) fails the gather for good (:class:`zeroimpl.pending.Pending`)."""
+        """Issue the all-gather of every rank's 8-bit step (its master minus its published shard); on landing each
+        decoded step is added to its rank's shard of the parameters, past the version counters as any gather's
+        write (:meth:`start_param_sync` counts it). A landing that raises (out of memory) fails it for good."""
         blocks, index = storage.blocks, storage.bucket.index
         size = blocks.payload_bytes
         gathered = torch.empty(len(blocks.segments) * size, dtype=torch.uint8, device=storage.param_buffer.device)

@@ -1,24 +1,19 @@
-"""Issued communication and the wait for it: :class:`Pending`, which every collective of :mod:`zeroimpl.comm`
-returns.
+"""Issued communication and the wait for it: :class:`Pending`, returned by every collective of :mod:`zeroimpl.comm`.
 
-A collective that fails (a peer died: gloo sees the connection drop) or does not finish within ``timeout``
-seconds (a peer hangs) raises :class:`CollectiveError` on this rank instead of blocking forever.
-``timeout=None`` leaves the bound to the process group's own timeout (``init_process_group(timeout=...)``). On
-CUDA most waits are the current stream's (the host goes on, and NCCL's watchdog enforces the process group's
-timeout: it aborts the process); the timeout bounds the waits where the host blocks anyway: a reduce-scatter
-beyond the in-flight window (:meth:`Pending.wait_on_host`), the step's check all-reduce, whose result the host
-reads (``comm.all_reduce_(read_on_host=True)``), and offload's gradient copies to the host
-(``comm.wait_for_stream``). A collective that hangs while only streams wait for it raises at the next of these
-(every step has the check all-reduce).
+A collective that fails (a peer died) or does not finish within ``timeout`` seconds (a peer hangs) raises
+:class:`CollectiveError` on this rank instead of blocking forever; ``timeout=None`` leaves the bound to the process
+group's timeout. On CUDA most waits are the current stream's: the host goes on, and NCCL's watchdog enforces the
+process group's timeout by aborting the process. ``timeout`` bounds the waits where the host blocks anyway: beyond
+the in-flight window (:meth:`Pending.wait_on_host`), the step's check all-reduce (``read_on_host=True``) and
+offload's gradient copies to the host (``comm.wait_for_stream``). A collective that hangs while only streams wait
+for it raises at the next of these (every step has the check all-reduce).
 
-Fail fast: a collective that failed, or a ``finish`` that raised while landing the result (out of memory
-while summing an 8-bit reduce-scatter or adding a gather's decoded step), marks the Pending failed. The wait
-raises a :class:`CollectiveError` that names the cause and the way on (restart from the last checkpoint), and
-every later wait of it raises it again: what the collective writes may be half-landed, so nothing reads it.
+A failed collective, or a ``finish`` that raised while landing the result (out of memory), fails the Pending: every
+later wait raises the same :class:`CollectiveError`, naming the cause and the way on (restart from the last
+checkpoint), since what the collective writes may be half-landed.
 
-The aliases of CPU tensors that a gloo worker thread was given are dropped after the wait (or with a Pending
-dropped unwaited) and handed to :mod:`zeroimpl.shutdown`, so that the process waits at exit for gloo to let go
-of them.
+The aliases of CPU tensors given to a gloo worker thread are handed to :mod:`zeroimpl.shutdown` after the wait (or
+with a Pending dropped unwaited), so that the process waits at exit for gloo to let go of them.
 """
 
 from __future__ import annotations
@@ -39,18 +34,15 @@ class CollectiveError(RuntimeError):
 
 
 class Pending:
-    """Issued communication: ``works`` to wait for (none: it finished when issued), then ``finish()``.
-
-    ``timeout`` bounds the wait for all of ``works`` together, not each; ``lent``: the aliases ``works`` were
-    given (``comm._aliases``). Once a wait has raised (a work failed, or ``finish`` raised), every wait raises
-    the same :class:`CollectiveError` (``failure``); ``finish`` runs at most once."""
+    """Issued communication: ``works`` to wait for (none: it finished when issued), then ``finish()``, run at most
+    once. ``timeout`` bounds the wait for all of ``works`` together; ``lent``: the aliases ``works`` were given
+    (``comm._aliases``)."""
 
     def __init__(self, works: list, name: str, timeout: Optional[float], *, finish: Optional[Callable[[], None]] = None,
                  buffers: tuple = (), lent: tuple = (), on_stream: bool = False, reports_completion: bool = False):
         self.works, self.name, self.timeout, self.finish = works, name, timeout, finish
         self.buffers = buffers  # scratch tensors alive until the wait (for memory accounting)
         self.lent = lent
-        # its CPU aliases are gloo's alone once the wait returns, or once the Pending is dropped without one
         self._hand_over = weakref.finalize(self, shutdown.handed_to_gloo, *(t for t in lent if t.device.type == "cpu"))
         self._hand_over.atexit = False  # (one alive at exit holds them still: no wait for them)
         self.on_stream = on_stream  # an accelerator's collective: wait() makes the current stream wait
@@ -64,17 +56,13 @@ class Pending:
         return not self.works or (self.reports_completion and all(work.is_completed() for work in self.works))
 
     def wait_on_host(self) -> None:
-        """Block this thread, not a device stream, until every work is done, bounded by ``timeout`` (then
-        :class:`CollectiveError`); then :meth:`wait`. For CUDA collectives ``wait()`` alone makes the current
-        stream wait, so every kernel queued after it (the rest of backward) would stall behind the
-        communication; waiting on the host instead lets the GPU run what is already queued. Also where the
-        host is about to read the result anyway (the step's verdict): the wait is then bounded, where a read
-        would block for as long as NCCL's watchdog lets the collective hang."""
+        """Block this thread, not a device stream, until every work is done, bounded by ``timeout``; then
+        :meth:`wait`. For CUDA, ``wait()`` alone would stall every kernel queued after it (the rest of backward)
+        behind the communication; and where the host reads the result next, this wait is bounded, a read is not."""
         if self.failure is not None:
             raise CollectiveError(self.failure)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        # (a CPU collective's wait() blocks the host and is bounded already; gloo's point-to-point works do not
-        # report completion before it)
+        # (on CPU, wait() blocks the host, bounded already; gloo's point-to-point works report no completion before it)
         while self.on_stream and self.works and not all(work.is_completed() for work in self.works):
             if deadline is not None and time.monotonic() > deadline:
                 raise self._failed(f"did not finish within its timeout of {self.timeout} s")
@@ -121,8 +109,7 @@ class Pending:
 
     @property
     def done(self) -> bool:
-        """Whether every work has finished and ``finish`` has run to its end (a wait returned, from outside
-        ``finish``; or there was nothing to wait for)."""
+        """Whether every work has finished and ``finish`` has run to its end."""
         return not self.works and self.finish is None
 
     def _failed(self, what: str) -> CollectiveError:

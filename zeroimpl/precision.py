@@ -1,13 +1,10 @@
 """Precision: the dtype zeroimpl keeps and sums in (:func:`at_least_fp32`), and dynamic loss scaling for fp16
 training (fp16 parameters, or fp16 autocast over fp32 parameters).
 
-fp16 gradients underflow unless the loss is multiplied by a large scale before backward. The scale is
-lowered when a step overflows and raised again after ``growth_interval`` clean steps. Users call
-``optimizer.backward(loss)`` (instead of ``loss.backward()``), which multiplies the loss by the current
-scale; the optimizer divides the fp32 gradient shard by the same scale before clipping and stepping.
-
-Overflow policy (as in Megatron-LM): every overflowing step is skipped and its gradients discarded; the
-scale backs off only after ``hysteresis`` overflows without a growth in between.
+fp16 gradients underflow unless the loss is scaled up before backward: ``optimizer.backward(loss)`` multiplies it by
+the current scale, and the optimizer divides the fp32 gradient shard by it before clipping and stepping. As in
+Megatron-LM, every overflowing step is skipped (its gradients discarded); the scale backs off after ``hysteresis``
+overflows without a growth in between, and grows after ``growth_interval`` clean steps.
 """
 
 from __future__ import annotations

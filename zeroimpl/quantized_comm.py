@@ -1,36 +1,27 @@
-"""8-bit payloads for the collectives over slow links: the parameter all-gather (``quantize_param_gather=True``)
-and the gradient reduce-scatter (``quantize_grad_reduce=True``).
+"""8-bit payloads, about a quarter of fp32's bytes, for the collectives over slow links: the parameter all-gather
+(``quantize_param_gather=True``) and the gradient reduce-scatter (``quantize_grad_reduce=True``).
 
-All-gather: each rank sends the step from its shard of a bucket's parameters, as the last all-gather left them
-(``published``), to its exact master -- ``master - published`` -- as 8-bit codes with an fp32 minimum and step
-per block of at most :data:`BLOCK` elements, about a quarter of fp32's bytes (half of bf16's), and every rank --
-the owner too -- adds every rank's decoded step to that rank's shard, so that all ranks hold the same model. The
-error is that of one step's change, not of the weights (each element within half a step of its block of the
-change), and it never compounds: the owner steps its exact master, and each all-gather sends everything that
-separates the parameters from it, last step's rounding included.
+All-gather: each rank sends ``master - published`` for its shard (``published``: the parameters as the last
+all-gather left them), and every rank, the owner too, adds each rank's decoded step to that rank's shard, so all
+ranks hold the same model. The error never compounds: each all-gather sends all that separates the parameters from
+the exact master, last step's rounding included. Reduce-scatter (an all-to-all,
+:func:`zeroimpl.comm.reduce_scatter_quantized`): each rank sends every other rank its piece of that rank's gradient
+shard; the receiver sums the decoded pieces in fp32 with its own piece, which never leaves it and stays exact.
 
-Reduce-scatter (as an all-to-all, :func:`zeroimpl.comm.reduce_scatter_quantized`): each rank sends every other
-rank its piece of that rank's gradient shard as a payload on the receiver's blocks; the receiver dequantizes each
-piece and sums them in fp32 with its own piece, which never leaves it and stays exact.
+Blocks never mix two parameters: a shard is cut where a parameter starts or ends, each segment into blocks of
+:data:`BLOCK` from its start, the last one shorter. Shapes, for one bucket whose shards have ``n`` elements:
 
-Blocks never mix two parameters: a shard is cut where a parameter starts or ends (a LayerNorm weight's change
-and a bias's side by side keep their own scales), and each cut segment into blocks of :data:`BLOCK` from its
-start, the last one shorter. Shapes, for one bucket whose shards have ``n`` elements:
-
-* payload -- ``(ShardBlocks.payload_bytes,)`` uint8, the same size for every rank's blocks: the ``n`` codes,
-  then per block of that rank's shard its range (all-gather: minimum and step, fp32 pairs; reduce-scatter: the
-  step, one fp32), then zeros up to the size of the shard with the most blocks;
+* payload -- ``(ShardBlocks.payload_bytes,)`` uint8, the same size for every rank: the ``n`` codes, then each block's
+  fp32 range (all-gather: minimum and step; reduce-scatter: step), then zeros up to the shard with the most blocks;
 * gathered (all-gather) -- ``(world_size * payload_bytes,)`` uint8: rank r's payload at ``r * payload_bytes``;
 * parameters -- ``(world_size * n,)``: the bucket's parameter buffer, rank r's shard at ``r * n``.
 
-The all-gather's codes are affine per block, over the block's own range: ``step = (max - min) / 255``, ``code =
-round((x - min) * (1 / step))`` in [0, 255], the value ``min + code * step`` in fp32. So an element is off by at
-most half a step of its block, ``(max - min) / 510``. The reduce-scatter's are symmetric (``signed``): ``step =
-absmax / 127``, ``code = round(x / step)`` in [-127, 127], the value ``code * step``: zero and every sign come
-back exact (a parameter without a gradient stays without one), an element off by at most ``absmax / 254``. A
-constant block is exact; a block whose step is below ``torch.finfo(torch.float32).tiny`` comes back as its
-minimum (symmetric: as zeros). A NaN or an Inf (or an fp64 value beyond fp32's range) makes its whole block NaN: the next step's
-NaN check stops training, as it would unquantized.
+Each value decodes within half its block's step. All-gather codes are affine: ``step = (max - min) / 255``, ``code =
+round((x - min) * (1 / step))`` in [0, 255], value ``min + code * step``. Reduce-scatter codes are symmetric
+(``signed``): ``step = absmax / 127``, ``code = round(x / step)`` in [-127, 127], value ``code * step``, so zero and
+signs come back exact (a parameter without a gradient stays without one). A block whose step is below fp32's
+``tiny`` decodes to its minimum (symmetric: zeros); a NaN or Inf (or an fp64 value beyond fp32's range) makes its
+whole block NaN, which the next step's NaN check stops on, as it would unquantized.
 """
 
 from __future__ import annotations
@@ -45,8 +36,8 @@ from .layout import ShardLayout
 from .precision import at_least_fp32
 
 BLOCK = 256
-# elements encoded or decoded at a time on the CPU: a chunk's passes (its ranges, then its codes) run over 4 MB
-# of fp32 in cache, and the chunks are large enough that each operation's own overhead stays small
+# elements encoded or decoded at a time on the CPU: each pass over a chunk stays in cache (4 MB of fp32), and a
+# chunk is large enough that each operation's own overhead stays small
 CHUNK = 1 << 20
 _LEVELS = 255.0
 _SIGNED_LEVELS = 127.0
@@ -59,24 +50,17 @@ def _blocks_of(lengths: list[int]) -> int:
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one rank's shard lies on its blocks, for work over whole stretches of it rather than block by block.
-
-    ``runs``: ``(start, count, first block)`` -- stretches of whole blocks (``count`` a multiple of BLOCK),
-    neighbours merged, so that ``values[start:start + count].view(-1, BLOCK)`` are blocks ``first block ...``;
-    ``tails``: ``(start, count, block)`` of every shorter block (a segment's last, ``0 < count < BLOCK``).
-    ``tail_source`` -- ``(len(tails) * BLOCK,)`` int64: per padded tail element the shard element it reads (a
-    tail's padding repeats its last element, which leaves its range alone); ``tail_elements`` -- the shard
-    elements of the tails, in order; ``tail_slots`` -- where each of them sits in the padded tails;
-    ``tail_blocks`` -- the tails' block numbers; ``tail_rows`` -- the block of each tail element."""
+    """How one rank's shard lies on its blocks, so that work runs over whole stretches rather than block by block.
+    A tail is a segment's shorter last block, padded to BLOCK by repeating its last element (its range unchanged)."""
 
     blocks: int
-    runs: tuple[tuple[int, int, int], ...]
-    tails: tuple[tuple[int, int, int], ...]
-    tail_source: torch.Tensor
-    tail_elements: torch.Tensor
-    tail_slots: torch.Tensor
-    tail_blocks: torch.Tensor
-    tail_rows: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...]  # (start, count, first block) of stretches of whole blocks, merged
+    tails: tuple[tuple[int, int, int], ...]  # (start, count, block)
+    tail_source: torch.Tensor  # int64 (len(tails) * BLOCK,): per padded tail element, the shard element it reads
+    tail_elements: torch.Tensor  # int64: the tails' shard elements, in order
+    tail_slots: torch.Tensor  # int64: where each of them sits in the padded tails
+    tail_blocks: torch.Tensor  # int64: the tails' block numbers
+    tail_rows: torch.Tensor  # int64: the block of each tail element
 
     @staticmethod
     def of(lengths: tuple[int, ...]) -> "_Plan":
@@ -121,13 +105,11 @@ class _Plan:
 
 @dataclass(frozen=True)
 class ShardBlocks:
-    """The quantization blocks of every rank's shard of one bucket, for ``rank``'s encoding and everyone's
-    decoding. ``segments[r]``: rank r's shard cut at its parameters' boundaries (lengths, summing to
-    ``shard_numel``).
+    """The quantization blocks of every rank's shard of one bucket, for ``rank``'s encoding and everyone's decoding.
 
-    Encoding and decoding run over whole stretches of blocks (:class:`_Plan`), on the CPU a chunk of
-    :data:`CHUNK` elements at a time through one scratch buffer; only the short last block of each segment
-    goes through an index (all of a shard's at once)."""
+    ``segments[r]``: rank r's shard cut at its parameters' boundaries (lengths summing to ``shard_numel``). Both
+    directions run over whole stretches of blocks (:class:`_Plan`), on the CPU :data:`CHUNK` elements at a time
+    through one scratch buffer; only each segment's short last block goes through an index."""
 
     rank: int
     shard_numel: int
@@ -139,7 +121,8 @@ class ShardBlocks:
     @staticmethod
     def of(boundaries: list[int], shard_numel: int, world_size: int, rank: int,
            signed: bool = False) -> "ShardBlocks":
-        """From the bucket's parameter boundaries (every slot's start and end offset in the bucket buffer)."""
+        """From the bucket's parameter boundaries (offsets in the bucket buffer); ``shard_numel`` a multiple of 4,
+        which keeps the fp32 ranges after the codes 4-byte aligned (ValueError otherwise)."""
         if shard_numel % 4:
             raise ValueError(f"a quantized shard needs a multiple of 4 elements, got {shard_numel}")
         segments = []
@@ -160,14 +143,10 @@ class ShardBlocks:
 
     def encode(self, values: torch.Tensor, rank: Optional[int] = None, out: Optional[torch.Tensor] = None,
                minus: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The payload of ``values`` (1-D, ``shard_numel`` elements of any float dtype) on ``rank``'s blocks
-        (default: this rank's): its piece of rank r's gradient shard for the reduce-scatter, or -- ``minus``: the
-        parameters as last published -- the step from them to the master for the all-gather, ``values - minus``
-        taken a chunk at a time. Written into ``out`` (``payload_bytes`` uint8, e.g. this rank's slice of a
-        gather's buffer), or a new uint8 tensor on ``values``' device.
-
-        On the CPU a chunk of whole blocks at a time: its difference, its ranges, then its codes, each pass over
-        the same few MB in cache."""
+        """The payload (``payload_bytes`` uint8) of ``values`` (1-D, ``shard_numel``, any float dtype) on ``rank``'s
+        blocks (default: this rank's): a piece of rank r's gradient shard, or, given ``minus`` (the parameters as
+        last published), the all-gather's step ``values - minus``. Written into ``out`` (e.g. this rank's slice of
+        a gather's buffer), else into a new tensor on ``values``' device."""
         rank = self.rank if rank is None else rank
         device, n = values.device, self.shard_numel
         plan = self._plan(rank, device)
@@ -193,11 +172,10 @@ class ShardBlocks:
 
     def _encode_rows(self, rows: torch.Tensor, ranges: torch.Tensor, codes: torch.Tensor,
                      scratch: Optional[torch.Tensor]) -> None:
-        """Blocks ``rows`` (``(k, BLOCK)`` fp32) -> their ``ranges`` (``(k, 1)`` steps or ``(k, 2)`` minimum and
-        step) and ``codes`` (``k * BLOCK``, int8 or uint8); ``scratch`` (``rows``' shape, may be ``rows``): where
-        the scaled values go. In finite arithmetic the codes need no clamping: ``rows - low`` is at most the
-        block's range and the inverse step its levels over it, so the product rounds to at most the top level.
-        (amin and amax, not aminmax: along rows that is 10x slower on the CPU.)"""
+        """``rows`` (``(k, BLOCK)`` fp32) -> ``ranges`` (``(k, 1)`` steps, or ``(k, 2)`` minimum and step) and
+        ``codes`` (``k * BLOCK`` int8 or uint8); ``scratch`` (``rows``' shape, may be ``rows``) takes the scaled
+        values. Finite codes need no clamp: ``rows - low`` is at most the range, so times the inverse step it rounds
+        to at most the top level. amin and amax, not aminmax: along rows that is 10x slower on the CPU."""
         low, high = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
         if self.signed:
             # (abs of both: the largest magnitude, +0 for a block of zeros, where maximum(high, -low) may be -0)
@@ -213,10 +191,9 @@ class ShardBlocks:
         codes.copy_(torch.mul(scaled, inverse, out=scratch).round_().view(-1))
 
     def add_decoded(self, gathered: torch.Tensor, out: torch.Tensor, ranks: Optional[range] = None) -> None:
-        """Add each rank's decoded payload in ``gathered`` to its shard of ``out`` (the bucket's parameter
-        buffer), in fp32 (or ``out``'s wider dtype), then ``out``'s dtype: the ranks of ``ranks`` (default: all),
-        one at a time, each shard written only once everything its sum needs is allocated (one that raises
-        leaves it as it was)."""
+        """Add each rank's decoded payload in ``gathered`` to its shard of ``out`` (the bucket's parameter buffer),
+        summed in fp32 (or ``out``'s wider dtype), for ``ranks`` (default: all) one at a time; a shard is written
+        only once all its sum needs is allocated, so an allocation that raises leaves it as it was."""
         n, dtype = self.shard_numel, at_least_fp32(out.dtype)
         payloads, shards = gathered.view(-1, self.payload_bytes), out.view(-1, n)
         for rank in range(len(shards)) if ranks is None else ranks:
@@ -234,8 +211,8 @@ class ShardBlocks:
         return values
 
     def accumulate(self, payload: torch.Tensor, total: torch.Tensor, rank: Optional[int] = None) -> None:
-        """``total += `` the values of ``payload`` (as :meth:`decoded` gives them, then added), ``total`` fp32
-        (1-D, ``shard_numel``). Everything it needs is allocated before ``total`` is first written."""
+        """Add ``payload``'s values, as :meth:`decoded` gives them, to ``total`` (1-D fp32, ``shard_numel``); all it
+        needs is allocated before ``total`` is first written."""
         self._decode(payload, rank, total, accumulate=True)
 
     def _decode(self, payload: torch.Tensor, rank: Optional[int], into: torch.Tensor, accumulate: bool) -> None:
@@ -267,8 +244,7 @@ class ShardBlocks:
 
 
 def _difference(values: torch.Tensor, minus: Optional[torch.Tensor], scratch: Optional[torch.Tensor]) -> torch.Tensor:
-    """``values - minus`` (``values`` without ``minus``) in fp32: in ``scratch`` when given and needed, else
-    ``values`` itself when it is fp32, else a new tensor."""
+    """``values - minus`` (or ``values``) in fp32: in ``scratch`` when given and needed, else ``values`` if fp32."""
     if minus is not None:
         return torch.sub(values, minus, out=scratch) if scratch is not None else torch.sub(values, minus).float()
     if values.dtype == torch.float32:
@@ -278,8 +254,8 @@ def _difference(values: torch.Tensor, minus: Optional[torch.Tensor], scratch: Op
 
 def _dequantize(codes: torch.Tensor, low: Optional[torch.Tensor], step: torch.Tensor, into: torch.Tensor,
                 accumulate: bool, scratch: Optional[torch.Tensor]) -> None:
-    """``into`` (+)= ``low + codes * step`` (``low`` None: ``codes * step``), shapes broadcast row by row; added,
-    the decoded value is rounded to fp32 first (as :meth:`ShardBlocks.decoded` gives it), then added."""
+    """``into`` (+)= ``low + codes * step`` (``low`` None: ``codes * step``), broadcast row by row; when added, the
+    decoded value is first rounded to fp32, as :meth:`ShardBlocks.decoded` gives it."""
     wide = codes.to(torch.float32) if scratch is None else scratch.copy_(codes)
     if accumulate:
         decoded = wide.mul_(step) if low is None else torch.addcmul(low, wide, step, out=wide)
@@ -292,10 +268,9 @@ def _dequantize(codes: torch.Tensor, low: Optional[torch.Tensor], step: torch.Te
 
 def reduction_blocks(layout: ShardLayout, quantized: Union[bool, str], rank: int,
                      replica: Optional[tuple[int, int]] = None) -> tuple:
-    """Per bucket, the blocks of its 8-bit gradient reduce-scatter (``quantized is True``, world size > 1), and of
-    its reduced shard's 8-bit all-reduce across the replicas (``quantized``, hybrid sharding); None for either
-    that is not quantized. ``rank``: this rank's in the shard group; ``replica``: ``(this rank's replica, the
-    number of replicas)`` under hybrid sharding, ``None`` without a replicate group."""
+    """Per bucket, the blocks of its 8-bit gradient reduce-scatter (``quantized is True``, world size > 1) and of
+    its reduced shard's 8-bit all-reduce across replicas (``quantized`` and ``replica``); None where not quantized.
+    ``rank``: in the shard group; ``replica``: ``(this replica's index, number of replicas)``, None without one."""
     if quantized == "replicas" and replica is None:
         raise ValueError("quantize_grad_reduce='replicas' quantizes the all-reduce across the replicas of a 2-D "
                          "device_mesh, and this optimizer has none: pass a (replicate, shard) device_mesh, or "
@@ -309,9 +284,8 @@ def reduction_blocks(layout: ShardLayout, quantized: Union[bool, str], rank: int
 
 def _replica_blocks(layout: ShardLayout, bucket_index: int, rank: int, replica_rank: int,
                     replicas: int) -> ShardBlocks:
-    """The blocks of shard ``rank``'s gradient shard of a bucket for its 8-bit all-reduce across the ``replicas``:
-    the shard cut into one piece per replica (a multiple of 4 elements each, the last one padded), blocks
-    starting at every parameter and at the padding."""
+    """The blocks of shard ``rank``'s gradient shard for its 8-bit all-reduce across ``replicas``: one piece per
+    replica (a multiple of 4 elements, the last padded), blocks starting at every parameter and at the padding."""
     bucket = layout.buckets[bucket_index]
     start = bucket.shard_range(rank)[0]
     piece = -(-bucket.shard_numel // (4 * replicas)) * 4

@@ -1,22 +1,19 @@
 """An inner optimizer's state of one piece (or parameter), split into what reshards and joined back.
 
-A piece's state (torch's ``optimizer.state[param]`` for the piece's view of the master) splits into per-element
-tensors (one value per element of the piece, flattened in the parameter's memory order), scalars (Adam's
-``step``) and piece-level tensors (a whole-parameter bucket's factored state, a low-bit optimizer's per-block
-scales and quantization map): :func:`split_state`. Quantized state kept as tensor subclasses -- torchao's
-``OptimState8bit``, ``OptimState4bit`` and ``OptimStateFp8`` -- is split into plain parts first, so that it
-reshards and exports as bitsandbytes' 8-bit state does (:func:`plain_parts`, :func:`joined`). A value ``key`` of
-one of these classes, over ``n`` elements (a piece, or a whole parameter) with blocks of ``b``, is held as
+A piece's state (``optimizer.state[param]`` for the piece's view of the master) splits into per-element tensors
+(one value per element, flattened in the parameter's memory order), scalars (Adam's ``step``) and piece-level
+tensors (a whole-parameter bucket's factored state, a low-bit optimizer's block scales and quantization map):
+:func:`split_state`. torchao's quantized tensor subclasses (``OptimState8bit``, ``OptimState4bit``,
+``OptimStateFp8``) are first split into plain parts, so that they reshard and export as bitsandbytes' 8-bit state
+does (:func:`plain_parts`, :func:`joined`). A value ``key`` over ``n`` elements with blocks of ``b`` is held as
 
-* ``key/codes``: one uint8 per element, of the value's shape (4-bit codes unpacked from their two per byte,
-  fp8 codes reinterpreted as bytes), so that it reshards as per-element state;
-* ``key/scale``: ``n / b`` fp32 scales, one per quantization block, which move with their blocks;
+* ``key/codes``: one uint8 per element, of the value's shape (4-bit codes unpacked from their two per byte, fp8
+  codes reinterpreted as bytes), so that it reshards as per-element state;
+* ``key/scale``: ``n / b`` fp32 scales, one per block, which move with their blocks;
 * ``key/qmap``: the quantization map (8-bit and 4-bit only), the same in every piece;
-* ``key/tensor``: a scalar recipe ``(class name, signed, dtype)`` that rebuilds the value around them.
+* ``key/tensor``: the scalar recipe ``(class name, signed, dtype)`` that rebuilds the value around them.
 
-Rebuilding reads the class from torchao itself (only these three are accepted), so state of torchao's loads
-where torchao is installed. The checkpoint package writes these parts to files; the optimizer's own
-consolidation (``ShardedOptimizer.consolidate_state_dict``) sends them to one rank.
+Rebuilding imports the class from torchao (only these three), so such state loads wherever torchao is installed.
 """
 
 from __future__ import annotations
@@ -81,10 +78,9 @@ def plain_parts(state: Optional[dict]) -> Optional[dict]:
 
 
 def require_logical_order(state: Optional[dict], shape: tuple, strides: tuple, index: int) -> None:
-    """Refuse to move a stored subclass value of trainable parameter ``index`` between zeroimpl's flat shards and
-    the plain class (or whole-parameter stepping, which is the plain class's) when the parameter is not contiguous:
-    flat shards' blocks follow the parameter's memory order, the plain class's its logical order, so the scales
-    would fall on other elements."""
+    """Refuse to move trainable parameter ``index``'s stored subclass value between flat shards and the plain class
+    (or whole-parameter stepping) when its memory order is not its logical one: flat shards' blocks follow the
+    memory order, the plain class's the logical order, so the scales would fall on other elements."""
     if has_subclass_state(state) and not same_order(tuple(shape), tuple(strides), contiguous_strides(tuple(shape))):
         raise CheckpointError(f"trainable parameter {index} {tuple(shape)} has strides {tuple(strides)}: zeroimpl's "
                               "flat shards quantize its torchao state in blocks of its memory order and the plain "
@@ -125,18 +121,10 @@ def joined(state: Optional[dict], shape: tuple) -> Optional[dict]:
 
 
 def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optional[tuple] = None):
-    """A piece's inner state -> (per-element tensors, flattened; scalars; piece-level tensors), or
-    ``(None, None, None)`` for no state yet.
-
-    Per element: a tensor of the piece's ``shape`` (1-D for a flat piece; the parameter's shape for a
-    parameter of a whole-parameter bucket). Piece-level tensors are any other tensor of a piece that may hold
-    them (``whole``): of a whole-parameter bucket -- Adafactor's factored ``row_var``/``col_var``, which move
-    with their parameter, never split -- or of a blocked bucket -- a low-bit optimizer's scales, one per
-    block (:func:`is_per_block`), and its quantization map, the same in every piece. Quantized state kept as a
-    tensor subclass (torchao's) is split into such plain parts first (:func:`plain_parts`). ``strides``: the piece's
-    memory format (per-element tensors are flattened in that order, the order of the flat buffers); ``None``
-    for 1-D pieces.
-    """
+    """A piece's inner state, after :func:`plain_parts` -> (per-element tensors: those of the piece's ``shape``,
+    flattened in the memory order of ``strides``, ``None`` for 1-D; scalars; piece-level tensors: any other tensor,
+    where ``whole``, i.e. of a whole-parameter or blocked bucket), or Nones for no state yet. Anything else raises
+    :class:`CheckpointError`."""
     if not state:
         return None, None, None
     elementwise, scalars, whole_state = {}, {}, {}
@@ -166,9 +154,8 @@ def is_piece_level(key: str) -> bool:
 
 
 def is_per_block(key: str) -> bool:
-    """Whether a low-bit optimizer's piece-level state ``key`` holds one value per quantization block
-    (bitsandbytes' ``absmax1``/``absmax2``, torchao's ``.../scale``); its other piece-level state is the same
-    in every piece."""
+    """Whether a low-bit optimizer's state ``key`` holds one value per quantization block (bitsandbytes'
+    ``absmax1``/``absmax2``, torchao's ``.../scale``); its other piece-level state is the same in every piece."""
     return key.startswith("absmax") or is_part(key, "scale")
 
 
@@ -189,10 +176,10 @@ def describe_groups(optimizer) -> list[dict]:
 # -- torch's own format: one state per parameter, numbered over the param groups ----------------------------------
 def place_piece(state: dict, numel: int, piece, per_element: dict, piece_level: dict, block: int,
                 dtypes: Optional[dict] = None) -> None:
-    """Write one piece's split state (:func:`split_state`) into its parameter's full ``state`` (key -> a flat
-    tensor of the parameter's ``numel`` elements, in memory order, created here): per-element values at the piece's
-    elements (in ``dtypes[key]`` where given), a low-bit piece's per-block scales at its blocks (``block``: the
-    bucket's block size, 0 for none), other piece-level state as it is."""
+    """Write one piece's split state (:func:`split_state`) into its parameter's full ``state`` (key -> flat tensor of
+    ``numel`` elements in memory order, created here, in ``dtypes[key]`` where given): per-element values at the
+    piece's elements, block scales at its blocks (``block``: the bucket's block size, 0 for none), other
+    piece-level state as it is."""
     target = slice(piece.param_start, piece.param_end)
     for key, values in per_element.items():
         dtype = (dtypes or {}).get(key, values.dtype)
@@ -207,10 +194,9 @@ def place_piece(state: dict, numel: int, piece, per_element: dict, piece_level: 
 
 def torch_optimizer_state(groups: list[dict], shapes: list[tuple], strides: list[tuple], states: list[dict],
                           scalars: list[Optional[dict]]) -> dict:
-    """``torch.optim.Optimizer.state_dict()`` of the plain inner optimizer over ``groups`` (as
-    :func:`describe_groups` gives them; frozen members are numbered too, as torch numbers them), from each
-    trainable parameter's full state (``states``: key -> flat per-element tensor or piece-level state, see
-    :func:`place_piece`), its ``scalars`` (``None``: never stepped, so no state) and its shape and memory order."""
+    """The ``state_dict()`` of the plain optimizer over ``groups`` (:func:`describe_groups`; frozen members numbered
+    too, as torch does), from each trainable parameter's full state (``states``, as :func:`place_piece` fills it),
+    ``scalars`` (``None``: never stepped, no state), shape and memory order."""
     state, param_groups, number = {}, [], 0
     for group in groups:
         numbers = []
@@ -233,11 +219,10 @@ def torch_optimizer_state(groups: list[dict], shapes: list[tuple], strides: list
 
 def pieces_of_torch_state(state_dict: dict, groups: list[dict], params: list[torch.Tensor], layout,
                           pieces: list[tuple]) -> tuple[list[Optional[dict]], list[dict]]:
-    """The reverse of :func:`torch_optimizer_state` for one rank: a plain torch optimizer's ``state_dict()`` (the
-    same classes over the same ``groups``) split into the state of each of this rank's ``pieces`` (``(piece,
-    master view)``, in ``layout.pieces(rank)`` order; ``None``: never stepped) and each group's hyperparameters.
-    ``params``: the trainable parameters, by index. Local: every rank checks the whole state dict, so that each
-    raises the same :class:`CheckpointError` for a state that does not fit."""
+    """The reverse of :func:`torch_optimizer_state` for one rank: a plain optimizer's ``state_dict()`` (same classes,
+    same ``groups``) -> the state of each of this rank's ``pieces`` (``(piece, master view)`` in ``layout.pieces``
+    order; ``None``: never stepped) and the saved groups. ``params``: the trainable parameters, by index. Local,
+    but every rank checks the whole dict, so all raise the same :class:`CheckpointError`."""
     saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if saved_groups is None or [len(g["params"]) for g in saved_groups] != [len(g["members"]) for g in groups]:
         raise CheckpointError("the state dict's param groups do not match this optimizer's (same groups, same "

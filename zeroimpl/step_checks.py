@@ -1,33 +1,20 @@
-"""The gradients of one optimizer step, from "backward ran" to "ready to step": finishing the reduction, the step's
-facts, and the step's one agreement all-reduce.
+"""From "backward ran" to "ready to step": the reduction finished, the step's facts, its one agreement all-reduce.
 
-:meth:`StepChecks.prepare` finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling: the
-step and the first operation on a ``param.grad`` view (:mod:`zeroimpl.grad_views`) both call down into it.
-:meth:`StepChecks.agree` is the step's one host sync: one all-reduce of 5 elements (:func:`encode_checks`)
-tells whether any rank's shard holds NaN/Inf, whether every rank ran the same number of backward passes,
-the global gradient norm when clipping, and whether some rank lacks a gradient for some parameter (only
-then does a second all-reduce, one flag per parameter, say which parameters have a gradient on no rank).
-The first gradient norm read through ``param.grad`` (torch's ``clip_grad_norm_``) carries its per-parameter
-norms in the same all-reduce (``riders``), so that a clipping loop's step issues none of its own.
+:meth:`StepChecks.prepare` (called by the step and by the first operation on a ``param.grad`` view) finishes the
+reduction (stage 1: the step's reduce-scatter) and the unscaling. :meth:`StepChecks.agree` is the step's one host
+sync: an all-reduce of 5 values (:func:`encode_checks`) says whether any shard holds NaN/Inf, whether every rank ran
+the same backward passes, the global norm when clipping, and whether some rank lacks some gradient (only then does a
+second all-reduce, a flag per parameter, say which). The first norm read through ``param.grad`` rides in it too.
 
-The step's facts, each set once and all forgotten by :meth:`StepChecks.reset` (at the end of ``step()`` and at
-``zero_grad()``); the gradient reducer writes none of them (it counts backward passes, which ``prepare`` reads):
+The step's facts, each set once, all forgotten by :meth:`StepChecks.reset` (end of ``step()``, ``zero_grad()``):
 
-* ``loss_scaled`` -- a loss was multiplied by the loss scale (``scale_loss`` / ``backward``). With loss
-  scaling on, a backward pass without it is an error (the user called ``loss.backward()``).
-* ``unscaled`` -- the gradient shards were divided by the loss scale (at the first ``prepare`` after the last
-  backward). With loss scaling on, a backward pass after it is an error.
-* ``checked_in`` -- this rank checked in under torch's ``Join`` (:mod:`zeroimpl.uneven`) before the step's
-  collectives: a later ``prepare`` (the step after clipping) need not check in again until a backward ran.
-* ``verdict`` -- the step's agreement all-reduce ran (:class:`StepVerdict`). A backward pass after it forgets it,
-  so the checks run again; so does an edit of the gradients through ``param.grad`` (:meth:`StepChecks.note_edit`)
-  other than a multiplication by a factor of magnitude at most 1 (torch's clipping), which leaves NaN/Inf
-  and finite values as they were.
-* ``prepared`` -- the shards hold this round's averaged gradients: ``prepare`` found gradients to step on and no
-  backward pass ran since (the ``param.grad`` views run it at their first operation only when it is false).
-
-``prepare`` raises the loss-scaling errors above before any collective of the step, on every rank that misused
-it (every rank runs the same loop), where a backward hook would have raised part-way through the collectives.
+* ``loss_scaled`` / ``unscaled`` -- a loss was scaled (``backward`` / ``scale_loss``) / the shards were unscaled.
+  With loss scaling on, ``prepare`` refuses a backward without the one or after the other before any collective of
+  the step, on every rank alike (a backward hook would raise part-way through the collectives).
+* ``checked_in`` -- this rank checked in under torch's ``Join`` (:mod:`zeroimpl.uneven`); again only after a backward.
+* ``verdict`` -- the agreement's outcome (:class:`StepVerdict`), forgotten by a backward and by any edit of
+  ``param.grad`` but a multiplication by a factor of magnitude at most 1 (torch's clipping keeps NaN/Inf as it was).
+* ``prepared`` -- the shards hold this round's averaged gradients (:attr:`StepChecks.prepared`).
 """
 
 from __future__ import annotations
@@ -58,9 +45,7 @@ class StepVerdict:
 
 
 class StepChecks:
-    """Finishes this step's gradients, keeps the step's facts and runs the agreement all-reduce, for one optimizer
-    (see the module docstring). Keyword arguments: the optimizer's parts it reads (the gradient store and the
-    buckets' storage through the reducer, which fills the one and reduces from the other)."""
+    """One optimizer's step checks (module docstring); it reads the gradient store and storages via the reducer."""
 
     def __init__(self, *, reducer: GradientReducer, ownership: Ownership, uneven: UnevenInputs,
                  loss_scaler: Optional[DynamicLossScaler], topology: Topology, device: torch.device):
@@ -77,18 +62,16 @@ class StepChecks:
         self.unscaled = False
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
-        # per device: the largest magnitude of the factors the gradients were multiplied by since the verdict, taken
-        # when each multiplied (a factor's tensor may change later, with or without a version counter)
+        # per device: the largest |factor| since the verdict, taken at each multiply (a tensor may change later)
         self._largest: dict[torch.device, torch.Tensor] = {}
         self._prepared = False  # prepare() found gradients to step on (see ``prepared``)
         self._passes_seen = self.reducer.backward_passes  # at the last prepare: more since, a backward ran
         self._takes_seen = self.reducer.takes  # under DDP: param.grad copied afresh since, the facts are stale
 
     def note_edit(self, factor=None) -> None:
-        """The gradients were edited through ``param.grad`` (on every rank alike): multiplied by ``factor`` (a number
-        or a one-element tensor), or otherwise (``None``). The verdict stands across factors of magnitude at most 1:
-        a number is judged now; a tensor's magnitude is taken now, on its device (one small op, no sync), and judged
-        at the next :meth:`verdict_stands`. Any other edit forgets the verdict."""
+        """``param.grad`` was edited on every rank alike: multiplied by ``factor`` (a number or one-element tensor),
+        or otherwise (``None``: the verdict is forgotten). A tensor's magnitude is kept on its device (no sync) and
+        judged at the next :meth:`verdict_stands`."""
         if self.verdict is None:
             return
         if factor is None or not isinstance(factor, torch.Tensor) and not abs(factor) <= 1:  # (NaN compares false)
@@ -99,25 +82,23 @@ class StepChecks:
             self._largest[magnitude.device] = magnitude if largest is None else torch.maximum(largest, magnitude)
 
     def verdict_stands(self) -> bool:
-        """Whether the verdict holds for the gradients as they are now: every factor of :meth:`note_edit` since it
-        was finite and of magnitude at most 1 (the host reads one value per device the factors were on)."""
+        """Whether the verdict still holds: every :meth:`note_edit` factor since was finite and at most 1 in
+        magnitude (the host reads one value per device)."""
         if self.verdict is not None and not all(bool(largest <= 1) for largest in self._largest.values()):
             self.verdict = None  # (NaN compares false)
         self._largest = {}
         return self.verdict is not None
 
     def _forget_verdict(self) -> None:
-        """The gradients changed in a way the verdict did not see: the step checks them again."""
         self.verdict, self._largest = None, {}
 
     def note_loss_scaled(self) -> None:
-        """A loss of this step was multiplied by the loss scale (``scale_loss`` / ``backward``)."""
         self.loss_scaled = True
 
     @property
     def prepared(self) -> bool:
-        """The shards hold this round's averaged (and unscaled) gradients: :meth:`prepare` found gradients to step
-        on, and no backward pass ran or runs (nor, under DDP, did DDP write ``param.grad`` afresh) since."""
+        """:meth:`prepare` found gradients to step on, and no backward ran or runs since (nor, under DDP, did DDP
+        write ``param.grad`` afresh): the shards hold this round's averaged, unscaled gradients."""
         return (self._prepared and self.reducer.state is RoundState.IDLE
                 and self.reducer.backward_passes == self._passes_seen and self.reducer.takes == self._takes_seen)
 
@@ -155,8 +136,7 @@ class StepChecks:
         return [shard for shard in self.gradients.ready() if shard is not None]
 
     def scale_to_norm(self, max_norm: float, total: torch.Tensor) -> bool:
-        """Scale the gradient shards so that their total norm (``total``, agreed) is at most ``max_norm``, as
-        torch's ``clip_grad_norm_`` does; return whether there were shards to scale."""
+        """Scale the shards as torch's ``clip_grad_norm_`` does for the agreed ``total``; whether there were any."""
         shards = self.shards()
         if not shards:
             return False
@@ -166,22 +146,16 @@ class StepChecks:
         return True
 
     def forget(self, param_indices: list[int]) -> None:
-        """The user cleared these parameters' ``.grad``: forget their gradients (:meth:`GradientReducer.forget`),
-        and the verdict, which counted them."""
+        """The user cleared these parameters' ``.grad``: forget their gradients and the verdict that counted them."""
         self.reducer.forget(param_indices)
         self._forget_verdict()
 
     def agree(self, norm_type: Optional[float] = None, riders: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Run the agreement all-reduce (call after :meth:`prepare`); store the verdict in ``verdict``
-        and return the global gradient norm for ``norm_type`` (on the device; ``None`` without one).
-        ``riders``: more values (1-D, fp64) that travel in the same all-reduce, reduced in place by its
-        operation (a sum; the maximum for ``norm_type=inf``), counted once under hybrid sharding as the norm is.
-
-        NaN/Inf is read off the shard norms this rank computes anyway (2-norm when not clipping): one pass
-        over the gradients, no mask. A norm that is not finite flags the step; only then, on every rank
-        alike, :meth:`_any_nonfinite` tells NaN/Inf apart from finite gradients whose norm overflows fp32.
-        Norms are taken in fp32, or fp64 for fp64 shards. When the ranks ran different numbers of backward
-        passes the verdict says so (``same_passes``) and nothing more is checked."""
+        """The agreement all-reduce (after :meth:`prepare`): sets ``verdict``; returns the global norm for
+        ``norm_type`` on the device, else ``None``. ``riders`` (1-D fp64) travel in the same all-reduce, reduced in
+        place (sum; max for ``inf``), counted once under hybrid sharding as the norm is.
+        NaN/Inf is read off the shard norms (2-norm when not clipping; :func:`at_least_fp32`): one pass, no mask.
+        Only a non-finite norm makes every rank run :meth:`_any_nonfinite`: finite gradients' norm can overflow."""
         shards = self.shards()
         local_device = shards[0].device if shards else self.device
         passes = float(self.reducer.backward_passes)
@@ -205,8 +179,7 @@ class StepChecks:
             riders.copy_(agreed[CHECK_VALUES:])
             agreed = agreed[:CHECK_VALUES]
         self._largest = {}
-        suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum,  # the host sync
-                                                      self.topology.world_size)
+        suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum, self.topology.world_size)  # host sync
         if not same_passes:
             self.verdict = StepVerdict(same_passes=False, nonfinite=False, stepped=None)
             return None
@@ -221,16 +194,14 @@ class StepChecks:
         return norm if maximum else norm ** (1.0 / norm_type)
 
     def _params_with_gradients(self) -> list[bool]:
-        """By parameter index, whether any rank has a gradient for it (one all-reduce of a flag per parameter,
-        run on every rank alike, only on steps where some rank lacks some gradient)."""
+        """By parameter index, whether any rank has its gradient: a flag per parameter, all-reduced."""
         local = device_tensor(self.reducer.grad_exists, self.device, torch.float32)
         agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.topology.timeout,
                                            "gradient presence all-reduce", read_on_host=True)
         return [flag > 0 for flag in agreed.tolist()]
 
     def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
-        """Whether any rank's gradient shard holds NaN/Inf, exactly (a mask per shard, one more all-reduce
-        and host sync). Runs only on steps whose norm is not finite, on every rank together."""
+        """Whether any rank's shard holds NaN/Inf, exactly: a mask per shard, one more all-reduce and host sync."""
         local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1)
         local = to_device(local, self.device)
         agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.topology.timeout,
@@ -239,8 +210,7 @@ class StepChecks:
 
 
 def loss_scaling_misuse(loss_scaled: bool, unscaled: bool) -> Optional[str]:
-    """With loss scaling on, what is wrong with a backward pass that ran since the last ``prepare`` (or None):
-    its loss was not scaled (``loss_scaled``: one was, this step), or it came after the shards were unscaled."""
+    """With loss scaling on, what is wrong with a backward that ran since the last ``prepare``, or None."""
     if not loss_scaled:
         return ("loss scaling is on (fp16 parameters, or loss_scale=LossScaleConfig(...)), so the loss must be "
                 "scaled: call optimizer.backward(loss) instead of loss.backward()")
@@ -270,12 +240,10 @@ CHECK_VALUES = 5  # the length of encode_checks' values
 
 
 def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum: bool) -> torch.Tensor:
-    """This rank's five values for the step's one check all-reduce: ``[NaN/Inf suspected, norm term, pass
-    count term, pass count term, lacking]``, for a SUM all-reduce (2- or p-norm: the norm term is
-    ``sum |g|**p``) or a MAX one (``maximum``, inf-norm). ``passes``: this rank's backward passes since the
-    last step; ``lacking``: some parameter of this rank has no gradient. On ``norm_term``'s device, in fp64:
-    the sums of squared pass counts stay exact up to 2**53 (in fp32, 1024 ranks of 129 passes would already
-    round), and a sum of two ranks' fp32 norm terms, rounded back to fp32, is fp32's own sum."""
+    """This rank's values ``[NaN/Inf suspected, norm term, pass term, pass term, lacking]`` for a SUM all-reduce
+    (the norm term ``sum |g|**p``) or a MAX one (``maximum``: inf-norm). fp64, on ``norm_term``'s device: sums of
+    squared pass counts stay exact to 2**53 (in fp32, 1024 ranks of 129 passes already round), and two fp32 norm
+    terms summed and rounded back to fp32 give fp32's own sum."""
     counts = [passes, -passes] if maximum else [passes, passes * passes]
     suspect = (~torch.isfinite(norm_term)).double().reshape(1)
     tail = device_tensor(counts + [1.0 if lacking else 0.0], norm_term.device, torch.float64)
@@ -283,12 +251,9 @@ def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum
 
 
 def decode_checks(reduced: list[float], maximum: bool, world_size: int) -> tuple[bool, bool, bool]:
-    """The agreed ``(NaN/Inf suspected on some rank, every rank ran the same backward passes, some rank
-    lacks a gradient)`` from the reduced values of :func:`encode_checks`, identical on every rank.
-
-    Pass counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM; equality in Cauchy-Schwarz) or
-    ``max(c) == -max(-c)`` (MAX). A suspected NaN/Inf is only suspected: a finite gradient's norm term can
-    overflow fp32, which the caller tells apart."""
+    """``(NaN/Inf suspected, same backward passes everywhere, some rank lacks a gradient)`` from the reduced
+    :func:`encode_checks` values. Pass counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM; equality in
+    Cauchy-Schwarz) or ``max(c) == -max(-c)`` (MAX)."""
     suspect, _, first, second, lacking = reduced
     same_passes = first == -second if maximum else world_size * second == first ** 2
     return suspect > 0, same_passes, lacking > 0

@@ -1,31 +1,20 @@
 """One component's GPU work, issued from several CUDA streams, run in the order the host issued it.
 
-The autograd engine runs a parameter's post-accumulate-grad hook on the stream of its ``AccumulateGrad`` node (the
-stream the forward used the parameter on). A forward that runs a branch on a stream of its own (under
-``torch.cuda.stream(side)``) therefore has the gradient reducer write one bucket buffer from several streams, and
-launch its reduce-scatter from whichever stream the hook that completes the bucket runs on; the reduction is then
-finished on yet another (the next launch's, the end of backward's, the step's). Each stream alone is ordered, the
-streams are not: a launch could read a slot before another stream's write, a finish could read a buffer before
-its writes (at world size 1 no collective orders anything), two streams could add into one gradient shard at once.
+The autograd engine runs a parameter's post-accumulate-grad hook on the stream the forward used it on, so with a
+forward branch on a side stream the gradient reducer writes one bucket buffer from several streams, and launches
+and finishes its reduce-scatter on others still. The streams are not ordered with each other: a launch could read
+a slot before another stream's write, a finish could read a buffer before its writes (at world size 1 no
+collective orders anything), two streams could add into one gradient shard at once.
 
-:class:`WorkStream` runs such a component's work on one stream:
+:class:`WorkStream` runs the component's work as spans on one stream. While every span comes from the same stream
+(the common case), on that stream, at the cost of one ``torch.cuda.current_stream()`` per span. From the first span
+on another stream on, on a stream of its own (``own``, from torch's pool: maybe one the program uses too, which then
+also waits where ``own`` does), each span after its caller's queued work and every earlier span. A *joined* span
+also makes its caller's stream wait for it; a hook's span does not, so that during backward a compute stream does
+not wait on the GPU for another's queue or for the communication.
 
-* while every span of work comes from the same stream (the common case), on that stream, as if it were not there:
-  a span costs one ``torch.cuda.current_stream()`` and a comparison;
-* from the first span on another stream on, on a stream of its own (``own``, for the component's lifetime), each
-  span after what its caller's stream has queued so far (the gradient it hands over) and after every earlier span.
-  A *joined* span (the reducer's: the end of a backward pass, the step's, ``zero_grad``, and a cleared gradient's
-  ``forget``) also makes its caller's stream wait for it; a hook's span does not, so that a compute stream does not
-  wait on the GPU for another's queue or for the communication while backward runs. The host still can: a hook
-  that must wait for the oldest reduction (the in-flight window) blocks the engine's thread until it is done, and
-  so until ``own`` has passed everything it waits for.
-
-``own`` comes from torch's pool of streams, which hands its streams out in turn: with many streams created, it may
-be one the program uses too. Ordering stays right; that stream then also waits where ``own`` does.
-
-The caching allocator hands a freed block out again to the stream it was allocated on, ordered after that stream's
-work only: a tensor used on another stream must be recorded there. :meth:`WorkStream.use` records on the stream of
-its own what the work uses, :meth:`WorkStream.hand_over` on the caller's stream what the caller reads next.
+The caching allocator reuses a freed block on the stream it was allocated on, ordered after that stream's work
+only: a tensor used on another stream must be recorded there (:meth:`WorkStream.use`, :meth:`WorkStream.hand_over`).
 On CPU nothing happens.
 """
 
@@ -39,13 +28,12 @@ import torch
 
 
 class WorkStream:
-    """Where one component's GPU work runs: ``first``, the stream all its spans came from so far (None: no span yet,
-    or CPU); ``own``, its own stream once a span came from another (None until then)."""
+    """Where one component's GPU work runs (see the module docstring)."""
 
     def __init__(self, device: Union[torch.device, str]):
         self.device = torch.device(device)
-        self.first: Optional[torch.cuda.Stream] = None
-        self.own: Optional[torch.cuda.Stream] = None
+        self.first: Optional[torch.cuda.Stream] = None  # the stream every span came from so far (None: none yet, CPU)
+        self.own: Optional[torch.cuda.Stream] = None  # its own stream, once a span came from another
         self._caller: Optional[torch.cuda.Stream] = None  # the stream the current span came from
         self.depth = 0  # spans open now (on CPU too): work that needs one can tell it runs inside one
 
@@ -81,14 +69,14 @@ class WorkStream:
                 caller.wait_stream(self.own)
 
     def use(self, *tensors: torch.Tensor) -> None:
-        """The current span's work uses ``tensors``, maybe allocated on another stream: with a stream of its own,
-        record them there (a record on a tensor's own allocation stream is ignored by the allocator)."""
+        """Record on ``own`` the ``tensors`` the current span's work uses (the allocator ignores a record on a
+        tensor's own allocation stream)."""
         if self.own is not None:
             for tensor in tensors:
                 tensor.record_stream(self.own)
 
     def hand_over(self, *tensors: torch.Tensor) -> None:
-        """The current span's caller reads ``tensors`` next, on its own stream: record them there."""
+        """Record on the caller's stream the ``tensors`` it reads next."""
         if self.own is not None and self._caller is not None:
             for tensor in tensors:
                 tensor.record_stream(self._caller)

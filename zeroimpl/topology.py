@@ -1,14 +1,13 @@
 """Which ranks a ShardedOptimizer spans, and the collectives that reach all of them.
 
-Flat (a process group, or a 1-D DeviceMesh): every rank of the group owns one shard; the *shard group* is
-the whole group. Hybrid (a 2-D DeviceMesh, replicate × shard, as FSDP2's HSDP names its dims): the shard
-group is one row of the mesh (typically one node), which owns the shards and runs the reduce-scatter and
-all-gather; the *replicate group* is one column, whose ranks hold the same shard and all-reduce it after
-each reduce-scatter. The step's checks and the checkpoint's agreements must reach every rank of the mesh:
-they run in the shard group, then in the replicate group (``all_reduce_``, ``all_gather_objects``).
+Flat (a process group, or a 1-D DeviceMesh): the *shard group* is the whole group, each rank owning one shard.
+Hybrid (a 2-D DeviceMesh, replicate × shard, as FSDP2's HSDP names its dims): the shard group is one mesh row
+(typically one node), which owns the shards and runs the reduce-scatter and all-gather; the *replicate group*
+is one column, whose ranks hold the same shard and all-reduce it after each reduce-scatter. Collectives over
+every rank (the step's checks, the checkpoint's agreements) run in the shard group, then the replicate group.
 
-Invariant: every rank of one replicate group holds bit-identical shards, state and parameters, since each
-runs the same update on the same all-reduced gradient shard.
+Invariant: the ranks of one replicate group hold bit-identical shards, state and parameters, since each runs the
+same update on the same all-reduced gradient shard.
 """
 
 from __future__ import annotations
@@ -27,15 +26,12 @@ REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
 
 @dataclass(frozen=True)
 class Topology:
-    """``shard``: the group whose ranks own the shards (``None``: the default group); ``replicate``: the group
-    of ranks that hold this rank's shard too (``None``: no replication); ``device``: the parameters' device,
-    where object all-gathers travel on NCCL (``None``: the current GPU); ``timeout``: the optimizer's
-    ``collective_timeout``, which bounds the collectives of its steps (``None``: the process group's)."""
+    """One optimizer's process groups, and where and how long their collectives run."""
 
-    shard: Optional[dist.ProcessGroup] = None
-    replicate: Optional[dist.ProcessGroup] = None
-    device: Optional[torch.device] = None
-    timeout: Optional[float] = None
+    shard: Optional[dist.ProcessGroup] = None  # the ranks that own the shards (None: the default group)
+    replicate: Optional[dist.ProcessGroup] = None  # the ranks that hold this rank's shard too (None: no replicas)
+    device: Optional[torch.device] = None  # where object gathers travel on NCCL (None: the current GPU)
+    timeout: Optional[float] = None  # collective_timeout, bounding its steps' collectives (None: the group's)
 
     @property
     def shard_rank(self) -> int:
@@ -60,7 +56,6 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        """Every rank the optimizer spans: shard size times replicate size."""
         return self.shard_size * self.replicate_size
 
     @property
@@ -74,25 +69,23 @@ class Topology:
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp, timeout: Optional[float] = None,
                     name: str = "all-reduce", read_on_host: bool = False) -> torch.Tensor:
-        """Reduce ``tensor`` in place across every rank (the shard group, then the replicate group);
-        ``read_on_host``: as :func:`comm.all_reduce_`'s."""
+        """Reduce ``tensor`` in place across every rank; ``read_on_host``: as :func:`comm.all_reduce_`'s."""
         for group in self.groups():
             comm.all_reduce_(tensor, op, group, timeout, name, read_on_host)
         return tensor
 
     def broadcast_from_first_(self, tensor: torch.Tensor, timeout: Optional[float] = None,
                               name: str = "broadcast") -> torch.Tensor:
-        """Overwrite ``tensor`` on every rank with that of the first rank (:attr:`is_first`): from shard rank 0
-        within each shard group, then from replica 0 across each replicate group. Returns it, landed."""
+        """Overwrite ``tensor`` on every rank with the first rank's (:attr:`is_first`); return it, landed."""
         for group in self.groups():
             comm.broadcast(tensor, group, timeout, name).wait_on_host()
         return tensor
 
     def same_on_every_rank(self, values: torch.Tensor, timeout: Optional[float] = None,
                            name: str = "agreement all-reduce") -> torch.Tensor:
-        """Elementwise, whether every rank holds the same ``values`` (1-D); identical on every rank: the maximum
-        is the minimum. For integers the minimum comes as ``max(~x) == ~min(x)`` (``-x`` wraps at the type's
-        minimum, where ``-min == min``: checksums of ``[min, 5]`` would read as agreeing)."""
+        """Elementwise, whether every rank holds the same 1-D ``values`` (the maximum is the minimum); the same
+        answer on every rank. Integers take the minimum as ``~max(~x)``, since ``-x`` wraps at the type's minimum
+        (``[min, 5]`` would read as agreeing)."""
         mirror = torch.neg if values.is_floating_point() else torch.bitwise_not  # order-reversing, exact
         high, mirrored_low = self.all_reduce_(torch.cat([values, mirror(values)]), dist.ReduceOp.MAX, timeout, name,
                                               read_on_host=True).chunk(2)
@@ -109,16 +102,16 @@ class Topology:
 
     def broadcast_object(self, value, source: int, timeout: Optional[float] = None,
                          name: str = "object broadcast"):
-        """The ``value`` of the rank at position ``source`` of :meth:`all_gather_objects`' order (replica
-        ``source // shard_size``, shard rank ``source % shard_size``) on every rank: broadcast in every shard group
-        from that shard rank, then in every replicate group from that replica (whose row now holds it)."""
+        """On every rank, the ``value`` of rank ``source`` in :meth:`all_gather_objects`' order: broadcast in every
+        shard group from shard rank ``source % shard_size``, then in every replicate group from that replica."""
         replica, shard_rank = divmod(source, self.shard_size)
         value = comm.broadcast_object(value, shard_rank, self.shard, timeout, name, self.device)
         if self.replicate is None:
             return value
         return comm.broadcast_object(value, replica, self.replicate, timeout, name, self.device)
 
-    def gather_objects(self, value, to: int, timeout: Optional[float] = None, name: str = "object gather") -> Optional[list]:
+    def gather_objects(self, value, to: int, timeout: Optional[float] = None,
+                       name: str = "object gather") -> Optional[list]:
         """Every shard rank's ``value`` on shard rank ``to`` of each replica (they hold the same shards), in
         shard-rank order; ``None`` on the other ranks."""
         return comm.gather_objects(value, to, self.shard, timeout, name, self.device)
@@ -148,8 +141,8 @@ def _groups_of(process_group: Optional[dist.ProcessGroup], device_mesh) -> Topol
                          f"init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard')); "
                          f"got {names}")
     ranks = device_mesh.mesh
-    # a group numbers its ranks in ascending global order: only then does mesh column c hold shard c in every
-    # row, and row r replica r in every column (checked from the mesh itself, so on every rank alike)
+    # groups number their ranks in ascending global order: only then is column c shard c in every row, and row r
+    # replica r in every column (checked on the mesh itself, so alike on every rank)
     if not (bool((ranks.diff(dim=0) > 0).all()) and bool((ranks.diff(dim=1) > 0).all())):
         raise ValueError(f"the device_mesh's ranks must increase along both dims (as init_device_mesh lays them out), "
                          f"so that each column's ranks hold the same shard; got {ranks.tolist()}")

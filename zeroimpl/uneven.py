@@ -1,17 +1,13 @@
 """Uneven inputs under ``torch.distributed.algorithms.Join``: a clear error on every rank, never a hang.
 
-``with Join([optimizer]):`` lets ranks that ran out of data leave the loop early while the others go on; torch's
-protocol has each joinable announce every iteration's collectives (``Join.notify_join_context``) and the
-ranks that joined *shadow* them (DDP all-reduces zeros; ZeroRedundancyOptimizer steps). A sharded
-optimizer cannot be shadowed from the hook alone: the joined rank owns a shard of the gradients and the
-state, so it would have to take part in every collective of the iteration -- the reduce-scatters of each
-micro-batch, the step's agreement all-reduce, the parameter all-gathers, and whatever norm or GradScaler
-all-reduce the loop runs, in an order only the other ranks know. So ShardedOptimizer takes part in the
-protocol to *detect* uneven inputs: at the start of each round of collectives (the first gradient of a
-stage-2 backward, and the step) a rank that has not joined announces itself and then all-reduces a flag that
-a joined rank's hook sets, and every rank raises :class:`UnevenInputsError` at the same point. Outside a
-``Join`` context (or with even inputs) nothing is added but, inside one, two one-element all-reduces per round
-(three with ``throw_on_early_termination=True``), each bounded by ``collective_timeout``.
+Under ``with Join([optimizer]):`` ranks that ran out of data leave the loop early and, by torch's protocol, *shadow*
+the collectives of the others. A sharded optimizer cannot be shadowed: the joined rank owns a shard of the
+gradients and state, so it would have to take part in every collective of the iteration, in an order only the
+other ranks know. ShardedOptimizer uses the protocol to *detect* uneven inputs instead: at the start of each round
+of collectives (the first gradient of a stage-2 backward; the step) a rank that has not joined announces itself
+and all-reduces a flag that a joined rank's hook sets, so every rank raises :class:`UnevenInputsError` at the same
+point. Cost: inside a ``Join``, two one-element all-reduces per round (three with ``throw_on_early_termination``),
+each bounded by ``collective_timeout``; outside one, none.
 """
 
 from __future__ import annotations
@@ -49,11 +45,11 @@ class RefuseUnevenInputs(JoinHook):
 
 
 class UnevenInputs:
-    """The check-in of one :class:`~torch.distributed.algorithms.join.Joinable` (held weakly: the optimizer
-    owns this object) before each round of its collectives."""
+    """The check-in of one :class:`~torch.distributed.algorithms.join.Joinable` (held weakly: it owns this object)
+    before each round of its collectives."""
 
     def __init__(self, joinable: Joinable, device: torch.device, group, timeout: Optional[float] = None) -> None:
-        self._joinable = weakref.ref(joinable)  # only handed to torch's Join (its protocol)
+        self._joinable = weakref.ref(joinable)  # read for the _join_config that torch's Join sets on it
         self.device, self.group = device, group  # where the flag is all-reduced: the joinable's own
         self.timeout = timeout  # bounds the flag's all-reduce (collective_timeout)
 
@@ -64,15 +60,13 @@ class UnevenInputs:
         return joinable is not None and joinable._join_config.enable
 
     def check_in(self) -> None:
-        """Inside an active ``Join``, announce this rank and raise :class:`UnevenInputsError` (on every rank
-        alike) if another rank has joined. Vacuous outside one."""
+        """Inside an active ``Join``, announce this rank; raise :class:`UnevenInputsError` if a rank has joined."""
         if not self.active:
             return
         config = self._joinable()._join_config
         if config.is_first_joinable:
-            # torch's Join.notify_join_context, issued here so that its waits are bounded as every other one: the
-            # notification that this rank has not joined, and with throw_on_early_termination, the check whether
-            # another has (the joined ranks' side of both is torch's Join.__exit__)
+            # torch's Join.notify_join_context, issued here so that its waits are bounded: the notification, and with
+            # throw_on_early_termination the check whether another rank joined (their other side: Join.__exit__)
             notified = comm.all_reduce(torch.ones(1, device=self.device), dist.ReduceOp.SUM, self.group, self.timeout,
                                        "Join notification")
             if config.throw_on_early_termination:

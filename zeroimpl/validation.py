@@ -102,13 +102,12 @@ def check_verify_every(verify_every) -> None:
 
 
 def wrapped_in_ddp(param: torch.Tensor) -> bool:
-    """Whether torch's DistributedDataParallel holds ``param``: then DDP all-reduces (averages) its gradients, and
-    a stage-1 ShardedOptimizer takes its shard of them as they are, as torch's ZeroRedundancyOptimizer does.
+    """Whether torch's DistributedDataParallel holds ``param``: then DDP averages its gradients, and a stage-1
+    ShardedOptimizer takes its shard of them as they are, as torch's ZeroRedundancyOptimizer does.
 
-    DDP keeps its parameters in a list ``_module_parameters``; this finds that list among the parameter's
-    referrers: two scans of the live objects (``gc.get_referrers``), so the reducer asks only at a round's first
-    gradient, and only until the first step (a wrapper found stays found). Only where it finds one does it collect the garbage and look again, so that a dropped wrapper that a
-    reference cycle keeps alive until the collector runs counts on no rank (a collection costs several scans).
+    It looks for DDP's ``_module_parameters`` list among the parameter's referrers: two scans of the live objects,
+    so the reducer asks only at a round's first gradient, until the first step. A hit is checked again after a
+    garbage collection (several scans), so that a dropped wrapper a reference cycle keeps alive counts on no rank.
     """
     if _held_by_ddp(param):
         gc.collect()
@@ -120,7 +119,8 @@ def ddp_state_dict_message() -> str:
     """Why ``state_dict()`` refuses under DDP without a consolidation (ZeroRedundancyOptimizer's contract)."""
     return ("under DistributedDataParallel, a stage-1 ShardedOptimizer keeps its state as torch's "
             "ZeroRedundancyOptimizer does, a shard per rank, and state_dict() gives the full state only after a "
-            "consolidation: call optimizer.consolidate_state_dict(to=0) on every rank first, then state_dict() on rank 0 "
+            "consolidation: call optimizer.consolidate_state_dict(to=0) on every rank first, "
+            "then state_dict() on rank 0 "
             "(Lightning's strategy=\"ddp\" does so itself), or save every rank's shard with "
             "zeroimpl.checkpoint.save_checkpoint. A framework that saves optimizer.state_dict() from its main process "
             "alone (accelerate's save_state, transformers' Trainer) would keep one rank's shard and lose the others'. "
@@ -149,9 +149,9 @@ def _held_by_ddp(param: torch.Tensor) -> bool:
 
 def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
                  layout: Optional[dict] = None, values: bool = True) -> None:
-    """Local checks (:func:`check_moved_params`), then one cheap cross-rank check that every rank holds the same
-    parameters (and, given its ``fingerprint()``, builds the same shard layout from them); ``values=False``: the
-    same shapes only (the caller broadcasts the values)."""
+    """Local checks (:func:`check_moved_params`), then one cheap collective check that every rank holds the same
+    parameters (and, given ``layout``, the same shard layout); ``values=False``: shapes only (the caller broadcasts
+    the values)."""
     check_moved_params(params, topology.shard)
     device = params[0].device
     backend = dist.get_backend(topology.shard)
@@ -160,9 +160,8 @@ def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] 
 
 
 def check_moved_params(params: list[torch.Tensor], group) -> None:
-    """The checks of one rank's trainable ``params`` alone (at construction, and when the optimizer follows a model
-    moved or converted before the first step): some, on one device, floating point, where ``group``'s backend
-    reaches them."""
+    """Local checks of trainable ``params`` (at construction, and when the optimizer follows a moved model): some,
+    on one device, floating point, where ``group``'s backend reaches them."""
     if not params:
         raise ValueError("ShardedOptimizer got no trainable parameters (all have requires_grad=False?)")
     devices = {p.device for p in params}
@@ -181,11 +180,8 @@ def check_moved_params(params: list[torch.Tensor], group) -> None:
 
 def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch.device,
                              timeout: Optional[float], layout: Optional[dict], values: bool) -> None:
-    """Compare shapes, the layout's fingerprint and a float64 checksum of every parameter with two small MAX
-    all-reduces.
-
-    ``max(x) == -max(-x)`` holds on every rank exactly when all ranks hold the same ``x``.
-    """
+    """Compare shapes, the layout's fingerprint and float64 checksums of the parameters with two small MAX
+    all-reduces: ``max(x) == -max(-x)`` holds on every rank exactly when all ranks hold the same ``x``."""
     layout_digest = int(hashlib.sha256(repr(layout).encode()).hexdigest()[:12], 16)  # 48 bits: exact in fp64
     shapes = torch.tensor([len(params), sum(p.numel() for p in params),
                            hash(tuple((tuple(p.shape), dense_strides(p)) for p in params)) % (2 ** 50), layout_digest],

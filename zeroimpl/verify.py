@@ -1,9 +1,8 @@
 """Are the ranks' parameters still identical? Bit checksums compared across ranks, and ``DivergenceError``.
 
-Data-parallel ranks must hold bit-identical parameters after every step. A rank-dependent edit in user code, a
-different seed or a corrupted update breaks that silently; :func:`verify_ranks_agree` (every
-``verify_every`` steps, or on demand) compares an int64 wrapping sum of the bits of every bucket of parameters
-and every frozen parameter across ranks -- one small all-reduce -- and names the first parameter that differs.
+Data-parallel ranks must hold bit-identical parameters after every step; a rank-dependent edit, a different seed
+or a corrupted update breaks that silently. :func:`verify_ranks_agree` (every ``verify_every`` steps, or on demand)
+catches it in one small all-reduce and names the first parameter that differs.
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ class DivergenceError(CollectiveError):
 def verify_ranks_agree(storages: list[BucketStorage], frozen: list[torch.Tensor], topology: Topology,
                        device: torch.device, timeout: Optional[float], step: int,
                        name_of: Callable[[torch.Tensor], str]) -> None:
-    """Raise :class:`DivergenceError` on every rank unless every rank holds bit-identical parameters: the
-    buckets' and the ``frozen`` ones. Collective: one all-reduce of two int64 checksums per bucket and per
-    frozen parameter, and one per parameter of a differing bucket to name the first that differs (``name_of``
-    names it; ``step``: the steps taken, for the message)."""
+    """Raise :class:`DivergenceError` on every rank unless all hold bit-identical bucket and ``frozen`` parameters.
+    Collective: one all-reduce of a checksum per bucket and frozen parameter (:meth:`Topology.same_on_every_rank`),
+    then one of a checksum per parameter of the differing buckets, to find the first (``name_of`` names it)."""
     def same_on_every_rank(checksums: torch.Tensor) -> list[bool]:
         return topology.same_on_every_rank(checksums.to(device), timeout, "parameter checksum all-reduce").tolist()
 
@@ -50,9 +48,8 @@ def verify_ranks_agree(storages: list[BucketStorage], frozen: list[torch.Tensor]
 
 
 def bit_checksum(flat: torch.Tensor) -> torch.Tensor:
-    """An int64 sum of the bits of a contiguous 1-D tensor, read as integers of the element's width (1 byte:
-    uint8 codes, bool, fp8; wider than 8 bytes: complex128, as pairs of int64): any one changed element of at most
-    8 bytes changes it (wrapping on overflow)."""
+    """A wrapping int64 sum of a contiguous 1-D tensor's bits, read as integers of the element's width (complex128:
+    pairs of int64): any one changed element of at most 8 bytes changes it."""
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(flat.element_size(), torch.int64)
     return flat.view(as_int).sum(dtype=torch.int64)
 
