@@ -174,6 +174,12 @@ def _misuse(rank, world_size):
         optimizer.step()
     errors["backward_counts_clipped"] = _catch(different_backward_counts_clipped)
 
+    def built_on_meta():  # refused at once: its parameters' broadcast used to wait for a collective of no data
+        with torch.device("meta"):
+            model = _linear()
+        ShardedOptimizer(model.parameters(), torch.optim.AdamW)
+    errors["meta"] = _catch(built_on_meta)
+
     def all_frozen():
         ShardedOptimizer([torch.nn.Parameter(torch.zeros(2), requires_grad=False)], torch.optim.AdamW)
     errors["frozen"] = _catch(all_frozen)
@@ -212,6 +218,7 @@ MISUSE = {  # case -> what its error must say
     "fp16": ["call optimizer.backward(loss)"],
     "devices": ["several devices"],
     "frozen": ["no trainable parameters"],
+    "meta": ["on the meta device", "materialize the model first", "then build ShardedOptimizer"],
     "ddp2": ["wrapped in DistributedDataParallel", "use stage=1", "drop the DDP wrap", "strategy=\"zero2\"",
              "zeroimpl.integrations.accelerate.prepare", "ZeroTrainer"],
     "backward_counts": ["different numbers of backward passes"],
