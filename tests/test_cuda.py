@@ -357,6 +357,48 @@ def test_checkpoint_agreements_travel_on_the_optimizers_gpu(tmp_path):
                            timeout=600) == [True, True]
 
 
+def _built_before_the_move(rank, world_size):
+    """PyTorch's DDP tutorial under NCCL: the optimizer built while the model is on the CPU, then the model moved to
+    its GPU (stage 1 also wrapped in DDP), 3 steps; against the optimizer built after the move, bitwise. Initial
+    weights differ per rank: the construction's broadcast, deferred to the move, must give rank 0's. Never moved:
+    the first backward raises on every rank, naming the move."""
+    torch.use_deterministic_algorithms(True)  # (two runs compared bitwise: the embedding's backward, say)
+    device = torch.device("cuda", torch.cuda.current_device())
+    runs = {}
+    for stage, wrap in ((1, True), (2, False)):
+        params = []
+        for before in (True, False):
+            model = build_model("gpt2")
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(rank)
+            build = lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)  # noqa: E731
+            optimizer = build() if before else None
+            model.to(device)
+            optimizer = optimizer or build()
+            forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device]) if wrap else model
+            for step in range(3):
+                optimizer.zero_grad()
+                forward(**{k: v.to(device) for k, v in batch(rank, step, 0).items()}).loss.backward()
+                optimizer.step()
+            params.append([p.detach().clone() for p in model.parameters()])
+        runs[stage] = all(torch.equal(a, b) for a, b in zip(*params))
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+    try:
+        model(**batch(rank, 0, 0)).loss.backward()
+        runs["never moved"] = None
+    except RuntimeError as error:
+        runs["never moved"] = str(error)
+    return runs
+
+
+def test_an_optimizer_built_before_the_model_moves_to_its_gpu_trains_as_one_built_after():
+    for runs in on_gpus(_built_before_the_move):
+        assert runs[1] and runs[2]
+        assert "backend is nccl but the parameters are on cpu" in runs["never moved"]
+
+
 def test_a_host_wait_for_a_stream_is_bounded():
     """Offload's wait for its gradient copies (comm.wait_for_stream): a stream held up past the timeout raises
     CollectiveError, where stream.synchronize() would wait as long as NCCL's watchdog lets a collective hang."""

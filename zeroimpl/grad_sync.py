@@ -114,18 +114,21 @@ class GradientReducer:
         max_inflight: the most collectives of each kind in flight; beyond it the oldest is waited for.
         uneven: the ``Join`` check-in before each stage-2 round's reduce-scatters.
         quantized: ``quantize_grad_reduce`` (True, ``"replicas"`` or False).
+        unplaced: why the collectives cannot reach the parameters yet (:func:`validation.placement_problem`): every
+            gradient is refused with it. None: they can.
     """
 
     def __init__(self, *, layout: ShardLayout, storages: list[BucketStorage], topology: Topology, stage: int,
                  reduce_dtype: Optional[torch.dtype], max_inflight: int,
                  gradients: Union[DeviceGradientShards, HostGradientShards], uneven: UnevenInputs,
-                 quantized: Union[bool, str] = False):
+                 quantized: Union[bool, str] = False, unplaced: Optional[str] = None):
         self.layout, self.storages, self.stage = layout, storages, stage
         self.group = topology.shard  # reduce-scatters
         self.replicate = topology.replicate  # all-reduces of the reduced shards (hybrid sharding), or None
         self.reduce_dtypes = [reduce_dtype or at_least_fp32(s.param_buffer.dtype) for s in storages]  # per bucket
         self.max_inflight, self.gradients, self.uneven = max_inflight, gradients, uneven
         self.timeout = topology.timeout
+        self.unplaced = unplaced  # why the collectives cannot reach the parameters yet: a gradient is refused
         self._scale = 1.0 / topology.world_size
         self._in_place = not comm.issues_collectives(layout.world_size)  # the bucket buffer is the shard (one rank)
         self.streams = WorkStream(storages[0].param_buffer.device if storages else "cpu")  # GPU work in host order
@@ -207,6 +210,8 @@ class GradientReducer:
 
     def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
         """Why this gradient cannot be taken, or None."""
+        if self.unplaced is not None:
+            return self.unplaced
         if under_compiled_autograd():
             return ("ShardedOptimizer does not support compiled autograd (torch._dynamo.config.compiled_autograd): "
                     "its gradient hooks reduce-scatter during backward. Compile the model's forward "

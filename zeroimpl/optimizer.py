@@ -150,18 +150,38 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                        bool(quantize_param_gather), quantize_grad_reduce, reduce_dtype,
                                        max_inflight_buckets, loss_scale)
         trainable, layout = self._lay_out()
-        # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
-        validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized},
-                                values=init_sync == "check")
-        members = [p for g in self.param_groups for p in g["params"]]  # frozen ones too
+        validation.check_local_params(trainable)
+        self._init_sync = init_sync
+        # parameters the collectives cannot reach yet (a CPU model under NCCL): the agreement across ranks waits for
+        # the move before the first backward (:meth:`_follow_model`), as a torch optimizer built first would
+        self._unplaced: Optional[str] = validation.placement_problem(trainable, self.process_group)
+        if self._unplaced is None:
+            self._check_across_ranks(trainable, layout)
         optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
+        members = [p for g in self.param_groups for p in g["params"]]  # frozen ones too
         self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])  # frozen: out of the layout
-        if init_sync == "broadcast":  # once this optimizer owns them, before they move into its buffers
-            module_buffers.broadcast_parameters(members, self.topology, collective_timeout)
-        self._build_parts(trainable, layout, agree=True)
+        if self._unplaced is None:
+            self._take_rank_0s_values()
+        self._build_parts(trainable, layout, agree=self._unplaced is None)
         self._constructed = True
         self._follower: Optional[ModelFollower] = ModelFollower(self._follow_model, self.ownership)
         self._follower.remember(self.trainable_params)
+
+    def _check_across_ranks(self, trainable: list[torch.nn.Parameter], layout: ShardLayout) -> None:
+        """Collective: every rank holds the same trainable parameters (``init_sync="check"``: values too) and builds
+        the same layout from them, each group's class and kind included."""
+        settings = self._settings
+        quantized = {"quantize_param_gather": settings.quantize_param_gather,
+                     "quantize_grad_reduce": settings.quantize_grad_reduce}
+        validation.check_params(trainable, self.topology, self.collective_timeout,
+                                {**layout.fingerprint(), **quantized}, values=self._init_sync == "check")
+
+    def _take_rank_0s_values(self) -> None:
+        """Collective (``init_sync="broadcast"``): rank 0's parameters overwrite the others', once this optimizer
+        owns them and before they move into its buffers."""
+        if self._init_sync == "broadcast":
+            members = [p for g in self.param_groups for p in g["params"]]
+            module_buffers.broadcast_parameters(members, self.topology, self.collective_timeout)
 
     def _lay_out(self) -> tuple[list[torch.nn.Parameter], ShardLayout]:
         settings = self._settings
@@ -193,7 +213,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.reducer = GradientReducer(layout=layout, storages=self.storages, topology=self.topology, stage=self.stage,
                                        reduce_dtype=settings.reduce_dtype, max_inflight=settings.max_inflight_buckets,
                                        gradients=self.gradients, uneven=self.uneven,
-                                       quantized=settings.quantize_grad_reduce)
+                                       quantized=settings.quantize_grad_reduce, unplaced=self._unplaced)
         self.checks = StepChecks(reducer=self.reducer, ownership=self.ownership, uneven=self.uneven,
                                  loss_scaler=self.loss_scaler, topology=self.topology, device=self._device)
         self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
@@ -209,6 +229,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             return
         successors = self.ownership.successors()
         if not successors and not any(storage.rebound_params() for storage in self.storages):
+            if self._unplaced is not None:
+                raise ValueError(self._unplaced)
             return
         if self.reducer.backward_passes or self.gradients.has_gradients or self._steps_taken:
             return  # (gradients of the old parameters: the step's check names the change)
@@ -225,7 +247,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.ownership.release()
         self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])
         self._follower.ownership = self.ownership
-        self._build_parts(trainable, layout, agree=False)
+        unplaced, self._unplaced = self._unplaced, None
+        if unplaced is not None:  # the construction's agreement, now that the collectives reach the parameters
+            self._check_across_ranks(trainable, layout)
+            self._take_rank_0s_values()
+        self._build_parts(trainable, layout, agree=unplaced is not None)
         self._follower.remember(trainable)
         if carried is not None:
             self._carry_over(*carried)

@@ -160,22 +160,42 @@ def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] 
 
 
 def check_moved_params(params: list[torch.Tensor], group) -> None:
-    """Local checks of trainable ``params`` (at construction, and when the optimizer follows a moved model): some,
-    on one device, floating point, where ``group``'s backend reaches them."""
+    """Local checks of trainable ``params`` when the optimizer follows a moved model: :func:`check_local_params`, and
+    where ``group``'s collectives reach them."""
+    check_local_params(params)
+    problem = placement_problem(params, group)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def placement_problem(params: list[torch.Tensor], group) -> Optional[str]:
+    """Why ``group``'s collectives cannot reach ``params`` where they are now (a CPU model under NCCL), and the fix;
+    None where they can. The model may still move before its first backward, as a torch optimizer allows: the
+    optimizer then takes the parameters where they are."""
+    device = params[0].device
+    if dist.get_backend(group) != "nccl" or device.type == "cuda":
+        return None
+    return (f"the process group's backend is nccl but the parameters are on {device}: move the model to its GPU "
+            "(model.to(f'cuda:{local_rank}')) before its first backward, step or load, or use backend='gloo' for CPU "
+            "training")
+
+
+def check_local_params(params: list[torch.Tensor]) -> None:
+    """Trainable ``params`` that one rank can shard: some, with storage, on one device, floating point."""
     if not params:
         raise ValueError("ShardedOptimizer got no trainable parameters (all have requires_grad=False?)")
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"parameters are on several devices {sorted(map(str, devices))}; move the model to one "
                          "device (model.to(device)) before building ShardedOptimizer")
-    device = params[0].device
+    if params[0].is_meta:
+        raise ValueError("the parameters are on the meta device (no storage yet): materialize the model first "
+                         "(model.to_empty(device=...) and load or initialize its weights), then build ShardedOptimizer "
+                         "(a torch optimizer built before to_empty() would hold the old meta parameters too)")
     for p in params:
         if not p.dtype.is_floating_point:
             raise ValueError(f"a trainable parameter has dtype {p.dtype}; only floating-point parameters can "
                              "be optimized")
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
-        raise ValueError(f"process group backend is nccl but parameters are on {device}; move the model to "
-                         "its GPU (model.to(f'cuda:{local_rank}')) or use backend='gloo' for CPU training")
 
 
 def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch.device,
