@@ -62,23 +62,53 @@ def test_every_page_quotes_a_generated_table_where_it_shows_one():
                 f"benchmarks/render_docs.py that reads benchmarks/results/): {line[:160]}")
 
 
-def _committed_results() -> str:
-    """The text of every committed result (benchmarks/results/: .md, .json, .csv), concatenated."""
-    texts = []
+RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)x\b")
+# a target or a bound, not a measurement: "≤ 0.95x", "within 1.05x", "at most 1.2x"
+TARGET = re.compile(r"(?:≤|<=|≥|>=|<|>|within|at most|at least|under|below|above)\s*$")
+RESULT_PATH = re.compile(r"benchmarks/results/[\w./-]*\w")
+SCRIPT = re.compile(r"benchmarks/(\w+)\.py")
+
+
+@functools.lru_cache(maxsize=None)
+def _committed_results() -> dict:
+    """Every committed result under benchmarks/results/ (.md, .json, .csv): its path from the root -> its text."""
+    results = {}
     for folder, _, names in os.walk(os.path.join(ROOT, "benchmarks", "results")):
-        texts += [open(os.path.join(folder, name), errors="replace").read() for name in sorted(names)
-                  if name.endswith((".md", ".json", ".csv"))]
-    return "\n".join(texts)
+        for name in sorted(names):
+            if name.endswith((".md", ".json", ".csv")):
+                path = os.path.join(folder, name)
+                results[os.path.relpath(path, ROOT)] = open(path, errors="replace").read()
+    return results
 
 
-def test_every_ratio_in_the_prose_is_in_a_committed_result():
-    """A ratio quoted in the README or docs/ (``0.94x``, also in prose) is one that a committed result states, so a
-    figure from a run that was not kept, or from before a result was re-run, cannot stand in the docs unseen."""
-    results = _committed_results()
-    missing = sorted({(page, ratio) for page in PAGES for ratio in re.findall(r"(?<![\w.])(\d+\.\d+)x\b",
-                                                                             open(os.path.join(ROOT, page)).read())
-                      if ratio + "x" not in results and ratio not in results})
-    assert not missing, f"ratios that no file under benchmarks/results/ states: {missing}"
+def _cited_results(paragraph: str) -> set:
+    """The committed results a paragraph names: a path under benchmarks/results/ (a file, its stem or a folder), or
+    a benchmark script ``benchmarks/<stem>.py`` (the results named after it, or in a folder of that name)."""
+    results, cited = _committed_results(), set()
+    for path in RESULT_PATH.findall(paragraph):
+        cited |= {name for name in results if name == path or name.startswith((path + "/", path + "."))}
+    for stem in SCRIPT.findall(paragraph):
+        cited |= {name for name in results if os.path.basename(name).startswith(stem) or f"/{stem}/" in name}
+    return cited
+
+
+def test_every_ratio_in_the_prose_is_in_the_result_it_comes_from():
+    """A ratio quoted in the README or docs/ (``0.94x``) stands in the committed result its paragraph names
+    (a path under benchmarks/results/, or the benchmark script that writes it), or, where the paragraph names none,
+    in a table generated into the same page. Targets and bounds ("≤ 0.95x") are not measurements. So a figure from
+    a run that was not kept, or computed by hand, or matching some other file by chance, cannot stand unseen."""
+    results, unsourced = _committed_results(), []
+    for page in PAGES:
+        text = open(os.path.join(ROOT, page)).read()
+        generated = "\n".join(match.group(0) for match in GENERATED.finditer(text))
+        for paragraph in re.split(r"\n\s*\n", GENERATED.sub("", text)):
+            cited = _cited_results(paragraph)
+            sources = [results[name] for name in cited] if cited else [generated]
+            for match in RATIO.finditer(paragraph):
+                if not TARGET.search(paragraph[max(0, match.start() - 30):match.start()]) and not any(
+                        match.group(1) in source for source in sources):
+                    unsourced.append((page, match.group(0), sorted(cited) or "the page's generated tables"))
+    assert not unsourced, f"ratios not in the result their paragraph names: {unsourced}"
 
 
 def test_user_docs_do_not_speak_of_the_teams_work():
