@@ -11,7 +11,9 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
 * Stage 2 under DDP: refused at the first backward, on every rank, naming stage 1 and the unwrapped route.
 * Built before the model changes: ``.to(cpu:0)``, ``load_state_dict(assign=True)``, ``.double()`` and
   ``.bfloat16()``, DDP-wrapped or not: bitwise an optimizer built after the change (the documented route); a
-  conversion to fp16 turns the automatic loss scaling on, as one built after it has.
+  conversion to fp16 turns the automatic loss scaling on, as one built after it has. Built while the parameters are
+  out of the collectives' reach (NCCL's condition for a CPU model, patched in on gloo), then moved: bitwise too, the
+  construction's agreement deferred to the move; never moved, the first backward or step raises.
 """
 
 import contextlib
@@ -26,6 +28,7 @@ from distributed import case_results, run_cases, run_distributed
 from workloads import example_module
 from zeroimpl import CPUOffload, ShardedOptimizer
 from zeroimpl.integrations.collectives import CollectiveCounter, summarize
+from zeroimpl import validation
 from zeroimpl.validation import PEER_ARGUMENTS
 
 
@@ -161,6 +164,53 @@ def _changed_run(rank, change, stage, wrap, before):
     CHANGES[change](model)
     optimizer = optimizer or build()
     return _fit(rank, model, DDP(model) if wrap else model, optimizer, 4)
+
+
+@contextlib.contextmanager
+def _out_of_reach_until_moved():
+    """NCCL's condition for a CPU model, on gloo: the parameters count as out of the collectives' reach
+    (``zeroimpl.validation.placement_problem``) until the test says the model moved, as a CPU model's are under
+    NCCL until ``.to(its GPU)``; yields a callable that marks the move. tests/test_cuda.py runs the real case."""
+    moved = [False]
+    original = validation.placement_problem
+    validation.placement_problem = lambda params, group: None if moved[0] else "out of reach (moved: no)"
+    try:
+        yield lambda: moved.__setitem__(0, True)
+    finally:
+        validation.placement_problem = original
+
+
+def _moved_into_reach(rank):
+    """Built while out of the collectives' reach, then moved (``.to("cpu:0")`` copies) before the first forward,
+    against the optimizer built after the move, 3 steps; initial weights differ per rank, so that the construction's
+    broadcast (deferred to the move) must give rank 0's. Never moved: the first backward and the step raise."""
+    out = {}
+    for stage, wrap, offload in ((1, True, None), (1, False, None), (2, False, None), (2, False, "cpu")):
+        runs = []
+        for before in (True, False):
+            with _out_of_reach_until_moved() as move:
+                model = _model()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(rank)
+                build = lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,  # noqa: E731
+                                                 lr=1e-2, bucket_numel=500, offload=offload)
+                optimizer = build() if before else None
+                model.to(torch.device("cpu", 0))
+                move()
+                optimizer = optimizer or build()
+                runs.append(_fit(rank, model, DDP(model) if wrap else model, optimizer, 3))
+        out[(stage, wrap, offload)] = runs
+    for first in ("backward", "step"):
+        with _out_of_reach_until_moved():
+            model = _model()
+            optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+            try:
+                model(torch.ones(2, 20)).sum().backward() if first == "backward" else optimizer.step()
+                out[first] = None
+            except (RuntimeError, ValueError) as error:
+                out[first] = str(error)
+    return out
 
 
 def _fp16_follows(rank):
@@ -370,7 +420,8 @@ def _all(rank, world_size, shared):
              "wrapped after a backward": lambda: _wrapped_after_a_first_backward(rank),
              "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
              "consolidated then loaded": lambda: _consolidated_then_loaded(rank, shared),
-             "partly converted after loading": lambda: _partly_converted_after_loading(rank, shared)}
+             "partly converted after loading": lambda: _partly_converted_after_loading(rank, shared),
+             "moved into reach": lambda: _moved_into_reach(rank)}
     for change in ("cpu:0", "double"):
         for load in ("checkpoint", "full state"):
             cases[("loaded then", change, load)] = lambda change=change, load=load: _loaded_then_changed(
@@ -434,6 +485,14 @@ def test_stage_2_under_ddp_is_refused_at_the_first_backward_on_every_rank(ranks)
 def test_a_model_changed_after_the_optimizer_was_built_trains_as_if_built_after(ranks, change, stage, wrap):
     for before, after in case_results(ranks, (change, stage, wrap)):
         assert _bitwise(before, after)
+
+
+def test_an_optimizer_built_before_its_model_moves_into_the_collectives_reach_trains_as_one_built_after(ranks):
+    for out in case_results(ranks, "moved into reach"):
+        for setup in ((1, True, None), (1, False, None), (2, False, None), (2, False, "cpu")):
+            before, after = out[setup]
+            assert _bitwise(before, after), setup
+        assert out["backward"] == out["step"] == "out of reach (moved: no)"
 
 
 def test_a_conversion_to_fp16_turns_loss_scaling_on(ranks):
