@@ -10,6 +10,9 @@ checkpoint in fresh processes: the reference. The converted checkpoint (the CLI,
   which Adam turns into up to lr on near-zero gradients) both of DeepSpeed's resume at 2 ranks and of DeepSpeed
   itself resumed at 3 ranks from the universal format.
 
+At AdamW's default lr (DEFAULT_LR, 1e-3) zeroimpl resumes at 3 ranks within ACROSS_SIZES_ATOL = 1e-5 of DeepSpeed
+going on (from torch's AdamW at 2 ranks, and from DeepSpeed's own CPU Adam at 3).
+
 The same checkpoint in DeepSpeed's universal format (``ds_to_universal.py``, one folder per parameter) converts to
 the same training: 4 steps bitwise DeepSpeed's at 2 ranks. Two more DeepSpeed runs save at step 4 and go on to step 8
 in the same processes (the reference: what DeepSpeed continues from the state it saved):
@@ -53,6 +56,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 
 SAVE_AT, STEPS, LR = 4, 8, 1e-2
 PARAM_ATOL = 1e-4
+# AdamW's own default learning rate, where a resume at another world size stays within the issue's 1e-5 of
+# DeepSpeed's own (at LR, 3 ranks' summation order alone moves DeepSpeed itself by 4.7e-5)
+DEFAULT_LR, ACROSS_SIZES_ATOL = 1e-3, 1e-5
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3}
 FP16_ATOL = 1e-2  # = LR: DeepSpeed's step 6 applies half the gradient, which Adam turns into up to a third of LR
 DEEPSPEED = {"DS_ACCELERATOR": "cpu"}
@@ -62,7 +68,7 @@ def _params(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _engine(world_size, offload=False, **extra):
+def _engine(world_size, offload=False, lr=LR, **extra):
     """DeepSpeed ZeRO-2 with torch's AdamW (``torch_adam``), or with ``offload`` DeepSpeed's own CPU Adam."""
     import deepspeed
 
@@ -76,7 +82,7 @@ def _engine(world_size, offload=False, **extra):
     config = {**extra, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "train_batch_size": world_size, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
               "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
+              "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8,
                                                         "weight_decay": 0.1, "torch_adam": not offload}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     return model, engine
@@ -114,7 +120,7 @@ def _deepspeed_continues(rank, world_size, root, universal=False):
     return loaded, _params(model)
 
 
-def _zeroimpl_continues(rank, world_size, runs):
+def _zeroimpl_continues(rank, world_size, runs, lr=LR):
     """Per ``(converted checkpoint, stage, dtype)`` of ``runs``: zeroimpl's parameters loaded, and its parameters
     and loss scale after each of 4 more steps (fp16: scaled as the DeepSpeed run's config says). 16-bit parameters
     reduce in their dtype, as DeepSpeed does."""
@@ -126,7 +132,7 @@ def _zeroimpl_continues(rank, world_size, runs):
         model = build_model("gpt2", dtype)
         scaling = LossScaleConfig(initial_scale=2.0 ** FP16["initial_scale_power"],
                                   growth_interval=FP16["loss_scale_window"]) if dtype == torch.float16 else None
-        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=LR,
+        optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=lr,
                                      reduce_dtype=None if dtype == torch.float32 else dtype, loss_scale=scaling)
         load_checkpoint(converted, optimizer, model)
         loaded, after = _params(model), []
@@ -155,6 +161,35 @@ def _universal(saved: str, universal: str) -> None:
                            os.path.join(saved, "step4"), "--output_folder", universal, "--inject_missing_state"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, **DEEPSPEED})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def default_lr_runs(tmp_path_factory):
+    """At DEFAULT_LR: DeepSpeed ZeRO-2 with torch's AdamW at 2 ranks, and with its own CPU Adam (offload) at 3,
+    each saving at step 4 and going on to step 8; both converted and continued on zeroimpl at 3 ranks (stage 2)."""
+    root = tmp_path_factory.mktemp("deepspeed-default-lr")
+    saved, offload_saved = str(root / "torch-adam"), str(root / "cpu-adam")
+    torch_adam = run_distributed(2, _deepspeed_saves, saved, {"lr": DEFAULT_LR}, True, env=DEEPSPEED)[0]
+    cpu_adam = run_distributed(3, _deepspeed_saves, offload_saved, {"offload": True, "lr": DEFAULT_LR}, True,
+                               env=DEEPSPEED)[0]
+    for source in (saved, offload_saved):
+        done = _convert(source, source + "-converted")
+        assert done.returncode == 0, done.stderr[-3000:]
+    at_3 = run_distributed(3, _zeroimpl_continues, [(saved + "-converted", 2, torch.float32),
+                                                    (offload_saved + "-converted", 2, torch.float32)], DEFAULT_LR)
+    return {"torch adam": torch_adam, "cpu adam": cpu_adam, "at 3": at_3}
+
+
+def test_at_adamws_default_lr_a_resume_at_3_ranks_is_within_1e_5_of_deepspeed_going_on(default_lr_runs):
+    """From DeepSpeed with torch's AdamW (2 ranks; measured 7.5e-7) and with its own CPU Adam (3 ranks, offload;
+    measured 4.6e-7), zeroimpl at 3 ranks (torch's AdamW) ends within 1e-5 of DeepSpeed going on to step 8."""
+    for converted, theirs in ((0, default_lr_runs["torch adam"]), (1, default_lr_runs["cpu adam"])):
+        at_save, after = theirs
+        for rank in default_lr_runs["at 3"]:
+            loaded, ours = rank[converted]
+            assert max_param_diff(loaded, at_save) == 0.0
+            far = max_param_diff(ours[-1][0], after[-1][0])
+            assert far <= ACROSS_SIZES_ATOL, (converted, far)
 
 
 @pytest.fixture(scope="module")
