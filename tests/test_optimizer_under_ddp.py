@@ -12,8 +12,9 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
 * Built before the model changes: ``.to(cpu:0)``, ``load_state_dict(assign=True)``, ``.double()`` and
   ``.bfloat16()``, DDP-wrapped or not: bitwise an optimizer built after the change (the documented route); a
   conversion to fp16 turns the automatic loss scaling on, as one built after it has. Built while the parameters are
-  out of the collectives' reach (NCCL's condition for a CPU model, patched in on gloo), then moved: bitwise too, the
-  construction's agreement deferred to the move; never moved, the first backward or step raises.
+  out of the collectives' reach (NCCL's condition for a CPU model, patched in on gloo), then moved: bitwise too,
+  with a check, a forward on one rank alone and one under inference mode between the move and the first step;
+  never moved, the first backward or step raises.
 """
 
 import contextlib
@@ -181,9 +182,12 @@ def _out_of_reach_until_moved():
 
 
 def _moved_into_reach(rank):
-    """Built while out of the collectives' reach, then moved (``.to("cpu:0")`` copies) before the first forward,
-    against the optimizer built after the move, 3 steps; initial weights differ per rank, so that the construction's
-    broadcast (deferred to the move) must give rank 0's. Never moved: the first backward and the step raise."""
+    """Built while out of the collectives' reach, then moved (``.to("cpu:0")`` copies), against the optimizer built
+    after the move, 3 steps; initial weights differ per rank, so that the construction's broadcast must give rank 0's
+    values. Between the move and the first step, as a script may: ``state_dict()`` before the move (accelerate's
+    ``prepare(optimizer, model)`` reads it), ``verify_ranks_agree()``, a forward without gradients on rank 0 alone (a
+    sample), then a barrier, and a first forward under ``torch.inference_mode()`` on every rank (a validation). Never
+    moved: the first backward and the step raise."""
     out = {}
     for stage, wrap, offload in ((1, True, None), (1, False, None), (2, False, None), (2, False, "cpu")):
         runs = []
@@ -194,11 +198,20 @@ def _moved_into_reach(rank):
                     for p in model.parameters():
                         p.add_(rank)
                 build = lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,  # noqa: E731
-                                                 lr=1e-2, bucket_numel=500, offload=offload)
+                                                 lr=1e-2, bucket_numel=500, offload=offload, collective_timeout=60)
                 optimizer = build() if before else None
+                if optimizer is not None:
+                    optimizer.state_dict()
                 model.to(torch.device("cpu", 0))
                 move()
                 optimizer = optimizer or build()
+                optimizer.verify_ranks_agree()
+                if rank == 0:
+                    with torch.no_grad():
+                        model(torch.ones(2, 20))
+                dist.barrier()
+                with torch.inference_mode():
+                    model(torch.ones(2, 20))
                 runs.append(_fit(rank, model, DDP(model) if wrap else model, optimizer, 3))
         out[(stage, wrap, offload)] = runs
     for first in ("backward", "step"):
