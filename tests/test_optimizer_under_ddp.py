@@ -185,9 +185,9 @@ def _moved_into_reach(rank):
     """Built while out of the collectives' reach, then moved (``.to("cpu:0")`` copies), against the optimizer built
     after the move, 3 steps; initial weights differ per rank, so that the construction's broadcast must give rank 0's
     values. Between the move and the first step, as a script may: ``state_dict()`` before the move (accelerate's
-    ``prepare(optimizer, model)`` reads it), ``verify_ranks_agree()``, a forward without gradients on rank 0 alone (a
-    sample), then a barrier, and a first forward under ``torch.inference_mode()`` on every rank (a validation). Never
-    moved: the first backward and the step raise."""
+    ``prepare(optimizer, model)`` reads it); a forward without gradients on rank 0 alone (a sample) then a barrier,
+    and a forward under ``torch.inference_mode()`` on every rank (a validation), either first; then
+    ``verify_ranks_agree()``. Never moved: the first backward and the step raise."""
     out = {}
     for stage, wrap, offload in ((1, True, None), (1, False, None), (2, False, None), (2, False, "cpu")):
         runs = []
@@ -205,13 +205,17 @@ def _moved_into_reach(rank):
                 model.to(torch.device("cpu", 0))
                 move()
                 optimizer = optimizer or build()
+                inference_first = (stage, wrap, offload) in ((1, True, None), (2, False, None))
+                for idiom in (("inference", "one rank") if inference_first else ("one rank", "inference")):
+                    if idiom == "inference":  # the first forward after the move, on some set-ups
+                        with torch.inference_mode():
+                            model(torch.ones(2, 20))
+                    else:
+                        if rank == 0:
+                            with torch.no_grad():
+                                model(torch.ones(2, 20))
+                        dist.barrier()
                 optimizer.verify_ranks_agree()
-                if rank == 0:
-                    with torch.no_grad():
-                        model(torch.ones(2, 20))
-                dist.barrier()
-                with torch.inference_mode():
-                    model(torch.ones(2, 20))
                 runs.append(_fit(rank, model, DDP(model) if wrap else model, optimizer, 3))
         out[(stage, wrap, offload)] = runs
     for first in ("backward", "step"):
