@@ -305,7 +305,7 @@ def broadcast_object(value, source: int, group, timeout: Optional[float] = None,
     :func:`all_gather_objects`: two broadcasts, the pickle's size, then the pickle (no padded row per rank)."""
     if dist.get_world_size(group) == 1:
         return pickle.loads(pickle.dumps(value))
-    device = _object_device(group, device)
+    device = collective_device(group, device)
     mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
     size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
     broadcast(size, group, timeout, name, source).wait_on_host()
@@ -336,9 +336,9 @@ def gather_objects(value, to: int, group, timeout: Optional[float] = None, name:
 
 def _pickled_with_sizes(value, group, timeout: Optional[float], name: str,
                         device: Optional[torch.device]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``value`` pickled into a uint8 tensor on :func:`_object_device`, and every rank's pickle size (one
+    """``value`` pickled into a uint8 tensor on :func:`collective_device`, and every rank's pickle size (one
     all-gather, waited for on the host, which reads it next)."""
-    device = _object_device(group, device)
+    device = collective_device(group, device)
     mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
     sizes = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
     all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group, timeout,
@@ -346,8 +346,9 @@ def _pickled_with_sizes(value, group, timeout: Optional[float], name: str,
     return mine, sizes
 
 
-def _object_device(group, device: Optional[torch.device]) -> torch.device:
-    """Where a pickle travels: on NCCL ``device`` (else the current GPU), else the host."""
+def collective_device(group, device: Optional[torch.device]) -> torch.device:
+    """Where ``group``'s collectives reach a tensor (a pickle, a CPU model's parameters under NCCL): on NCCL
+    ``device`` if it is a GPU, else the current GPU; on other backends the host."""
     if dist.get_backend(group) != "nccl":
         return torch.device("cpu")
     if device is None or device.type != "cuda":

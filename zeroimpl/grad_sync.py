@@ -210,8 +210,6 @@ class GradientReducer:
 
     def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
         """Why this gradient cannot be taken, or None."""
-        if self.unplaced is not None:
-            return self.unplaced
         if under_compiled_autograd():
             return ("ShardedOptimizer does not support compiled autograd (torch._dynamo.config.compiled_autograd): "
                     "its gradient hooks reduce-scatter during backward. Compile the model's forward "
@@ -223,7 +221,7 @@ class GradientReducer:
                     "embeddings (e.g. nn.Embedding(sparse=False)).")
         if not self.storages[bucket_index].holds(param_index, param):
             return rebound_message([param_index], param, self.storages[bucket_index].param_buffer)
-        return None
+        return self.unplaced
 
     def _start_round(self) -> None:
         """Queue the round's end-of-backward callback on the running backward, unless one is queued. A new stage-2

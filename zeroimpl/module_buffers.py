@@ -120,9 +120,14 @@ def _broadcaster(process_group: Optional[dist.ProcessGroup]) -> Callable[[torch.
 @torch.no_grad()
 def broadcast_parameters(params: Sequence[torch.Tensor], topology, timeout: Optional[float] = None) -> None:
     """Overwrite ``params`` on every rank of ``topology`` (:class:`zeroimpl.topology.Topology`) with the first rank's,
-    as DDP does at construction, each broadcast bounded by ``timeout``. Collective."""
-    _overwrite_by_dtype(list(params), lambda flat: topology.broadcast_from_first_(
-        flat, timeout, "parameter broadcast at construction (init_sync='broadcast')"))
+    as DDP does at construction, each broadcast bounded by ``timeout``. Collective. Parameters the collectives
+    cannot reach where they are (a CPU model under NCCL) go through the device they reach, a run at a time."""
+    def broadcast(flat: torch.Tensor) -> None:
+        staged = flat.to(topology.reaching(flat.device))
+        topology.broadcast_from_first_(staged, timeout, "parameter broadcast at construction (init_sync='broadcast')")
+        if staged is not flat:
+            flat.copy_(staged)
+    _overwrite_by_dtype(list(params), broadcast)
 
 
 def _overwrite_by_dtype(tensors: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None]) -> None:

@@ -150,38 +150,25 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                        bool(quantize_param_gather), quantize_grad_reduce, reduce_dtype,
                                        max_inflight_buckets, loss_scale)
         trainable, layout = self._lay_out()
-        validation.check_local_params(trainable)
-        self._init_sync = init_sync
-        # parameters the collectives cannot reach yet (a CPU model under NCCL): the agreement across ranks waits for
-        # the move before the first backward (:meth:`_follow_model`), as a torch optimizer built first would
+        # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
+        validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized},
+                                values=init_sync == "check")
+        # a CPU model under NCCL may still move to its GPU before its first backward, as a torch optimizer allows: the
+        # construction's collectives reach it through the GPU, and the step refuses it until it moves
         self._unplaced: Optional[str] = validation.placement_problem(trainable, self.process_group)
-        if self._unplaced is None:
-            self._check_across_ranks(trainable, layout)
-        optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
         members = [p for g in self.param_groups for p in g["params"]]  # frozen ones too
+        optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
         self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])  # frozen: out of the layout
-        if self._unplaced is None:
-            self._take_rank_0s_values()
-        self._build_parts(trainable, layout, agree=self._unplaced is None)
+        try:
+            if init_sync == "broadcast":  # once this optimizer owns them, before they move into its buffers
+                module_buffers.broadcast_parameters(members, self.topology, collective_timeout)
+            self._build_parts(trainable, layout, agree=True)
+        except BaseException:  # (the parameters are free for the optimizer built next)
+            self.ownership.release()
+            raise
         self._constructed = True
         self._follower: Optional[ModelFollower] = ModelFollower(self._follow_model, self.ownership)
         self._follower.remember(self.trainable_params)
-
-    def _check_across_ranks(self, trainable: list[torch.nn.Parameter], layout: ShardLayout) -> None:
-        """Collective: every rank holds the same trainable parameters (``init_sync="check"``: values too) and builds
-        the same layout from them, each group's class and kind included."""
-        settings = self._settings
-        quantized = {"quantize_param_gather": settings.quantize_param_gather,
-                     "quantize_grad_reduce": settings.quantize_grad_reduce}
-        validation.check_params(trainable, self.topology, self.collective_timeout,
-                                {**layout.fingerprint(), **quantized}, values=self._init_sync == "check")
-
-    def _take_rank_0s_values(self) -> None:
-        """Collective (``init_sync="broadcast"``): rank 0's parameters overwrite the others', once this optimizer
-        owns them and before they move into its buffers."""
-        if self._init_sync == "broadcast":
-            members = [p for g in self.param_groups for p in g["params"]]
-            module_buffers.broadcast_parameters(members, self.topology, self.collective_timeout)
 
     def _lay_out(self) -> tuple[list[torch.nn.Parameter], ShardLayout]:
         settings = self._settings
@@ -220,17 +207,21 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                     topology=self.topology)
         self.reducer.call_after_backward(self.grad_views.after_backward)
 
-    def _follow_model(self) -> None:
+    def _follow_model(self, before_collectives: bool = False) -> None:
         """Before the first step or gradient, rebuild the parts from the parameters the model now holds (after
         ``model.to()``, ``.half()``, ``load_state_dict(assign=True)``), carrying loaded state over where the pieces
         keep their positions (else raise). Local but for the all-gather from carried masters; later, the step
-        refuses a changed model."""
-        if self._follower is None:
-            return
+        refuses a changed model. ``before_collectives``: the caller's come next, so parameters they cannot reach
+        (a CPU model under NCCL, not moved yet) raise, on every rank."""
+        if self._follower is not None:
+            with torch.inference_mode(False):  # (a first forward under inference mode: the parts stay trainable)
+                self._rebuild_after_a_move()
+        if before_collectives and self._unplaced is not None:
+            raise ValueError(self._unplaced)
+
+    def _rebuild_after_a_move(self) -> None:
         successors = self.ownership.successors()
         if not successors and not any(storage.rebound_params() for storage in self.storages):
-            if self._unplaced is not None:
-                raise ValueError(self._unplaced)
             return
         if self.reducer.backward_passes or self.gradients.has_gradients or self._steps_taken:
             return  # (gradients of the old parameters: the step's check names the change)
@@ -239,7 +230,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         for group in self.param_groups:
             group["params"] = [successors.get(id(p), p) for p in group["params"]]
         trainable, layout = self._lay_out()
-        validation.check_moved_params(trainable, self.process_group)
+        validation.check_local_params(trainable)
+        self._unplaced = validation.placement_problem(trainable, self.process_group)
         self.topology = dataclasses.replace(self.topology, device=trainable[0].device)  # (NCCL's object collectives)
         members = [p for g in self.param_groups for p in g["params"]]
         self.reducer.remove_hooks()
@@ -247,11 +239,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.ownership.release()
         self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])
         self._follower.ownership = self.ownership
-        unplaced, self._unplaced = self._unplaced, None
-        if unplaced is not None:  # the construction's agreement, now that the collectives reach the parameters
-            self._check_across_ranks(trainable, layout)
-            self._take_rank_0s_values()
-        self._build_parts(trainable, layout, agree=unplaced is not None)
+        self._build_parts(trainable, layout, agree=False)
         self._follower.remember(trainable)
         if carried is not None:
             self._carry_over(*carried)
@@ -319,8 +307,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return uneven.RefuseUnevenInputs(self.join_device, self.join_process_group, self.collective_timeout)
 
     @property
-    def join_device(self) -> torch.device:  # where the Join flags live
-        return self._device
+    def join_device(self) -> torch.device:  # where the Join flags live (a CPU model under NCCL: its GPU)
+        return self._device if self._unplaced is None else self.topology.reaching(self._device)
 
     @property
     def join_process_group(self):
@@ -341,7 +329,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def found_nonfinite(self) -> bool:
         """Whether the averaged gradients hold NaN/Inf (``step()`` will skip or raise). Collective, reused by step."""
-        self._follow_model()
+        self._follow_model(before_collectives=True)
         with torch.no_grad():
             if not self.grad_views.prepare():
                 return False
@@ -356,7 +344,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-        self._follow_model()
+        self._follow_model(before_collectives=True)
         if self.reducer.under_ddp:
             return torch.nn.utils.clip_grad_norm_([p for p in self.trainable_params if p.grad is not None], max_norm,
                                                   norm_type)
@@ -374,7 +362,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective."""
         with torch.enable_grad():
             loss = closure() if closure is not None else None
-        self._follow_model()
+        self._follow_model(before_collectives=True)
         # the masters are the step's to write: the last all-gathers finished, parameter edits taken in
         self.param_sync.finish_param_sync(take_edits=True)
         if not self.grad_views.prepare():  # the reduction finished and unscaled: False when no rank has gradients
@@ -478,6 +466,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
         """Raise :class:`zeroimpl.DivergenceError` on every rank unless all hold identical parameters. Collective."""
+        self._follow_model(before_collectives=True)
         self.finish_param_gathers()
         verify.verify_ranks_agree(self.storages, self.ownership.frozen, self.topology, self._device,
                                   self.collective_timeout, self._steps_taken,
@@ -633,7 +622,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         each group's ``hyperparameters``, a :meth:`DynamicLossScaler.state_dict` (``None``: keep the scaler's).
         With ``masters`` (per bucket) the parameters are all-gathered from them, unquantized, or from ``published``
         (a quantized all-gather's saved shards): collective. Without, the masters follow the parameters: local."""
-        self._follow_model()
+        self._follow_model(before_collectives=masters is not None)
         number = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
         state = {number[id(master)]: piece_state for master, piece_state in zip(self.pieces.masters, piece_states)
                  if piece_state is not None}

@@ -63,6 +63,10 @@ class Topology:
         """Rank 0 of the shard group in replica 0: the one rank that writes what is written once."""
         return self.shard_rank == 0 and self.replicate_rank == 0
 
+    def reaching(self, device: Optional[torch.device]) -> torch.device:
+        """Where these groups' collectives reach a tensor that lives on ``device`` (:func:`comm.collective_device`)."""
+        return comm.collective_device(self.shard, device)
+
     def groups(self) -> list:
         """The groups a collective over every rank runs in, in order."""
         return [self.shard] + ([self.replicate] if self.replicate is not None else [])

@@ -149,23 +149,11 @@ def _held_by_ddp(param: torch.Tensor) -> bool:
 
 def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
                  layout: Optional[dict] = None, values: bool = True) -> None:
-    """Local checks (:func:`check_moved_params`), then one cheap collective check that every rank holds the same
-    parameters (and, given ``layout``, the same shard layout); ``values=False``: shapes only (the caller broadcasts
-    the values)."""
-    check_moved_params(params, topology.shard)
-    device = params[0].device
-    backend = dist.get_backend(topology.shard)
-    _check_same_across_ranks(params, topology, device if backend == "nccl" else torch.device("cpu"), timeout, layout,
-                             values)
-
-
-def check_moved_params(params: list[torch.Tensor], group) -> None:
-    """Local checks of trainable ``params`` when the optimizer follows a moved model: :func:`check_local_params`, and
-    where ``group``'s collectives reach them."""
+    """Local checks (:func:`check_local_params`), then one cheap collective check that every rank holds the same
+    parameters (and, given ``layout``, the same shard layout), on a device the collectives reach (a CPU model under
+    NCCL: the GPU); ``values=False``: shapes only (the caller broadcasts the values)."""
     check_local_params(params)
-    problem = placement_problem(params, group)
-    if problem is not None:
-        raise ValueError(problem)
+    _check_same_across_ranks(params, topology, topology.reaching(params[0].device), timeout, layout, values)
 
 
 def placement_problem(params: list[torch.Tensor], group) -> Optional[str]:
@@ -208,7 +196,7 @@ def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch
                           dtype=torch.float64, device=device)
     _raise_if_ranks_differ(shapes, topology, "the number, shapes or memory formats (strides: channels_last, a "
                            "transposed weight) of the trainable parameters, or the shard "
-                           "layout (param groups, their optimizer classes, per_parameter, bucket_numel, alignment, "
+                           "layout (param groups, their optimizer classes, per_parameter, bucket_numel, "
                            "quantize_param_gather, quantize_grad_reduce)",
                            timeout, "build the same model, with the same options, on every rank")
     if not values:
