@@ -360,7 +360,7 @@ def test_checkpoint_agreements_travel_on_the_optimizers_gpu(tmp_path):
 def _built_before_the_move(rank, world_size):
     """PyTorch's DDP tutorial under NCCL: the optimizer built while the model is on the CPU, then the model moved to
     its GPU (stage 1 also wrapped in DDP), 3 steps; against the optimizer built after the move, bitwise. Initial
-    weights differ per rank: the construction's broadcast, deferred to the move, must give rank 0's. Never moved:
+    weights differ per rank: the construction's broadcast (through the GPU, the parameters still on the CPU) must give rank 0's. Never moved:
     the first backward raises on every rank, naming the move."""
     torch.use_deterministic_algorithms(True)  # (two runs compared bitwise: the embedding's backward, say)
     device = torch.device("cuda", torch.cuda.current_device())
