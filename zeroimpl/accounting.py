@@ -1,18 +1,8 @@
-"""What a ShardedOptimizer holds on this rank, in bytes, by kind of tensor and by where it lives: counted from the
-tensors it holds (:func:`memory_report` of ``ShardedOptimizer.held_tensors()``), or predicted before building one
-(:func:`estimate_memory`).
-
-``estimate_memory`` answers "will it fit?" for a model (exact: it builds the same layout the optimizer would) or for
-a bare parameter count (close: padding is estimated from bucket sizes). It predicts what
-:meth:`ShardedOptimizer.memory_report` reports at the peak of model states: right after a step's backward passes,
-once every parameter has optimizer state. Stage 1 then holds the full ``.grad`` (freed bucket by bucket as
-``step()`` reduces it), stage 2 the gradient shard. Transient bucket buffers and activations are not counted.
-
-Optimizer state is measured, not tabulated, so any optimizer is predicted, with the kernel offload would choose:
-each group's class steps a probe (3 elements; for a whole-parameter class, each parameter's shape; for a low-bit
-class, each piece's size), and each state tensor counts per element, or per piece (one parameter's part of one
-rank's shard) for a scalar such as Adam's ``step``.
-"""
+"""What a ShardedOptimizer holds on this rank, in bytes, by kind and place: counted (:func:`memory_report`) or predicted
+(:func:`estimate_memory`). Optimizer state is measured, not tabulated: each group's class (with offload's kernel) steps
+a probe (3 elements; a whole-parameter class: each parameter's shape; a low-bit class: each piece's size), and each
+state tensor counts per element, or per piece (one parameter's part of a rank's shard) for a scalar such as Adam's
+``step``."""
 
 from __future__ import annotations
 
@@ -29,20 +19,17 @@ from .precision import at_least_fp32
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes of one memory (the device or the host), by kind; each tensor counted once, by what it is.
+    """Bytes of one memory (the device or the host), by kind; each tensor counted once.
 
-    * ``parameters`` -- the flat buffers behind the trainable parameters (padding included), and with
-      ``quantize_param_gather`` the copy of this rank's shard as the last all-gather left it.
-    * ``gradients`` -- full-size ``param.grad`` tensors of trainable parameters that exist now (stage 1 between
-      backward and step; 0 in stage 2 outside backward).
-    * ``gradient_shard`` -- this rank's averaged gradient shard: reduce dtype on the device; with offload, fp32 on
-      the host plus a device accumulator while ``accumulating()`` sums micro-batches. Under loss scaling the step
-      widens a 16-bit shard to fp32 until ``zero_grad()``; the estimate counts the reduce dtype.
-    * ``master_weights`` -- fp32 (or wider) copies of this rank's shard; 0 for fp32 models without offload or
-      ``quantize_param_gather``, whose shard is the master.
-    * ``optimizer_state`` -- every tensor in the inner optimizer's state (moments, step counters, ...).
-    * ``bucket_buffers`` -- gradient bucket buffers alive now (0 outside backward and step); on the host (offload
-      of a 16-bit model), the two staging buffers per dtype that carry the masters to the device (always there).
+    * ``parameters`` -- the trainable parameters' flat buffers, padding included (``quantize_param_gather``: plus
+      this rank's shard as last all-gathered).
+    * ``gradients`` -- full-size ``param.grad`` of trainable parameters (stage 1, between backward and step).
+    * ``gradient_shard`` -- this rank's averaged gradient shard, reduce dtype (fp32 from a loss-scaled step to
+      ``zero_grad()``; not in the estimate); offload: fp32 on the host, a device accumulator in ``accumulating()``.
+    * ``master_weights`` -- fp32 (or wider) copies of this rank's shard; 0 where it is the master (fp32, no offload
+      or ``quantize_param_gather``).
+    * ``optimizer_state`` -- every tensor in the inner optimizers' state.
+    * ``bucket_buffers`` -- gradient bucket buffers alive now; on the host, offload's staging buffers (16-bit models).
     """
 
     parameters: int = 0
@@ -62,8 +49,8 @@ class StateBytes:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes held on this rank: ``device`` (the parameters' device -- the CPU when there is no GPU) and
-    ``host`` (host memory that CPU offload holds in the device's place; all zero without offload)."""
+    """Bytes held on this rank: ``device`` (the parameters' device; the CPU without a GPU) and ``host`` (what CPU
+    offload holds in host memory; zero without offload)."""
 
     device: StateBytes
     host: StateBytes
@@ -77,8 +64,7 @@ class MemoryReport:
 
 
 def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors that hold ``tensor``'s memory: itself, or those a wrapper subclass wraps (``__tensor_flatten__``:
-    torchao's quantized state keeps uint8 codes and block scales in an fp32-looking tensor), recursively."""
+    """The tensors holding ``tensor``'s memory: itself, or those a wrapper subclass flattens to, recursively."""
     if not hasattr(type(tensor), "__tensor_flatten__"):
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
@@ -115,8 +101,6 @@ def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryR
     return MemoryReport(device, host)
 
 
-# -- the prediction: what an optimizer would hold, from the same layout and offload rules
-
 PROBE_NUMEL = 3
 
 
@@ -137,8 +121,7 @@ def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: 
 
 
 def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, shape: tuple) -> int:
-    """Bytes of ``optimizer_class``'s state for one parameter of ``shape`` and ``dtype``: one step on a meta tensor,
-    or on real zeros for a class that reads values while stepping."""
+    """State bytes for one ``shape`` parameter: a step on a meta tensor, or on zeros if the class reads values."""
     for device in ("meta", "cpu"):
         probe = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
         probe.grad = torch.zeros_like(probe)
@@ -154,8 +137,7 @@ def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torc
 
 
 def shared_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, numel: int) -> dict[str, int]:
-    """By key, the bytes of the state tensors an optimizer shares between its parameters (a low-bit class's
-    quantization maps, held once): one step over two ``numel``-element tensors."""
+    """By key, the bytes of state tensors shared between parameters (a low-bit class's quantization maps)."""
     probes = [torch.zeros(numel, dtype=dtype, requires_grad=True) for _ in range(2)]
     for probe in probes:
         probe.grad = torch.zeros_like(probe)
@@ -168,8 +150,7 @@ def shared_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: tor
 
 def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_numel: int, optimizer_class: type,
                       optimizer_kwargs: dict, per_parameter: Collection[type]) -> tuple[list[dict], list, list]:
-    """The param groups (with their classes), trainable parameters (``None`` for a bare count) and layout specs
-    for a model's parameters or param groups, or for a count of ``dtype`` elements in one group."""
+    """(param groups with their classes, trainable parameters (``None`` for a count), layout specs)."""
     if isinstance(params, int):
         if params <= 0:
             raise ValueError(f"the parameter count must be positive, got {params}")
@@ -198,7 +179,6 @@ def _sharding(optimizer_class: type, per_parameter: Collection[type]) -> optimiz
 
 
 def _blocks(group: dict, per_parameter: Collection[type]):
-    """A blocked group's quantization (:func:`optimizer_kinds.blocks_of`); ``None`` for another group."""
     if _sharding(group["optimizer"], per_parameter) != "blocked":
         return None
     return optimizer_kinds.blocks_of(group)
@@ -219,15 +199,12 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     rank: Optional[int] = None,
                     per_parameter: Collection[type] = (), quantize_param_gather: bool = False,
                     quantize_grad_reduce: bool = False) -> MemoryReport:
-    """Bytes per rank of a ShardedOptimizer with these settings, by kind and place (see module docstring).
+    """Predict :meth:`ShardedOptimizer.memory_report` for one rank at the peak of model states: after a step's
+    backward passes, every parameter holding optimizer state. Activations and transient buffers are not counted.
 
-    ``params``: the parameters or param groups you would pass to ``ShardedOptimizer`` (exact, with each
-    parameter's dtype and each group's class and hyperparameters), or the number of trainable elements, all of
-    ``dtype``, for a flat optimizer class (padding estimated). ``world_size``: the ranks that share the shards (with
-    hybrid sharding, the shard group's size). ``rank``: the rank to predict (default: the one holding the most;
-    ranks differ in optimizer state, as padding has none, each piece has its own scalars and whole parameters
-    differ in size). The other arguments are ShardedOptimizer's (``optimizer_kwargs``: its ``**optimizer_kwargs``);
-    ``quantize_grad_reduce`` holds nothing between steps and changes nothing here.
+    ``params``: what you would pass to ShardedOptimizer (exact), or a count of trainable ``dtype`` elements for a
+    flat optimizer class (padding estimated). ``world_size``: the shard group's size. ``rank``: the rank to predict
+    (default: the one holding the most). The other arguments are ShardedOptimizer's.
     """
     quantize_param_gather = quantize_param_gather and comm.issues_collectives(world_size)  # (not at one rank)
     validation.check_stage(stage)

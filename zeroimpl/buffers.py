@@ -1,17 +1,13 @@
-"""Flat parameter storage: one buffer per bucket, every parameter a view into it.
+"""Flat parameter storage: one buffer per bucket, every parameter a view into it. Tensors (all 1-D):
 
-Tensors named here (all 1-D):
-
-* ``param_buffer`` -- ``bucket.padded_numel`` elements in the model's dtype on its device. After
-  :func:`flatten_params` every member's ``param.data`` is a view of it (with the parameter's shape and memory
-  format: :mod:`zeroimpl.memory_format`), so an all-gather into ``param_buffer`` updates the model in place.
+* ``param_buffer`` -- ``bucket.padded_numel`` elements, the model's dtype and device. After :func:`flatten_params`
+  every member's ``param.data`` is a view of it (with its shape and memory format: :mod:`zeroimpl.memory_format`),
+  so an all-gather into ``param_buffer`` updates the model in place.
 * ``shard`` -- this rank's ``bucket.shard_numel`` elements of ``param_buffer`` (a view).
-* ``master`` -- what the inner optimizer updates, fp32 (fp64 for fp64 models). It *is* ``shard`` for fp32 and
-  fp64 models: their parameters are the master weights. It is a copy only this rank holds for 16-bit models,
-  with a quantized all-gather, and with CPU offload (then in host memory).
-* ``published`` -- quantized all-gather only: ``shard`` as the last all-gather left it (model dtype and device),
-  what the next step's 8-bit delta starts from and what tells an edit apart.
-"""
+* ``master`` -- what the inner optimizer updates, fp32 (fp64 for fp64 models): ``shard`` itself for fp32 and fp64
+  models, else (16-bit model, quantized all-gather, CPU offload: then on the host) a copy only this rank holds.
+* ``published`` -- quantized all-gather only: ``shard`` as the last all-gather left it (model dtype and device), what
+  the next step's 8-bit delta starts from and what tells an edit apart."""
 
 from __future__ import annotations
 
@@ -53,7 +49,6 @@ class BucketStorage:
         return param.data_ptr() == self._addresses[param_index]
 
     def rebound_params(self) -> list[int]:
-        """Parameter indices of the members that are no longer views of ``param_buffer``."""
         return [i for i, p in zip(self.bucket.param_indices, self.params) if p.data_ptr() != self._addresses[i]]
 
     @property
@@ -109,14 +104,12 @@ class BucketStorage:
         self._versions = versions
 
     def published_values(self) -> torch.Tensor:
-        """What this rank's shard of the parameters holds when nothing edited it: ``published``, else the master in
-        the parameters' dtype."""
+        """This rank's shard of the parameters if nothing edited it: ``published``, else the master in their dtype."""
         if self.published is not None:
             return self.published
         return self.master.to(self.shard.device, self.shard.dtype)
 
     def mark_published(self) -> None:
-        """Record the shard as an all-gather has just left it (quantized all-gather)."""
         if self.published is not None:
             self.published.copy_(self.shard)
 
@@ -124,11 +117,9 @@ class BucketStorage:
 def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: int,
                    host_masters: Optional[list[torch.Tensor]] = None,
                    quantized: bool = False) -> list[BucketStorage]:
-    """Move ``params`` (indexed as in ``layout``) into flat bucket buffers, values exact and padding zero, and
-    rebind ``param.data`` to views. ``host_masters`` (CPU offload): per bucket, the master, a host tensor of the
-    shard's size in :func:`~zeroimpl.precision.at_least_fp32` of the model's dtype. ``quantized``: the
-    all-gather sends 8 bits (:mod:`zeroimpl.quantized_comm`), so each storage gets blocks, ``published`` and a
-    master of its own."""
+    """Move ``params`` (indexed as in ``layout``) into flat bucket buffers, values exact and padding zero, and rebind
+    ``param.data`` to views. ``host_masters`` (CPU offload): per bucket, the host tensor to hold the master.
+    ``quantized``: the all-gather sends 8 bits, so each storage gets blocks, ``published`` and a master of its own."""
     quantized = quantized and comm.issues_collectives(layout.world_size)  # (at one rank nothing crosses a link)
     storages = []
     for bucket in layout.buckets:

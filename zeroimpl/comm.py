@@ -1,29 +1,21 @@
 """The collectives zeroimpl issues, in one place so that they can be read, counted and replaced.
 
-Two algorithms move the same bytes (each rank sends ``(N - 1) / N`` of the tensor per reduce-scatter or
-all-gather, the ring minimum); the 8-bit all-to-all of :func:`reduce_scatter_quantized` chooses between them alike:
+Reduce-scatter, all-gather and the 8-bit all-to-all run ``native`` (the backend's own; always off the CPU) or
+``pairwise`` (N - 1 point-to-point exchanges, step k sending to rank ``r + k`` and receiving from ``r - k``, all
+posted at once); both send ``(N - 1) / N`` of the tensor per rank, the ring minimum. Pairwise is gloo's default:
+against gloo's all-reduce of 4M-element buckets on 2 ranks, its reduce-scatter and all-gather cost 0.85x and 0.5x,
+native's 1.2x and 0.65x (``benchmarks/results/collectives-gloo.md``). Across nodes pairwise sends ``1 / N`` between
+*every* two ranks, where a ring (ranks numbered node by node) crosses each node boundary once, so a gloo all-gather
+over a group that :func:`spans_nodes` is native (16 MB, 2 nodes of 2 ranks over 1 Gbit/s: 103-112 ms, pairwise
+146-167 ms; ``benchmarks/results/network/collectives-1gbit.md``); the reduce-scatter stays pairwise, gloo's native
+one costing more than an all-reduce there too. ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for
+CPU tensors (read per collective: set it alike on every rank).
 
-* ``native`` -- the backend's ``reduce_scatter_single`` / ``all_gather_single`` (torch < 2.13:
-  ``reduce_scatter_tensor`` / ``all_gather_into_tensor``). Always used off the CPU.
-* ``pairwise`` -- N - 1 point-to-point exchanges, step k sending to rank ``r + k`` and receiving from ``r - k``
-  (mod N), all posted at once; a reduce-scatter then sums its shard's pieces locally. The default on gloo, whose
-  native reduce-scatter and all-gather cost 1.2x and 0.65x its all-reduce of 4M-element buckets on 2 ranks,
-  pairwise 0.85x and 0.5x (``benchmarks/results/collectives-gloo.md``).
-
-Across nodes a pairwise exchange sends ``1 / N`` of the tensor between *every* two ranks, where a ring (ranks
-numbered node by node, as torchrun does) crosses each node boundary on one edge: two nodes of 2 ranks over
-1 Gbit/s, a 16 MB all-gather takes 138-167 ms pairwise, 103-112 ms as gloo's native ring
-(``benchmarks/results/network/collectives-1gbit.md``). So a gloo all-gather over a group that spans nodes
-(:func:`spans_nodes`) is ``native``; the reduce-scatter stays pairwise, as gloo's native one costs more than an
-all-reduce there too (207-216 ms). ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for CPU tensors
-(read per collective; set it alike on every rank).
-
-At world size 1 an in-place reduce-scatter (``output`` at the start of ``input``) issues nothing, any other
-collective the backend's one-rank copy; an optimizer issues none (:func:`issues_collectives`).
-``torch.distributed`` functions are looked up at call time, so that a test can wrap them.
-
-Every wait goes through :class:`zeroimpl.pending.Pending`: bounded by ``timeout``, failing for good once it
-raised, and handing the CPU tensors lent to gloo's worker threads (:func:`_aliases`) to :mod:`zeroimpl.shutdown`.
+At world size 1 an in-place reduce-scatter issues nothing, any other collective the backend's one-rank copy; an
+optimizer issues none (:func:`issues_collectives`). ``torch.distributed`` functions are looked up at call time, so
+that tests can wrap them. Every wait goes through :class:`zeroimpl.pending.Pending`: bounded by ``timeout``, failing
+for good once it raised, handing the CPU tensors lent to gloo's worker threads (:func:`_aliases`) to
+:mod:`zeroimpl.shutdown`.
 """
 
 from __future__ import annotations
@@ -58,8 +50,7 @@ class PayloadBlocks(Protocol):
 
 def issues_collectives(world_size: int) -> bool:
     """Whether an optimizer over ``world_size`` ranks issues the backend's collectives (and the 8-bit all-gather's
-    encoding): above one rank, where they are more than copies. Asked on this module when an optimizer is built,
-    so that a test can patch it to run the collective path on one GPU (tests/distributed.py)."""
+    encoding). Looked up here at build time, so that tests can patch it to run that path on one GPU."""
     return world_size > 1
 
 
@@ -87,8 +78,7 @@ _spans: dict[tuple, bool] = {}  # (the group's global ranks, this rank's GROUP_R
 
 def spans_nodes(group, timeout: Optional[float] = None) -> bool:
     """Whether ``group``'s ranks sit on more than one node, by torchrun's ``GROUP_RANK`` (False if a rank lacks it).
-    Collective the first time a group asks, and when ``GROUP_RANK`` changes: one all-reduce of the ranks' node
-    numbers, so all agree (asked from all-gathers, which every rank of the group issues in the same order)."""
+    Collective (one all-reduce, so that all agree) the first time a group asks and when ``GROUP_RANK`` changes."""
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     node = os.environ.get("GROUP_RANK", "")
     key = (ranks, node)
@@ -121,8 +111,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
         return Pending([launch(*lent, op=dist.ReduceOp.SUM, group=group, async_op=True)], name, timeout, lent=lent,
                        on_stream=on_stream)
     pieces = input.view(world, -1)
-    # r - 1's piece lands in ``output`` itself if it can (own + it == it + own): a fresh shard-sized buffer's page
-    # faults cost more on the CPU than the sum
+    # r - 1's piece lands in ``output`` if it can: a fresh buffer's page faults cost more on the CPU than the sum
     direct = output.dtype == input.dtype and output.is_contiguous() and not _overlap(output, input)
     received = torch.empty(world - 1 - direct, output.numel(), dtype=input.dtype, device=input.device)
     works = _exchange([pieces[(rank + k) % world] for k in range(1, world)],
@@ -154,9 +143,9 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: 
 def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, timeout: Optional[float] = None,
                          tag: int = 0) -> Pending:
     """Start ``tensor`` = its sum over the group, 8 bits both ways: a :func:`reduce_scatter_quantized` of its
-    ``blocks.shard_numel``-element pieces (zero-padded), then at the wait an all-gather of each owner's fp32 sum
-    as a payload, which every rank -- the owner too -- decodes, so that all ranks hold the same values.
-    ``tensor`` must stay untouched until the wait, which works in it when it needs no padding."""
+    ``blocks.shard_numel``-element pieces (zero-padded), then at the wait an all-gather of each owner's fp32 sum as
+    a payload, decoded by every rank, the owner too, so that all hold the same values. ``tensor`` must stay
+    untouched until the wait, which works in it when it needs no padding."""
     world, rank, n, size = dist.get_world_size(group), dist.get_rank(group), blocks.shard_numel, blocks.payload_bytes
     name = "gradient shard all-reduce across replicas (8-bit)"
     if world == 1:  # the sum is the tensor
@@ -282,10 +271,9 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optiona
 
 def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather",
                        device: Optional[torch.device] = None) -> list:
-    """Every rank's picklable ``value``, in group-rank order, each wait bounded by ``timeout`` (where
-    ``dist.all_gather_object`` waits out the process group's timeout): the pickled sizes, then the pickles
-    padded to the largest. On NCCL they travel on ``device``, the parameters' GPU: a script that never calls
-    ``torch.cuda.set_device`` has current GPU 0 on every rank, where NCCL would see one GPU twice."""
+    """Every rank's picklable ``value``, in group-rank order, each wait bounded by ``timeout`` (unlike
+    ``dist.all_gather_object``): the pickled sizes, then the pickles padded to the largest. On NCCL they travel on
+    ``device``, the parameters' GPU: without ``torch.cuda.set_device``, NCCL would see GPU 0 once per rank."""
     world = dist.get_world_size(group)
     if world == 1:  # nothing to gather (a copy, as one through the bytes would be)
         return [pickle.loads(pickle.dumps(value))]
@@ -336,8 +324,6 @@ def gather_objects(value, to: int, group, timeout: Optional[float] = None, name:
 
 def _pickled_with_sizes(value, group, timeout: Optional[float], name: str,
                         device: Optional[torch.device]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``value`` pickled into a uint8 tensor on :func:`collective_device`, and every rank's pickle size (one
-    all-gather, waited for on the host, which reads it next)."""
     device = collective_device(group, device)
     mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
     sizes = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
@@ -357,7 +343,6 @@ def collective_device(group, device: Optional[torch.device]) -> torch.device:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of ``a`` and ``b`` (contiguous) meet."""
     a_start, b_start = a.data_ptr(), b.data_ptr()
     return a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
 
@@ -369,8 +354,7 @@ def _aliases(*tensors: torch.Tensor) -> tuple:
 
 
 def _exchange(sends: list, receives: list, group, tag: int) -> list:
-    """Post step k = 1..N-1 of a pairwise exchange: ``sends[k - 1]`` to rank ``r + k``, ``receives[k - 1]``
-    from rank ``r - k`` (mod N); return the works."""
+    """Post steps k = 1..N-1 of a pairwise exchange: ``sends[k - 1]`` to rank r + k, ``receives[k - 1]`` from r - k."""
     rank, works = dist.get_rank(group), []
     for k, (send, receive) in enumerate(zip(sends, receives), start=1):
         works.append(dist.isend(send, _peer(group, rank + k), group=group, tag=tag))

@@ -1,13 +1,8 @@
-"""Where this rank's averaged gradient shards live between the reduction and the optimizer step.
-
-Both stores take each reduction of a bucket (``reduced``: ``bucket.shard_numel`` elements in the reduce dtype, on
-the device), sum the reductions until ``clear()``, and hand the optimizer one tensor per bucket (or None) in
-``ready()``. They call nothing above them.
-
-* :class:`DeviceGradientShards` -- no offload: the shards stay on the device, in the reduce dtype.
-* :class:`HostGradientShards` -- CPU offload (:mod:`zeroimpl.offload` carves the memory): shards in the master's
-  dtype in pinned host memory, filled by copies on a side stream.
-"""
+"""Where this rank's averaged gradient shards live between the reduction and the optimizer step. Both stores sum each
+bucket's reductions (``reduced``: ``bucket.shard_numel`` elements in the reduce dtype, on the device) until ``clear()``
+and hand the optimizer one tensor per bucket (or None) in ``ready()``: :class:`DeviceGradientShards` on the device in
+the reduce dtype, :class:`HostGradientShards` (CPU offload) in pinned host memory in the master's dtype, filled by
+copies on a side stream."""
 
 from __future__ import annotations
 
@@ -37,8 +32,7 @@ class DeviceGradientShards:
         return self.shards
 
     def unscale(self, factor: float) -> None:
-        """Multiply every shard by ``factor`` (the loss scale's inverse), widening 16-bit shards to fp32 until
-        ``clear``: in 16 bits a small gradient would round to a subnormal or zero, as loss scaling is to prevent."""
+        """Multiply by ``factor``, widening 16-bit shards to fp32 until ``clear``: 16 bits would underflow."""
         for index, shard in enumerate(self.shards):
             if shard is not None and shard.element_size() < 4:
                 self._widened[index] = shard.dtype
@@ -46,7 +40,6 @@ class DeviceGradientShards:
         torch._foreach_mul_([shard for shard in self.shards if shard is not None], factor)
 
     def clear(self, set_to_none: bool) -> None:
-        """Forget the gradients: ``None`` per bucket, or (``set_to_none=False``) zeros in the reduce dtype."""
         if set_to_none:
             self.shards = [None] * len(self.shards)
         else:
@@ -67,8 +60,7 @@ class DeviceGradientShards:
     def host_tensors(self) -> list[torch.Tensor]:
         return []
 
-    def accumulating(self) -> ContextManager[None]:
-        """Nothing to change: the shards sum on the device anyway."""
+    def accumulating(self) -> ContextManager[None]:  # the shards sum on the device anyway
         return contextlib.nullcontext()
 
 
@@ -81,11 +73,10 @@ class ShardFill(enum.Enum):
 
 
 class HostGradientShards:
-    """Gradient shards on the host, filled by asynchronous copies as each bucket's reduction completes.
-
-    Invariant: after :meth:`ready` every gradient reduced since :meth:`clear` is summed in the host shards, in the
-    order of the reductions, and no copy touching host memory is in flight. Host syncs: one per step in
-    :meth:`ready`, plus one per bucket for each later micro-batch outside :meth:`accumulating`."""
+    """Gradient shards on the host, filled by asynchronous copies as each bucket's reduction completes. After
+    :meth:`ready`, every gradient reduced since :meth:`clear` is summed in them in reduction order, with no host copy in
+    flight. Host syncs: one per step (:meth:`ready`), plus one per bucket per later micro-batch outside
+    :meth:`accumulating`."""
 
     def __init__(self, device: torch.device, shards: list[torch.Tensor], timeout: Optional[float] = None):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream

@@ -1,45 +1,36 @@
 """Gradient reduction: from each rank's full ``param.grad`` to the averaged gradient shard it owns, one round at a time.
 
-Tensors named here (all 1-D, in the reduce dtype):
+A *bucket buffer* (1-D, ``bucket.padded_numel``, the reduce dtype) holds ``grad / world_size`` of every member
+(world size of the whole topology, replicas included), zeros for members without a gradient and for padding, from
+the bucket's first gradient until its reduce-scatter finishes. Each reduction's output (``bucket.shard_numel``; at
+world size 1 the buffer itself), all-reduced across replicas under hybrid sharding, goes to the gradient store
+(:mod:`zeroimpl.grad_shards`), which sums the reductions until the step or ``zero_grad()``.
 
-* ``bucket buffer`` -- ``bucket.padded_numel`` elements: ``grad / world_size`` of every bucket member (world size
-  of the whole topology: with hybrid sharding, shard size times replicas), zero for members without a gradient
-  and for the padding. Lives from the bucket's first gradient until its reduce-scatter has finished.
-* ``reduced`` -- ``bucket.shard_numel`` elements: this rank's part of one reduction (at world size 1, the bucket
-  buffer itself; with hybrid sharding, then all-reduced across the replicas, also during backward), handed to the
-  gradient store (:mod:`zeroimpl.grad_shards`), which sums the reductions until the step or ``zero_grad()``.
-  ``quantize_grad_reduce`` sends 8-bit payloads (:func:`zeroimpl.comm.reduce_scatter_quantized`), summed in fp32.
-
-Stage 1 keeps gradients in ``param.grad`` during backward and reduces every bucket once, when the optimizer needs
-them (:meth:`GradientReducer.reduce_held_grads`): one reduce-scatter per step however many micro-batches. Under
-torch's DistributedDataParallel (``under_ddp``, looked for until the first step), ``param.grad`` is averaged
-already: stage 1 copies this rank's pieces into the store (as ZeroRedundancyOptimizer does); stage 2 refuses.
-
-Stage 2 reduces during backward: a post-accumulate-grad hook copies the gradient into its bucket buffer and frees
-``param.grad``. Buckets start their sync (:meth:`~GradientReducer.start_grad_sync`) *strictly in bucket order*,
-each once all its parameters have a gradient and every bucket before it has started, so that every rank issues the
-same collectives in the same order whatever order its hooks fire in. At the end of backward the buckets not
-started (unused parameters) start with zeros and every collective is finished: no bucket buffer survives backward::
+Stage 1 keeps gradients in ``param.grad`` and reduces every bucket once per step, however many micro-batches (under
+DistributedDataParallel: copies this rank's pieces of the averaged ``param.grad``). Stage 2 reduces during backward:
+a post-accumulate-grad hook copies each gradient into its bucket buffer and frees ``param.grad``. Buckets start
+*strictly in bucket order*, each once its parameters all have a gradient and every earlier bucket has started, so
+that every rank issues the same collectives in the same order whatever order its hooks fire in. At the end of
+backward the rest start with zeros and all finish: no bucket buffer survives backward::
 
     compute: --grad b0--|--grad b1--|--grad b2--|
     comm:               |--RS b0----|--RS b1----|--RS b2--|  (at most `max_inflight` in flight)
     hybrid:                         |--AR b0----|--AR b1----|--AR b2--|  (across replicas; as many)
 
-A *round* is what one backward pass reduces: each bucket once. Its states (:class:`RoundState`):
+A *round* is what one backward reduces, each bucket once. Its :class:`RoundState`:
 
-* ``IDLE`` -> ``RUNNING`` at the first gradient, which queues an end-of-backward callback on the running backward.
-* ``RUNNING`` -> ``IDLE`` when the callback runs at the end of the outermost backward and closes the round. At the
-  end of a nested (reentrant checkpointing) backward -> ``DEFERRED``: later segments fill the same buckets, and
-  whoever needs the gradients next closes the round. A failed backward drops the callback: its gradients are kept,
-  as torch keeps ``.grad``, and the next backward, step or ``zero_grad()`` closes the round first.
-* any -> ``FAILED``, terminal, when zeroimpl's own work raises (out of memory, a collective failed or timed out):
-  this rank's collectives no longer match the others', so every later verb raises, naming the first failure, and
-  the other ranks raise ``CollectiveError`` at their next collective. An interrupt (Ctrl-C) fails the round too,
-  unless this rank has issued nothing of it yet: the round then stays open as a failed backward's.
+* ``IDLE`` -> ``RUNNING`` at the first gradient, which queues an end-of-backward callback.
+* ``RUNNING`` -> ``IDLE`` when the callback closes the round at the end of the outermost backward; at the end of a
+  nested (reentrant checkpointing) one -> ``DEFERRED``, closed by whoever needs the gradients next. A failed
+  backward drops the callback: its gradients are kept, as torch keeps ``.grad``, and the next backward, step or
+  ``zero_grad()`` closes the round first.
+* any -> ``FAILED`` (terminal) when zeroimpl's own work raises: this rank's collectives no longer match the
+  others', so every later verb raises naming the first failure, and the other ranks raise ``CollectiveError`` at
+  their next collective. An interrupt (Ctrl-C) fails the round too, once this rank has issued any of it.
 
-Rules kept by construction (``tests/test_house.py`` holds new code to them): every verb (a hook, or a call of the
-optimizer's) is a :func:`reducer_verb`; every collective is issued through :meth:`GradientReducer._issue`, inside
-``_own_work`` (whatever fails there leaves the reducer ``FAILED``), and kept as one :class:`InFlight` until finished.
+Rules (``tests/test_house.py`` enforces them): every verb (a hook, or a call of the optimizer's) is a
+:func:`reducer_verb`; every collective is issued through :meth:`GradientReducer._issue` inside ``_own_work``
+(whatever fails there leaves the reducer ``FAILED``) and kept as one :class:`InFlight` until finished.
 """
 
 from __future__ import annotations
@@ -106,17 +97,8 @@ def reducer_verb(joined: bool = True):
 
 class GradientReducer:
     """Owns the hooks, the round and the bucket buffers of one ShardedOptimizer; hands reductions to ``gradients``.
-
-    Args (keywords):
-        topology: the shard group, hybrid the replicate group, and the collectives' timeout (then CollectiveError).
-        stage: 1 (reduce at the step) or 2 (reduce during backward).
-        reduce_dtype: the dtype of the bucket buffers and shards (None: fp32, fp64 for fp64 parameters).
-        max_inflight: the most collectives of each kind in flight; beyond it the oldest is waited for.
-        uneven: the ``Join`` check-in before each stage-2 round's reduce-scatters.
-        quantized: ``quantize_grad_reduce`` (True, ``"replicas"`` or False).
-        unplaced: why the collectives cannot reach the parameters yet (:func:`validation.placement_problem`): every
-            gradient is refused with it. None: they can.
-    """
+    ``max_inflight``: the most collectives of each kind in flight. ``uneven``: the ``Join`` check-in before each
+    stage-2 round. ``unplaced``: why the collectives cannot reach the parameters yet, refusing every gradient."""
 
     def __init__(self, *, layout: ShardLayout, storages: list[BucketStorage], topology: Topology, stage: int,
                  reduce_dtype: Optional[torch.dtype], max_inflight: int,
@@ -128,13 +110,12 @@ class GradientReducer:
         self.reduce_dtypes = [reduce_dtype or at_least_fp32(s.param_buffer.dtype) for s in storages]  # per bucket
         self.max_inflight, self.gradients, self.uneven = max_inflight, gradients, uneven
         self.timeout = topology.timeout
-        self.unplaced = unplaced  # why the collectives cannot reach the parameters yet: a gradient is refused
+        self.unplaced = unplaced
         self._scale = 1.0 / topology.world_size
         self._in_place = not comm.issues_collectives(layout.world_size)  # the bucket buffer is the shard (one rank)
         self.streams = WorkStream(storages[0].param_buffer.device if storages else "cpu")  # GPU work in host order
         self._pieces = layout.pieces(topology.shard_rank)  # this rank's pieces of the gradient shards
         self._padding = [layout.padding(bucket.index) for bucket in layout.buckets]  # zeroed in every buffer
-        # per bucket, the 8-bit blocks of its reduce-scatter and of its all-reduce across replicas (None: not quantized)
         self._blocks, self._replica_blocks = reduction_blocks(layout, quantized, topology.shard_rank, topology.replica)
 
         self.state = RoundState.IDLE
@@ -174,17 +155,14 @@ class GradientReducer:
         self.remove_hooks = weakref.finalize(self, remove_hooks, handles)  # (callable: the optimizer rebuilt)
 
     def call_after_backward(self, method: Callable[[], None]) -> None:
-        """Call the bound ``method`` (held weakly) at the end of every backward that reached these parameters,
-        after the round is closed or deferred: one end-of-backward callback, in one known order."""
+        """Call bound ``method`` (held weakly) at the end of every backward here, once the round closed or deferred."""
         self._after_backward = weakref.WeakMethod(method)
 
-    # -- the round ------------------------------------------------------------------------------
     @reducer_verb(joined=False)  # the compute streams do not wait for the reduction during backward
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, param_index = self._bucket_of[id(param)]
         if not self.under_ddp and not self._stepped and self.state is RoundState.IDLE:
-            # a round's first gradient before the first step: one look for a DDP wrapper (a scan of the heap)
-            self.under_ddp = validation.wrapped_in_ddp(param)
+            self.under_ddp = validation.wrapped_in_ddp(param)  # a scan of the heap: once a round, till the first step
         problem = self._refused(param, bucket_index, param_index)
         if problem is not None:
             with self._own_work():  # no reduction of this backward may stay in flight behind the error
@@ -194,9 +172,7 @@ class GradientReducer:
         if self._interrupted():  # the user's backward failed part-way: keep what its round reduced
             self._close_round()
         if self.stage == 2 and param_index in self._arrived[bucket_index]:
-            # a second gradient in one round (reentrant checkpointing whose outer backward's end went unseen, or a
-            # parameter shared by two checkpointed segments): close the round and start another
-            self._close_round()
+            self._close_round()  # a second gradient this round: an outer end unseen, or a param in two segments
         self._start_round()
         if self.stage == 1:
             self._grad_versions[param_index] = param.grad._version
@@ -209,7 +185,6 @@ class GradientReducer:
                 self.start_grad_sync(ready)
 
     def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
-        """Why this gradient cannot be taken, or None."""
         if under_compiled_autograd():
             return ("ShardedOptimizer does not support compiled autograd (torch._dynamo.config.compiled_autograd): "
                     "its gradient hooks reduce-scatter during backward. Compile the model's forward "
@@ -224,9 +199,8 @@ class GradientReducer:
         return self.unplaced
 
     def _start_round(self) -> None:
-        """Queue the round's end-of-backward callback on the running backward, unless one is queued. A new stage-2
-        round first checks in under ``Join``, before its reduce-scatters: a rank that joined answers an iteration's
-        first collective with the check-in's all-reduce (the step checks in again: ``StepChecks.prepare``)."""
+        """Queue the end-of-backward callback unless queued. A new stage-2 round first checks in under ``Join``: a rank
+        that joined answers an iteration's first collective with the check-in's all-reduce (the step checks in too)."""
         if self.state is RoundState.RUNNING:
             return
         if self.stage == 2 and self.state is RoundState.IDLE:
@@ -239,7 +213,6 @@ class GradientReducer:
         self.state = RoundState.RUNNING
 
     def _end_of_backward(self) -> None:
-        """Close the round at the end of the outermost backward, defer it at a nested one's; then tell the listener."""
         self._callback = None
         if _inside_outer_backward():
             self.state = RoundState.DEFERRED
@@ -259,7 +232,6 @@ class GradientReducer:
         return self.state is RoundState.DEFERRED or self._interrupted()
 
     def _close_round(self) -> None:
-        """Start the buckets not started yet (stage 2; zeros where no gradient came), finish all, count the pass."""
         with self._own_work():
             if self.stage == 2:
                 for bucket_index in range(self._started, len(self._buffers)):
@@ -278,7 +250,6 @@ class GradientReducer:
         self._arrived = [set() for _ in self._arrived]
         self._buffers = [None] * len(self._buffers)
 
-    # -- failing fast ---------------------------------------------------------------------------
     @contextmanager
     def _own_work(self) -> Iterator[None]:
         """Run zeroimpl's own work (in a work-stream span): whatever it raises leaves the reducer ``FAILED``."""
@@ -312,8 +283,7 @@ class GradientReducer:
         queue.append(InFlight(bucket_index, buffer, output, launch()))
 
     def _nothing_issued(self) -> bool:
-        """Whether this rank has issued no collective this round: the round, left open, closes as a failed
-        backward's does (its callback dropped), in step with the other ranks."""
+        """Whether this rank issued no collective this round: left open, it closes as a failed backward's, in step."""
         return not self._checking_in and self._started == 0 and not self._reducing and not self._replicating
 
     def _refuse_if_failed(self) -> None:
@@ -323,10 +293,8 @@ class GradientReducer:
                 "and its collectives are no longer those of the other ranks. Restart the job from the last "
                 "checkpoint (zeroimpl.checkpoint.load_checkpoint)")
 
-    # -- buckets --------------------------------------------------------------------------------
     def _buffer(self, bucket_index: int) -> torch.Tensor:
-        """The bucket's buffer of this round, born with zero padding (reduce-scattered into a gradient shard, whose
-        norm must not see garbage); its slots are written or zeroed later."""
+        """This round's buffer of the bucket, born with zero padding (a gradient shard's norm must not see garbage)."""
         if self._buffers[bucket_index] is None:
             storage = self.storages[bucket_index]
             buffer = torch.empty(storage.bucket.padded_numel, dtype=self.reduce_dtypes[bucket_index],
@@ -348,8 +316,7 @@ class GradientReducer:
         self._arrived[bucket_index].add(param_index)
 
     def start_grad_sync(self, bucket_index: int) -> None:
-        """Start the next bucket's reduce-scatter, zeros in the slots no gradient wrote, keeping at most
-        ``max_inflight`` in flight (the oldest waited for on the host). Inside :meth:`_own_work`."""
+        """Start the next bucket's reduce-scatter (zeros where no gradient came); keep ``max_inflight`` in flight."""
         assert bucket_index == self._started, (bucket_index, self._started)
         bucket = self.layout.buckets[bucket_index]
         buffer = self._buffer(bucket_index)
@@ -373,9 +340,8 @@ class GradientReducer:
             self._finish_oldest(self._reducing, on_host=buffer.is_cuda)
 
     def _finish_oldest(self, queue: deque, on_host: bool = False) -> None:
-        """Finish the oldest collective of ``queue`` and hand its shard to the store or, a reduce-scatter's under
-        hybrid sharding, to its all-reduce across the replicas (kept in ``_replicating``, bounded as ``_reducing``
-        is). ``on_host``: as :meth:`InFlight.wait`."""
+        """Finish the oldest collective of ``queue``; hand its shard to the store or, a reduce-scatter's under hybrid
+        sharding, to an all-reduce across the replicas (``_replicating``, bounded as ``_reducing`` is)."""
         reduction = queue[0]
         reduction.wait(self.streams, on_host)
         queue.popleft()
@@ -399,7 +365,6 @@ class GradientReducer:
         while self._replicating:
             self._finish_oldest(self._replicating, on_host=self._replicating[0].output.is_cuda)
 
-    # -- the optimizer's verbs ------------------------------------------------------------------
     @reducer_verb()
     def finish_grad_sync(self) -> None:
         """Close a round left open by a reentrant or a failed backward; call before any other collective (the other
@@ -409,9 +374,8 @@ class GradientReducer:
 
     @reducer_verb()
     def reduce_held_grads(self) -> bool:
-        """Stage 1: reduce-scatter what ``param.grad`` holds into the store, every bucket in order; return whether
-        there was any (False under DDP, whose averaged ``param.grad`` is copied instead). Stage 2: refuse a
-        ``param.grad`` set outside the hooks. After :meth:`finish_grad_sync`."""
+        """Stage 1: reduce-scatter what ``param.grad`` holds into the store; return whether there was any (False
+        under DDP). Stage 2: refuse a ``param.grad`` set outside the hooks. After :meth:`finish_grad_sync`."""
         if self.under_ddp:
             self._take_averaged_grads()
             self.streams.hand_over(*self.gradients.device_tensors())
@@ -438,9 +402,8 @@ class GradientReducer:
         return bool(with_grad)
 
     def _take_averaged_grads(self) -> None:
-        """Under DDP (stage 1): copy this rank's pieces of the averaged ``param.grad`` into the store (zeros where
-        no gradient came); again whenever a backward ran or a ``param.grad`` changed since (clipping, unscaling:
-        ``takes`` counts the copies). ``param.grad`` stays DDP's full gradient, as with a torch optimizer."""
+        """Under DDP (stage 1): copy this rank's pieces of the averaged ``param.grad`` into the store, again whenever
+        a backward ran or a ``param.grad`` changed since (clipping, unscaling). ``param.grad`` stays DDP's."""
         taken = (self.backward_passes, tuple(None if p.grad is None else p.grad._version
                                              for p in self._params.values()))
         if taken == self._taken:

@@ -1,26 +1,23 @@
 """``param.grad`` after backward: the averaged gradient, held as this rank's shard, readable by torch's utilities.
 
-After a backward that reached a :class:`~zeroimpl.ShardedOptimizer`, each trainable parameter's ``.grad`` (unless
-under DDP) is a :class:`ShardedGrad`: a tensor of the parameter's shape, dtype and device whose values are the
-*averaged* gradient DDP would leave, but whose elements live in the ranks' gradient shards (this rank holds one
-contiguous piece, or none). So a training loop reads gradients as under DDP, at stage 2's memory:
+After a backward that reached a :class:`~zeroimpl.ShardedOptimizer` (unless under DDP), each trainable parameter's
+``.grad`` is a :class:`ShardedGrad`: the parameter's shape, dtype and device, the values of the *averaged* gradient
+DDP would leave, the elements in the ranks' gradient shards (this rank holds one contiguous piece, or none). So a
+training loop reads gradients as under DDP, at stage 2's memory:
 
 * ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm``, ``clip_grads_with_norm_`` (any ``norm_type``, foreach or
   not): the first norm computes every parameter's norm with **one all-reduce** of one value per parameter, reused
-  until a gradient changes; the first of a step (order > 0) carries the step's checks
-  (:meth:`~zeroimpl.step_checks.StepChecks.agree`), so that after torch's clipping the step issues none.
+  until a gradient changes; a step's first (order > 0) carries the step's checks (``StepChecks.agree``), so that
+  after torch's clipping the step issues none.
 * ``clip_grad_value_`` and in-place scaling (``mul_``, ``div_``, ``clamp_``, ``zero_``, their ``_foreach`` forms):
   applied to the local piece.
 * ``torch.amp.GradScaler.unscale_``: ``found_inf`` is agreed across the ranks (one all-reduce).
 
-Any other operation raises a ``RuntimeError`` naming the alternatives. The first operation after a backward
-finishes the reduction (and unscaling) through :meth:`GradViews.prepare`, a collective, as a norm is: every rank
-must run the same operations, or the first to do so waits for the others and fails after the collective timeout.
-
-Lifecycle (:class:`GradViews`): :meth:`~GradViews.expose` puts one persistent ``ShardedGrad`` per trainable
-parameter in ``.grad`` at the end of each backward; :meth:`~GradViews.withdraw` and :meth:`~GradViews.discard` take
-them out. A view the user removed in between (``p.grad = None``) is *dropped*: its gradient is forgotten, as torch
-forgets a cleared ``.grad``.
+Any other operation raises, naming the alternatives. The first operation after a backward finishes the reduction
+through :meth:`GradViews.prepare`, a collective: every rank must run the same operations, or the first fails after
+the collective timeout. :meth:`~GradViews.expose` puts one persistent view per parameter in ``.grad`` at the end of
+each backward; :meth:`~GradViews.withdraw` and :meth:`~GradViews.discard` take them out. A view the user removed in
+between (``p.grad = None``) is *dropped*: its gradient is forgotten, as torch forgets a cleared ``.grad``.
 """
 
 from __future__ import annotations
@@ -98,15 +95,9 @@ def _sharded_args(args) -> list[ShardedGrad]:
 
 
 class GradViews:
-    """The ``ShardedGrad`` of each trainable parameter of one optimizer, and when they sit in ``param.grad``.
-
-    Args:
-        params: the optimizer's trainable parameters, by parameter index.
-        pieces: this rank's pieces (at most one per parameter).
-        checks: the optimizer's :class:`~zeroimpl.step_checks.StepChecks`: it finishes the reduction and unscaling
-            into its gradient store (``gradients``) and forgets the gradients of dropped views.
-        topology: the shard group (norms and ``found_inf`` are all-reduced there) and the collectives' timeout.
-    """
+    """The ``ShardedGrad`` of each of ``params`` (by parameter index), and when they sit in ``param.grad``. ``pieces``:
+    this rank's, at most one per parameter; ``checks`` finishes the reduction and unscaling and forgets dropped
+    views' gradients; norms and ``found_inf`` are all-reduced in the shard group."""
 
     def __init__(self, *, params: list[torch.nn.Parameter], pieces: list[ShardPiece], checks: StepChecks,
                  topology: Topology):
@@ -118,19 +109,13 @@ class GradViews:
         self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
         self._installed: set[int] = set()  # parameter indices whose .grad is its view
         self._local: dict[int, torch.Tensor] = {}  # stage 1, not prepared: the rank's own gradient, by index
-        # ord -> every parameter's norm (1-D); dropped on events every rank sees (not a shard's version), so that
-        # every rank runs the norm all-reduce alike
-        self._norms: dict = {}
-        # (id, version, device) of a tensor argument -> (it, its copy there): with offload, clipping's coefficient
-        # on the GPU multiplies every host piece; kept until the views are taken out
-        self._copies: dict = {}
+        self._norms: dict = {}  # ord -> each parameter's norm; reset on events every rank sees (all-reduce alike)
+        self._copies: dict = {}  # (id, version, device) of an argument -> (it, its copy there): offload's clip factor
         handles = [p.register_hook(_withdraw_before_accumulating(weakref.ref(self))) for p in params]
         self.remove_hooks = weakref.finalize(self, remove_hooks, handles)  # (callable: the optimizer rebuilt)
 
-    # -- lifecycle ------------------------------------------------------------------------------
     def prepare(self) -> bool:
-        """Finish the reduction and unscaling with the views out of ``.grad``, then expose them (collective); return
-        whether there are gradients to step on."""
+        """Collective: finish the reduction and unscaling, then expose the views; False: no gradients to step on."""
         self.withdraw()  # .grad as the reducer left it (stage 1: the local gradients)
         if not self.checks.prepare():
             return False
@@ -170,7 +155,6 @@ class GradViews:
         self._take_out()
 
     def _take_out(self) -> list[int]:
-        """Swap each view still in ``.grad`` for its kept local gradient (or None); return dropped views' indices."""
         dropped = []
         for index in sorted(self._installed):
             param = self.params[index]
@@ -189,8 +173,6 @@ class GradViews:
         self._norms = {}
 
     def _written(self, factor=None) -> None:
-        """The user wrote the gradients (multiplied them by ``factor``, or otherwise): norms are computed afresh, and
-        the step's verdict stands only as :meth:`StepChecks.note_edit` allows."""
         self.changed()
         self.checks.note_edit(factor)
 
@@ -199,7 +181,6 @@ class GradViews:
         plain = [p.grad for p in self.params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
         return plain + list(self._local.values())
 
-    # -- operations -----------------------------------------------------------------------------
     def run(self, func, args, kwargs):
         """Carry out ``func`` (an aten operation with some of this optimizer's views among its arguments)."""
         if func in _ALIASES:

@@ -1,8 +1,5 @@
-"""Host memory next to a GPU: copies to the device that do not make the host wait (on CUDA, staged through torch's
-caching page-locked allocator, which does not reuse a block before its copy has run, and queued on the current
-stream with ``non_blocking=True``; plain copies elsewhere), and page-locked buffers that cost their bytes up to a
-page (:class:`HostArena`).
-"""
+"""Host memory next to a GPU: copies to the device that do not make the host wait (:func:`to_device`), and
+page-locked buffers that cost their bytes up to a page (:class:`HostArena`)."""
 
 from __future__ import annotations
 
@@ -16,31 +13,27 @@ import torch
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (any device) on ``device``, without a host sync when it goes from the CPU to a GPU."""
+    """``host`` (any device) on ``device``, without a host sync from the CPU to a GPU: staged through torch's caching
+    pinned allocator (which reuses no block before its copy has run), queued on the current stream."""
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
 def device_tensor(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype, device=device)`` without a host sync (see :func:`to_device`)."""
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 class HostArena:
-    """Host tensors of several dtypes carved out of one allocation of whole pages, page-locked as one range on a GPU.
-
-    ``pin_memory=True`` rounds every block up to a power of two, so per-bucket buffers could cost up to twice their
-    bytes. Here one mapping (:func:`whole_pages`) holds every slice and, on a GPU, is registered with
-    ``cudaHostRegister`` (portable: page-locked for every device), so the page-locked bytes are :attr:`nbytes`, the
-    slices' rounded up to whole pages. Slices are laid out widest dtype first: each aligned, with no gaps.
-
-    Invariants: each slice is a storage of its own over the mapping (``torch.save`` of one writes its bytes, not the
-    arena's; ``is_pinned()`` asks about its own first byte) and keeps the mapping alive. When :attr:`pinned`, every
-    non-empty slice is ``is_pinned()``: where registration fails or torch does not count it, each slice is copied
-    into torch's pinned allocator instead, with a warning (:attr:`registered` False). The range is unregistered when
-    the arena is collected, after the device has finished every queued copy: its owner keeps it while it copies.
-    """
+    """Host tensors of several dtypes carved out of one mapping of whole pages (:func:`whole_pages`), registered on a
+    GPU with ``cudaHostRegister`` (portable: page-locked for every device), so the page-locked bytes are :attr:`nbytes`,
+    the slices' rounded up to whole pages (``pin_memory=True`` rounds each block up to a power of two). Slices are laid
+    out widest dtype first: each aligned, with no gaps. Each slice is a storage of its own over the mapping
+    (``torch.save`` of one writes its bytes, not the arena's; ``is_pinned()`` asks about its own first byte) and keeps
+    the mapping alive. When :attr:`pinned`, every non-empty slice is ``is_pinned()``: where registration fails or torch
+    does not count it, each slice is copied into torch's pinned allocator instead, with a warning (:attr:`registered`
+    False). The range is unregistered when the arena is collected, after the device has finished every queued copy: its
+    owner keeps it while it copies."""
 
     def __init__(self, sizes: list[tuple[int, torch.dtype]], pin_device: Optional[torch.device]):
         offsets, total = {}, 0
@@ -127,8 +120,7 @@ def _register(address: int, nbytes: int, device: torch.device) -> None:
 
 
 def _unregister(pages: mmap.mmap, address: int, device: torch.device, registrant: int) -> None:
-    """``pages`` is held until here, so the range stays mapped while registered. A forked child (no CUDA context,
-    none of these pages) has nothing to do."""
+    """Holds ``pages`` (the range stays mapped while registered); a forked child (no CUDA context) does nothing."""
     if os.getpid() != registrant:
         return
     torch.cuda.synchronize(device)  # no copy may still read or write the range

@@ -1,36 +1,21 @@
-"""The parameter all-gathers left in flight after ``step()`` (``overlap_param_gather``), and the guard that keeps
-its promise: every read of a parameter after ``step()`` sees the new values or waits for them (or raises where its
-all-gather failed: :class:`zeroimpl.pending.Pending`). Results are bitwise those of ``overlap_param_gather=False``.
+"""The parameter all-gathers left in flight after ``step()`` (``overlap_param_gather``), and the guards that make every
+read of a parameter see the new values or wait for them (or raise where its all-gather failed:
+:class:`zeroimpl.pending.Pending`); results are bitwise those of ``overlap_param_gather=False``. What each guard sees
+and misses: docs/advanced.md.
 
-Reads that are seen:
+* A :class:`~torch.overrides.TorchFunctionMode` at the bottom of the mode stack of the thread that called ``step()``
+  waits for the buckets whose parameter buffer a tensor argument aliases (all, if a storage cannot be read).
+* A global module forward pre-hook, on any thread, waits for the module's own buckets, and for all before a TorchScript
+  or ``torch.compile`` module, whose code runs below the mode (with ``fullgraph=True``: :data:`COMPILED_READ`).
+* On CUDA the reading stream waits, then the default stream and ``step()``'s wait for it.
 
-* Through torch, on the thread that called ``step()``: a :class:`~torch.overrides.TorchFunctionMode` at the bottom
-  of its mode stack waits for the buckets whose parameter buffer a tensor argument aliases (top level, in a list or
-  tuple, or a keyword value; one whose storage cannot be read, such as a fake tensor, waits for all). So the forward
-  waits for bucket i at its first use of one of its parameters (the overlap), and ``state_dict()``, an EMA update or
-  ``p.data.clamp_()`` see the new values. Metadata reads (``p.shape``, ``p.data``, setting ``p.grad``) do not wait.
-* A module's forward, on any thread: a global forward pre-hook waits for the module's own parameters' buckets, and
-  for all before a TorchScript or ``torch.compile`` module, whose code (like C++ kernels and custom
-  ``autograd.Function`` s) runs below the mode. Under ``torch.compile`` the wait is a graph break; with
-  ``fullgraph=True``, an error naming the fixes (:data:`COMPILED_READ`).
-* On CUDA a wait is a stream's: the reading stream waits, then the default stream and ``step()``'s wait for it.
-
-Reads not seen -- another thread's outside a module's forward, a third CUDA stream, kernels reached around torch
-(raw pointers, apex, ``@torch.jit.script``, dlpack, ``torch._C.DisableTorchFunction()``) -- need
-``optimizer.finish_param_gathers()`` first, or ``overlap_param_gather=False``. So zeroimpl's own work on its own
-tensors (an inner step, a gather's landing) runs under :func:`guards_lifted`, and whatever hands parameters to code
-the guards cannot see calls ``finish_param_gathers()`` first, as the integrations do through one seam each
-(``ShardedStrategy.finish_param_gathers``, ``ZeroTrainer.save_model``).
-
-Why a mode, not module pre-hooks alone (Megatron's): with hooks alone, reads outside a module's forward (an EMA,
-``p.data.clamp_()``) would silently see the previous step's values, or be overwritten when the gather lands. The
-mode and hook exist only while a gather is in flight, and each forward first finishes the gathers that have
-arrived, so the cost, a Python call per torch operation, stops once the last has landed (on NCCL, at the first
-module forward: ``benchmarks/results/guard_cost*.md``). Why torch's private stack calls: a user's ``with mode:``
-block spanning ``step()`` pops the top of the stack on exit, where a mode pushed the public way would be.
-
-A guard taken off the stack goes to :mod:`zeroimpl.shutdown` (a gloo work issued meanwhile may hold it). Tests:
-``tests/test_inflight_overlap.py``, ``tests/test_optimizer_mutation_guards.py``, ``tests/test_shutdown.py``.
+Other reads need ``finish_param_gathers()`` first (the integrations call it at one seam each); zeroimpl's own work on
+its own tensors runs under :func:`guards_lifted`. Why a mode, not Megatron's module pre-hooks alone: reads outside a
+forward (an EMA, ``p.data.clamp_()``) would see the previous step's values, or be overwritten when the gather lands. The
+guards exist only while a gather is in flight, and each forward first finishes those that have arrived, so their cost (a
+Python call per torch operation) ends with the last landing. Why torch's private stack calls: a user's ``with mode:``
+block spanning ``step()`` pops the top of the stack on exit, where a mode pushed the public way would be. A guard taken
+off the stack goes to :mod:`zeroimpl.shutdown` (a gloo work issued meanwhile may hold it).
 """
 
 from __future__ import annotations
@@ -47,7 +32,6 @@ from torch.overrides import TorchFunctionMode
 from . import shutdown
 from .pending import Pending
 
-# tensor methods that read only metadata: no wait for them
 _METADATA_METHODS = frozenset({
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride,
     torch.Tensor.is_contiguous, torch.Tensor.element_size, torch.Tensor.storage_offset, torch.Tensor.__len__,
@@ -63,18 +47,14 @@ _EVERY = weakref.WeakSet()  # every optimizer's InFlightGathers in this process 
 
 
 class BucketGather(NamedTuple):
-    """One bucket's all-gather in flight: its wait, and the scratch memory it lands from (every rank's 8-bit
-    payload, ``(world_size * payload_bytes,)`` uint8, for a quantized all-gather; else None)."""
+    """One bucket's all-gather in flight: its wait and, if quantized, the payloads it lands from."""
 
     pending: Pending
     payloads: Optional[torch.Tensor] = None
 
 
 class InFlightGathers:
-    """The all-gathers of one optimizer still in flight, by bucket index, and the guards that wait for them.
-
-    Invariant: ``len(self)`` buckets are in flight; while any is, the mode is on the thread's mode stack and
-    the forward pre-hook is registered."""
+    """One optimizer's gathers in flight, by bucket; while any is, the mode is on the stack and the hook registered."""
 
     def __init__(self) -> None:
         self._pending: dict[int, BucketGather] = {}
@@ -110,7 +90,6 @@ class InFlightGathers:
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
     def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
-        """Wait for the gathers of ``buckets`` (default: all), in bucket order."""
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
         # a landing is zeroimpl's own work on its own buffers (8-bit decoding: thousands of operations per bucket)
         with guards_lifted() if chosen else contextlib.nullcontext():
@@ -142,8 +121,7 @@ class InFlightGathers:
         return [gather.payloads for gather in self._pending.values() if gather.payloads is not None]
 
     def buckets_touched(self, args: tuple, kwargs: dict) -> set[int]:
-        """The buckets in flight whose parameter buffer one of these call arguments aliases (all of them for
-        an argument whose storage cannot be read)."""
+        """The buckets in flight whose parameter buffer a call argument aliases (all, if a storage cannot be read)."""
         touched = set()
         for value in (*args, *kwargs.values()):
             for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
@@ -184,8 +162,7 @@ class InFlightGathers:
 
 @contextlib.contextmanager
 def guards_lifted():
-    """Every optimizer's guard off this thread's mode stack for the block, then back under the other modes: for an
-    inner step, which reads only its own tensors and may be traced with fullgraph=True (torchao's optimizers)."""
+    """Every guard off this thread's mode stack for the block: an inner step, maybe compiled with fullgraph=True."""
     thread = threading.get_ident()
     lifted = [gathers._guard for gathers in list(_EVERY) if gathers._guard is not None and gathers._thread == thread]
     lifted = [guard for guard in lifted if _take_off(guard)]
@@ -231,8 +208,7 @@ def _reads_no_values(func) -> bool:
 
 
 def _push_at_bottom(mode: TorchFunctionMode) -> None:
-    """Push ``mode`` under every other mode but a ``DeviceContext`` (``torch.set_default_device``, ``with
-    torch.device``), which torch requires at the very bottom. The guard leaves by identity (:func:`_take_off`)."""
+    """Push ``mode`` under all others but a ``DeviceContext`` (torch needs it at the bottom); it leaves by identity."""
     from torch.utils._device import DeviceContext
 
     stack = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())][::-1]

@@ -1,16 +1,9 @@
-"""The torch optimizers that step this rank's pieces, one per optimizer class, seen as one optimizer.
-
-As in Megatron's "optimizer over ranges", the inner optimizers never see a model parameter: they see one view of the
-master shard per *piece* (:class:`~zeroimpl.layout.ShardPiece`: the part of one parameter in this rank's shard),
-1-D in flat groups, shaped as the parameter in whole-parameter groups (:func:`piece_view`).
-
-:class:`InnerOptimizers` presents its optimizers in the outer groups' order: ``param_groups[g]`` is outer group
-``g``'s, ``state`` maps every piece, and ``state_dict`` numbers the pieces through all groups, as one torch optimizer
-over the same groups would. Group-level state (timm's Adan step counter, schedule-free AdamW's ``k``) is the inner
-optimizers': the outer groups mirror the inner ones after every step (:meth:`InnerOptimizers.report`), and before a
-step only the outer values changed since (a scheduler's ``lr``) go in (:meth:`InnerOptimizers.follow`). Inner steps
-fire no step hooks: the ``ShardedOptimizer.step()`` around them is the one step the user sees.
-"""
+"""The torch optimizers that step this rank's pieces, one per optimizer class, seen as one optimizer over the outer
+groups. As in Megatron's "optimizer over ranges", they never see a model parameter, only one view of the master shard
+per piece (:func:`piece_view`). Group-level state (timm's Adan step counter, schedule-free's ``k``) is the inner
+optimizers': the outer groups mirror the inner ones after every step (:meth:`InnerOptimizers.report`), and before a step
+only the outer values changed since (a scheduler's ``lr``) go in (:meth:`InnerOptimizers.follow`). Inner steps fire no
+step hooks: the ``ShardedOptimizer.step()`` around them is the one step the user sees."""
 
 from __future__ import annotations
 
@@ -49,9 +42,8 @@ class InnerOptimizers:
 
     @property
     def defaults(self) -> dict:
-        """Every class's defaults, the first group's class winning. Where classes name momentum differently (SGD's
-        ``momentum``, AdamW's ``betas[0]``), ``betas`` is left out: a scheduler cycling momentum (OneCycleLR) then
-        writes ``momentum`` into every group, which :meth:`follow` turns into ``betas[0]`` where needed."""
+        """Every class's defaults, the first group's class winning; ``betas`` left out where classes name momentum
+        differently, so that OneCycleLR writes ``momentum``, which :meth:`follow` turns into ``betas[0]``."""
         merged: dict = {}
         for optimizer_class in self.classes:
             for key, value in self.optimizers[optimizer_class].defaults.items():
@@ -91,8 +83,7 @@ class InnerOptimizers:
             self._synced.append({key: value for key, value in outer.items() if key not in OUTER_ONLY_KEYS})
 
     def switch_mode(self, mode: str, outer_groups: list[dict]) -> bool:
-        """Call ``mode`` (schedule-free ``train`` / ``eval``) on every inner optimizer that has it; whether any
-        has it, the same on every rank (every rank builds every class)."""
+        """Call ``mode`` (``train``/``eval``) on each inner optimizer that has it; whether any has (on all ranks)."""
         switching = [optimizer for optimizer in self.optimizers.values() if callable(getattr(optimizer, mode, None))]
         if switching:
             self.follow(outer_groups)
@@ -102,13 +93,11 @@ class InnerOptimizers:
         return bool(switching)
 
     def refuse_parameter_overrides(self, params: Sequence[torch.Tensor]) -> None:
-        """Raise where per-parameter overrides (bitsandbytes' GlobalOptimManager) name the model's parameters."""
         for optimizer in self.optimizers.values():
             optimizer_kinds.refuse_bitsandbytes_overrides(optimizer, params)
 
     def refuse_global_clipping(self) -> None:
-        """Raise for an optimizer that clips by the norm of every gradient it steps (timm's Lamb,
-        ``max_grad_norm``): sharded, it would see this rank's part of that norm only."""
+        """Raise for an optimizer that clips by the norm of all it steps (timm's Lamb, ``max_grad_norm``)."""
         for optimizer_class, optimizer in self.optimizers.items():
             value = next((v for v in [optimizer.defaults.get("max_grad_norm")] +
                           [g.get("max_grad_norm") for g in optimizer.param_groups] if v is not None), None)
@@ -121,12 +110,10 @@ class InnerOptimizers:
 
     @property
     def steps_in_parts(self) -> bool:
-        """Whether stepping the pieces in parts (offload's pipeline) is bitwise one step: only for torch's own
-        classes, whose state is per parameter (another may keep group-level state, such as a step counter)."""
+        """Whether stepping in parts (offload's pipeline) is bitwise one step: torch's classes (state per parameter)."""
         return all(type(optimizer).__module__.startswith("torch.optim") for optimizer in self.optimizers.values())
 
     def step(self) -> None:
-        """Step every inner optimizer, without firing step hooks (the outer step fires them once)."""
         for optimizer in self.optimizers.values():
             step = type(optimizer).step  # torch.optim.Optimizer wraps it with the hooks ("hooked") on construction
             (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
@@ -245,9 +232,8 @@ class PieceMasters:
 
     def gradient_pairs(self, grads: list[Optional[torch.Tensor]], stepped: Optional[list[bool]]
                        ) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """By bucket index, the (master view, gradient view) of the pieces that step. ``grads``: per bucket, the
-        shard in the master's dtype (``None``: zeros, kept by ``zero_grad(set_to_none=False)``); ``stepped``: by
-        parameter index, whether some rank has a gradient (``None``: all); others are not stepped, as in torch."""
+        """By bucket index, the (master view, gradient view) of the pieces that step. ``grads``: per bucket, the shard
+        (``None``: zeros); ``stepped``: by parameter index, whether some rank has a gradient (``None``: all)."""
         pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for piece, master in zip(self.pieces, self.masters):
             if stepped is not None and not stepped[piece.param_index]:
@@ -259,8 +245,7 @@ class PieceMasters:
 
 
 def step_pieces(inner: InnerOptimizers, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Step the inner optimizers on these (master view, gradient) pairs alone (torch's skip the rest). Called per
-    bucket only where :attr:`InnerOptimizers.steps_in_parts`, so stepping in parts is bitwise one step."""
+    """Step the inner optimizers on these (master, gradient) pairs only (:attr:`InnerOptimizers.steps_in_parts`)."""
     if not pairs:
         return
     for master, grad in pairs:

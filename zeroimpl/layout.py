@@ -1,27 +1,20 @@
-"""Where every trainable element lives: buckets, padding and shard ownership -- pure integer arithmetic, no
-tensors and no communication, so that it can be tested exhaustively.
-
-Vocabulary (used by every other module):
+"""Where every trainable element lives: buckets, padding and shard ownership, in pure integer arithmetic (no tensors,
+no communication), so that it can be tested exhaustively. The vocabulary of every other module:
 
 * **parameter index** -- position in the deduplicated list of trainable parameters, in param-group order.
-* **bucket** -- a run of parameters of one param group and dtype, owning one flat 1-D buffer of
-  ``padded_numel`` elements: each member at ``[offset, offset + numel)``, every other element zero padding.
-* **shard** -- rank ``r`` owns ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket buffer. A *flat*
-  bucket packs parameters end to end, so they may straddle shards; a *whole-parameter* one (optimizers that need
-  whole tensors: Muon, Adafactor) bin-packs whole parameters into each shard; a *blocked* one (low-bit
-  optimizers: :class:`Blocks`) is flat, but starts each parameter on a block and makes each shard whole blocks.
+* **bucket** -- a run of parameters of one param group and dtype, owning one flat 1-D buffer of ``padded_numel``
+  elements: each member at ``[offset, offset + numel)``, every other element zero padding.
+* **shard** -- rank ``r`` owns ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket buffer. A *flat* bucket
+  packs parameters end to end, so they may straddle shards; a *whole-parameter* one (Muon, Adafactor) bin-packs
+  whole parameters into each shard; a *blocked* one (low-bit optimizers: :class:`Blocks`) is flat, but starts each
+  parameter on a block and makes each shard whole blocks.
 
-Invariants (checked by ``tests/test_layout.py``):
-
-* the layout is a function of the parameter list alone -- never of hook order or timing -- so it is
-  identical on every rank;
-* buckets are filled in reverse parameter order (the order backward usually produces gradients, as in DDP),
-  never span two param groups or dtypes, and never split a parameter between buckets (whole-parameter: nor
-  between shards); different groups' buckets are interleaved by :func:`_completion_keys`;
-* ``padded_numel`` is a multiple of ``world_size * alignment``: every rank owns the same number of elements;
-* every element of every parameter is owned by exactly one rank;
-* in a blocked bucket each piece of a split parameter keeps the whole parameter's quantization
-  (``Blocks.quantizes``), so it is stepped as that part of the whole parameter would be.
+Invariants (``tests/test_layout.py``): the layout is a function of the parameter list alone, never of hook order or
+timing, so it is identical on every rank. Buckets are filled in reverse parameter order (as backward usually
+produces gradients), never span two param groups or dtypes, never split a parameter (whole-parameter: nor between
+shards); different groups' buckets are interleaved by :func:`_completion_keys`. ``padded_numel`` is a multiple of
+``world_size * alignment``. Every element is owned by exactly one rank. In a blocked bucket each piece of a split
+parameter keeps the whole parameter's quantization (``Blocks.quantizes``).
 """
 
 from __future__ import annotations
@@ -63,7 +56,6 @@ class ParamSpec:
 
 
 def overlap(start: int, end: int, other_start: int, other_end: int) -> Optional[tuple[int, int]]:
-    """The common part ``[low, high)`` of ``[start, end)`` and ``[other_start, other_end)``, or ``None``."""
     low, high = max(start, other_start), min(end, other_end)
     return (low, high) if low < high else None
 
@@ -234,7 +226,6 @@ class ShardLayout:
 
 
 def _fits(bucket: Bucket, sizes: Sequence[int]) -> bool:
-    """Whether the members lie inside the buffer without overlapping (and, whole, each inside one shard)."""
     ranges = sorted((offset, offset + size) for offset, size in zip(bucket.offsets, sizes))
     inside = all(0 <= start and end <= bucket.padded_numel for start, end in ranges)
     disjoint = all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
@@ -250,10 +241,9 @@ def _end_to_end(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
-    """For each parameter, the fraction of its param group's elements at or behind it in the list: about when in
-    backward a bucket whose earliest member it is completes (groups list parameters in model order). Buckets
-    ordered by it interleave the groups as backward fills them, so that bucket-order launching overlaps backward
-    instead of waiting for a small group that spans the whole model."""
+    """Per parameter, the fraction of its group's elements at or behind it: about when in backward a bucket whose
+    earliest member it is completes. Buckets ordered by it interleave the groups as backward fills them, so that
+    bucket-order launching overlaps backward instead of waiting for a small group that spans the whole model."""
     group_numel: dict[int, int] = {}
     for spec in params:
         group_numel[spec.group_index] = group_numel.get(spec.group_index, 0) + spec.numel
@@ -268,12 +258,9 @@ def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
 def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int,
                  alignment: int = 8) -> ShardLayout:
     """Pack ``params`` (by parameter index) into buckets, each padded to a multiple of ``world_size * alignment``
-    (ShardedOptimizer uses the default 8: aligned shard starts, and room for the fp32 scales of 8-bit payloads).
-    Raises ValueError if ``world_size``, ``bucket_numel`` or ``alignment`` is below 1.
-
-    A flat or blocked bucket holds at most ``bucket_numel`` elements (a larger parameter gets a bucket of its
-    own). A whole-parameter bucket grows past ``bucket_numel`` until its shards pack with little padding
-    (:func:`split_whole_run`), and its shards go to the ranks so as to balance their total ``work``."""
+    (default 8: aligned shard starts, room for the fp32 scales of 8-bit payloads). A flat or blocked bucket holds
+    at most ``bucket_numel`` elements (a larger parameter gets a bucket of its own); a whole-parameter one grows past
+    it until its shards pack with little padding (:func:`split_whole_run`), the ranks' total ``work`` balanced."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1 or alignment < 1:
@@ -322,8 +309,6 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
     return ShardLayout(world_size, alignment, tuple(buckets), tuple(slots))
 
 
-# -- whole-parameter buckets: a run cut into buckets (split_whole_run, by these two constants), each bin-packed
-# into one chunk per rank (pack_whole), the chunks handed to the ranks to balance their step work (place_whole)
 WHOLE_PADDING_TARGET = 0.01
 WHOLE_BUCKET_GROWTH = 2
 
@@ -348,11 +333,10 @@ def _chunk_padding(members: Sequence[int], params: Sequence[ParamSpec], world_si
 
 def split_whole_run(run: Sequence[int], params: Sequence[ParamSpec], world_size: int,
                      bucket_numel: int) -> list[list[int]]:
-    """Cut a run of whole parameters (reverse parameter order, one group and dtype) into buckets. Each grows one
+    """Cut a run of whole parameters (reverse parameter order, one group and dtype) into buckets. A bucket grows one
     parameter at a time and is cut at the first length that holds ``bucket_numel`` elements with padding at most
     :data:`WHOLE_PADDING_TARGET` of them; failing that, once it holds ``WHOLE_BUCKET_GROWTH * world_size *
-    max(bucket_numel, largest member)`` elements, at the length (holding ``bucket_numel``) of least relative
-    padding seen. The run's last bucket may be smaller."""
+    max(bucket_numel, largest member)`` elements, at the length of least relative padding seen."""
     buckets, start = [], 0
     while start < len(run):
         best_end, best_fraction, total, largest = len(run), float("inf"), 0, 0
@@ -396,17 +380,13 @@ def place_whole(members: list[int], params: Sequence[ParamSpec], world_size: int
     return ordered, offsets, world_size * shard_numel
 
 
-# -- blocked buckets (low-bit optimizers)
-
 def place_blocked(sizes: Sequence[int], blocks: Blocks, world_size: int, alignment: int) -> tuple[list[int], int]:
     """Offsets of a blocked bucket's members (of ``sizes`` elements, in buffer order), and its padded size.
-
-    Every member starts on a block and the shard size is a multiple of the block and of ``alignment``, so a
-    piece of a member is whole blocks of it (but for the member's last block). bitsandbytes and torchao choose
-    a tensor's state (8-bit or fp32) by its size, so each member goes at the first offset, from the end of the
-    previous one, where every piece of it is quantized as the whole member is. The shard size grows from the
-    least that holds the members (doubling its slack, then bisecting) until every member finds such an offset;
-    at most it holds all of them whole (a few parameters under ``world_size`` thresholds: one rank owns each)."""
+    Members start on a block and the shard size is a multiple of the block and of ``alignment``: a piece of a
+    member is whole blocks of it (but for its last). bitsandbytes and torchao choose a tensor's state (8-bit or
+    fp32) by its size, so each member goes at the first offset past the previous one where every piece of it is
+    quantized as the whole is. The shard size grows from the least that holds the members (doubling its slack, then
+    bisecting) until every member finds one; at most it holds all members whole (then one rank owns each)."""
     unit = math.lcm(blocks.size, alignment)
     one_shard = round_up(max(1, sum(round_up(n, blocks.size) for n in sizes)), unit)  # holds every member whole
     low = round_up(-(-one_shard // world_size), unit)

@@ -1,10 +1,8 @@
-"""A parameter's memory format (its strides), kept through flattening.
-
-Every trainable parameter is ``numel`` consecutive elements of a flat buffer in its own memory order: a
-channels_last conv weight of shape (8, 8, 3, 3) keeps its strides (72, 1, 24, 8), so that cuDNN still picks its
-NHWC kernels. Its gradient slot, optimizer state and checkpoint files use that order too (the checkpoint index
-records the strides). A parameter that is not dense (overlapping elements, or gaps) is stored contiguous.
-"""
+"""A parameter's memory format (its strides), kept through flattening: every trainable parameter is ``numel``
+consecutive elements of a flat buffer in its own memory order (a channels_last conv weight of shape (8, 8, 3, 3)
+keeps its strides (72, 1, 24, 8)), so that cuDNN still picks its NHWC kernels. Its gradient slot, optimizer state
+and checkpoint files use that order too (the checkpoint index records the strides). A parameter that is not dense
+(overlapping elements, or gaps) is stored contiguous."""
 
 from __future__ import annotations
 
@@ -38,7 +36,6 @@ def same_order(shape: Sequence[int], strides: Sequence[int], other: Sequence[int
 
 
 def shaped(flat: torch.Tensor, shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
-    """A view of ``flat`` (1-D, ``numel`` elements in memory order) with ``shape`` and ``strides``."""
     return flat.as_strided(tuple(shape), tuple(strides))
 
 

@@ -1,8 +1,7 @@
-"""What DDP keeps identical across ranks besides the gradients, for ShardedOptimizer, which replaces it: the
-parameters at construction, so that a model initialised differently on each rank (nanoGPT seeds ``1337 + rank``)
-trains as one (``init_sync="broadcast"``: :func:`broadcast_parameters`), and, as DDP's ``broadcast_buffers=True``
-does, the buffers before training forwards (:class:`BufferBroadcast`), without which running statistics drift apart.
-"""
+"""What DDP keeps identical across ranks besides the gradients, for ShardedOptimizer, which replaces it: the parameters
+at construction (``init_sync="broadcast"``: :func:`broadcast_parameters`), so that a model initialised differently on
+each rank (nanoGPT seeds ``1337 + rank``) trains as one, and the buffers before training forwards
+(:class:`BufferBroadcast`), without which running statistics drift apart."""
 
 from __future__ import annotations
 
@@ -19,17 +18,11 @@ FLAT_NUMEL = 2 ** 22  # elements a broadcast flattens together at most (16 MiB o
 
 
 class BufferBroadcast:
-    """Rank 0's buffers broadcast before a forward of ``module`` exactly when
-    ``DistributedDataParallel(broadcast_buffers=True)`` broadcasts them (its ``require_forward_param_sync``): before
-    the first forward and before every forward that follows one run with gradients enabled outside ``no_sync``.
-    Integer buffers too (BatchNorm's ``num_batches_tracked``), one broadcast per dtype and ``FLAT_NUMEL`` elements.
-
-    ``forward()`` brackets one forward that every rank runs (a framework's training and validation steps).
-    ``attach()`` hooks the rule onto the module itself until ``remove()``; the hooks act on forwards with gradients
-    only, because a forward without them may run on one rank alone (``generate`` on the main process) and must not
-    communicate: it neither broadcasts nor changes what comes next, so each rank evaluates with its own buffers
-    where DDP's wrapper would broadcast rank 0's. ``no_sync()`` marks the forwards of non-final micro-batches.
-    """
+    """Broadcasts the group's first rank's buffers (integer ones too) before a forward of ``module`` exactly when
+    ``DistributedDataParallel(broadcast_buffers=True)`` would: before the first forward, and before each one that
+    follows a forward with gradients outside ``no_sync()``. ``forward()`` brackets a forward that every rank runs;
+    ``attach()`` hooks the rule onto the module until ``remove()``, skipping forwards without gradients, which may run
+    on one rank alone (``generate``): each rank then keeps its own buffers, where DDP would broadcast rank 0's."""
 
     def __init__(self, module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None):
         self.module, self.process_group = module, process_group
@@ -80,8 +73,7 @@ class BufferBroadcast:
 
 @contextlib.contextmanager
 def no_sync(optimizers: Iterable, buffers: Optional[BufferBroadcast] = None) -> Iterator[None]:
-    """DDP's ``no_sync()`` without DDP, for non-final micro-batches: every optimizer's ``accumulating()`` (a
-    ShardedOptimizer's) and, when given, the buffers' ``no_sync()``."""
+    """DDP's ``no_sync()`` without DDP: every optimizer's ``accumulating()`` and, if given, ``buffers.no_sync()``."""
     with contextlib.ExitStack() as stack:
         for optimizer in optimizers:
             stack.enter_context(optimizer.accumulating())
@@ -92,9 +84,8 @@ def no_sync(optimizers: Iterable, buffers: Optional[BufferBroadcast] = None) -> 
 
 def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> BufferBroadcast:
     """Broadcast ``model``'s buffers from the group's first rank before its training forwards, as DDP's
-    ``broadcast_buffers=True`` does, until ``.remove()`` (:class:`BufferBroadcast`'s hooks: forwards without
-    gradients are left alone, so one rank may run the model by itself). Call it on every rank; around non-final
-    micro-batches, enter the returned object's ``no_sync()`` with the optimizer's ``accumulating()``."""
+    ``broadcast_buffers=True`` does, until ``.remove()`` (the rule: :class:`BufferBroadcast`). Call it on every rank;
+    around non-final micro-batches, enter the returned object's ``no_sync()`` with ``optimizer.accumulating()``."""
     return BufferBroadcast(model, process_group).attach()
 
 
@@ -112,8 +103,7 @@ def sync_module_states(model: torch.nn.Module, process_group: Optional[dist.Proc
 
 
 def _broadcaster(process_group: Optional[dist.ProcessGroup]) -> Callable[[torch.Tensor], None]:
-    """A broadcast in place from the group's first rank; on an accelerator the current stream waits for it, not the
-    host (it runs before every training forward)."""
+    """In-place broadcast from the group's first rank; on an accelerator the current stream waits, not the host."""
     return lambda flat: comm.broadcast(flat, process_group, name="buffer broadcast").wait()
 
 

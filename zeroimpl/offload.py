@@ -1,21 +1,13 @@
-"""CPU offload (ZeRO-Offload, arXiv 2101.06840): this rank's optimizer shard lives and steps on the host.
-
-Tensors, per bucket (1-D, ``bucket.shard_numel`` elements; host ones page-locked when the parameters are on CUDA):
-
-* ``master`` (:class:`~zeroimpl.buffers.BucketStorage`) -- :func:`at_least_fp32` of the parameters' dtype, on the
-  host; the inner optimizer updates it and keeps its state beside it, on the CPU.
-* ``host gradient shard`` -- in the master's dtype, on the host: the averaged gradient the host step reads.
-* ``device accumulator`` -- reduce dtype, on the device: sums micro-batches run under ``accumulating()``.
-
-The device keeps only the parameters and transient gradient buckets. Stage 2, one micro-batch, CUDA, the host
-stepping bucket by bucket (:mod:`zeroimpl.param_sync`)::
+"""CPU offload (ZeRO-Offload, arXiv 2101.06840): this rank's optimizer shard lives and steps on the host: the masters
+(:mod:`zeroimpl.buffers`) and averaged gradient shards (:mod:`zeroimpl.grad_shards`), in :func:`at_least_fp32` of the
+parameters' dtype and page-locked when the parameters are on CUDA, and the inner optimizer's state beside them. The
+device keeps only the parameters and transient gradient buckets; without a GPU the host is the "device" and copies are
+synchronous. Stage 2, one micro-batch, CUDA, stepping bucket by bucket (:mod:`zeroimpl.param_sync`)::
 
     compute : --grad b0--|--grad b1--|--grad b2--|
     nccl    :            |--RS b0----|--RS b1----|--RS b2--|                           |AG b0  |AG b1  |AG b2  |
     copy    :                        |D2H b0|    |D2H b1|  |D2H b2|            |H2D b0 |H2D b1 |H2D b2 |
     host    :                                                     |sync|step b0|step b1|step b2|
-
-Without a GPU the same code path runs with the host as "device" and synchronous copies (the test suite's case).
 """
 
 from __future__ import annotations
@@ -30,34 +22,29 @@ from .grad_shards import DeviceGradientShards, HostGradientShards
 from .host_memory import HostArena
 from .precision import at_least_fp32
 
-# torch optimizers with a fused CPU kernel (torch >= 2.4), about 10x faster than their for-loop kernel
+# torch optimizers with a fused CPU kernel (torch >= 2.4); AdamW's: 2-6x its for-loop (benchmarks/results/host_step.md)
 FUSED_CPU_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """Offload policy: fp32 master weights, optimizer state and gradient shard on the host; step there."""
+    """Offload policy: master weights (at least fp32), optimizer state and gradient shards on the host; step there."""
 
     pin_memory: bool = True
-    """Page-locked host buffers, so that copies to and from a CUDA device are asynchronous: the host masters,
-    gradient shards and staging buffers are slices of one allocation, registered with ``cudaHostRegister``
-    as one range of whole pages (torch's ``pin_memory=True`` would round each buffer up to a power of two; it
-    is the fallback, with a warning, where the registration fails or torch does not count it). A process
-    forked after the optimizer is built does not inherit them (``MADV_DONTFORK``); to hand the host masters
-    of a ``state_dict`` to another process, send clones (``torch.multiprocessing`` would move the masters
-    themselves into shared memory, out of the page-locked range). Ignored when the parameters are on the
-    CPU."""
+    """Page-locked host buffers (one ``cudaHostRegister``-ed range of whole pages; torch's ``pin_memory=True`` is the
+    fallback, with a warning), so that copies to and from a CUDA device are asynchronous. Not inherited by processes
+    forked after construction (``MADV_DONTFORK``); to hand a ``state_dict``'s host masters to another process, send
+    clones. Ignored when the parameters are on the CPU."""
 
     fused_step: bool = True
     """Step with the optimizer's fused CPU kernel when it has one (Adam, AdamW, SGD, Adagrad) and the user
-    passed neither ``fused`` nor ``foreach``. Results differ from the for-loop kernel in the last bit."""
+    passed neither ``fused`` nor ``foreach``. Results differ from the for-loop kernel in the last bits."""
 
 
 OffloadOption = Union[None, Literal["cpu"], CPUOffload]
 
 
 def resolve_offload(offload: "OffloadOption") -> Optional[CPUOffload]:
-    """``None`` / ``"cpu"`` / a :class:`CPUOffload` -> the policy, or ``None`` for no offload."""
     if offload is None or isinstance(offload, CPUOffload):
         return offload
     if isinstance(offload, str) and offload == "cpu":
@@ -65,8 +52,7 @@ def resolve_offload(offload: "OffloadOption") -> Optional[CPUOffload]:
     raise ValueError(f"offload must be None, 'cpu' or zeroimpl.CPUOffload(...), got {offload!r}")
 
 
-# keys that choose the kernel (or a mode fused kernels refuse), not the math: a user's choice of any keeps the host
-# step off the fused kernel, and each optimizer keeps its own
+# keys that choose the kernel (or a mode fused kernels refuse), not the math: a user's choice keeps the step unfused
 KERNEL_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
@@ -79,7 +65,6 @@ def host_optimizer_kwargs(optimizer_class: type, kwargs: dict, group_keys: set, 
 
 
 def refuse_capturable(settings: list[dict]) -> None:
-    """Raise where the hyperparameters ask for ``capturable=True``, which torch refuses in a host step."""
     if any(setting.get("capturable") for setting in settings):
         raise ValueError("capturable=True keeps the optimizer's step count on the GPU for CUDA graphs, but with "
                          "offload='cpu' the optimizer steps on the host, where torch refuses it: drop capturable=True "
@@ -102,8 +87,7 @@ def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: d
 
 
 def staging_sizes(layout, param_dtypes: list[torch.dtype]) -> dict[torch.dtype, int]:
-    """Per 16-bit parameter dtype, its largest shard: the size of each of its two staging buffers
-    (:class:`~zeroimpl.param_sync.ParamSync`). ``param_dtypes``: by parameter index."""
+    """Per 16-bit dtype in ``param_dtypes`` (by parameter index): its largest shard, its staging buffers' size."""
     sizes: dict[torch.dtype, int] = {}
     for bucket in layout.buckets:
         dtype = param_dtypes[bucket.param_indices[0]]

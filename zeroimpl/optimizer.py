@@ -1,6 +1,7 @@
 """ShardedOptimizer: ZeRO stage 1 and 2 around torch optimizers, elementwise (AdamW) or not (Muon, Adafactor).
 
-One optimizer step on one rank (Ψ trainable elements, N ranks), and the module that does each part::
+One optimizer step on one rank (Ψ trainable elements, N ranks), and the module that does each part (this module
+builds those parts and runs the step; it calls down into them, none calls back up)::
 
     backward -> gradients reduce-scattered into this rank's gradient shard (Ψ/N)  [grad_sync]
                 kept on the device, or copied to the host with offload              [grad_shards, offload]
@@ -9,8 +10,6 @@ One optimizer step on one rank (Ψ trainable elements, N ranks), and the module 
              -> inner optimizers over this rank's pieces of the master weights       [inner]
              -> masters into the parameter shard, all-gathered bucket by bucket (offload: each bucket's
                 host step, copy and all-gather in turn), left in flight into the next forward  [param_sync]
-
-This module builds those parts and runs the step; it calls down into them, none calls back up.
 """
 
 from __future__ import annotations
@@ -61,57 +60,53 @@ class _PartSettings(NamedTuple):
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """Shards optimizer state (stage 1) and gradients (stage 2) of ``params`` across data-parallel ranks.
 
+    Every rank holds the same parameters after ``step()``; rank r's inner optimizers hold state for chunk r of every
+    bucket only. Each option in depth: docs/advanced.md.
+
     Args:
-        params: parameters or param-group dicts, as any torch optimizer takes; frozen ones are left alone. A group
-            may name its own class under ``"optimizer"`` (``{"params": matrices, "optimizer": torch.optim.Muon,
-            "lr": 0.02}``), its other keys being that class's hyperparameters. Stage 2 reduces gradients itself (call
-            the bare model); stage 1 also takes a DistributedDataParallel model, as torch's ZeroRedundancyOptimizer:
-            DDP averages ``param.grad``, this optimizer all-gathers the parameters (3Ψ of traffic against 2Ψ).
+        params: parameters or param-group dicts, as any torch optimizer takes; frozen ones are left alone. A group may
+            name its own class under ``"optimizer"``, its other keys being that class's hyperparameters. Stage 2 needs
+            the bare model; stage 1 also takes a DistributedDataParallel one (3Ψ of traffic against 2Ψ).
         optimizer_class: the ``torch.optim.Optimizer`` subclass of the groups that name none. Elementwise classes
-            (AdamW, Adam, SGD, ...) get flat shards; Muon, Adafactor and the ``per_parameter`` classes get
-            whole-parameter shards (each parameter stepped whole, by one rank); LBFGS and SparseAdam are refused.
-        stage: 1 -- shard optimizer state and master weights; gradients are reduce-scattered once per step.
-            2 -- also shard gradients: they are reduce-scattered bucket by bucket during backward.
+            (AdamW, SGD, ...) get flat shards; Muon, Adafactor and ``per_parameter`` classes whole-parameter shards
+            (each parameter stepped whole, by one rank); LBFGS and SparseAdam are refused.
+        stage: ``1`` shards optimizer state and master weights, reducing gradients once per step; ``2`` also shards
+            gradients, reduce-scattered bucket by bucket during backward.
         offload: keep the fp32 master weights, optimizer state and gradient shard in host memory and step on the
-            CPU (fused where it can): ``"cpu"`` or a :class:`zeroimpl.CPUOffload` policy; ``None``: off. In stage 2,
-            run non-final micro-batches under ``optimizer.accumulating()``: they sum on the device, one copy per step.
+            CPU: ``"cpu"`` or a :class:`zeroimpl.CPUOffload` policy; ``None``: off.
         process_group: the data-parallel group (default: the whole world).
-        device_mesh: a ``torch.distributed.DeviceMesh`` instead of ``process_group``: 1-D, its group; 2-D
-            (replicate x shard), hybrid sharding. 2-D dims are unnamed or ``("replicate", "shard")`` as FSDP2's HSDP.
-            State (stage 2: and gradients) is sharded within each shard group (typically a node) and all-reduced
-            across replicas: 2Ψ/n per rank (n: shard-group size) against DDP's 2Ψ. ``rank`` and ``world_size``
-            then describe the shard group; ``topology`` describes both.
+        device_mesh: a ``torch.distributed.DeviceMesh`` instead of ``process_group``: 1-D, its group; 2-D (replicate x
+            shard), hybrid sharding. 2-D dims are unnamed or ``("replicate", "shard")``. State (stage 2: and gradients)
+            is sharded within each shard group and all-reduced across replicas: 2Ψ/n per rank (n: shard-group size)
+            against DDP's 2Ψ; ``rank`` and ``world_size`` describe the shard group.
         bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32).
         max_inflight_buckets: how many reduce-scatters (hybrid: and replica all-reduces) backward keeps in flight
-            before it waits for the oldest (0: each waited at once); bounds the buffers alive during backward.
+            before it waits for the oldest (0: none); bounds the buffers alive during backward.
         reduce_dtype: the dtype gradients are reduced and their shard kept in (default fp32; fp64 for fp64 models).
-            Under loss scaling a 16-bit shard is widened to fp32 to be unscaled, and kept so until ``zero_grad()``.
+            Under loss scaling a 16-bit shard is widened to fp32 until ``zero_grad()``.
         loss_scale: dynamic loss scaling: ``"auto"``, on when any parameter is fp16; a :class:`LossScaleConfig`, on
-            with those settings (for fp16 autocast); ``None``, off. When on, call ``optimizer.backward(loss)``
-            instead of ``loss.backward()``; steps whose gradients overflow are skipped and the scale backs off.
+            with those settings (for fp16 autocast); ``None``, off. When on, call ``optimizer.backward(loss)``;
+            steps whose gradients overflow are skipped and the scale backs off.
         verify_every: every this many steps, compare a checksum of the parameters across ranks (one small
             all-reduce) and raise :class:`zeroimpl.DivergenceError` naming the first that differs (``None``: never).
         nonfinite: what ``step()`` does when the averaged gradients hold NaN or Inf and no loss scaling is on (or
             the scale is at its minimum): ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` skips.
-            Either way the gradients are cleared and the step counts in ``skipped_steps``; nothing is updated.
+            Either way nothing is updated, the gradients are cleared and ``skipped_steps`` counts the step.
         collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take before
-            it raises :class:`zeroimpl.CollectiveError` (a rank died or hangs); on CUDA, the waits where the host
-            blocks anyway (:mod:`zeroimpl.pending`). ``None``: the process group's timeout.
+            it raises :class:`zeroimpl.CollectiveError`; on CUDA, the waits where the host blocks anyway. ``None``:
+            the process group's timeout.
         overlap_param_gather: leave each bucket's parameter all-gather in flight after ``step()``, until the first
-            torch operation or module forward that touches its parameters (:mod:`zeroimpl.inflight`). For reads it
-            cannot see: :meth:`finish_param_gathers`, or ``False``. Results are bitwise those of ``False``.
-        quantize_param_gather: all-gather each step's change of the parameters in 8 bits (every rank adds the same
-            dequantized change; each keeps an exact fp32 master of its shard): :mod:`zeroimpl.quantized_comm`.
+            torch operation or module forward that touches its parameters. Results are bitwise those of ``False``;
+            for reads it cannot see, call :meth:`finish_param_gathers`.
+        quantize_param_gather: all-gather each step's change of the parameters in 8 bits; each rank keeps an exact
+            fp32 master of its shard.
         quantize_grad_reduce: reduce the gradients in 8 bits, summed in fp32 (``"replicas"``: only across replicas).
         assume_elementwise: shard unknown classes flat (only if they update each element from its own values alone).
         per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
             class whose update of a parameter needs all of it), besides Muon and Adafactor.
         init_sync: ``"broadcast"`` (default) or ``"check"``: rank 0's ``params`` overwrite every rank's at
-            construction, as DDP does (buffers: :func:`zeroimpl.sync_buffers`), or a difference raises on every rank.
+            construction, as DDP does, or a difference raises on every rank. Buffers: :func:`zeroimpl.sync_buffers`.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, weight_decay, betas, ...).
-
-    Invariant: every rank holds the same parameters after ``step()``; rank r's inner optimizers hold state
-    for chunk r of every bucket only.
     """
 
     def __init__(self, params: Union[Iterable[torch.Tensor], Iterable[dict]], optimizer_class: type,
@@ -153,8 +148,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
         validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized},
                                 values=init_sync == "check")
-        # a CPU model under NCCL may still move to its GPU before its first backward, as a torch optimizer allows: the
-        # construction's collectives reach it through the GPU, and the step refuses it until it moves
+        # a CPU model under NCCL (built through its GPU) may move there later; the step refuses it until then
         self._unplaced: Optional[str] = validation.placement_problem(trainable, self.process_group)
         members = [p for g in self.param_groups for p in g["params"]]  # frozen ones too
         optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
@@ -176,8 +170,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return trainable, build_layout(specs, self.world_size, settings.bucket_numel)
 
     def _build_parts(self, trainable: list[torch.nn.Parameter], layout: ShardLayout, agree: bool) -> None:
-        """Build the buffers, masters, gradient store, inner optimizers and hooks from ``trainable``. ``agree``:
-        check the inner optimizers' construction on every rank (collective; a rebuild is local)."""
+        """Build every part from ``trainable``; ``agree``: check the inner optimizers' construction on every rank."""
         settings, timeout = self._settings, self.collective_timeout
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
         self.layout: ShardLayout = layout
@@ -208,11 +201,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.reducer.call_after_backward(self.grad_views.after_backward)
 
     def _follow_model(self, before_collectives: bool = False) -> None:
-        """Before the first step or gradient, rebuild the parts from the parameters the model now holds (after
-        ``model.to()``, ``.half()``, ``load_state_dict(assign=True)``), carrying loaded state over where the pieces
-        keep their positions (else raise). Local but for the all-gather from carried masters; later, the step
-        refuses a changed model. ``before_collectives``: the caller's come next, so parameters they cannot reach
-        (a CPU model under NCCL, not moved yet) raise, on every rank."""
+        """Before the first gradient or step, rebuild the parts around the parameters the model now holds (after
+        ``model.to()``, ``.half()``, ``load_state_dict(assign=True)``), carrying loaded state over (collective) or
+        raising if it no longer fits. ``before_collectives``: raise on every rank if collectives cannot reach them."""
         if self._follower is not None:
             with torch.inference_mode(False):  # (a first forward under inference mode: the parts stay trainable)
                 self._rebuild_after_a_move()
@@ -262,9 +253,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
-        """A ShardedOptimizer of a torch ``optimizer``'s class, groups and defaults (``options``: its own keywords),
-        before that steps (``ValueError`` once it holds state); ``optimizer``'s groups become this one's (for its LR
-        schedulers) and its step() raises."""
+        """A ShardedOptimizer of a torch ``optimizer``'s class, groups and defaults, plus ``options`` (``ValueError``
+        once ``optimizer`` holds state). Its groups become this one's, for its LR schedulers; its step() raises."""
         groups, optimizer_class, defaults = optimizer_kinds.settings_of(optimizer)
         return optimizer_kinds.hand_over(optimizer, cls(groups, optimizer_class, stage, **{**defaults, **options}))
 
@@ -275,7 +265,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                       "layout is fixed); pass every group to the constructor")
         super().add_param_group(param_group)
 
-    # -- backward ---------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> Optional[float]:
         """Current loss scale, or None when no loss scaling is used."""
@@ -301,7 +290,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Mark the backward passes inside as non-final micro-batches (a hint: offload sums them on the device)."""
         return self.gradients.accumulating()
 
-    # -- torch.distributed.algorithms.Join ---------------------------------------------------------
     def join_hook(self, **kwargs) -> uneven.RefuseUnevenInputs:
         """Under ``Join``, a rank that ran out of data makes every rank raise ``UnevenInputsError``."""
         return uneven.RefuseUnevenInputs(self.join_device, self.join_process_group, self.collective_timeout)
@@ -315,10 +303,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """The group of every rank that steps with this optimizer (the world under hybrid sharding)."""
         return self.process_group if self.topology.replicate is None else dist.group.WORLD
 
-    # -- gradients --------------------------------------------------------------------------------
     def _agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """:meth:`StepChecks.agree` unless its verdict stands and no norm is asked for; raises on every rank
-        (gradients cleared) when ranks ran different numbers of backward passes."""
+        """:meth:`StepChecks.agree` unless its verdict stands and no norm is asked; unequal backward passes raise."""
         stands = norm_type is None and self.checks.verdict_stands()
         total = None if stands else self.checks.agree(norm_type)
         if not self.checks.verdict.same_passes:
@@ -356,14 +342,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.grad_views.changed()
         return total
 
-    # -- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective."""
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self._follow_model(before_collectives=True)
-        # the masters are the step's to write: the last all-gathers finished, parameter edits taken in
         self.param_sync.finish_param_sync(take_edits=True)
         if not self.grad_views.prepare():  # the reduction finished and unscaled: False when no rank has gradients
             return loss
@@ -393,7 +377,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return self.pieces.gradient_pairs(grads, self.checks.verdict.stepped)
 
     def _skip_step(self) -> None:
-        """NaN/Inf gradients: discard them, count the skip, back the scale off; raise per ``nonfinite`` at min scale."""
         raises = self.nonfinite == "raise" and (
             self.loss_scaler is None or self.loss_scaler.scale <= self.loss_scaler.config.min_scale)
         self.reducer.zero_grad(set_to_none=True)
@@ -418,8 +401,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._reset_gradients(consumed_by_step=False, set_to_none=set_to_none)
 
     def _reset_gradients(self, consumed_by_step: bool, set_to_none: bool = True) -> None:
-        """The one reset of a round of gradients. The step checks go last: they record the reducer's counters
-        afresh, or the next backward would look like none."""
+        """The one reset of a round of gradients; the checks go last, or the next backward would look like none."""
         self.grad_views.discard()
         if consumed_by_step:
             verdict = self.checks.verdict
@@ -428,7 +410,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.reducer.zero_grad(set_to_none)
         self.checks.reset()
 
-    # -- schedule-free modes --------------------------------------------------------------------------
     def train(self) -> None:
         """Schedule-free optimizers' ``train()``, called before training (HF Trainer calls it): see :meth:`eval`."""
         self._switch_mode("train")
@@ -443,7 +424,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self.inner.switch_mode(mode, self.param_groups):
             self.param_sync.start_param_sync()
 
-    # -- parameters -------------------------------------------------------------------------------
     def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Wait for the parameter all-gathers in flight, of ``buckets`` or of all. Local: ``step()`` issued them."""
         self.param_sync.finish_param_sync(buckets)
@@ -472,13 +452,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                   self.collective_timeout, self._steps_taken,
                                   lambda param: verify.param_name(self.param_groups, param))
 
-    # -- state ------------------------------------------------------------------------------------
-    # Each rank's state is its shard. A loop saving state_dict() on the master process alone (nanoGPT) hands rank 0's
-    # shard to every rank at resume: loads agree (_agree_to_load) so that all raise, rather than some hang.
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the full state on rank ``to`` of the shard group (hybrid: of every replica), as torch's
+        """Collective: gather the full state on rank ``to`` of the shard group (hybrid: of every replica), as torch's
         ZeroRedundancyOptimizer: until the next step or load, :meth:`state_dict` there returns it in torch's format,
-        loadable by the plain inner optimizer and by :meth:`load_state_dict` at any world size. Collective."""
+        loadable by the plain inner optimizer and by :meth:`load_state_dict` at any world size."""
         self.sync_masters()
         whole = [bucket.whole or bool(bucket.block) for bucket in self.layout.buckets]
         split = [(piece, *(_on_host(part) for part in split_state(state, tuple(master.shape),
@@ -532,10 +509,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore this rank's ``state_dict()`` (same world size and layout), or a full state in torch's format
-        (:meth:`consolidate_state_dict`'s, or a plain torch optimizer's over the same groups and classes) given to
-        every rank at any world size: the masters then follow the parameters (load the model first). Collective:
-        a state some rank cannot load is refused on every rank, before anything changes."""
+        """Restore this rank's ``state_dict()`` (same world size and layout), or a full state in torch's format given
+        to every rank at any world size (:meth:`consolidate_state_dict`'s, or a plain torch optimizer's over the same
+        groups and classes), whose masters follow the parameters: load the model first. Collective: a state some rank
+        cannot load is refused on every rank, before anything changes."""
         self._follow_model()
         self._consolidated = None
         if _is_torch_format(state_dict):
@@ -544,15 +521,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._agree_to_load(self._load_problem(state_dict))
         self._install(state_dict["inner"], state_dict["param_groups"], state_dict["master_weights"],
                       state_dict["loss_scaler"])
-        # a quantized all-gather's next step starts from the parameters as saved (the model loads them, before or
-        # after); a state without them gives the dequantized masters
+        # the next quantized all-gather starts from the parameters as saved, else from the dequantized masters
         for storage in (s for s in self.storages if s.blocks is not None):
             saved = state_dict.get("published_shards")
             storage.published.copy_(saved[storage.bucket.index] if saved else
                                     storage.blocks.decoded(storage.blocks.encode(storage.master)))
 
     def _load_full(self, state_dict: dict) -> None:
-        """Load a full state in torch's format; refused on every rank if some rank cannot split it."""
         pieces = [(piece, master) for piece, master, _ in self.piece_states()]
         problem, split = None, None
         try:
@@ -563,7 +538,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.restore_state(*split, loss_scaler=state_dict.get("loss_scaler"))
 
     def _agree_to_load(self, problem: Optional[str]) -> None:
-        """Raise the same refusal on every rank unless all can load (``problem``: why this one cannot). Collective."""
+        """Raise the same refusal on every rank unless all can load (``problem``: why this one cannot). Collective:
+        a loop that saved rank 0's shard alone (nanoGPT) then raises on every rank at resume, rather than hang."""
         problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
         if problem is not None:
             raise ValueError(problem)
@@ -609,7 +585,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                     "the saved masters")
         return None
 
-    # -- the checkpoint package's seam -----------------------------------------------------------
     def piece_states(self) -> list[tuple[ShardPiece, torch.Tensor, Optional[dict]]]:
         """This rank's pieces in ``layout.pieces(rank)`` order, with master views and inner state (``None``: none)."""
         self._follow_model()
@@ -618,10 +593,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def restore_state(self, piece_states: list[Optional[dict]], hyperparameters: list[dict],
                       masters: Optional[list[torch.Tensor]] = None, loss_scaler: Optional[dict] = None,
                       published: Optional[list[torch.Tensor]] = None) -> None:
-        """Install state from a checkpoint or torch's format: ``piece_states`` in :meth:`piece_states` order,
-        each group's ``hyperparameters``, a :meth:`DynamicLossScaler.state_dict` (``None``: keep the scaler's).
-        With ``masters`` (per bucket) the parameters are all-gathered from them, unquantized, or from ``published``
-        (a quantized all-gather's saved shards): collective. Without, the masters follow the parameters: local."""
+        """Install saved state: ``piece_states`` (in :meth:`piece_states` order), each group's ``hyperparameters``, a
+        loss scaler's (``None``: keep it). With ``masters`` (per bucket), all-gather the parameters from them, or from
+        ``published`` (a quantized all-gather's saved shards): collective; else the masters follow the parameters."""
         self._follow_model(before_collectives=masters is not None)
         number = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
         state = {number[id(master)]: piece_state for master, piece_state in zip(self.pieces.masters, piece_states)
@@ -636,13 +610,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _install(self, inner_state: dict, hyperparameters: list[dict], masters: Optional[list[torch.Tensor]],
                  loss_scaler_state: Optional[dict]) -> None:
-        """Install checked state; the inner optimizers keep their own kernel choice. ``masters`` ``None``: saved
-        without separate masters, which keep following the parameters."""
+        """Install checked state, keeping the inner optimizers' own kernel choice (it decides where torch puts state
+        such as ``step``). ``masters`` ``None``: saved without separate masters, which keep following the parameters."""
         self.param_sync.finish_param_sync()  # no all-gather may still write the parameters, no copy read the masters
         self._loaded = True
         self._consolidated = None
         kernels = [{k: v for k, v in g.items() if k in KERNEL_KEYS} for g in self.inner.param_groups]
-        # the kernel decides where torch puts state such as `step`: use ours, not the saver's, when loading
         inner_state = {**inner_state, "param_groups": [{**g, **kernel} for g, kernel in
                                                        zip(inner_state["param_groups"], kernels)]}
         self.inner.load_state_dict(inner_state)  # moves the state to the masters' device and dtype
@@ -661,7 +634,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.loss_scaler.load_state_dict(loss_scaler_state)
         self.inner.report(self.param_groups)
 
-    # -- introspection ----------------------------------------------------------------------------
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This rank's tensors now, by :class:`zeroimpl.StateBytes`'s kinds: what :meth:`memory_report` counts."""
         return {
@@ -688,12 +660,10 @@ def _is_torch_format(state_dict) -> bool:
 
 
 def _positions(pieces) -> list[tuple[int, int, int, int]]:
-    """Where each piece lies: (parameter index, start, end in the parameter, bucket index)."""
     return [(p.param_index, p.param_start, p.param_end, p.bucket_index) for p in pieces]
 
 
 def _on_host(part):
-    """A split piece state's part with its tensors on the host, to be sent (``None`` stays ``None``)."""
     if part is None:
         return None
     return {key: value.detach().cpu() if torch.is_tensor(value) else value for key, value in part.items()}

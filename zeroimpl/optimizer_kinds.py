@@ -1,17 +1,12 @@
 """Which torch optimizer classes ShardedOptimizer shards, and how.
 
-* **flat** -- elementwise optimizers (each element updated from its own parameter, gradient and state: AdamW,
-  SGD, ...): every bucket is cut into equal chunks wherever the element boundaries fall.
-* **whole** -- optimizers that need a whole parameter (Muon's Newton-Schulz, Adafactor's factored moments, any
-  class in ``per_parameter`` such as Shampoo or SOAP): each parameter belongs to one rank, which steps it as the
-  plain optimizer would.
-* **blocked** -- bitsandbytes' and torchao's low-bit optimizers, recognised without flags: elementwise but for
-  state quantized in blocks counted from a parameter's first element, 8-bit (4-bit, fp8) or fp32 by size
-  (:func:`blocks_of`). Shards are cut on every parameter's block boundaries (:func:`zeroimpl.layout.place_blocked`),
-  so every block and every fp32/8-bit choice is the unsharded optimizer's; quantization maps are replicated.
-* Third-party classes checked against DDP are recognised by name, flat or whole (:data:`THIRD_PARTY_SHARDING`).
-* refused -- optimizers that need several parameters at once (LBFGS's closure over the whole model) or sparse
-  gradients (SparseAdam), which reduce-scatter cannot give.
+* **flat** -- elementwise optimizers (AdamW, SGD, ...): each bucket is cut into equal chunks, across parameters.
+* **whole** -- optimizers that need a whole parameter (Muon, Adafactor, any class in ``per_parameter``): one rank steps
+  each parameter, as the plain optimizer would.
+* **blocked** -- bitsandbytes' and torchao's low-bit optimizers, whose state is quantized in blocks from a parameter's
+  first element (:func:`blocks_of`): shards are cut on block boundaries; quantization maps replicate.
+* Third-party classes checked against DDP are recognised by name (:data:`THIRD_PARTY_SHARDING`).
+* refused -- LBFGS (a closure over the whole model) and SparseAdam (sparse gradients).
 """
 
 from __future__ import annotations
@@ -67,9 +62,8 @@ def check_per_parameter(per_parameter) -> None:
 
 
 def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_elementwise: bool) -> Sharding:
-    """How ``optimizer_class``'s param groups are sharded; ValueError, naming the fix, for a class that cannot be.
-    ``per_parameter``: classes the user marks whole (even elementwise ones); ``assume_elementwise``: shard unknown
-    classes flat."""
+    """How ``optimizer_class``'s groups are sharded; ValueError, naming the fix, for one that cannot be.
+    ``per_parameter``: classes marked whole; ``assume_elementwise``: shard unknown classes flat."""
     check_class(optimizer_class)
     if optimizer_class in REFUSED_OPTIMIZERS:
         raise ValueError(f"{optimizer_class.__name__} cannot be sharded: {REFUSED_OPTIMIZERS[optimizer_class]}; "
@@ -99,8 +93,7 @@ def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_e
 
 
 def _clips_by_update_norm(optimizer_class: type) -> bool:
-    """Whether the class scales its update by its norm against the parameter's (bitsandbytes' ``max_unorm``, on by
-    default in its LAMB and LARS and their subclasses): a per-parameter norm, which a piece cannot give."""
+    """Whether the class scales its update by a per-parameter norm ratio (bitsandbytes' ``max_unorm``)."""
     for cls in optimizer_class.__mro__[:-1]:  # (not object)
         try:
             setting = inspect.signature(cls.__init__).parameters.get("max_unorm")
@@ -112,20 +105,16 @@ def _clips_by_update_norm(optimizer_class: type) -> bool:
 
 
 def is_blockwise(optimizer_class: type) -> bool:
-    """Whether the class (or a class it derives from) is a bitsandbytes or torchao optimizer."""
     return _comes_from(optimizer_class, BLOCKWISE_PACKAGES)
 
 
 def _comes_from(optimizer_class: type, packages: tuple[str, ...]) -> bool:
-    """Whether the class, or a class it derives from, is defined in one of ``packages`` ("name." prefixes)."""
     return any(cls.__module__.startswith(packages) for cls in optimizer_class.__mro__)
 
 
 def blocks_of(group: dict) -> Blocks:
-    """How a group's bitsandbytes or torchao class (``group["optimizer"]``) quantizes a tensor's state under the
-    group's settings: bitsandbytes' in blocks of 256 from ``min_8bit_size`` elements on (its 32-bit classes never
-    quantize: the constraint is then harmless); torchao's in blocks of ``block_size`` (AdamW8bit/Fp8 256, AdamW4bit
-    128) for tensors of at least 4096 elements that the blocks divide."""
+    """How a group's low-bit class quantizes state: bitsandbytes' in blocks of 256 from ``min_8bit_size`` elements on;
+    torchao's in blocks of ``block_size`` for tensors of at least 4096 elements that the blocks divide."""
     optimizer_class = group["optimizer"]
     defaults = {name: p.default for name, p in inspect.signature(optimizer_class.__init__).parameters.items()}
     settings = {**defaults, **group}
@@ -138,8 +127,7 @@ def blocks_of(group: dict) -> Blocks:
 
 
 def step_work(optimizer_class: type) -> Callable[[tuple], int]:
-    """The relative cost of stepping a parameter of a given shape, which whole-parameter layouts balance across
-    ranks: ``m * n * min(m, n)`` for Muon's Newton-Schulz, else the element count."""
+    """The cost of stepping a parameter of a shape, balanced across ranks: ``m*n*min(m, n)`` for Muon, else numel."""
     if optimizer_class is getattr(torch.optim, "Muon", None):
         return lambda shape: math.prod(shape) * (min(shape[-2:]) if len(shape) >= 2 else 1)
     return lambda shape: math.prod(shape)
@@ -147,9 +135,7 @@ def step_work(optimizer_class: type) -> Callable[[tuple], int]:
 
 def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: Collection[type],
          assume_elementwise: bool) -> tuple[list[dict], list[Optional[Callable[[tuple], int]]], list[Optional[Blocks]]]:
-    """The param groups with their classes (:func:`groups_with_classes`) and, per group, the step cost of a whole
-    group (:func:`step_work`) and the quantization of a blocked one (:func:`blocks_of`), else ``None``. Raises as
-    :func:`sharding_of` does."""
+    """(groups with their classes, per group a whole one's :func:`step_work`, a blocked one's blocks)."""
     check_class(optimizer_class)
     check_per_parameter(per_parameter)
     groups = groups_with_classes(params, optimizer_class, optimizer_kwargs)
@@ -160,8 +146,7 @@ def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: C
 
 
 def settings_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict], type, dict]:
-    """A torch optimizer's param groups (copies, with every hyperparameter), class and defaults (those its
-    constructor takes), for a ShardedOptimizer that steps the same way. Refused once it holds state."""
+    """A torch optimizer's param groups (copies), class and constructor defaults; refused once it holds state."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"from_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if any(optimizer.state.values()):
@@ -174,9 +159,7 @@ def settings_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict], type, dic
 
 
 def hand_over(optimizer: torch.optim.Optimizer, replacement: torch.optim.Optimizer):
-    """Return ``replacement`` after making the ``optimizer`` it replaced share its ``param_groups`` list, so that an
-    LR scheduler over ``optimizer`` (SequentialLR's children too) sets the replacement's hyperparameters; its
-    ``step()`` then raises, as it would update the parameters behind the replacement's back."""
+    """Return ``replacement``; ``optimizer`` shares its ``param_groups`` (for LR schedulers), its ``step()`` raises."""
     optimizer.param_groups = replacement.param_groups
 
     def spent(*args, **kwargs):
@@ -188,9 +171,7 @@ def hand_over(optimizer: torch.optim.Optimizer, replacement: torch.optim.Optimiz
 
 
 def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -> list[dict]:
-    """Param groups (copies) with their class under ``"optimizer"`` (``optimizer_class`` where a group names none),
-    ``optimizer_kwargs`` filling in the groups of ``optimizer_class`` only (other classes take their own defaults).
-    Raises when ``optimizer_kwargs`` would apply to no group."""
+    """Param groups (copies), their class under ``"optimizer"``; ``optimizer_kwargs`` fill ``optimizer_class``'s."""
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of parameters or of param-group dicts (e.g. "
                         f"model.parameters()), got a single tensor of shape {tuple(params.shape)}")
@@ -211,8 +192,6 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
 
 
 def _refuse_bitsandbytes_args(group: dict) -> None:
-    """bitsandbytes' ``args=`` object overrides the keyword arguments zeroimpl reads to cut its shards
-    (``min_8bit_size``) and to step whole parameters (``max_unorm``): refused."""
     if group.get("args") is not None and _comes_from(group["optimizer"], ("bitsandbytes.",)):
         raise ValueError(f"{group['optimizer'].__name__}(args=...): bitsandbytes then ignores its keyword arguments "
                          "for the settings in args, which zeroimpl reads from the keyword arguments to cut its shards "
@@ -221,10 +200,8 @@ def _refuse_bitsandbytes_args(group: dict) -> None:
 
 
 def check_whole_groups(groups: list[dict], outer_only_keys: frozenset) -> None:
-    """Build each group of torch's whole-parameter classes once over meta copies of its trainable parameters, so
-    that every rank, not only the owner, refuses a bad group (torch.optim.Muon: a parameter that is not 2-D).
-    ``outer_only_keys``: group keys that are not hyperparameters. A user's class (which may read values) is built
-    over this rank's pieces only."""
+    """Build each group of torch's whole-parameter classes over meta copies of its parameters, so that every rank, not
+    only the owner, refuses a bad group (Muon: a parameter not 2-D). A user's class may read values: not built."""
     for group in groups:
         trainable = [p for p in group["params"] if p.requires_grad]
         if group["optimizer"] in WHOLE_PARAMETER_OPTIMIZERS and trainable:
@@ -233,9 +210,7 @@ def check_whole_groups(groups: list[dict], outer_only_keys: frozenset) -> None:
 
 
 def refuse_bitsandbytes_overrides(optimizer: torch.optim.Optimizer, params) -> None:
-    """Raise where bitsandbytes' per-parameter overrides (``GlobalOptimManager``) could reach this inner
-    ``optimizer``: they name the model's ``params`` (or positions in the plain optimizer's groups), but the inner
-    optimizer steps pieces, so they would be ignored or land on other pieces."""
+    """Raise where bitsandbytes' overrides (``GlobalOptimManager``) name ``params``: pieces step instead."""
     manager = getattr(optimizer, "mng", None)  # bitsandbytes' 8-bit optimizers hold the process-wide manager
     if manager is None or not is_blockwise(type(optimizer)):
         return

@@ -1,10 +1,8 @@
 """Which ShardedOptimizer manages which parameter (one live optimizer per parameter, or it is stepped twice), and the
 parameters a model swapped out from under it: *replaced* by a module (``load_state_dict(assign=True)``,
-``module.weight = nn.Parameter(...)``) or *rebound* to other memory (``model.to(...)``, ``.half()``,
-``param.data = ...``), which would leave the optimizer updating what the model no longer uses. Before the first
-step the optimizer follows such changes, as a torch optimizer without state would (:class:`ModelFollower`,
-``ShardedOptimizer._follow_model``); after it, :meth:`Ownership.check_unchanged` raises before any collective.
-"""
+``module.weight = nn.Parameter(...)``) or *rebound* to other memory (``model.to(...)``, ``param.data = ...``). Before
+the first step the optimizer follows such changes (:class:`ModelFollower`); after it, :meth:`Ownership.check_unchanged`
+raises before any collective."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ class HoldsParams(Protocol):
 
     def rebound_params(self) -> list[int]: ...
 
-# id(param) -> the live claim on it. A live claim keeps its parameters alive, so an id found here always
-# names the same parameter object.
+# id(param) -> the live claim on it, which keeps it alive: an id found here always names the same object
 _OWNERS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDictionary()
 # id(a Parameter that replaced an owned one) -> the live claim it succeeds into (a claim holds its successors)
 _HEIRS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDictionary()
@@ -34,12 +31,7 @@ _REGISTRATION_HOOK = None  # the global parameter-registration hook, installed w
 
 
 class Ownership:
-    """One optimizer's claim on its trainable parameters (held by the optimizer: it ends with it).
-
-    Args:
-        params: the trainable parameters, by parameter index (raises if another live optimizer owns one).
-        frozen: the members of the param groups that were frozen (``requires_grad=False``) at construction.
-    """
+    """An optimizer's claim (ending with it) on its trainable ``params`` (by index) and groups' ``frozen`` members."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], frozen: Sequence[torch.nn.Parameter]):
         if any(_OWNERS.get(id(p)) is not None for p in params):
@@ -76,8 +68,7 @@ class Ownership:
                     del registry[id(param)]
 
     def check_unchanged(self, storages: Sequence["HoldsParams"]) -> None:
-        """Raise if the model no longer is what the layout describes: a frozen member now requires grad, a
-        parameter was replaced by another object, or one was rebound out of ``storages``' flat buffers."""
+        """Raise if the model left the layout: a frozen member requires grad, a parameter was replaced or rebound."""
         unfrozen = [i for i, p in enumerate(self.frozen) if p.requires_grad]
         if unfrozen:
             raise RuntimeError(
@@ -99,9 +90,8 @@ class Ownership:
 
 
 def rebound_message(param_indices: list[int], param: torch.Tensor, home: torch.Tensor) -> str:
-    """Why trainable parameters ``param_indices`` no longer live in the flat buffers, told from the first, ``param``,
-    against its flat buffer ``home``: a conversion, a move, or a copy onto the same device (a framework's placement
-    on CPU: ``.to(torch.device("cpu", 0))`` copies a tensor on ``cpu``)."""
+    """Why trainable parameters ``param_indices`` left the flat buffers, told from the first, ``param``, against its
+    buffer ``home``: a conversion, a move, or a copy onto the same device (``.to("cpu:0")`` copies a ``cpu`` tensor)."""
     if param.dtype != home.dtype:
         cause = f"converted from {home.dtype} to {param.dtype} (.half(), .double(), .to(dtype))"
     elif param.device.type != home.device.type or (param.device.type != "cpu" and param.device != home.device):
@@ -151,13 +141,9 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
 
 
 class ModelFollower:
-    """Until :meth:`close` (the first step), calls ``follow`` (held weakly), so that the optimizer takes the model as
-    it now is, before any module's forward once ``ownership`` has a successor, and before the forward of a module
-    whose own parameters left the memory :meth:`remember` recorded.
-
-    One global forward pre-hook serves every follower, installed with the first and never removed (removing it would
-    change the hooks a compiled forward was traced with: a recompilation); it returns at once when no follower is
-    open, and compiled code skips it (it cannot rebuild an optimizer; the step still follows)."""
+    """Until :meth:`close` (the first step), calls ``follow`` (held weakly) before any module's forward once
+    ``ownership`` has a successor, and before the forward of a module whose parameters left where :meth:`remember` saw
+    them. One global pre-hook serves all, never removed (a compiled forward would recompile)."""
 
     def __init__(self, follow, ownership: Ownership):
         self._follow = weakref.WeakMethod(follow)
@@ -167,7 +153,6 @@ class ModelFollower:
         _install_forward_hook()
 
     def remember(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Where ``params`` (the trainable ones, now in the flat buffers) live."""
         self._addresses = {id(p): p.data_ptr() for p in params}
 
     def before_forward(self, module: torch.nn.Module) -> None:

@@ -1,16 +1,9 @@
-"""From the updated master weights to every rank's parameters, bucket by bucket: master -> (staging) -> this
-rank's ``shard`` of the ``param_buffer`` (:mod:`zeroimpl.buffers`) -> all-gather, queued at once so that it
-overlaps the next bucket's copy. With offload the step drives the pipeline one bucket at a time
-(``step_bucket``), so that a bucket's host step overlaps the copy and all-gather of the one before. A 16-bit
-model's host masters are converted on the host into one of two page-locked *staging* buffers of its dtype, taken
-in turn, so that half the bytes cross to the device. The gathers are left in flight into the next forward
-(``overlap_param_gather``), guarded by :mod:`zeroimpl.inflight`. On the CPU every copy is synchronous; the code
-path is the same::
-
-    host   : |step b0|step b1|step b2|
-    copy   :         |H2D b0 |H2D b1 |H2D b2|
-    comm   :                 |AG b0  |AG b1 |AG b2|  -> left in flight into the next forward
-"""
+"""From the updated master weights to every rank's parameters, bucket by bucket: master -> (staging) -> this rank's
+``shard`` of the ``param_buffer`` (:mod:`zeroimpl.buffers`) -> all-gather, queued at once to overlap the next bucket's
+copy. With offload the step drives it one bucket at a time (``step_bucket``), so that a bucket's host step overlaps the
+copy and all-gather of the one before (diagram: :mod:`zeroimpl.offload`); a 16-bit model's host masters are converted on
+the host into one of two page-locked *staging* buffers of its dtype, taken in turn, so that half the bytes cross. The
+gathers are left in flight into the next forward (``overlap_param_gather``), guarded by :mod:`zeroimpl.inflight`."""
 
 from __future__ import annotations
 
@@ -29,17 +22,11 @@ from .topology import Topology
 
 
 class ParamSync:
-    """Publishes one optimizer's master weights into the parameters and all-gathers them, once per step:
-    :meth:`start_param_sync`, then :meth:`finish_param_sync`. Invariant: after the start every bucket's all-gather
-    is issued (waited for, or left in :attr:`gathers`, guarded); after a finish of every bucket the parameters
-    hold the published values and no copy reads the masters or the staging buffers.
-
-    Args:
-        storages: the buckets' parameter memory.
-        topology: the shard group (where the all-gathers run) and the collectives' timeout.
-        staging: offload of a 16-bit model: per 16-bit dtype, two host buffers of that dtype's largest shard
-            (:func:`zeroimpl.offload.host_buffers`); empty otherwise.
-    """
+    """Publishes one optimizer's master weights (``storages``) into the parameters and all-gathers them in
+    ``topology``'s shard group, once per step: :meth:`start_param_sync`, then :meth:`finish_param_sync`. ``staging``: a
+    16-bit model's two host buffers per dtype under offload, else empty. Invariant: after the start every bucket's
+    all-gather is issued (waited for, or left in :attr:`gathers`, guarded); after a finish of every bucket the
+    parameters hold the published values and no copy reads the masters or the staging buffers."""
 
     def __init__(self, storages: list[BucketStorage], topology: Topology,
                  staging: dict[torch.dtype, list[torch.Tensor]]):
@@ -56,12 +43,11 @@ class ParamSync:
 
     def start_param_sync(self, step_bucket: Optional[Callable[[BucketStorage], None]] = None, overlap: bool = False,
                          exact: bool = False, saved_shards: Optional[list[torch.Tensor]] = None) -> None:
-        """Collective (shard group): finish the previous round, then write every bucket's master into its shard of
-        the parameters and issue its all-gather, in bucket order. ``step_bucket(storage)``: run just before a
-        bucket is published (offload). ``overlap``: leave the gathers in flight, guarded; else wait for them.
-        ``exact`` (state load): all-gather every bucket unquantized, a quantized bucket's shard taken from
-        ``saved_shards`` (per bucket, this rank's shard of the parameters as saved) when given, else from its
-        master; when not ``exact``, edits made on some ranks only are first overruled (:meth:`_overrule_edits`)."""
+        """Collective (shard group): finish the previous round, then write every bucket's master into its shard of the
+        parameters and issue its all-gather, in bucket order. ``step_bucket(storage)``: run just before a bucket is
+        published (offload). ``overlap``: leave the gathers in flight, guarded. ``exact`` (state load): gather every
+        bucket unquantized, a quantized bucket's shard from ``saved_shards`` (this rank's, as saved) if given, else from
+        its master; else edits made on some ranks only are first overruled (:meth:`_overrule_edits`)."""
         self.finish_param_sync()
         self._turns = dict.fromkeys(self.staging, 0)
         if not exact:
@@ -92,9 +78,9 @@ class ParamSync:
                            {s.bucket.index: s.params for s in self.storages}, guard=overlap)
 
     def finish_param_sync(self, buckets: Optional[Iterable[int]] = None, take_edits: bool = False) -> None:
-        """Wait for the all-gathers in flight of ``buckets`` (``None``: of every bucket, and then for every copy
-        out of the masters and staging buffers, so that they may be written). ``take_edits``: then take parameters
-        written outside the optimizer into the masters (:meth:`BucketStorage.sync_master_with_params`)."""
+        """Wait for the all-gathers in flight of ``buckets`` (``None``: all, then every copy out of the masters and
+        staging buffers, so that they may be written). ``take_edits``: then take parameters written outside the
+        optimizer into the masters."""
         self.gathers.finish(buckets)
         if buckets is None:
             for event in self._staged.values():
@@ -143,8 +129,7 @@ class ParamSync:
                 self._staged[key] = torch.cuda.Event()
                 self._staged[key].record(torch.cuda.current_stream(self._cuda))
 
-    def _gather_exactly(self, storage: BucketStorage) -> Pending:
-        """Issue the unquantized all-gather of every rank's shard of the bucket's parameters."""
+    def _gather_exactly(self, storage: BucketStorage) -> Pending:  # unquantized
         if not self._gathers_issued:  # one rank: the shard is the whole buffer
             return Pending([], "parameter all-gather", self.timeout)
         return comm.all_gather(storage.param_buffer, storage.shard, self.group, self.timeout, tag=storage.bucket.index)

@@ -1,20 +1,12 @@
-"""Issued communication and the wait for it: :class:`Pending`, returned by every collective of :mod:`zeroimpl.comm`.
-
-A collective that fails (a peer died) or does not finish within ``timeout`` seconds (a peer hangs) raises
-:class:`CollectiveError` on this rank instead of blocking forever; ``timeout=None`` leaves the bound to the process
-group's timeout. On CUDA most waits are the current stream's: the host goes on, and NCCL's watchdog enforces the
-process group's timeout by aborting the process. ``timeout`` bounds the waits where the host blocks anyway: beyond
-the in-flight window (:meth:`Pending.wait_on_host`), the step's check all-reduce (``read_on_host=True``) and
-offload's gradient copies to the host (``comm.wait_for_stream``). A collective that hangs while only streams wait
-for it raises at the next of these (every step has the check all-reduce).
-
-A failed collective, or a ``finish`` that raised while landing the result (out of memory), fails the Pending: every
-later wait raises the same :class:`CollectiveError`, naming the cause and the way on (restart from the last
-checkpoint), since what the collective writes may be half-landed.
-
-The aliases of CPU tensors given to a gloo worker thread are handed to :mod:`zeroimpl.shutdown` after the wait (or
-with a Pending dropped unwaited), so that the process waits at exit for gloo to let go of them.
-"""
+"""Issued communication and the wait for it: :class:`Pending`, returned by every collective of :mod:`zeroimpl.comm`. A
+collective that fails (a peer died) or does not finish within ``timeout`` seconds (a peer hangs) raises
+:class:`CollectiveError` on this rank instead of blocking forever (``timeout=None``: the process group's timeout). On
+CUDA most waits are the current stream's: the host goes on, and NCCL's watchdog enforces the group's timeout by aborting
+the process. ``timeout`` bounds the waits where the host blocks anyway (:meth:`Pending.wait_on_host` beyond the
+in-flight window, the step's check all-reduce, offload's gradient copies), so a collective that hangs while only streams
+wait for it raises by the next step's check. A failed collective, or a ``finish`` that raised while landing the result
+(out of memory), fails the Pending: every later wait raises the same :class:`CollectiveError`, since what the collective
+writes may be half-landed."""
 
 from __future__ import annotations
 
@@ -70,8 +62,7 @@ class Pending:
         self.wait()
 
     def wait(self) -> None:
-        """Wait for every work (on an accelerator, the current stream waits and the host goes on: unbounded
-        there, see :meth:`wait_on_host`), then run ``finish``."""
+        """Wait for every work (on an accelerator the current stream waits, unbounded), then run ``finish``."""
         if self.failure is not None:
             raise CollectiveError(self.failure)
         bounded = self.timeout is not None and not self.on_stream
@@ -108,8 +99,7 @@ class Pending:
             self.finish = None
 
     @property
-    def done(self) -> bool:
-        """Whether every work has finished and ``finish`` has run to its end."""
+    def done(self) -> bool:  # every work finished and ``finish`` run to its end
         return not self.works and self.finish is None
 
     def _failed(self, what: str) -> CollectiveError:

@@ -1,11 +1,8 @@
-"""Precision: the dtype zeroimpl keeps and sums in (:func:`at_least_fp32`), and dynamic loss scaling for fp16
-training (fp16 parameters, or fp16 autocast over fp32 parameters).
-
-fp16 gradients underflow unless the loss is scaled up before backward: ``optimizer.backward(loss)`` multiplies it by
-the current scale, and the optimizer divides the fp32 gradient shard by it before clipping and stepping. As in
-Megatron-LM, every overflowing step is skipped (its gradients discarded); the scale backs off after ``hysteresis``
-overflows without a growth in between, and grows after ``growth_interval`` clean steps.
-"""
+"""Precision: the dtype zeroimpl keeps and sums in (:func:`at_least_fp32`), and dynamic loss scaling for fp16 training
+(fp16 parameters, or fp16 autocast over fp32 parameters): ``optimizer.backward(loss)`` multiplies the loss by the
+current scale, so that fp16 gradients do not underflow, and the optimizer divides the fp32 gradient shard by it before
+clipping and stepping. As in Megatron-LM, every overflowing step is skipped; the scale backs off after ``hysteresis``
+overflows without a growth in between, and grows after ``growth_interval`` clean steps."""
 
 from __future__ import annotations
 

@@ -1,27 +1,16 @@
-"""8-bit payloads, about a quarter of fp32's bytes, for the collectives over slow links: the parameter all-gather
-(``quantize_param_gather=True``) and the gradient reduce-scatter (``quantize_grad_reduce=True``).
+"""8-bit payloads, about a quarter of fp32's bytes, for the parameter all-gather (``quantize_param_gather=True``) and
+the gradient reduce-scatter (``quantize_grad_reduce=True``). All-gather: each rank sends ``master - published`` for its
+shard (``published``: the parameters as last all-gathered); every rank, the owner too, adds each rank's decoded step to
+that rank's shard, so all ranks hold the same model, and the error never compounds. Reduce-scatter (an all-to-all): the
+receiver sums the decoded pieces of its shard in fp32 with its own piece, which stays exact.
 
-All-gather: each rank sends ``master - published`` for its shard (``published``: the parameters as the last
-all-gather left them), and every rank, the owner too, adds each rank's decoded step to that rank's shard, so all
-ranks hold the same model. The error never compounds: each all-gather sends all that separates the parameters from
-the exact master, last step's rounding included. Reduce-scatter (an all-to-all,
-:func:`zeroimpl.comm.reduce_scatter_quantized`): each rank sends every other rank its piece of that rank's gradient
-shard; the receiver sums the decoded pieces in fp32 with its own piece, which never leaves it and stays exact.
-
-Blocks never mix two parameters: a shard is cut where a parameter starts or ends, each segment into blocks of
-:data:`BLOCK` from its start, the last one shorter. Shapes, for one bucket whose shards have ``n`` elements:
-
-* payload -- ``(ShardBlocks.payload_bytes,)`` uint8, the same size for every rank: the ``n`` codes, then each block's
-  fp32 range (all-gather: minimum and step; reduce-scatter: step), then zeros up to the shard with the most blocks;
-* gathered (all-gather) -- ``(world_size * payload_bytes,)`` uint8: rank r's payload at ``r * payload_bytes``;
-* parameters -- ``(world_size * n,)``: the bucket's parameter buffer, rank r's shard at ``r * n``.
-
-Each value decodes within half its block's step. All-gather codes are affine: ``step = (max - min) / 255``, ``code =
-round((x - min) * (1 / step))`` in [0, 255], value ``min + code * step``. Reduce-scatter codes are symmetric
-(``signed``): ``step = absmax / 127``, ``code = round(x / step)`` in [-127, 127], value ``code * step``, so zero and
-signs come back exact (a parameter without a gradient stays without one). A block whose step is below fp32's
-``tiny`` decodes to its minimum (symmetric: zeros); a NaN or Inf (or an fp64 value beyond fp32's range) makes its
-whole block NaN, which the next step's NaN check stops on, as it would unquantized.
+Blocks of :data:`BLOCK` never mix two parameters (each parameter's part of a shard is cut from its start, the last block
+shorter). A bucket's payload is ``(payload_bytes,)`` uint8 on every rank: the shard's ``n`` codes, each block's fp32
+range, zeros up to the shard with the most blocks; the gathered buffer holds rank r's at ``r * payload_bytes``, the
+parameters rank r's shard at ``r * n``. Codes are affine for the all-gather (``min + code * step``,
+``step = (max - min) / 255``), symmetric for the reduce-scatter (``code * step``, ``step = absmax / 127``: zeros and
+signs exact); each value decodes within half a step. A NaN or Inf (or an fp64 value beyond fp32's range) makes its whole
+block NaN, which the next step's NaN check stops on, as it would unquantized.
 """
 
 from __future__ import annotations
@@ -36,8 +25,7 @@ from .layout import ShardLayout
 from .precision import at_least_fp32
 
 BLOCK = 256
-# elements encoded or decoded at a time on the CPU: each pass over a chunk stays in cache (4 MB of fp32), and a
-# chunk is large enough that each operation's own overhead stays small
+# elements per pass on the CPU: 4 MB of fp32 stays in cache, yet each operation's overhead stays small
 CHUNK = 1 << 20
 _LEVELS = 255.0
 _SIGNED_LEVELS = 127.0
@@ -50,8 +38,7 @@ def _blocks_of(lengths: list[int]) -> int:
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one rank's shard lies on its blocks, so that work runs over whole stretches rather than block by block.
-    A tail is a segment's shorter last block, padded to BLOCK by repeating its last element (its range unchanged)."""
+    """One rank's blocks as whole stretches, and tails: short last blocks, padded by repeating their last element."""
 
     blocks: int
     runs: tuple[tuple[int, int, int], ...]  # (start, count, first block) of stretches of whole blocks, merged
@@ -106,10 +93,7 @@ class _Plan:
 @dataclass(frozen=True)
 class ShardBlocks:
     """The quantization blocks of every rank's shard of one bucket, for ``rank``'s encoding and everyone's decoding.
-
-    ``segments[r]``: rank r's shard cut at its parameters' boundaries (lengths summing to ``shard_numel``). Both
-    directions run over whole stretches of blocks (:class:`_Plan`), on the CPU :data:`CHUNK` elements at a time
-    through one scratch buffer; only each segment's short last block goes through an index."""
+    ``segments[r]``: rank r's shard cut at its parameters' boundaries (lengths summing to ``shard_numel``)."""
 
     rank: int
     shard_numel: int
@@ -121,8 +105,7 @@ class ShardBlocks:
     @staticmethod
     def of(boundaries: list[int], shard_numel: int, world_size: int, rank: int,
            signed: bool = False) -> "ShardBlocks":
-        """From the bucket's parameter boundaries (offsets in the bucket buffer); ``shard_numel`` a multiple of 4,
-        which keeps the fp32 ranges after the codes 4-byte aligned (ValueError otherwise)."""
+        """From the bucket's parameter boundaries; ``shard_numel % 4 == 0`` keeps the fp32 ranges aligned."""
         if shard_numel % 4:
             raise ValueError(f"a quantized shard needs a multiple of 4 elements, got {shard_numel}")
         segments = []
@@ -143,10 +126,8 @@ class ShardBlocks:
 
     def encode(self, values: torch.Tensor, rank: Optional[int] = None, out: Optional[torch.Tensor] = None,
                minus: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The payload (``payload_bytes`` uint8) of ``values`` (1-D, ``shard_numel``, any float dtype) on ``rank``'s
-        blocks (default: this rank's): a piece of rank r's gradient shard, or, given ``minus`` (the parameters as
-        last published), the all-gather's step ``values - minus``. Written into ``out`` (e.g. this rank's slice of
-        a gather's buffer), else into a new tensor on ``values``' device."""
+        """The payload of ``values`` (1-D, ``shard_numel``, any float dtype) on ``rank``'s (default: own) blocks, in
+        ``out`` or a new tensor; given ``minus`` (the parameters as last published), of ``values - minus``."""
         rank = self.rank if rank is None else rank
         device, n = values.device, self.shard_numel
         plan = self._plan(rank, device)
@@ -172,10 +153,8 @@ class ShardBlocks:
 
     def _encode_rows(self, rows: torch.Tensor, ranges: torch.Tensor, codes: torch.Tensor,
                      scratch: Optional[torch.Tensor]) -> None:
-        """``rows`` (``(k, BLOCK)`` fp32) -> ``ranges`` (``(k, 1)`` steps, or ``(k, 2)`` minimum and step) and
-        ``codes`` (``k * BLOCK`` int8 or uint8); ``scratch`` (``rows``' shape, may be ``rows``) takes the scaled
-        values. Finite codes need no clamp: ``rows - low`` is at most the range, so times the inverse step it rounds
-        to at most the top level. amin and amax, not aminmax: along rows that is 10x slower on the CPU."""
+        """``rows`` (``(k, BLOCK)`` fp32) -> ``ranges`` (``(k, 1)`` step, or ``(k, 2)`` minimum and step) and ``codes``;
+        ``scratch`` (may be ``rows``) holds the scaled values. amin and amax: aminmax is 10x slower on the CPU."""
         low, high = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
         if self.signed:
             # (abs of both: the largest magnitude, +0 for a block of zeros, where maximum(high, -low) may be -0)
@@ -191,9 +170,7 @@ class ShardBlocks:
         codes.copy_(torch.mul(scaled, inverse, out=scratch).round_().view(-1))
 
     def add_decoded(self, gathered: torch.Tensor, out: torch.Tensor, ranks: Optional[range] = None) -> None:
-        """Add each rank's decoded payload in ``gathered`` to its shard of ``out`` (the bucket's parameter buffer),
-        summed in fp32 (or ``out``'s wider dtype), for ``ranks`` (default: all) one at a time; a shard is written
-        only once all its sum needs is allocated, so an allocation that raises leaves it as it was."""
+        """Add each rank's decoded payload to its shard of ``out`` (fp32 or wider); writes once all is allocated."""
         n, dtype = self.shard_numel, at_least_fp32(out.dtype)
         payloads, shards = gathered.view(-1, self.payload_bytes), out.view(-1, n)
         for rank in range(len(shards)) if ranks is None else ranks:
@@ -204,15 +181,13 @@ class ShardBlocks:
 
     def decoded(self, payload: torch.Tensor, rank: Optional[int] = None,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The values of ``payload``, encoded on ``rank``'s blocks (default: this rank's): fp32, 1-D, written into
-        ``out`` (``shard_numel`` fp32) when given."""
+        """The values (fp32, 1-D, into ``out`` if given) of ``payload``, encoded on ``rank``'s (default: own) blocks."""
         values = torch.empty(self.shard_numel, dtype=torch.float32, device=payload.device) if out is None else out
         self._decode(payload, rank, values, accumulate=False)
         return values
 
     def accumulate(self, payload: torch.Tensor, total: torch.Tensor, rank: Optional[int] = None) -> None:
-        """Add ``payload``'s values, as :meth:`decoded` gives them, to ``total`` (1-D fp32, ``shard_numel``); all it
-        needs is allocated before ``total`` is first written."""
+        """Add :meth:`decoded` values to ``total`` (1-D fp32), allocating all it needs before writing ``total``."""
         self._decode(payload, rank, total, accumulate=True)
 
     def _decode(self, payload: torch.Tensor, rank: Optional[int], into: torch.Tensor, accumulate: bool) -> None:
@@ -223,7 +198,7 @@ class ShardBlocks:
         ranges = payload[n:n + 4 * width * plan.blocks].clone().view(torch.float32).view(-1, width)  # (4-byte aligned)
         low, step = (None, ranges) if self.signed else (ranges[:, :1], ranges[:, 1:])
         codes = payload[:n].view(torch.int8 if self.signed else torch.uint8)
-        # everything allocated before ``into`` is first written: the chunks' scratch, and the tails' values
+        # allocate everything before ``into`` is first written (a failed allocation leaves it unchanged)
         scratch = plan.scratch(device)
         tail_values = None
         if plan.tails:
@@ -254,8 +229,7 @@ def _difference(values: torch.Tensor, minus: Optional[torch.Tensor], scratch: Op
 
 def _dequantize(codes: torch.Tensor, low: Optional[torch.Tensor], step: torch.Tensor, into: torch.Tensor,
                 accumulate: bool, scratch: Optional[torch.Tensor]) -> None:
-    """``into`` (+)= ``low + codes * step`` (``low`` None: ``codes * step``), broadcast row by row; when added, the
-    decoded value is first rounded to fp32, as :meth:`ShardBlocks.decoded` gives it."""
+    """``into`` (+)= ``low + codes * step`` (or ``codes * step``) row by row, an added value rounded to fp32 first."""
     wide = codes.to(torch.float32) if scratch is None else scratch.copy_(codes)
     if accumulate:
         decoded = wide.mul_(step) if low is None else torch.addcmul(low, wide, step, out=wide)
@@ -268,9 +242,8 @@ def _dequantize(codes: torch.Tensor, low: Optional[torch.Tensor], step: torch.Te
 
 def reduction_blocks(layout: ShardLayout, quantized: Union[bool, str], rank: int,
                      replica: Optional[tuple[int, int]] = None) -> tuple:
-    """Per bucket, the blocks of its 8-bit gradient reduce-scatter (``quantized is True``, world size > 1) and of
-    its reduced shard's 8-bit all-reduce across replicas (``quantized`` and ``replica``); None where not quantized.
-    ``rank``: in the shard group; ``replica``: ``(this replica's index, number of replicas)``, None without one."""
+    """Per bucket, the blocks of its 8-bit reduce-scatter (``quantized is True``, world size > 1) and of its shard's
+    8-bit all-reduce across replicas (``replica``: ``(index, count)``); None where not quantized."""
     if quantized == "replicas" and replica is None:
         raise ValueError("quantize_grad_reduce='replicas' quantizes the all-reduce across the replicas of a 2-D "
                          "device_mesh, and this optimizer has none: pass a (replicate, shard) device_mesh, or "
@@ -284,8 +257,7 @@ def reduction_blocks(layout: ShardLayout, quantized: Union[bool, str], rank: int
 
 def _replica_blocks(layout: ShardLayout, bucket_index: int, rank: int, replica_rank: int,
                     replicas: int) -> ShardBlocks:
-    """The blocks of shard ``rank``'s gradient shard for its 8-bit all-reduce across ``replicas``: one piece per
-    replica (a multiple of 4 elements, the last padded), blocks starting at every parameter and at the padding."""
+    """Blocks of shard ``rank``'s gradient for its 8-bit all-reduce: a piece per replica, a multiple of 4 long."""
     bucket = layout.buckets[bucket_index]
     start = bucket.shard_range(rank)[0]
     piece = -(-bucket.shard_numel // (4 * replicas)) * 4

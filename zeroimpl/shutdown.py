@@ -1,22 +1,18 @@
-"""Exit without an abort: before the interpreter finalizes, wait for gloo's workers to drop zeroimpl's objects.
+"""Exit without an abort: before the interpreter finalizes, wait for gloo's workers to drop zeroimpl's objects. A gloo
+worker thread drops its reference to a collective's work (``ProcessGroupGloo::AsyncWork``) just after completing it, and
+the workers outlive ``destroy_process_group()`` (default arguments of ``torch.distributed.nn.functional`` hold the
+group). A work holds Python objects: its tensors (in torch >= 2.10 C++ holding a tensor keeps its Python object alive)
+and, in its copy of the issuing thread's state, the TorchFunctionModes on the stack, among them
+:mod:`zeroimpl.inflight`'s guard (so even the user's own ``dist.barrier()`` holds it); a barrier also defers the
+destruction of the works in progress when it was issued. A worker that lets go of such an object once the interpreter
+finalizes asks for the GIL, Python ends the thread with ``pthread_exit``, and its unwinding through the work's noexcept
+destructor calls ``std::terminate``: "terminate called without an active exception", SIGABRT after a good run (torch
+2.13, Python 3.11).
 
-gloo runs a collective (``ProcessGroupGloo::AsyncWork``) on a worker thread, which drops its reference to the work
-just after completing it. A work holds Python objects: its tensors (in torch >= 2.10 C++ holding a tensor keeps its
-Python object alive) and, in its copy of the issuing thread's state, the TorchFunctionModes on the stack, among
-them :mod:`zeroimpl.inflight`'s guard (so even the user's own ``dist.barrier()`` holds it). A barrier also holds
-weak references to the works in progress when it was issued, deferring their destruction until the barrier goes.
-The workers outlive ``destroy_process_group()`` (torch keeps the process group in default arguments of
-``torch.distributed.nn.functional``). If a worker lets go of such an object after the interpreter has begun to
-finalize, the decref asks for the GIL, Python ends the thread with ``pthread_exit``, and its unwinding through the
-work's noexcept destructor calls ``std::terminate``: "terminate called without an active exception", SIGABRT after
-a good run (torch 2.13, Python 3.11).
-
-So at exit, after every optimizer's finalizer and only while objects registered by :func:`handed_to_gloo` are still
-held (each collective's fresh alias of a CPU tensor, :func:`zeroimpl.comm._aliases`; a guard taken off the mode
-stack), zeroimpl releases the GIL for ``WORKER_SECONDS``, which lets any worker drop any Python object (DDP's bucket
-tensors too), then waits until the registered objects are freed, at most ``EXIT_WAIT_SECONDS``. A process whose
-works hold nothing of zeroimpl's (NCCL-only jobs) exits without a wait. ``tests/test_shutdown.py`` forces the race.
-"""
+So at exit, after every optimizer's finalizer and only while objects registered by :func:`handed_to_gloo` are still held
+(each collective's alias of a CPU tensor; a guard taken off the mode stack), zeroimpl releases the GIL for
+``WORKER_SECONDS``, which lets any worker drop any Python object, then waits at most ``EXIT_WAIT_SECONDS`` for the
+registered objects to be freed. ``tests/test_shutdown.py`` forces the race."""
 
 from __future__ import annotations
 
@@ -25,9 +21,7 @@ import time
 import weakref
 
 EXIT_WAIT_SECONDS = 5.0  # the longest wait at exit: a work still running, or held in Python, is left be
-# the GIL-free wait: a worker lets go within a millisecond once it runs, but on a loaded machine (2 cores, 4 ranks
-# and their launcher exiting together) it may wait tens of milliseconds for a core
-WORKER_SECONDS = 0.2
+WORKER_SECONDS = 0.2  # a worker lets go within 1 ms once it runs, but may wait tens of ms for a core (4 ranks, 2 cores)
 
 _held: weakref.WeakSet = weakref.WeakSet()  # registered objects not freed yet
 
@@ -53,8 +47,7 @@ def _wait_until(deadline: float) -> None:
 
 
 class _Process:
-    """Alive until exit; its finalizer, created on import (before any optimizer's), runs after theirs:
-    weakref.finalize runs the finalizers alive at exit in reverse order of creation, before finalization."""
+    """Alive until exit; its finalizer, made on import, runs at exit after every optimizer's (newest run first)."""
 
 
 _PROCESS = _Process()

@@ -1,19 +1,12 @@
-"""An inner optimizer's state of one piece (or parameter), split into what reshards and joined back.
+"""An inner optimizer's state of one piece (or parameter), split into what reshards and joined back
+(:func:`split_state`). torchao's ``OptimState8bit``, ``OptimState4bit`` and ``OptimStateFp8`` are first split into plain
+parts, so that they reshard and export as bitsandbytes' 8-bit state does (:func:`plain_parts`, :func:`joined`). A value
+``key`` over ``n`` elements with blocks of ``b`` is held as
 
-A piece's state (``optimizer.state[param]`` for the piece's view of the master) splits into per-element tensors
-(one value per element, flattened in the parameter's memory order), scalars (Adam's ``step``) and piece-level
-tensors (a whole-parameter bucket's factored state, a low-bit optimizer's block scales and quantization map):
-:func:`split_state`. torchao's quantized tensor subclasses (``OptimState8bit``, ``OptimState4bit``,
-``OptimStateFp8``) are first split into plain parts, so that they reshard and export as bitsandbytes' 8-bit state
-does (:func:`plain_parts`, :func:`joined`). A value ``key`` over ``n`` elements with blocks of ``b`` is held as
-
-* ``key/codes``: one uint8 per element, of the value's shape (4-bit codes unpacked from their two per byte, fp8
-  codes reinterpreted as bytes), so that it reshards as per-element state;
-* ``key/scale``: ``n / b`` fp32 scales, one per block, which move with their blocks;
+* ``key/codes``: one uint8 per element, of the value's shape (4-bit codes unpacked, fp8 codes reinterpreted);
+* ``key/scale``: ``n / b`` fp32 scales, one per block;
 * ``key/qmap``: the quantization map (8-bit and 4-bit only), the same in every piece;
-* ``key/tensor``: the scalar recipe ``(class name, signed, dtype)`` that rebuilds the value around them.
-
-Rebuilding imports the class from torchao (only these three), so such state loads wherever torchao is installed.
+* ``key/tensor``: the recipe ``(class name, signed, dtype)``; rebuilding imports the class from torchao.
 """
 
 from __future__ import annotations
@@ -36,7 +29,6 @@ RECIPE = "tensor"
 
 
 def is_part(key: str, part: str) -> bool:
-    """Whether state ``key`` is the ``part`` (``"scale"``, ``"qmap"``, ...) of a stored subclass value."""
     return key.endswith("/" + part)
 
 
@@ -46,13 +38,11 @@ def is_recipe(key: str, value) -> bool:
 
 
 def has_subclass_state(state: Optional[dict]) -> bool:
-    """Whether a (plain-parts) state holds a stored subclass value."""
     return any(is_recipe(key, value) for key, value in (state or {}).items())
 
 
 def plain_parts(state: Optional[dict]) -> Optional[dict]:
-    """``state`` with every quantized subclass value replaced by its plain parts; another tensor subclass is
-    refused (its layout is unknown, so it could not be resharded)."""
+    """``state`` with each torchao subclass value split into its plain parts; another tensor subclass is refused."""
     if not state:
         return state
     plain = {}
@@ -78,9 +68,8 @@ def plain_parts(state: Optional[dict]) -> Optional[dict]:
 
 
 def require_logical_order(state: Optional[dict], shape: tuple, strides: tuple, index: int) -> None:
-    """Refuse to move trainable parameter ``index``'s stored subclass value between flat shards and the plain class
-    (or whole-parameter stepping) when its memory order is not its logical one: flat shards' blocks follow the
-    memory order, the plain class's the logical order, so the scales would fall on other elements."""
+    """Refuse to move parameter ``index``'s subclass state between flat shards (blocks in memory order) and the plain
+    class or whole-parameter stepping (blocks in logical order) when the two orders differ."""
     if has_subclass_state(state) and not same_order(tuple(shape), tuple(strides), contiguous_strides(tuple(shape))):
         raise CheckpointError(f"trainable parameter {index} {tuple(shape)} has strides {tuple(strides)}: zeroimpl's "
                               "flat shards quantize its torchao state in blocks of its memory order and the plain "
@@ -121,10 +110,8 @@ def joined(state: Optional[dict], shape: tuple) -> Optional[dict]:
 
 
 def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optional[tuple] = None):
-    """A piece's inner state, after :func:`plain_parts` -> (per-element tensors: those of the piece's ``shape``,
-    flattened in the memory order of ``strides``, ``None`` for 1-D; scalars; piece-level tensors: any other tensor,
-    where ``whole``, i.e. of a whole-parameter or blocked bucket), or Nones for no state yet. Anything else raises
-    :class:`CheckpointError`."""
+    """A piece's state -> (per-element tensors of ``shape``, flattened in ``strides``' memory order; scalars;
+    piece-level tensors, only where ``whole``), or Nones for no state yet; anything else: :class:`CheckpointError`."""
     if not state:
         return None, None, None
     elementwise, scalars, whole_state = {}, {}, {}
@@ -148,14 +135,12 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
 
 
 def is_piece_level(key: str) -> bool:
-    """Whether a low-bit optimizer's state ``key`` is piece-level whatever its shape: per-block scales
-    (:func:`is_per_block`) and quantization maps (bitsandbytes' ``qmap1``/``qmap2``, torchao's ``.../qmap``)."""
+    """Whether low-bit state ``key`` is piece-level whatever its shape: block scales and ``qmap``s."""
     return is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")
 
 
 def is_per_block(key: str) -> bool:
-    """Whether a low-bit optimizer's state ``key`` holds one value per quantization block (bitsandbytes'
-    ``absmax1``/``absmax2``, torchao's ``.../scale``); its other piece-level state is the same in every piece."""
+    """Whether low-bit state ``key`` holds a value per block (``absmax1``/``absmax2``, ``.../scale``)."""
     return key.startswith("absmax") or is_part(key, "scale")
 
 
@@ -173,13 +158,10 @@ def describe_groups(optimizer) -> list[dict]:
              "members": [index_of.get(id(p), -1) for p in group["params"]]} for group in optimizer.param_groups]
 
 
-# -- torch's own format: one state per parameter, numbered over the param groups ----------------------------------
 def place_piece(state: dict, numel: int, piece, per_element: dict, piece_level: dict, block: int,
                 dtypes: Optional[dict] = None) -> None:
-    """Write one piece's split state (:func:`split_state`) into its parameter's full ``state`` (key -> flat tensor of
-    ``numel`` elements in memory order, created here, in ``dtypes[key]`` where given): per-element values at the
-    piece's elements, block scales at its blocks (``block``: the bucket's block size, 0 for none), other
-    piece-level state as it is."""
+    """Write a piece's :func:`split_state` into its parameter's ``state`` (key -> flat ``numel`` tensor in memory order,
+    in ``dtypes[key]`` if given): per-element values and block scales (``block``: 0 for none) at the piece's place."""
     target = slice(piece.param_start, piece.param_end)
     for key, values in per_element.items():
         dtype = (dtypes or {}).get(key, values.dtype)
@@ -194,9 +176,8 @@ def place_piece(state: dict, numel: int, piece, per_element: dict, piece_level: 
 
 def torch_optimizer_state(groups: list[dict], shapes: list[tuple], strides: list[tuple], states: list[dict],
                           scalars: list[Optional[dict]]) -> dict:
-    """The ``state_dict()`` of the plain optimizer over ``groups`` (:func:`describe_groups`; frozen members numbered
-    too, as torch does), from each trainable parameter's full state (``states``, as :func:`place_piece` fills it),
-    ``scalars`` (``None``: never stepped, no state), shape and memory order."""
+    """The plain optimizer's ``state_dict()`` over ``groups`` (:func:`describe_groups`) from each trainable parameter's
+    :func:`place_piece` state, ``scalars`` (``None``: never stepped), shape and memory order."""
     state, param_groups, number = {}, [], 0
     for group in groups:
         numbers = []
@@ -219,10 +200,8 @@ def torch_optimizer_state(groups: list[dict], shapes: list[tuple], strides: list
 
 def pieces_of_torch_state(state_dict: dict, groups: list[dict], params: list[torch.Tensor], layout,
                           pieces: list[tuple]) -> tuple[list[Optional[dict]], list[dict]]:
-    """The reverse of :func:`torch_optimizer_state` for one rank: a plain optimizer's ``state_dict()`` (same classes,
-    same ``groups``) -> the state of each of this rank's ``pieces`` (``(piece, master view)`` in ``layout.pieces``
-    order; ``None``: never stepped) and the saved groups. ``params``: the trainable parameters, by index. Local,
-    but every rank checks the whole dict, so all raise the same :class:`CheckpointError`."""
+    """The reverse of :func:`torch_optimizer_state` for this rank's ``pieces`` (``None``: never stepped), and the saved
+    groups. Local, but every rank checks the whole dict, so all raise the same :class:`CheckpointError`."""
     saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if saved_groups is None or [len(g["params"]) for g in saved_groups] != [len(g["members"]) for g in groups]:
         raise CheckpointError("the state dict's param groups do not match this optimizer's (same groups, same "
@@ -240,7 +219,6 @@ def pieces_of_torch_state(state_dict: dict, groups: list[dict], params: list[tor
                    if torch.is_tensor(v) and v.shape == params[i].shape}
 
     def split(index: int):
-        """Parameter ``index``'s saved state split (per element, flattened; scalars; whole), or Nones."""
         param, saved = params[index], plain_parts(saved_state.get(number_of[index]))
         require_logical_order(saved, param.shape, param.stride(), index)
         flat = {k: (flattened(v, param.stride()) if torch.is_tensor(v) and v.shape == param.shape

@@ -1,20 +1,16 @@
-"""From "backward ran" to "ready to step": the reduction finished, the step's facts, its one agreement all-reduce.
-
-:meth:`StepChecks.prepare` (called by the step and by the first operation on a ``param.grad`` view) finishes the
-reduction (stage 1: the step's reduce-scatter) and the unscaling. :meth:`StepChecks.agree` is the step's one host
-sync: an all-reduce of 5 values (:func:`encode_checks`) says whether any shard holds NaN/Inf, whether every rank ran
-the same backward passes, the global norm when clipping, and whether some rank lacks some gradient (only then does a
-second all-reduce, a flag per parameter, say which). The first norm read through ``param.grad`` rides in it too.
+"""From "backward ran" to "ready to step". :meth:`StepChecks.prepare` (called by the step and by the first operation on
+a ``param.grad`` view) finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling.
+:meth:`StepChecks.agree` is the step's one host sync: an all-reduce of 5 values (:func:`encode_checks`) says whether any
+shard holds NaN/Inf, whether every rank ran the same backward passes, the global norm when clipping, and whether some
+rank lacks some gradient (only then does a second all-reduce say which).
 
 The step's facts, each set once, all forgotten by :meth:`StepChecks.reset` (end of ``step()``, ``zero_grad()``):
 
-* ``loss_scaled`` / ``unscaled`` -- a loss was scaled (``backward`` / ``scale_loss``) / the shards were unscaled.
-  With loss scaling on, ``prepare`` refuses a backward without the one or after the other before any collective of
-  the step, on every rank alike (a backward hook would raise part-way through the collectives).
-* ``checked_in`` -- this rank checked in under torch's ``Join`` (:mod:`zeroimpl.uneven`); again only after a backward.
-* ``verdict`` -- the agreement's outcome (:class:`StepVerdict`), forgotten by a backward and by any edit of
-  ``param.grad`` but a multiplication by a factor of magnitude at most 1 (torch's clipping keeps NaN/Inf as it was).
-* ``prepared`` -- the shards hold this round's averaged gradients (:attr:`StepChecks.prepared`).
+* ``loss_scaled`` / ``unscaled`` -- a loss was scaled / the shards were unscaled. With loss scaling on, ``prepare``
+  refuses a backward without the one or after the other, before any collective (a hook would raise midway).
+* ``checked_in`` -- this rank checked in under torch's ``Join`` (:mod:`zeroimpl.uneven`); again after a backward.
+* ``verdict`` -- the agreement (:class:`StepVerdict`), forgotten by a backward and by any edit of ``param.grad`` but a
+  multiplication by at most 1 in magnitude (clipping keeps NaN/Inf as it was).
 """
 
 from __future__ import annotations
@@ -45,8 +41,6 @@ class StepVerdict:
 
 
 class StepChecks:
-    """One optimizer's step checks (module docstring); it reads the gradient store and storages via the reducer."""
-
     def __init__(self, *, reducer: GradientReducer, ownership: Ownership, uneven: UnevenInputs,
                  loss_scaler: Optional[DynamicLossScaler], topology: Topology, device: torch.device):
         self.reducer = reducer
@@ -57,7 +51,6 @@ class StepChecks:
         self.reset()
 
     def reset(self) -> None:
-        """A new step: forget its facts."""
         self.loss_scaled = False
         self.unscaled = False
         self.checked_in = False
@@ -69,9 +62,7 @@ class StepChecks:
         self._takes_seen = self.reducer.takes  # under DDP: param.grad copied afresh since, the facts are stale
 
     def note_edit(self, factor=None) -> None:
-        """``param.grad`` was edited on every rank alike: multiplied by ``factor`` (a number or one-element tensor),
-        or otherwise (``None``: the verdict is forgotten). A tensor's magnitude is kept on its device (no sync) and
-        judged at the next :meth:`verdict_stands`."""
+        """``param.grad`` was edited alike on every rank: times ``factor`` (number or 1-element tensor), else None."""
         if self.verdict is None:
             return
         if factor is None or not isinstance(factor, torch.Tensor) and not abs(factor) <= 1:  # (NaN compares false)
@@ -82,8 +73,7 @@ class StepChecks:
             self._largest[magnitude.device] = magnitude if largest is None else torch.maximum(largest, magnitude)
 
     def verdict_stands(self) -> bool:
-        """Whether the verdict still holds: every :meth:`note_edit` factor since was finite and at most 1 in
-        magnitude (the host reads one value per device)."""
+        """Whether the verdict holds: every :meth:`note_edit` factor since was finite and at most 1 in magnitude."""
         if self.verdict is not None and not all(bool(largest <= 1) for largest in self._largest.values()):
             self.verdict = None  # (NaN compares false)
         self._largest = {}
@@ -103,8 +93,7 @@ class StepChecks:
                 and self.reducer.backward_passes == self._passes_seen and self.reducer.takes == self._takes_seen)
 
     def prepare(self) -> bool:
-        """Finish the reduction (and unscaling); return whether there are gradients to step on. Collective:
-        every rank calls it at the same point (the first gradient operation after backward, or the step)."""
+        """Finish reduction and unscaling; whether there are gradients to step. Collective: same point on every rank."""
         self._prepared = False
         self.reducer.finish_grad_sync()  # before the check-in: the other ranks reduce-scattered it in their backward
         if self.reducer.backward_passes != self._passes_seen:  # a backward ran since the last prepare
@@ -151,11 +140,9 @@ class StepChecks:
         self._forget_verdict()
 
     def agree(self, norm_type: Optional[float] = None, riders: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The agreement all-reduce (after :meth:`prepare`): sets ``verdict``; returns the global norm for
-        ``norm_type`` on the device, else ``None``. ``riders`` (1-D fp64) travel in the same all-reduce, reduced in
-        place (sum; max for ``inf``), counted once under hybrid sharding as the norm is.
-        NaN/Inf is read off the shard norms (2-norm when not clipping; :func:`at_least_fp32`): one pass, no mask.
-        Only a non-finite norm makes every rank run :meth:`_any_nonfinite`: finite gradients' norm can overflow."""
+        """The agreement all-reduce: sets ``verdict``; returns the global norm for ``norm_type`` on the device, else
+        ``None``. ``riders`` (1-D fp64) ride along, reduced in place (sum; max for ``inf``), counted once under hybrid
+        sharding. Only a non-finite norm (finite gradients can give one) makes every rank run :meth:`_any_nonfinite`."""
         shards = self.shards()
         local_device = shards[0].device if shards else self.device
         passes = float(self.reducer.backward_passes)
@@ -240,10 +227,9 @@ CHECK_VALUES = 5  # the length of encode_checks' values
 
 
 def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum: bool) -> torch.Tensor:
-    """This rank's values ``[NaN/Inf suspected, norm term, pass term, pass term, lacking]`` for a SUM all-reduce
-    (the norm term ``sum |g|**p``) or a MAX one (``maximum``: inf-norm). fp64, on ``norm_term``'s device: sums of
-    squared pass counts stay exact to 2**53 (in fp32, 1024 ranks of 129 passes already round), and two fp32 norm
-    terms summed and rounded back to fp32 give fp32's own sum."""
+    """This rank's ``[NaN/Inf suspected, norm term, pass term, pass term, lacking]`` for a SUM all-reduce (norm term
+    ``sum |g|**p``) or a MAX one (``maximum``: inf-norm). fp64: sums of squared pass counts stay exact to 2**53 (in
+    fp32, 1024 ranks of 129 passes already round), and two fp32 norm terms summed in fp64 round to fp32's own sum."""
     counts = [passes, -passes] if maximum else [passes, passes * passes]
     suspect = (~torch.isfinite(norm_term)).double().reshape(1)
     tail = device_tensor(counts + [1.0 if lacking else 0.0], norm_term.device, torch.float64)
@@ -251,9 +237,8 @@ def encode_checks(norm_term: torch.Tensor, passes: float, lacking: bool, maximum
 
 
 def decode_checks(reduced: list[float], maximum: bool, world_size: int) -> tuple[bool, bool, bool]:
-    """``(NaN/Inf suspected, same backward passes everywhere, some rank lacks a gradient)`` from the reduced
-    :func:`encode_checks` values. Pass counts ``c`` agree iff ``N * sum(c**2) == sum(c)**2`` (SUM; equality in
-    Cauchy-Schwarz) or ``max(c) == -max(-c)`` (MAX)."""
+    """``(NaN/Inf suspected, same backward passes everywhere, some rank lacks a gradient)``. Pass counts ``c`` agree iff
+    ``N * sum(c**2) == sum(c)**2`` (SUM; Cauchy-Schwarz) or ``max(c) == -max(-c)`` (MAX)."""
     suspect, _, first, second, lacking = reduced
     same_passes = first == -second if maximum else world_size * second == first ** 2
     return suspect > 0, same_passes, lacking > 0

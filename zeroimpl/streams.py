@@ -1,22 +1,16 @@
-"""One component's GPU work, issued from several CUDA streams, run in the order the host issued it.
+"""One component's GPU work, issued from several CUDA streams, run in the order the host issued it. Autograd runs a
+parameter's post-accumulate-grad hook on the stream the forward used it on, so with a forward branch on a side stream
+the gradient reducer writes one bucket buffer from several streams, and launches and finishes its reduce-scatter on
+others. Unordered, a launch could read a slot before another stream's write, a finish a buffer before its writes (at
+world size 1 no collective orders anything), two streams could add into one gradient shard at once.
 
-The autograd engine runs a parameter's post-accumulate-grad hook on the stream the forward used it on, so with a
-forward branch on a side stream the gradient reducer writes one bucket buffer from several streams, and launches
-and finishes its reduce-scatter on others still. The streams are not ordered with each other: a launch could read
-a slot before another stream's write, a finish could read a buffer before its writes (at world size 1 no
-collective orders anything), two streams could add into one gradient shard at once.
-
-:class:`WorkStream` runs the component's work as spans on one stream. While every span comes from the same stream
-(the common case), on that stream, at the cost of one ``torch.cuda.current_stream()`` per span. From the first span
-on another stream on, on a stream of its own (``own``, from torch's pool: maybe one the program uses too, which then
-also waits where ``own`` does), each span after its caller's queued work and every earlier span. A *joined* span
-also makes its caller's stream wait for it; a hook's span does not, so that during backward a compute stream does
-not wait on the GPU for another's queue or for the communication.
-
-The caching allocator reuses a freed block on the stream it was allocated on, ordered after that stream's work
-only: a tensor used on another stream must be recorded there (:meth:`WorkStream.use`, :meth:`WorkStream.hand_over`).
-On CPU nothing happens.
-"""
+:class:`WorkStream` runs the work as spans: on the one stream they all came from so far (the common case, for one
+``torch.cuda.current_stream()`` per span), and from the first span on another stream on, on ``own`` (from torch's pool:
+maybe a stream the program uses too, which then also waits where ``own`` does), each after its caller's queued work and
+every earlier span. A *joined* span also makes its caller's stream wait for it; a hook's span does not, so that in
+backward no compute stream waits on the GPU for another's queue or the communication. The caching allocator reuses a
+freed block after its allocation stream's work only: a tensor used on another stream must be recorded there (``use``,
+``hand_over``). On CPU nothing happens."""
 
 from __future__ import annotations
 
@@ -69,8 +63,7 @@ class WorkStream:
                 caller.wait_stream(self.own)
 
     def use(self, *tensors: torch.Tensor) -> None:
-        """Record on ``own`` the ``tensors`` the current span's work uses (the allocator ignores a record on a
-        tensor's own allocation stream)."""
+        """Record on ``own`` the ``tensors`` the span uses (a record on a tensor's allocation stream is ignored)."""
         if self.own is not None:
             for tensor in tensors:
                 tensor.record_stream(self.own)

@@ -1,14 +1,9 @@
-"""Which ranks a ShardedOptimizer spans, and the collectives that reach all of them.
-
-Flat (a process group, or a 1-D DeviceMesh): the *shard group* is the whole group, each rank owning one shard.
-Hybrid (a 2-D DeviceMesh, replicate × shard, as FSDP2's HSDP names its dims): the shard group is one mesh row
-(typically one node), which owns the shards and runs the reduce-scatter and all-gather; the *replicate group*
-is one column, whose ranks hold the same shard and all-reduce it after each reduce-scatter. Collectives over
-every rank (the step's checks, the checkpoint's agreements) run in the shard group, then the replicate group.
-
-Invariant: the ranks of one replicate group hold bit-identical shards, state and parameters, since each runs the
-same update on the same all-reduced gradient shard.
-"""
+"""Which ranks a ShardedOptimizer spans, and the collectives that reach all of them. Flat (a process group, or a 1-D
+DeviceMesh): the *shard group* is the whole group, each rank owning one shard. Hybrid (a 2-D DeviceMesh, replicate ×
+shard, as FSDP2's HSDP names its dims): the shard group is one mesh row (typically one node), which owns the shards and
+runs the reduce-scatter and all-gather; the *replicate group* is one column, whose ranks all-reduce their gradient shard
+after each reduce-scatter and so hold bit-identical shards, state and parameters. Collectives over every rank (the
+step's checks, the checkpoint's agreements) run in the shard group, then the replicate group."""
 
 from __future__ import annotations
 
@@ -51,7 +46,6 @@ class Topology:
 
     @property
     def replica(self) -> Optional[tuple[int, int]]:
-        """``(replicate_rank, replicate_size)`` under hybrid sharding; ``None`` without a replicate group."""
         return None if self.replicate is None else (self.replicate_rank, self.replicate_size)
 
     @property
@@ -64,16 +58,13 @@ class Topology:
         return self.shard_rank == 0 and self.replicate_rank == 0
 
     def reaching(self, device: Optional[torch.device]) -> torch.device:
-        """Where these groups' collectives reach a tensor that lives on ``device`` (:func:`comm.collective_device`)."""
         return comm.collective_device(self.shard, device)
 
     def groups(self) -> list:
-        """The groups a collective over every rank runs in, in order."""
         return [self.shard] + ([self.replicate] if self.replicate is not None else [])
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp, timeout: Optional[float] = None,
                     name: str = "all-reduce", read_on_host: bool = False) -> torch.Tensor:
-        """Reduce ``tensor`` in place across every rank; ``read_on_host``: as :func:`comm.all_reduce_`'s."""
         for group in self.groups():
             comm.all_reduce_(tensor, op, group, timeout, name, read_on_host)
         return tensor
@@ -96,8 +87,7 @@ class Topology:
         return high == mirror(mirrored_low)
 
     def all_gather_objects(self, value, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
-        """Every rank's ``value``, replica by replica, each in shard-rank order: entry ``r * shard_size + s`` is
-        shard rank ``s`` of replica ``r``."""
+        """Every rank's ``value``: entry ``r * shard_size + s`` is shard rank ``s`` of replica ``r``."""
         row = comm.all_gather_objects(value, self.shard, timeout, name, self.device)
         if self.replicate is None:
             return row
@@ -116,15 +106,13 @@ class Topology:
 
     def gather_objects(self, value, to: int, timeout: Optional[float] = None,
                        name: str = "object gather") -> Optional[list]:
-        """Every shard rank's ``value`` on shard rank ``to`` of each replica (they hold the same shards), in
-        shard-rank order; ``None`` on the other ranks."""
+        """Every shard rank's ``value``, in shard-rank order, on shard rank ``to`` of each replica; else ``None``."""
         return comm.gather_objects(value, to, self.shard, timeout, name, self.device)
 
 
 def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh, groups: list[dict],
                      timeout: Optional[float]) -> Topology:
-    """The topology of ``ShardedOptimizer(process_group=..., device_mesh=..., collective_timeout=...)`` (at most
-    one of the first two), over the param ``groups`` (its device is their first trainable parameter's)."""
+    """ShardedOptimizer's topology; its device is the first trainable parameter's in ``groups``."""
     device = next((p.device for group in groups for p in group["params"] if p.requires_grad), None)
     return replace(_groups_of(process_group, device_mesh), device=device, timeout=timeout)
 
@@ -145,8 +133,7 @@ def _groups_of(process_group: Optional[dist.ProcessGroup], device_mesh) -> Topol
                          f"init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard')); "
                          f"got {names}")
     ranks = device_mesh.mesh
-    # groups number their ranks in ascending global order: only then is column c shard c in every row, and row r
-    # replica r in every column (checked on the mesh itself, so alike on every rank)
+    # groups number their ranks in ascending global order; checked on the mesh itself, so alike on every rank
     if not (bool((ranks.diff(dim=0) > 0).all()) and bool((ranks.diff(dim=1) > 0).all())):
         raise ValueError(f"the device_mesh's ranks must increase along both dims (as init_device_mesh lays them out), "
                          f"so that each column's ranks hold the same shard; got {ranks.tolist()}")

@@ -1,14 +1,11 @@
-"""Uneven inputs under ``torch.distributed.algorithms.Join``: a clear error on every rank, never a hang.
-
-Under ``with Join([optimizer]):`` ranks that ran out of data leave the loop early and, by torch's protocol, *shadow*
-the collectives of the others. A sharded optimizer cannot be shadowed: the joined rank owns a shard of the
-gradients and state, so it would have to take part in every collective of the iteration, in an order only the
-other ranks know. ShardedOptimizer uses the protocol to *detect* uneven inputs instead: at the start of each round
-of collectives (the first gradient of a stage-2 backward; the step) a rank that has not joined announces itself
-and all-reduces a flag that a joined rank's hook sets, so every rank raises :class:`UnevenInputsError` at the same
-point. Cost: inside a ``Join``, two one-element all-reduces per round (three with ``throw_on_early_termination``),
-each bounded by ``collective_timeout``; outside one, none.
-"""
+"""Uneven inputs under ``torch.distributed.algorithms.Join``: a clear error on every rank, never a hang. Under
+``Join([optimizer])`` ranks out of data leave the loop early and, by torch's protocol, *shadow* the others' collectives.
+A sharded optimizer cannot be: the joined rank owns a shard of the gradients and state, so it would have to take part in
+every collective of the iteration, in an order only the others know. ShardedOptimizer uses the protocol to *detect*
+uneven inputs instead: at the start of each round of collectives (the first gradient of a stage-2 backward; the step) a
+rank that has not joined announces itself and all-reduces a flag that a joined rank's hook sets, so every rank raises
+:class:`UnevenInputsError` at the same point. Cost, inside a ``Join`` only: two one-element all-reduces per round (three
+with ``throw_on_early_termination``), bounded by ``collective_timeout``."""
 
 from __future__ import annotations
 
@@ -45,8 +42,7 @@ class RefuseUnevenInputs(JoinHook):
 
 
 class UnevenInputs:
-    """The check-in of one :class:`~torch.distributed.algorithms.join.Joinable` (held weakly: it owns this object)
-    before each round of its collectives."""
+    """One ``Joinable``'s check-in before each round of its collectives (held weakly: it owns this object)."""
 
     def __init__(self, joinable: Joinable, device: torch.device, group, timeout: Optional[float] = None) -> None:
         self._joinable = weakref.ref(joinable)  # read for the _join_config that torch's Join sets on it
@@ -55,7 +51,6 @@ class UnevenInputs:
 
     @property
     def active(self) -> bool:
-        """Whether :meth:`check_in` issues collectives: inside an active ``Join``."""
         joinable = self._joinable()
         return joinable is not None and joinable._join_config.enable
 
@@ -75,7 +70,6 @@ class UnevenInputs:
         self._raise_if_joined("uneven inputs flag")
 
     def _raise_if_joined(self, name: str) -> None:
-        """All-reduce a flag that a joined rank sets: raise :class:`UnevenInputsError` if one did."""
         joined = torch.zeros(1, device=self.device)
         comm.all_reduce_(joined, dist.ReduceOp.SUM, self.group, self.timeout, name, read_on_host=True)
         if joined.item() > 0:  # a host sync per check-in, under Join only

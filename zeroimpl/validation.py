@@ -22,8 +22,7 @@ FRAMEWORK_ROUTES = (
 
 def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
                   quantized: Optional[dict] = None, init_sync: str = "broadcast") -> None:
-    """Refuse a ShardedOptimizer option out of range, naming it and what it accepts. ``quantized``: the
-    ``quantize_*`` options by name."""
+    """Refuse an option out of range, naming what it accepts. ``quantized``: the ``quantize_*`` options by name."""
     grads = (quantized or {}).get("quantize_grad_reduce", False)
     if grads not in (False, True, "replicas"):
         raise ValueError(f"quantize_grad_reduce must be False, True or 'replicas', got {grads!r}")
@@ -53,8 +52,7 @@ PEER_ARGUMENTS = {
 
 
 def refuse_peer_arguments(optimizer_kwargs: dict) -> None:
-    """Refuse, by name, an argument of ZeroRedundancyOptimizer or OSS, which would otherwise reach the inner
-    optimizer's constructor as a hyperparameter."""
+    """Refuse ZeroRedundancyOptimizer's and OSS's arguments, which would reach the inner optimizer unnoticed."""
     for name in optimizer_kwargs:
         if name in PEER_ARGUMENTS:
             raise TypeError(f"ShardedOptimizer takes no {name!r} (an argument of torch's ZeroRedundancyOptimizer or "
@@ -102,13 +100,8 @@ def check_verify_every(verify_every) -> None:
 
 
 def wrapped_in_ddp(param: torch.Tensor) -> bool:
-    """Whether torch's DistributedDataParallel holds ``param``: then DDP averages its gradients, and a stage-1
-    ShardedOptimizer takes its shard of them as they are, as torch's ZeroRedundancyOptimizer does.
-
-    It looks for DDP's ``_module_parameters`` list among the parameter's referrers: two scans of the live objects,
-    so the reducer asks only at a round's first gradient, until the first step. A hit is checked again after a
-    garbage collection (several scans), so that a dropped wrapper a reference cycle keeps alive counts on no rank.
-    """
+    """Whether torch's DDP holds ``param`` (stage 1 then takes DDP's averaged gradients, as ZeroRedundancyOptimizer
+    does): two scans of live objects, a hit rechecked after ``gc.collect()`` (a dropped wrapper counts on no rank)."""
     if _held_by_ddp(param):
         gc.collect()
         return _held_by_ddp(param)
@@ -116,7 +109,6 @@ def wrapped_in_ddp(param: torch.Tensor) -> bool:
 
 
 def ddp_state_dict_message() -> str:
-    """Why ``state_dict()`` refuses under DDP without a consolidation (ZeroRedundancyOptimizer's contract)."""
     return ("under DistributedDataParallel, a stage-1 ShardedOptimizer keeps its state as torch's "
             "ZeroRedundancyOptimizer does, a shard per rank, and state_dict() gives the full state only after a "
             "consolidation: call optimizer.consolidate_state_dict(to=0) on every rank first, "
@@ -128,7 +120,6 @@ def ddp_state_dict_message() -> str:
 
 
 def ddp_stage_2_message() -> str:
-    """Why stage 2 refuses a model wrapped in DistributedDataParallel."""
     return ("the model is wrapped in DistributedDataParallel, which all-reduces every full gradient and keeps it in "
             "param.grad, so stage 2 has no gradient left to shard (and would reduce each one a second time). Either "
             "keep the DDP wrap and use stage=1 (the ZeroRedundancyOptimizer way: DDP averages the gradients, the "
@@ -149,17 +140,14 @@ def _held_by_ddp(param: torch.Tensor) -> bool:
 
 def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
                  layout: Optional[dict] = None, values: bool = True) -> None:
-    """Local checks (:func:`check_local_params`), then one cheap collective check that every rank holds the same
-    parameters (and, given ``layout``, the same shard layout), on a device the collectives reach (a CPU model under
-    NCCL: the GPU); ``values=False``: shapes only (the caller broadcasts the values)."""
+    """Local checks, then a collective one that every rank holds the same parameters (and ``layout``), on a device
+    the collectives reach (a CPU model under NCCL: the GPU); ``values=False``: shapes only."""
     check_local_params(params)
     _check_same_across_ranks(params, topology, topology.reaching(params[0].device), timeout, layout, values)
 
 
 def placement_problem(params: list[torch.Tensor], group) -> Optional[str]:
-    """Why ``group``'s collectives cannot reach ``params`` where they are now (a CPU model under NCCL), and the fix;
-    None where they can. The model may still move before its first backward, as a torch optimizer allows: the
-    optimizer then takes the parameters where they are."""
+    """Why ``group``'s collectives cannot reach ``params`` now (a CPU model under NCCL: it may still move), or None."""
     device = params[0].device
     if dist.get_backend(group) != "nccl" or device.type == "cuda":
         return None
@@ -188,8 +176,7 @@ def check_local_params(params: list[torch.Tensor]) -> None:
 
 def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch.device,
                              timeout: Optional[float], layout: Optional[dict], values: bool) -> None:
-    """Compare shapes, the layout's fingerprint and float64 checksums of the parameters with two small MAX
-    all-reduces: ``max(x) == -max(-x)`` holds on every rank exactly when all ranks hold the same ``x``."""
+    """Compare shapes, the layout's fingerprint and float64 checksums across ranks (``max(x) == -max(-x)``)."""
     layout_digest = int(hashlib.sha256(repr(layout).encode()).hexdigest()[:12], 16)  # 48 bits: exact in fp64
     shapes = torch.tensor([len(params), sum(p.numel() for p in params),
                            hash(tuple((tuple(p.shape), dense_strides(p)) for p in params)) % (2 ** 50), layout_digest],

@@ -1,9 +1,7 @@
-"""Are the ranks' parameters still identical? Bit checksums compared across ranks, and ``DivergenceError``.
-
-Data-parallel ranks must hold bit-identical parameters after every step; a rank-dependent edit, a different seed
-or a corrupted update breaks that silently. :func:`verify_ranks_agree` (every ``verify_every`` steps, or on demand)
-catches it in one small all-reduce and names the first parameter that differs.
-"""
+"""Are the ranks' parameters still identical? Data-parallel ranks must hold bit-identical parameters after every
+step; a rank-dependent edit, a different seed or a corrupted update breaks that silently. :func:`verify_ranks_agree`
+(every ``verify_every`` steps, or on demand) compares bit checksums in one small all-reduce and names the first
+parameter that differs (:class:`DivergenceError`)."""
 
 from __future__ import annotations
 

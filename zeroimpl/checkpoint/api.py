@@ -46,28 +46,21 @@ from .format import (FORMAT, check_fits, check_format, merge_scalars, model_stat
 # -- save ---------------------------------------------------------------------------------------------
 def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
                     timeout: Optional[float] = None, *, when: Optional[bool] = None) -> bool:
-    """Save ``optimizer`` and ``model`` to ``directory``. Collective: call it on every rank of the optimizer's
-    group. ``directory`` may be one that every rank sees (a shared filesystem, or a local disk for one machine)
-    or each rank's own (a node-local disk, a per-worker temporary folder, as Ray Train's workers report): every
-    rank writes its own file into its directory, the first rank also the index and the model's extras, and the
-    union of the directories, merged as an engine or an uploader merges them, is the whole checkpoint (at the
-    same world size and layout every rank loads from its own directory, with no merge). The save tells the two
-    apart by itself (:mod:`.files`).
+    """Save ``optimizer`` and ``model`` to ``directory``; returns whether it saved. Collective: every rank of the
+    optimizer's group calls it.
 
-    ``timeout``: seconds each agreement between the ranks may wait, file writes on other ranks included
-    (rank 0 alone writes the model's frozen parameters and buffers and the index), before raising
-    ``CollectiveError`` (gloo); ``None``: the process group's timeout. Not the optimizer's
-    ``collective_timeout``, which is sized for one collective, not for I/O.
+    Each rank writes only its own shard (with hybrid sharding, only the first replica's ranks); the first rank also
+    writes the index and the frozen parameters and buffers. Files, crash safety, per-rank directories:
+    docs/checkpoints.md.
 
-    Each rank writes only its own shard; nothing is gathered. With hybrid sharding (a 2-D device mesh) the
-    ranks of the first replica write, one copy of each shard, and the checkpoint is that of their shard
-    group (it loads onto any mesh or flat world). ``directory`` is replaced only once the new checkpoint is
-    complete. A model wrapped by ``torch.compile`` saves and loads under its own parameter names.
-
-    ``when``: the decision to save, of which only the first rank's counts (``None``: save), for a loop whose
-    master process alone decides (nanoGPT's saves when its validation loss improves): every rank follows it
-    and saves, or not, with the same collectives whatever ``when`` is (the decision travels with the first
-    agreement). Returns whether it saved.
+    Args:
+        directory: a folder every rank sees, or each rank's own; the save tells which. Replaced only once the new
+            checkpoint is complete.
+        optimizer: the :class:`ShardedOptimizer`.
+        model: the model it trains.
+        timeout: seconds each agreement between the ranks may wait (other ranks' writes included) before
+            raising ``CollectiveError`` (gloo). ``None``: the process group's timeout.
+        when: save or not, as the first rank's value says; every rank follows it. ``None``: save.
     """
     _check_arguments(optimizer, model, "save_checkpoint")
     topology = optimizer.topology
@@ -206,10 +199,8 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, save: str, listi
 
 # -- load ---------------------------------------------------------------------------------------------
 def exists_on_every_rank(directory: str, optimizer: ShardedOptimizer, timeout: Optional[float] = None) -> bool:
-    """Whether every rank of ``optimizer`` sees the folder ``directory`` (or the last complete checkpoint of a save to
-    it killed between its two renames). Collective (one small all-gather): a caller that refuses a missing checkpoint
-    then refuses it on every rank at once, where the ranks that see it would wait in :func:`load_checkpoint`'s
-    collectives for the others. ``timeout``: as for :func:`save_checkpoint`."""
+    """Whether every rank of ``optimizer`` sees the folder ``directory`` (or what a save killed mid-publish left of
+    it). Collective: every rank gets the same answer. ``timeout``: as for :func:`save_checkpoint`."""
     return all(optimizer.topology.all_gather_objects(files.findable(directory), timeout, "checkpoint existence check"))
 
 
@@ -222,16 +213,20 @@ def _check_arguments(optimizer, model, function: str) -> None:
 
 def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
                     timeout: Optional[float] = None, missing: Optional[str] = None) -> None:
-    """Restore ``optimizer`` and ``model`` from a checkpoint saved at any world size, stage or offload setting.
+    """Restore ``optimizer`` and ``model`` from a checkpoint of any world size, stage or offload setting.
+    Collective, as :func:`save_checkpoint`.
 
-    Collective: call it on every rank. Each rank reads only the files that hold part of its new shard. The
-    master weights and optimizer state are restored exactly; the parameters are set from the master weights
-    on every rank. Nothing is changed unless every rank has read and checked everything it needs.
-    ``timeout``: as for :func:`save_checkpoint`. ``missing``: where some rank sees neither the folder
-    ``directory`` nor the last complete checkpoint of a save to it killed between its two renames, raise
-    ``FileNotFoundError(missing)`` on every rank (after one small all-gather): the caller's words for what is
-    missing and how to fix it, as a framework names the folder beside its own checkpoint. ``None``: a missing
-    folder is refused as any other unreadable checkpoint.
+    Each rank reads only the files that hold part of its new shard; masters and optimizer state are restored
+    exactly, the parameters set from them. Nothing changes until every rank has read and checked all it needs; a
+    failure on any rank raises on every rank.
+
+    Args:
+        directory: the folder given to :func:`save_checkpoint`.
+        optimizer: the :class:`ShardedOptimizer`.
+        model: the model it trains.
+        timeout: as for :func:`save_checkpoint`.
+        missing: if given, every rank raises ``FileNotFoundError(missing)`` when some rank does not see
+            ``directory``. ``None``: refused as any unreadable checkpoint.
     """
     _check_arguments(optimizer, model, "load_checkpoint")
     if missing is not None and not exists_on_every_rank(directory, optimizer, timeout):

@@ -1,12 +1,6 @@
-"""Between sharded checkpoints and torch's own formats, in one process (no process group needed).
-
-* :func:`export_fp32_state_dict` -- the model's full fp32 weights from a sharded checkpoint (as DeepSpeed's
-  ``zero_to_fp32``): a ``model.load_state_dict``-ready dict.
-* :func:`consolidated_optimizer_state_dict` -- the full, unsharded optimizer state in the standard
-  ``torch.optim.Optimizer.state_dict()`` format, for the plain inner optimizer built over the model's
-  parameters with the same param groups.
-* :func:`load_torch_optimizer_state` -- the reverse: start sharded training from a plain torch optimizer's
-  state dict (on every rank; no communication).
+"""Between sharded checkpoints and torch's own formats, in one process: :func:`export_fp32_state_dict` (as
+DeepSpeed's ``zero_to_fp32``), :func:`consolidated_optimizer_state_dict` and the reverse,
+:func:`load_torch_optimizer_state`.
 """
 
 from __future__ import annotations
@@ -54,8 +48,8 @@ def _read_full(directory: str):
 
 
 def export_fp32_state_dict(directory: str) -> dict[str, torch.Tensor]:
-    """Full fp32 model weights from a sharded checkpoint: trainable parameters from the fp32 master weights
-    (tied names share one tensor), frozen parameters and buffers as saved (floating ones in fp32)."""
+    """The model's full fp32 weights, for ``model.load_state_dict``: trainable parameters from the masters (tied
+    names share a tensor), frozen parameters and buffers as saved, floating ones in fp32. No process group needed."""
     directory, index, _, masters, _ = _read_full(directory)
     state = {}
     for entry, flat in zip(index["params"], masters):
@@ -69,12 +63,11 @@ def export_fp32_state_dict(directory: str) -> dict[str, torch.Tensor]:
 
 
 def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[int]] = None) -> dict:
-    """The checkpoint's optimizer state as ``torch.optim.Optimizer.state_dict()`` of the plain inner optimizer,
-    built over the same param groups (frozen members included, as torch numbers them).
+    """The checkpoint's optimizer state as ``state_dict()`` of the plain inner optimizer over the same param groups,
+    frozen members included. No process group needed.
 
-    ``groups``: only these param groups (by position), as the state of a plain optimizer built over them
-    alone -- with several optimizer classes, one call per class, e.g. ``groups=[0]`` for torch.optim.Muon
-    over group 0 and ``groups=[1, 2]`` for torch.optim.AdamW over groups 1 and 2. Default: every group."""
+    ``groups``: only these param groups (by position), as an optimizer over them alone holds them; one call per
+    optimizer class. ``None``: all."""
     _, index, layout, _, states = _read_full(directory)
     scalars_of = param_scalars(index)
     chosen = range(len(index["groups"])) if groups is None else list(groups)
@@ -87,12 +80,9 @@ def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[
 
 
 def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) -> None:
-    """Load a plain torch optimizer's ``state_dict()`` (the same optimizer classes over the same param groups)
-    into ``optimizer``: each rank takes its shard of every per-element state tensor, and the whole-parameter
-    state of the parameters it owns whole. The master weights are taken from the model's current
-    parameters, so load the matching model weights first. No communication: every rank checks the whole
-    state dict, so that each raises the same error (``optimizer.load_state_dict`` of such a state does the same,
-    agreed across the ranks)."""
+    """Load a plain torch optimizer's ``state_dict()`` (same classes and param groups) into ``optimizer``. Call it on
+    every rank. No communication: every rank checks the whole dict, so all raise alike. The masters come from the
+    model's parameters: load its weights first."""
     pieces = [(piece, master) for piece, master, _ in optimizer.piece_states()]
     optimizer.restore_state(*pieces_of_torch_state(state_dict, describe_groups(optimizer), optimizer.trainable_params,
                                                    optimizer.layout, pieces))

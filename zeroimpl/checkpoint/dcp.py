@@ -126,12 +126,12 @@ def _boxes_of(shape: tuple[int, ...], start: int, values: torch.Tensor) -> list[
 
 
 class DCPState(Stateful):
-    """``model`` and its ``optimizer`` (a :class:`ShardedOptimizer`) as one ``torch.distributed.checkpoint``
-    ``Stateful``: ``dcp.save({"app": DCPState(model, optimizer)}, checkpoint_id=path)`` writes what a DDP or FSDP2 job
-    with the same torch optimizer writes with the DCP recipe's ``AppState`` under the same key, and ``dcp.load`` reads
-    either, at any world size, stage, offload setting or mesh. ``state_dict()`` and ``load_state_dict()`` are
-    collective where DCP's calls are (on every rank): a load all-gathers the parameters. A model wrapped by DDP
-    or ``torch.compile`` is named as the model itself, as ``get_state_dict`` names it."""
+    """``model`` and its :class:`ShardedOptimizer` as one ``torch.distributed.checkpoint`` ``Stateful``.
+
+    ``dcp.save({"app": DCPState(model, optimizer)}, checkpoint_id=path)`` writes what a DDP or FSDP2 job with the
+    same torch optimizer writes under that key, and ``dcp.load`` reads either, at any world size, stage, offload
+    setting or mesh. Refused at construction: fp16 loss scaling, ``quantize_param_gather``, low-bit optimizers,
+    non-contiguous parameters. Layout and ``dcp.async_save``: docs/checkpoints.md."""
 
     def __init__(self, model: torch.nn.Module, optimizer: ShardedOptimizer) -> None:
         if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, ShardedOptimizer):
@@ -144,10 +144,8 @@ class DCPState(Stateful):
         self.model, self.optimizer = _bare(model), optimizer
 
     def state_dict(self) -> dict:
-        """``{"model": ..., "optim": ...}`` (see the module docstring): views of this rank's masters and state, and
-        for ``dcp.load`` the destinations it loads into. Collective (a small all-gather; two before any step): an
-        optimizer that has not stepped on any rank gets placeholder state, which it does not take unless a load
-        fills it (:func:`_fresh_state`); where it cannot be made, every rank raises."""
+        """``{"model": ..., "optim": ...}`` in ``get_state_dict``'s flattened layout: views of this rank's masters
+        and state, which ``dcp.load`` loads into. Collective."""
         optimizer = self.optimizer
         optimizer.sync_masters()  # (the gathers in flight finished; parameters edited since the last step taken in)
         names = [first for first, *_ in param_names(optimizer, self.model)]
@@ -230,11 +228,8 @@ class DCPState(Stateful):
         return found
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """After ``dcp.load`` wrote the masters and the state in place (into what :meth:`state_dict` gave): install
-        the state (placeholders included) and the param groups' hyperparameters, and all-gather the parameters from
-        the masters. Collective. A load that fails part-way (a file cut short) has written into the masters and the
-        state already, as DCP loads a torch optimizer in place: build the model and optimizer afresh before
-        training on."""
+        """After ``dcp.load``: install the loaded state and hyperparameters and all-gather the parameters.
+        Collective. A load that fails part-way has already written: rebuild the model and optimizer."""
         optimizer, optim = self.optimizer, state_dict["optim"]
         names = [first for first, *_ in param_names(optimizer, self.model)]
         hyperparameters = []

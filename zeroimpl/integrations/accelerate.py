@@ -104,20 +104,17 @@ class AcceleratedShardedOptimizer(AcceleratedOptimizer):
 
 
 def prepare(accelerator: accelerate.Accelerator, *objects):
-    """``accelerator.prepare(*objects)`` for a model trained with a :class:`zeroimpl.ShardedOptimizer`.
+    """``accelerator.prepare(*objects)`` for models trained with a :class:`zeroimpl.ShardedOptimizer`: call it on
+    every process, once per model, with the model and its ShardedOptimizer.
 
-    Returns what ``accelerator.prepare`` returns, in the same order (one object alone, not a tuple): each model
-    itself (not moved, not wrapped in DDP; see the module's docstring), each ShardedOptimizer as an
-    :class:`AcceleratedShardedOptimizer`, dataloaders and schedulers as accelerate prepares them, anything else
-    as it is. Call it on every process, once per model, with each model that has trainable parameters and its
-    ShardedOptimizer in the same call. Then ``accelerator.save_state`` / ``load_state`` keep every rank's shard.
+    Returns what ``accelerator.prepare`` does, in the same order, but each model unmoved and unwrapped and each
+    ShardedOptimizer as an :class:`AcceleratedShardedOptimizer`. ``accelerator.save_state`` / ``load_state`` then
+    keep every rank's shard (in ``<dir>/zeroimpl``).
 
-    Raises, before anything is changed: ``TypeError`` for a plain torch optimizer (build a ShardedOptimizer
-    instead); ``ValueError`` when a model with trainable parameters has no ShardedOptimizer in the call, or
-    several, or an optimizer has no model; when the model is not on ``accelerator.device`` (``cpu`` and ``cpu:0``
-    are one device); when the model was prepared before; when the accelerator runs DeepSpeed, FSDP or
-    Megatron-LM, a DDP communication hook, or sees fewer processes than the process group holds (on CPU:
-    ``Accelerator(cpu=True)`` or ``accelerate launch --cpu``).
+    Raises before changing anything: ``TypeError`` for a plain torch optimizer; ``ValueError`` for a model without
+    exactly one ShardedOptimizer in the call or an optimizer without its model, a model off ``accelerator.device``
+    or prepared before, DeepSpeed, FSDP, Megatron-LM, a DDP communication hook, or an accelerator whose process
+    count differs from the process group's (on CPU: ``Accelerator(cpu=True)``).
     """
     _check_accelerator(accelerator)
     plain = [o for o in objects if isinstance(o, torch.optim.Optimizer) and not isinstance(o, ShardedOptimizer)]
@@ -198,8 +195,8 @@ def _same_device(device: torch.device, target: torch.device) -> bool:
 
 def _prepare_model(accelerator: accelerate.Accelerator, model: torch.nn.Module,
                    optimizer: ShardedOptimizer) -> torch.nn.Module:
-    """The model as it trains: DDP's broadcasts (at construction, and of the buffers before forwards), no_sync as the optimizer's accumulation, accelerate's
-    autocast (and torch.compile, if configured), registered with the accelerator, not moved, not wrapped."""
+    """The model as it trains: DDP's broadcasts, ``no_sync`` as the optimizer's accumulation, accelerate's autocast
+    (and torch.compile, if configured); not moved, not wrapped."""
     sync_module_states(model)  # rank 0's parameters (frozen ones too) and buffers, as DDP's constructor
     handler = accelerator.ddp_handler
     # DDP's default, as accelerate would have wrapped it

@@ -29,7 +29,7 @@ with every place that assumes a ``DistributedDataParallel`` wrapper replaced:
   Lightning does not call: refused at setup.
 * **Checkpoints** keep every rank's shard. Lightning writes rank 0's ``optimizer.state_dict()`` alone; here the
   checkpoint path is a directory, as Lightning's DeepSpeed and FSDP strategies make it: every rank writes its own
-  shard with :func:`zeroimpl.checkpoint.save_checkpoint` into ``<checkpoint>/<optimizer>/``, and rank 0 the
+  shard with :func:`zeroimpl.checkpoint.save_checkpoint` into ``<checkpoint>/optimizer-<i>/``, and rank 0 the
   Lightning file ``<checkpoint>/lightning.ckpt`` with everything else (weights, loops, schedulers, callbacks, the
   GradScaler) and a placeholder for the optimizer. Resuming loads the shards with
   :func:`~zeroimpl.checkpoint.load_checkpoint`, on any number of devices; a checkpoint without its shards raises,
@@ -180,10 +180,8 @@ def model_of(optimizer: ShardedOptimizer, modules: list[torch.nn.Module]) -> tor
 
 # -- what both strategies share --------------------------------------------------------------------
 class ShardedStrategy:
-    """What the Trainer and Fabric strategies share, mixed in before Lightning's ``DDPStrategy`` of each:
-    ShardedOptimizer's options, the optimizers rebuilt as ShardedOptimizers (schedulers re-pointed), the
-    parameter all-gathers finished before the framework reads the weights, and the names they register as.
-    Each strategy holds its ShardedOptimizers as ``sharded_optimizers``."""
+    """What the Trainer and Fabric strategies share, mixed in before Lightning's ``DDPStrategy`` of each. Each
+    strategy holds its ShardedOptimizers as ``sharded_optimizers``."""
 
     sharded_optimizers: list[ShardedOptimizer]
 
@@ -194,8 +192,6 @@ class ShardedStrategy:
         self.broadcast_buffers = broadcast_buffers
 
     def _shard_optimizers(self, optimizers: list[Optimizer], schedulers: Iterable[Any]) -> list[ShardedOptimizer]:
-        """Each of ``optimizers`` as a ShardedOptimizer (:func:`sharded_like`), refused where it would scale the loss
-        itself; each of ``schedulers`` built over one of them re-pointed at its replacement."""
         sharded = [sharded_like(optimizer, self.zero_options) for optimizer in optimizers]
         for optimizer in sharded:
             check_loss_scaling(optimizer)
@@ -203,19 +199,19 @@ class ShardedStrategy:
         return sharded
 
     def optimizers_of(self, module: Optional[torch.nn.Module] = None) -> list[ShardedOptimizer]:
-        """The ShardedOptimizers that train parameters of ``module`` (``None``: all of them)."""
+        """The ShardedOptimizers that train ``module``'s parameters (``None``: all of them)."""
         return [o for o in self.sharded_optimizers if module is None or o.trains(module)]
 
     def finish_param_gathers(self, module: Optional[torch.nn.Module] = None) -> None:
-        """Before the framework reads the weights (of ``module``; ``None``: of every module): the parameter
-        all-gathers the last step left in flight are finished."""
+        """Finish the parameter all-gathers in flight (of ``module``'s optimizers; ``None``: all) before the weights
+        are read."""
         for optimizer in self.optimizers_of(module):
             optimizer.finish_param_gathers()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        """Lightning's and Fabric's registration hook: the names of :data:`REGISTERED` (DDPStrategy's own, which
-        the class would inherit, would name it "ddp")."""
+        # Lightning's and Fabric's registration hook: the names of REGISTERED (DDPStrategy's own, which the class
+        # would inherit, would name it "ddp")
         for name, options in REGISTERED.items():
             strategy_registry.register(name, cls, description=f"zeroimpl ShardedOptimizer, {options}",
                                        override=True, **options)
@@ -250,22 +246,24 @@ def sharded_precision(plugin: Precision) -> Precision:
 
 
 class ZeroStrategy(ShardedStrategy, DDPStrategy):
-    """``lightning.pytorch.Trainer`` strategy: data parallel training with a :class:`~zeroimpl.ShardedOptimizer` in
-    place of DistributedDataParallel (see the module docstring for how each DDP hook is replaced).
+    """``lightning.pytorch.Trainer`` strategy: a :class:`~zeroimpl.ShardedOptimizer` in place of
+    DistributedDataParallel, registered as ``"zero1"``, ``"zero2"`` and ``"zero2_offload"``. The torch optimizers of
+    ``configure_optimizers`` are rebuilt as ShardedOptimizers; fp16 parameters (``"16-true"``) are refused. Details:
+    docs/lightning.md.
 
     Args:
-        stage: ShardedOptimizer's ``stage``: 1 (shard optimizer state) or 2 (also gradients).
-        offload: ShardedOptimizer's ``offload``: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
-        broadcast_buffers: rank 0's buffers broadcast as DDP's ``broadcast_buffers=True`` does (default).
-        accelerator: as Lightning's ``DDPStrategy``.
-        parallel_devices: as Lightning's ``DDPStrategy``.
-        cluster_environment: as Lightning's ``DDPStrategy``.
-        checkpoint_io: as Lightning's ``DDPStrategy`` (the shards go beside its file, through zeroimpl.checkpoint).
-        precision_plugin: as Lightning's ``DDPStrategy``.
-        process_group_backend: as Lightning's ``DDPStrategy``.
-        timeout: as Lightning's ``DDPStrategy``.
-        start_method: as Lightning's ``DDPStrategy`` (its DDP-only keywords are not taken).
-        **options: ShardedOptimizer's other keywords (``bucket_numel``, ``reduce_dtype``, ...).
+        stage: 1 (shard optimizer state) or 2 (also gradients).
+        offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
+        broadcast_buffers: broadcast rank 0's buffers as DDP's ``broadcast_buffers=True`` does.
+        accelerator: as ``DDPStrategy``.
+        parallel_devices: as ``DDPStrategy``.
+        cluster_environment: as ``DDPStrategy``.
+        checkpoint_io: as ``DDPStrategy``; the shards go beside its file.
+        precision_plugin: as ``DDPStrategy``.
+        process_group_backend: as ``DDPStrategy``.
+        timeout: as ``DDPStrategy``.
+        start_method: as ``DDPStrategy``. DDP's own keywords are not taken.
+        **options: ShardedOptimizer's other keywords; any other raises ``TypeError``.
     """
 
     def __init__(self, stage: int = 2, offload: Union[None, str, CPUOffload] = None, broadcast_buffers: bool = True,
@@ -319,7 +317,7 @@ class ZeroStrategy(ShardedStrategy, DDPStrategy):
     # -- the DDP hooks ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def block_backward_sync(self):
-        """Non-final micro-batches (``accumulate_grad_batches``, manual ``toggle_model(sync_grad=False)``)."""
+        """Non-final micro-batches (``accumulate_grad_batches``, ``toggle_model(sync_grad=False)``)."""
         with no_sync(self.sharded_optimizers, self.buffers):
             yield
 
@@ -344,12 +342,12 @@ class ZeroStrategy(ShardedStrategy, DDPStrategy):
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
-        """A placeholder: the state is written per rank by :meth:`save_checkpoint`."""
+        """A placeholder: :meth:`save_checkpoint` writes the state per rank."""
         return {CHECKPOINT_KEY: "sharded: every rank's part is in its folder of this checkpoint directory"}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """Collective (Lightning calls it on every rank): ``filepath`` is a directory, the shards first, then rank
-        0's Lightning file in it."""
+        """Collective: ``filepath`` becomes a directory of every rank's shards (``optimizer-<i>/``) and rank 0's
+        ``lightning.ckpt``."""
         if "optimizer_states" in checkpoint and self.optimizers:  # not save_weights_only
             checkpoint[CHECKPOINT_KEY] = save_shards(filepath, self._named_optimizers, [self.lightning_module])
         super().save_checkpoint(checkpoint, os.path.join(os.fspath(filepath), LIGHTNING_FILE), storage_options)
@@ -380,10 +378,10 @@ class ShardedBackwardSync(_BackwardSyncControl):
 
 
 class FabricZeroStrategy(ShardedStrategy, FabricDDPStrategy):
-    """``lightning.fabric.Fabric`` strategy: ``fabric.setup(model, optimizer)`` / ``setup_optimizers`` hand back a
-    :class:`~zeroimpl.ShardedOptimizer` and the model unwrapped (see the module docstring).
+    """``lightning.fabric.Fabric`` strategy: ``fabric.setup`` and ``setup_optimizers`` return the model unwrapped and
+    each optimizer as a :class:`~zeroimpl.ShardedOptimizer`.
 
-    Args: as :class:`ZeroStrategy` (``precision`` instead of ``precision_plugin``, as Fabric's DDPStrategy).
+    Args: as :class:`ZeroStrategy`, with ``precision`` for ``precision_plugin``.
     """
 
     def __init__(self, stage: int = 2, offload: Union[None, str, CPUOffload] = None, broadcast_buffers: bool = True,
@@ -407,7 +405,7 @@ class FabricZeroStrategy(ShardedStrategy, FabricDDPStrategy):
         return module, sharded, scheduler
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The module itself, with rank 0's parameters and buffers (as DDP's constructor) and DDP's buffer rule."""
+        """The module, unwrapped, with rank 0's parameters and buffers and DDP's buffer broadcasts."""
         sync_module_states(module)
         if self.broadcast_buffers:
             self.buffers[id(module)] = BufferBroadcast(module).attach()
@@ -420,8 +418,7 @@ class FabricZeroStrategy(ShardedStrategy, FabricDDPStrategy):
         return sharded
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite: bool = True):
-        """The global norm over every rank's shard, :meth:`ShardedOptimizer.clip_grad_norm_`; as torch's
-        ``clip_grad_norm_``, a NaN or Inf norm raises with ``error_if_nonfinite`` (gradients unclipped)."""
+        """The global norm over every shard; a NaN or Inf norm raises with ``error_if_nonfinite``, as torch's."""
         if not isinstance(optimizer, ShardedOptimizer):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self.precision.unscale_gradients(optimizer)
@@ -437,8 +434,8 @@ class FabricZeroStrategy(ShardedStrategy, FabricDDPStrategy):
         return super().get_module_state_dict(module)
 
     def save_checkpoint(self, path, state: dict, storage_options: Optional[Any] = None, filter=None) -> None:
-        """Collective (``fabric.save`` runs on every rank): ``path`` is a directory; each ShardedOptimizer in ``state``
-        is written per rank to ``<path>/<key>/`` and stands as a placeholder in rank 0's ``<path>/lightning.ckpt``."""
+        """Collective: ``path`` becomes a directory: each ShardedOptimizer in ``state`` per rank in ``<path>/<key>/``,
+        the rest in rank 0's ``<path>/lightning.ckpt``."""
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, ShardedOptimizer)}
         if optimizers:
             state = {key: ({CHECKPOINT_KEY: "sharded: see its folder in this checkpoint directory"}
@@ -448,7 +445,7 @@ class FabricZeroStrategy(ShardedStrategy, FabricDDPStrategy):
                                 filter=filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
-        """As Fabric's, with each ShardedOptimizer in ``state`` restored from its shards (after the modules)."""
+        """As Fabric's, then each ShardedOptimizer in ``state`` restored from its shards."""
         if isinstance(state, ShardedOptimizer):
             raise TypeError("a sharded optimizer cannot load from one state file: load it with its model, "
                             "fabric.load(path, {'model': model, 'optimizer': optimizer})")

@@ -201,20 +201,18 @@ class ShardedModule(torch.nn.Module):
 
 
 class ZeroTrainer(transformers.Trainer):
-    """``transformers.Trainer`` whose optimizer is a :class:`zeroimpl.ShardedOptimizer`.
+    """``transformers.Trainer`` whose optimizer is a :class:`zeroimpl.ShardedOptimizer`, with sharded checkpoints.
 
     Args (besides Trainer's own):
         zero_stage: 1 (shard optimizer state) or 2 (also shard gradients).
         zero_offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
-        zero_options: other ``ShardedOptimizer`` keywords (``bucket_numel``, ``reduce_dtype``, ...).
-        zero_muon: train the hidden matrices (the 2-D weights of the linear layers, not embeddings or the
-            output head: :func:`zeroimpl.integrations.muon.hidden_matrices`) with ``torch.optim.Muon`` and
-            these hyperparameters (e.g. ``{"lr": 0.02}``; ``{}``: Muon's defaults), each matrix stepped whole
-            by one rank. ``None`` (default): no Muon.
+        zero_options: other ``ShardedOptimizer`` keywords.
+        zero_muon: train the hidden matrices (linear layers' 2-D weights, not embeddings or the output head) with
+            ``torch.optim.Muon`` and these hyperparameters (``{}``: its defaults), each stepped whole by one rank.
+            ``None``: no Muon.
 
-    The inner optimizer is the one ``TrainingArguments.optim`` selects (AdamW by default), with Trainer's
-    decay / no-decay param groups and hyperparameters -- for every parameter, or, with ``zero_muon``, for
-    those Muon does not train.
+    The inner optimizer is ``TrainingArguments.optim``'s, over Trainer's decay / no-decay param groups. DeepSpeed or
+    FSDP settings raise ``ValueError``.
     """
 
     def __init_subclass__(cls, **kwargs):
