@@ -6,7 +6,7 @@ weights and draw different batches), the model built or resumed, ``model.configu
 ``torch.compile``, the DDP wrap, ``raw_model``, the loop with the learning rate set in every param group, the
 master process alone evaluating and deciding to save ``ckpt.pt`` (when the validation loss improves, or always),
 gradient accumulation through ``require_backward_grad_sync``, clipping and a GradScaler -- so that the zeroimpl
-recipe (``examples/nanogpt_zeroimpl.patch``, docs/usage.md#nanogpt) is shown and tested on the lines it changes:
+recipe (``examples/nanogpt_zeroimpl.patch``, docs/usage.md#nanogpts-trainpy) is shown and tested on the lines it changes:
 
     torchrun --standalone --nproc_per_node 2 examples/nanogpt_train.py            # DDP + AdamW, as nanoGPT
     cp examples/nanogpt_train.py /tmp/train.py && git apply --directory=/tmp examples/nanogpt_zeroimpl.patch ...
