@@ -184,11 +184,12 @@ def _out_of_reach_until_moved():
 def _moved_into_reach(rank):
     """Built while out of the collectives' reach, then moved (``.to("cpu:0")`` copies), against the optimizer built
     after the move, 3 steps; initial weights differ per rank, so that the construction's broadcast must give rank 0's
-    values. Between the move and the first step, as a script may: ``state_dict()`` before the move (accelerate's
-    ``prepare(optimizer, model)`` reads it); a forward without gradients on rank 0 alone (a sample) then a barrier,
+    values. Between construction and the first step, as a script may: ``load_state_dict(state_dict())`` before the
+    move (accelerate's ``prepare(optimizer, model)``), weights loaded into the model after it; a forward without gradients on rank 0 alone (a sample) then a barrier,
     and a forward under ``torch.inference_mode()`` on every rank (a validation), either first; then
     ``verify_ranks_agree()``. Never moved: the first backward and the step raise."""
     out = {}
+    pretrained = {name: value * 0.5 for name, value in _model().state_dict().items()}
     for stage, wrap, offload in ((1, True, None), (1, False, None), (2, False, None), (2, False, "cpu")):
         runs = []
         for before in (True, False):
@@ -200,10 +201,11 @@ def _moved_into_reach(rank):
                 build = lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,  # noqa: E731
                                                  lr=1e-2, bucket_numel=500, offload=offload, collective_timeout=60)
                 optimizer = build() if before else None
-                if optimizer is not None:
-                    optimizer.state_dict()
+                if optimizer is not None:  # what accelerate's prepare(optimizer, model) does
+                    optimizer.load_state_dict(optimizer.state_dict())
                 model.to(torch.device("cpu", 0))
                 move()
+                model.load_state_dict(pretrained)  # weights loaded after the move, the same on every rank
                 optimizer = optimizer or build()
                 inference_first = (stage, wrap, offload) in ((1, True, None), (2, False, None))
                 for idiom in (("inference", "one rank") if inference_first else ("one rank", "inference")):
