@@ -238,18 +238,27 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _carried_state(self) -> tuple:
         pieces = self.pieces.states(self.inner)
         return (_positions(p for p, _, _ in pieces),
-                [state for _, _, state in pieces], [s.master for s in self.storages],
+                [state for _, _, state in pieces], [(s.master, s.shard) for s in self.storages],
                 self.loss_scaler.state_dict() if self.loss_scaler else None)
 
     def _carry_over(self, positions: list, states: list, masters: list, loss_scaler: Optional[dict]) -> None:
+        """Local: the loaded state moves to the rebuilt parts. The parameters keep the values the model holds now
+        (written since the move: a model loaded after it); separate masters carry over where they were not."""
         sizes = [s.master.numel() for s in self.storages]
-        if _positions(self.layout.pieces(self.rank)) != positions or [m.numel() for m in masters] != sizes:
+        if _positions(self.layout.pieces(self.rank)) != positions or [m.numel() for m, _ in masters] != sizes:
             raise RuntimeError("the model was converted after optimizer state was loaded into the ShardedOptimizer, "
                                "and the conversion changed how the parameters are laid out in its buckets (their "
                                "dtypes), so the loaded state no longer fits its shards: convert the model first, then "
                                "load the state (or the checkpoint)")
         self.restore_state(states, [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                           masters=masters, loss_scaler=loss_scaler)
+                           loss_scaler=loss_scaler)
+        with torch.no_grad():
+            for storage, (master, shard_then) in zip(self.storages, masters):
+                if storage.has_separate_master:
+                    written = storage.shard != shard_then.to(storage.shard.device, storage.shard.dtype)
+                    storage.master.copy_(torch.where(written.to(master.device), storage.shard.to(master.device),
+                                                     master))
+                    storage.mark_master_in_sync()
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
