@@ -232,6 +232,32 @@ def _moved_into_reach(rank):
     return out
 
 
+def _schedule_free_moved_into_reach(rank):
+    """A schedule-free optimizer built out of the collectives' reach: ``train()``, which all-gathers the switched
+    parameters, raises the move's message until the model moves; then it switches and steps as one built after."""
+    import schedulefree
+
+    out = {}
+    for before in (True, False):
+        with _out_of_reach_until_moved() as move:
+            model = _model()
+            build = lambda: ShardedOptimizer(model.parameters(), schedulefree.AdamWScheduleFree,  # noqa: E731
+                                             stage=2, lr=1e-2, bucket_numel=500, collective_timeout=60)
+            optimizer = build() if before else None
+            if before:
+                try:
+                    optimizer.train()
+                    out["unmoved train()"] = None
+                except ValueError as error:
+                    out["unmoved train()"] = str(error)
+            model.to(torch.device("cpu", 0))
+            move()
+            optimizer = optimizer or build()
+            optimizer.train()
+            out[before] = _fit(rank, model, model, optimizer, 3)
+    return out
+
+
 def _fp16_follows(rank):
     """A model converted to fp16 after construction: loss scaling turns on as for one built fp16."""
     model = _model()
@@ -440,7 +466,8 @@ def _all(rank, world_size, shared):
              "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
              "consolidated then loaded": lambda: _consolidated_then_loaded(rank, shared),
              "partly converted after loading": lambda: _partly_converted_after_loading(rank, shared),
-             "moved into reach": lambda: _moved_into_reach(rank)}
+             "moved into reach": lambda: _moved_into_reach(rank),
+             "schedule-free moved into reach": lambda: _schedule_free_moved_into_reach(rank)}
     for change in ("cpu:0", "double"):
         for load in ("checkpoint", "full state"):
             cases[("loaded then", change, load)] = lambda change=change, load=load: _loaded_then_changed(
@@ -512,6 +539,13 @@ def test_an_optimizer_built_before_its_model_moves_into_the_collectives_reach_tr
             before, after = out[setup]
             assert _bitwise(before, after), setup
         assert out["backward"] == out["step"] == "out of reach (moved: no)"
+
+
+def test_a_schedule_free_mode_switch_before_the_move_raises_the_moves_message_then_trains_as_built_after(ranks):
+    pytest.importorskip("schedulefree", reason="pip install schedulefree (the test extra installs it)")
+    for out in case_results(ranks, "schedule-free moved into reach"):
+        assert out["unmoved train()"] == "out of reach (moved: no)"
+        assert _bitwise(out[True], out[False])
 
 
 def test_a_conversion_to_fp16_turns_loss_scaling_on(ranks):
