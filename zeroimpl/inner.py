@@ -82,8 +82,12 @@ class InnerOptimizers:
             outer.update({key: value for key, value in inner.items() if key != "params"})
             self._synced.append({key: value for key, value in outer.items() if key not in OUTER_ONLY_KEYS})
 
+    def has_mode(self, mode: str) -> bool:
+        """Whether an inner optimizer has ``mode`` (``train``/``eval``: schedule-free ones), the same on all ranks."""
+        return any(callable(getattr(optimizer, mode, None)) for optimizer in self.optimizers.values())
+
     def switch_mode(self, mode: str, outer_groups: list[dict]) -> bool:
-        """Call ``mode`` (``train``/``eval``) on each inner optimizer that has it; whether any has (on all ranks)."""
+        """Call ``mode`` on each inner optimizer that has it (:meth:`has_mode`); whether any has."""
         switching = [optimizer for optimizer in self.optimizers.values() if callable(getattr(optimizer, mode, None))]
         if switching:
             self.follow(outer_groups)

@@ -429,6 +429,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._switch_mode("eval")
 
     def _switch_mode(self, mode: str) -> None:
+        self._follow_model(before_collectives=self.inner.has_mode(mode))  # (a switch all-gathers the parameters)
         self.sync_masters()
         if self.inner.switch_mode(mode, self.param_groups):
             self.param_sync.start_param_sync()
