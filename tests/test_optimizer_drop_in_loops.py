@@ -221,17 +221,19 @@ def _cleared_between_backward_and_step(rank, config):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _under_join(rank, stage, batches):
-    """``with Join([optimizer])`` over this rank's number of batches: the error each rank raised (or "no error")
-    and the final parameters."""
+def _under_join(rank, stage, batches, ddp=False, join=True):
+    """``with Join([optimizer])`` over this rank's number of batches (``ddp``: stage 1 under DDP, ``Join([ddp_model,
+    optimizer])`` as torch documents for its ZeroRedundancyOptimizer; ``join=False``: no Join): the error each rank
+    raised (or "no error") and the final parameters."""
     from torch.distributed.algorithms.join import Join
 
     model = build_model("gpt2")
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, lr=1e-2)
+    forward = DDP(model) if ddp else model
     try:
-        with Join([optimizer]):
+        with Join([forward, optimizer] if ddp else [optimizer]) if join else contextlib.nullcontext():
             for step in range(batches):
-                model(**batch(rank, step, 0)).loss.backward()
+                forward(**batch(rank, step, 0)).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
         outcome = "no error"
@@ -323,6 +325,9 @@ def _all(rank, world_size, shared):
                 rank, stage, 3 if rank == fewer else 5)[0]
         cases[("even", stage)] = lambda stage=stage: (_under_join(rank, stage, 3)[1],
                                                       _utility_free_run(rank, stage))
+    for fewer in (0, 1):
+        cases[("uneven", "ddp", fewer)] = lambda fewer=fewer: _under_join(rank, 1, 3 if rank == fewer else 5, True)[0]
+    cases[("even", "ddp")] = lambda: (_under_join(rank, 1, 3, ddp=True), _under_join(rank, 1, 3, ddp=True, join=False))
     for name, config in [("ddp", None), *ZERO_CONFIGS.items()]:
         cases[("accelerate", name)] = lambda config=config: _accelerate_run(rank, config)
         cases[("cleared", name)] = lambda config=config: _cleared_between_backward_and_step(rank, config)
@@ -437,6 +442,17 @@ def test_uneven_inputs_under_join_raise_on_every_rank(ranks, stage, fewer):
 def test_even_inputs_under_join_train_as_without_it(ranks, stage):
     for joined, plain in case_results(ranks, ("even", stage)):
         assert all(torch.equal(a, b) for a, b in zip(joined, plain))
+
+
+@pytest.mark.parametrize("fewer", [0, 1], ids=["rank-0-fewer", "rank-1-fewer"])
+def test_join_over_a_ddp_model_and_a_stage_1_optimizer_trains_evenly_and_refuses_uneven_inputs(ranks, fewer):
+    """``Join([ddp_model, optimizer])``, torch's idiom for its ZeroRedundancyOptimizer under DDP: even inputs train
+    bitwise as without Join; uneven ones raise on every rank."""
+    for joined, plain in case_results(ranks, ("even", "ddp")):
+        assert joined[0] == plain[0] == "no error"
+        assert all(torch.equal(a, b) for a, b in zip(joined[1], plain[1]))
+    for message in case_results(ranks, ("uneven", "ddp", fewer)):
+        assert message.startswith("UnevenInputsError: uneven inputs"), message
 
 
 def test_a_layer_in_several_reentrant_checkpointed_regions_trains_as_ddp(ranks):
