@@ -310,7 +310,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     @property
     def join_process_group(self):
         """The group of every rank that steps with this optimizer (the world under hybrid sharding)."""
-        return self.process_group if self.topology.replicate is None else dist.group.WORLD
+        whole_world = self.process_group is None or self.topology.replicate is not None
+        return dist.group.WORLD if whole_world else self.process_group  # (the object DDP names too, not None)
 
     def _agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
         """:meth:`StepChecks.agree` unless its verdict stands and no norm is asked; unequal backward passes raise."""
