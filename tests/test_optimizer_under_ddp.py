@@ -258,6 +258,24 @@ def _schedule_free_moved_into_reach(rank):
     return out
 
 
+def _compiled_after_the_move(rank):
+    """Built before the model moves, then the model compiled (``torch.compile``, the eager backend) and trained 3
+    steps: as the optimizer built after both. The first forward is the compiled module's, whose own parameters
+    are its original module's."""
+    runs = []
+    for before in (True, False):
+        torch._dynamo.reset()
+        model = _model()
+        build = lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2,  # noqa: E731
+                                         bucket_numel=500)
+        optimizer = build() if before else None
+        model.to(torch.device("cpu", 0))
+        compiled = torch.compile(model, backend="eager")
+        optimizer = optimizer or build()
+        runs.append(_fit(rank, model, compiled, optimizer, 3))
+    return runs
+
+
 def _fp16_follows(rank):
     """A model converted to fp16 after construction: loss scaling turns on as for one built fp16."""
     model = _model()
@@ -467,7 +485,8 @@ def _all(rank, world_size, shared):
              "consolidated then loaded": lambda: _consolidated_then_loaded(rank, shared),
              "partly converted after loading": lambda: _partly_converted_after_loading(rank, shared),
              "moved into reach": lambda: _moved_into_reach(rank),
-             "schedule-free moved into reach": lambda: _schedule_free_moved_into_reach(rank)}
+             "schedule-free moved into reach": lambda: _schedule_free_moved_into_reach(rank),
+             "compiled after the move": lambda: _compiled_after_the_move(rank)}
     for change in ("cpu:0", "double"):
         for load in ("checkpoint", "full state"):
             cases[("loaded then", change, load)] = lambda change=change, load=load: _loaded_then_changed(
@@ -546,6 +565,11 @@ def test_a_schedule_free_mode_switch_before_the_move_raises_the_moves_message_th
     for out in case_results(ranks, "schedule-free moved into reach"):
         assert out["unmoved train()"] == "out of reach (moved: no)"
         assert _bitwise(out[True], out[False])
+
+
+def test_a_model_moved_then_compiled_after_the_optimizer_was_built_trains_as_one_built_after(ranks):
+    for before, after in case_results(ranks, "compiled after the move"):
+        assert _bitwise(before, after)
 
 
 def test_a_conversion_to_fp16_turns_loss_scaling_on(ranks):
