@@ -157,8 +157,9 @@ class ModelFollower:
 
     def before_forward(self, module: torch.nn.Module) -> None:
         addresses = self._addresses
-        moved = any(id(p) in addresses and p.data_ptr() != addresses[id(p)]
-                    for p in module._parameters.values() if p is not None)
+        # a compiled module runs its original's forward below the hooks: its parameters are all the original's
+        params = module.parameters() if type(module).__name__ == "OptimizedModule" else module._parameters.values()
+        moved = any(id(p) in addresses and p.data_ptr() != addresses[id(p)] for p in params if p is not None)
         if moved or self.ownership.has_successors:
             follow = self._follow()
             if follow is not None:
