@@ -357,11 +357,30 @@ def test_checkpoint_agreements_travel_on_the_optimizers_gpu(tmp_path):
                            timeout=600) == [True, True]
 
 
+def _built_before_the_move_without_set_device(rank, world_size):
+    """The optimizer built on a CPU model by a script that never calls torch.cuda.set_device (every rank's current
+    GPU is 0), then the model moved with .to(f"cuda:{rank}"): the construction's collectives must run on each
+    rank's own GPU (torchrun's LOCAL_RANK), not on GPU 0 twice; one step."""
+    torch.cuda.set_device(0)
+    os.environ["LOCAL_RANK"] = str(rank)
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, lr=1e-3)
+    model.to(f"cuda:{rank}")
+    optimizer.backward(model(**{k: v.to(f"cuda:{rank}") for k, v in batch(rank, 0, 0).items()}).loss)
+    optimizer.step()
+    return True
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (ranks on GPU 1 and GPU 0)")
+def test_an_optimizer_built_before_the_move_without_set_device_communicates_on_each_ranks_gpu():
+    assert run_distributed(2, _built_before_the_move_without_set_device, backend="nccl", timeout=600) == [True, True]
+
+
 def _built_before_the_move(rank, world_size):
     """PyTorch's DDP tutorial under NCCL: the optimizer built while the model is on the CPU, then the model moved to
     its GPU (stage 1 also wrapped in DDP), 3 steps; against the optimizer built after the move, bitwise. Initial
-    weights differ per rank: the construction's broadcast (through the GPU, the parameters still on the CPU) must give rank 0's. Never moved:
-    the first backward raises on every rank, naming the move."""
+    weights differ per rank: the construction's broadcast (through the GPU, the parameters still on the CPU) must
+    give rank 0's. Never moved: the first backward raises on every rank, naming the move."""
     torch.use_deterministic_algorithms(True)  # (two runs compared bitwise: the embedding's backward, say)
     device = torch.device("cuda", torch.cuda.current_device())
     runs = {}

@@ -334,12 +334,20 @@ def _pickled_with_sizes(value, group, timeout: Optional[float], name: str,
 
 def collective_device(group, device: Optional[torch.device]) -> torch.device:
     """Where ``group``'s collectives reach a tensor (a pickle, a CPU model's parameters under NCCL): on NCCL
-    ``device`` if it is a GPU, else the current GPU; on other backends the host."""
+    ``device`` if it is a GPU, else the group's bound GPU, else the current one -- or, where that is GPU 0 and
+    torchrun's ``LOCAL_RANK`` says otherwise (a script that never calls ``set_device``), the GPU NCCL itself would
+    guess for this rank; on other backends the host."""
     if dist.get_backend(group) != "nccl":
         return torch.device("cpu")
-    if device is None or device.type != "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    if device is not None and device.type == "cuda":
+        return device
+    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+    if bound is not None:
+        return bound
+    current, local_rank = torch.cuda.current_device(), os.environ.get("LOCAL_RANK", "")
+    if current == 0 and local_rank.isdigit():
+        return torch.device("cuda", int(local_rank) % torch.cuda.device_count())
+    return torch.device("cuda", current)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
