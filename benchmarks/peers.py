@@ -236,7 +236,7 @@ def targets(rows_by_world: dict[int, list[Row]], comm: dict[int, dict],
             if "volume_over_psi" in entry:
                 volume = entry["volume_over_psi"]
                 lines.append(_mark(volume <= 2.01, f"accumulation {accum}, stage {stage}: {volume:.3f} Ψ per step "
-                                   "(target: the 2Ψ minimum, padding and 4 check elements aside)"))
+                                   "(target: the 2Ψ minimum, padding and the step check's few elements aside)"))
     return lines
 
 

@@ -14,8 +14,7 @@ How it fits Trainer (transformers 5), and the traps it avoids:
   optimizer step; stage 2 reduces each micro-batch (that is what frees the full gradient); with offload the
   sums stay on the device until the final micro-batch. Trainer's ``model.zero_grad()`` after each step
   reaches :meth:`ShardedOptimizer.zero_grad`, which clears the gradient shards too.
-* **fp16** (``fp16=True``: fp16 autocast over fp32 parameters). accelerate's ``torch.amp.GradScaler`` looks
-  for full ``.grad`` on every parameter, which ZeRO keeps in shards, so it is replaced by
+* **fp16** (``fp16=True``: fp16 autocast over fp32 parameters). accelerate's ``torch.amp.GradScaler`` is replaced by
   :class:`OptimizerLossScaler`, which hands scaling, unscaling and the overflow check to ShardedOptimizer's
   own dynamic loss scaler (set up like the GradScaler it replaces). An overflowing step is skipped on every
   rank and reported to Trainer as skipped, so the LR schedule waits, exactly as with the GradScaler; the
