@@ -393,6 +393,34 @@ def _partly_converted_after_loading(rank, shared):
     return "no error"
 
 
+def _loaded_then_edited_or_reformatted(rank):
+    """Optimizer state loaded into a bf16 model (fp32 masters), then, before the first step: weights loaded, then a
+    move (the step, at lr 0, must keep the loaded weights); a conversion to fp32 (the loaded masters would be
+    dropped: refused); and for a conv model, a change to channels_last (the state would land on other elements:
+    refused)."""
+    out = {}
+    for case in ("weights then move", "to fp32", "channels_last"):
+        torch.manual_seed(0)
+        model = (torch.nn.Conv2d(4, 8, 3) if case == "channels_last" else _model()).bfloat16()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=0.0, bucket_numel=500)
+        optimizer.load_state_dict(optimizer.state_dict())
+        try:
+            if case == "weights then move":
+                weights = {k: v * 0.5 for k, v in model.state_dict().items()}
+                model.load_state_dict(weights)
+                model.to(torch.device("cpu", 0))
+                model(torch.ones(2, 20, dtype=torch.bfloat16)).float().sum().backward()
+                optimizer.step()
+                out[case] = all(torch.equal(value, model.state_dict()[k]) for k, value in weights.items())
+            else:
+                model.float() if case == "to fp32" else model.to(memory_format=torch.channels_last)
+                model(torch.ones(2, 20) if case == "to fp32" else torch.ones(1, 4, 5, 5))
+                out[case] = "no error"
+        except RuntimeError as error:
+            out[case] = str(error)
+    return out
+
+
 def _replaced_twice(rank):
     """load_state_dict(assign=True) twice after building: the second replacement is trained, as built after."""
     runs = []
@@ -484,6 +512,7 @@ def _all(rank, world_size, shared):
              "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
              "consolidated then loaded": lambda: _consolidated_then_loaded(rank, shared),
              "partly converted after loading": lambda: _partly_converted_after_loading(rank, shared),
+             "loaded then edited or reformatted": lambda: _loaded_then_edited_or_reformatted(rank),
              "moved into reach": lambda: _moved_into_reach(rank),
              "schedule-free moved into reach": lambda: _schedule_free_moved_into_reach(rank),
              "compiled after the move": lambda: _compiled_after_the_move(rank)}
@@ -635,6 +664,13 @@ def test_state_loaded_before_the_model_moves_is_carried_over(ranks, change, load
 def test_a_conversion_that_changes_the_layout_after_a_load_is_refused(ranks):
     for message in case_results(ranks, "partly converted after loading"):
         assert "convert the model first, then load" in message, message
+
+
+def test_after_a_load_weights_loaded_before_the_move_stay_and_conversions_that_drop_state_are_refused(ranks):
+    for out in case_results(ranks, "loaded then edited or reformatted"):
+        assert out["weights then move"] is True
+        for case in ("to fp32", "channels_last"):
+            assert "convert the model first, then load" in out[case], out[case]
 
 
 def test_a_parameter_replaced_twice_before_the_first_step_is_trained(ranks):
