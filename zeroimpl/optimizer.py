@@ -173,6 +173,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Build every part from ``trainable``; ``agree``: check the inner optimizers' construction on every rank."""
         settings, timeout = self._settings, self.collective_timeout
         self.trainable_params: list[torch.nn.Parameter] = trainable  # indexed by layout parameter index
+        self._built_strides = [p.stride() for p in trainable]  # the memory formats the buffers hold (a rebuild's check)
         self.layout: ShardLayout = layout
         self._device = trainable[0].device
         self.host_arenas, host_masters, self.gradients, staging = gradient_store(self.offload, layout, trainable,
@@ -216,7 +217,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             return
         if self.reducer.backward_passes or self.gradients.has_gradients or self._steps_taken:
             return  # (gradients of the old parameters: the step's check names the change)
-        self.param_sync.finish_param_sync()
+        self.param_sync.finish_param_sync(take_edits=self._loaded)  # (weights loaded since the state: kept)
         carried = self._carried_state() if self._loaded else None
         for group in self.param_groups:
             group["params"] = [successors.get(id(p), p) for p in group["params"]]
@@ -237,19 +238,24 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _carried_state(self) -> tuple:
         pieces = self.pieces.states(self.inner)
-        return (_positions(p for p, _, _ in pieces),
+        return (_positions(p for p, _, _ in pieces), self._built_strides,
                 [state for _, _, state in pieces], [(s.master, s.shard) for s in self.storages],
                 self.loss_scaler.state_dict() if self.loss_scaler else None)
 
-    def _carry_over(self, positions: list, states: list, masters: list, loss_scaler: Optional[dict]) -> None:
+    def _carry_over(self, positions: list, strides: list, states: list, masters: list,
+                    loss_scaler: Optional[dict]) -> None:
         """Local: the loaded state moves to the rebuilt parts. The parameters keep the values the model holds now
-        (written since the move: a model loaded after it); separate masters carry over where they were not."""
+        (written since the move: a model loaded after it); separate masters carry over where they were not. Refused
+        where the state would no longer fit: other pieces, memory formats, or separate masters the model dropped."""
         sizes = [s.master.numel() for s in self.storages]
-        if _positions(self.layout.pieces(self.rank)) != positions or [m.numel() for m, _ in masters] != sizes:
+        dropped = any(master is not shard and not storage.has_separate_master
+                      for storage, (master, shard) in zip(self.storages, masters))
+        if (_positions(self.layout.pieces(self.rank)) != positions or [m.numel() for m, _ in masters] != sizes
+                or [p.stride() for p in self.trainable_params] != strides or dropped):
             raise RuntimeError("the model was converted after optimizer state was loaded into the ShardedOptimizer, "
                                "and the conversion changed how the parameters are laid out in its buckets (their "
-                               "dtypes), so the loaded state no longer fits its shards: convert the model first, then "
-                               "load the state (or the checkpoint)")
+                               "dtypes or memory formats), so the loaded state no longer fits its shards: convert the "
+                               "model first, then load the state (or the checkpoint)")
         self.restore_state(states, [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                            loss_scaler=loss_scaler)
         with torch.no_grad():
