@@ -414,7 +414,7 @@ def _loaded_then_edited_or_reformatted(rank):
                 out[case] = all(torch.equal(value, model.state_dict()[k]) for k, value in weights.items())
             else:
                 model.float() if case == "to fp32" else model.to(memory_format=torch.channels_last)
-                model(torch.ones(2, 20) if case == "to fp32" else torch.ones(1, 4, 5, 5))
+                model(torch.ones(2, 20) if case == "to fp32" else torch.ones(1, 4, 5, 5, dtype=torch.bfloat16))
                 out[case] = "no error"
         except RuntimeError as error:
             out[case] = str(error)
