@@ -280,7 +280,7 @@ def members(cls: type, public: dict[int, str]) -> tuple[list[str], list[str]]:
             value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
         if not function.__doc__:
             origin = next((k for k in cls.__mro__ if not is_zeroimpl(k) and name in vars(k)), None)
-            bare.append(f"`{name}`" + (f" (overrides `{qualified(origin, public)}.{name}`)" if origin else ""))
+            bare.append(f"`{name}`" + (f" (overrides `{origin.__qualname__}.{name}`)" if origin else ""))
             continue
         if isinstance(value, property):
             signature = own_signature(function)
@@ -308,7 +308,7 @@ def document(public_name: str, obj, public: dict[int, str]) -> str:
         signature = own_signature(obj) if not issubclass(obj, BaseException) else None
         if signature is not None:  # a constructor: `-> None` says nothing
             signature = signature.replace(return_annotation=inspect.Signature.empty)
-        if signature is not None:
+        if signature is not None and not dataclasses.is_dataclass(obj):  # (a dataclass's fields table says it all)
             parts.append(f"```python\n{signature_text(public_name, signature)}\n```")
         kind = "Exception" if issubclass(obj, BaseException) else "Dataclass" if dataclasses.is_dataclass(obj) \
             else "Class"

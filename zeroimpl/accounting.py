@@ -19,25 +19,22 @@ from .precision import at_least_fp32
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes of one memory (the device or the host), by kind; each tensor counted once.
-
-    * ``parameters`` -- the trainable parameters' flat buffers, padding included (``quantize_param_gather``: plus
-      this rank's shard as last all-gathered).
-    * ``gradients`` -- full-size ``param.grad`` of trainable parameters (stage 1, between backward and step).
-    * ``gradient_shard`` -- this rank's averaged gradient shard, reduce dtype (fp32 from a loss-scaled step to
-      ``zero_grad()``; not in the estimate); offload: fp32 on the host, a device accumulator in ``accumulating()``.
-    * ``master_weights`` -- fp32 (or wider) copies of this rank's shard; 0 where it is the master (fp32, no offload
-      or ``quantize_param_gather``).
-    * ``optimizer_state`` -- every tensor in the inner optimizers' state.
-    * ``bucket_buffers`` -- gradient bucket buffers alive now; on the host, offload's staging buffers (16-bit models).
-    """
+    """Bytes of one memory (device or host) by kind, each tensor counted once."""
 
     parameters: int = 0
+    """Flat parameter buffers with padding; ``quantize_param_gather`` adds this rank's last all-gathered shard."""
     gradients: int = 0
+    """Full-size ``param.grad`` (stage 1, from backward to step)."""
     gradient_shard: int = 0
+    """The averaged gradient shard, reduce dtype (fp32 from a loss-scaled step to ``zero_grad()``, not estimated);
+    offload: fp32 on the host, plus a device accumulator in ``accumulating()``."""
     master_weights: int = 0
+    """fp32 (or wider) copies of this rank's shard; 0 for fp32 parameters without offload or
+    ``quantize_param_gather``."""
     optimizer_state: int = 0
+    """Every tensor in the inner optimizers' state."""
     bucket_buffers: int = 0
+    """Gradient buckets alive now; on the host, offload's staging buffers (16-bit models)."""
 
     @property
     def total(self) -> int:
@@ -49,8 +46,7 @@ class StateBytes:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes held on this rank: ``device`` (the parameters' device; the CPU without a GPU) and ``host`` (what CPU
-    offload holds in host memory; zero without offload)."""
+    """Bytes held on this rank: on the parameters' ``device``, and on the ``host`` for offload (else zeros)."""
 
     device: StateBytes
     host: StateBytes
@@ -199,13 +195,10 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     rank: Optional[int] = None,
                     per_parameter: Collection[type] = (), quantize_param_gather: bool = False,
                     quantize_grad_reduce: bool = False) -> MemoryReport:
-    """Predict :meth:`ShardedOptimizer.memory_report` for one rank at the peak of model states: after a step's
-    backward passes, every parameter holding optimizer state. Activations and transient buffers are not counted.
-
-    ``params``: what you would pass to ShardedOptimizer (exact), or a count of trainable ``dtype`` elements for a
-    flat optimizer class (padding estimated). ``world_size``: the shard group's size. ``rank``: the rank to predict
-    (default: the one holding the most). The other arguments are ShardedOptimizer's.
-    """
+    """Predict :meth:`ShardedOptimizer.memory_report` of one rank at its peak of model states (after backward, all
+    optimizer state allocated); activations and transient buffers excluded. ``params``: ShardedOptimizer's (exact),
+    or a count of trainable ``dtype`` elements for a flat optimizer class. ``world_size``: the shard group's size.
+    ``rank``: default, the one holding most. The rest: as ShardedOptimizer's."""
     quantize_param_gather = quantize_param_gather and comm.issues_collectives(world_size)  # (not at one rank)
     validation.check_stage(stage)
     policy = resolve_offload(offload)

@@ -144,21 +144,21 @@ class ShardLayout:
 
     @property
     def numel(self) -> int:
-        """Trainable elements, without padding (Ψ)."""
+        """Trainable elements, padding excluded (Ψ)."""
         return sum(b.numel for b in self.buckets)
 
     @property
     def padded_numel(self) -> int:
-        """Elements of all bucket buffers, padding included."""
+        """All buckets' elements, padding included."""
         return sum(b.padded_numel for b in self.buckets)
 
     @property
     def shard_numel(self) -> int:
-        """Elements each rank owns, padding included (identical on every rank)."""
+        """Elements each rank owns, padding included."""
         return sum(b.shard_numel for b in self.buckets)
 
     def padding(self, bucket_index: int) -> list[tuple[int, int]]:
-        """The padding ranges ``[start, end)`` of a bucket's buffer: every element no parameter occupies."""
+        """A bucket's ranges ``[start, end)`` that no parameter occupies."""
         bucket = self.buckets[bucket_index]
         gaps, position = [], 0
         for slot in sorted((self.slots[i] for i in bucket.param_indices), key=lambda slot: slot.offset):
@@ -168,12 +168,12 @@ class ShardLayout:
         return gaps + ([(position, bucket.padded_numel)] if position < bucket.padded_numel else [])
 
     def edges(self, bucket_index: int) -> list[int]:
-        """Where each parameter of a bucket starts and where it ends in the bucket's buffer (offsets)."""
+        """Each member's start and end offset in a bucket's buffer."""
         slots = [self.slots[i] for i in self.buckets[bucket_index].param_indices]
         return [edge for slot in slots for edge in (slot.offset, slot.end)]
 
     def pieces(self, rank: int) -> list[ShardPiece]:
-        """Every parameter piece owned by ``rank``, in bucket then buffer order."""
+        """The pieces ``rank`` owns, in bucket then buffer order."""
         pieces = []
         for bucket in self.buckets:
             shard_start, shard_end = bucket.shard_range(rank)
@@ -187,9 +187,8 @@ class ShardLayout:
         return pieces
 
     def fingerprint(self) -> dict:
-        """A small, complete description of the layout, stored by checkpoints: compared to refuse state from
-        another layout, and enough to rebuild it (:meth:`from_fingerprint`). A bucket is ``(group, dtype, members,
-        numel, padded_numel)``, plus its offsets if whole-parameter, its offsets and block if blocked."""
+        """The layout in brief, stored by checkpoints: to refuse another layout's state and to rebuild it
+        (:meth:`from_fingerprint`)."""
         return {
             "world_size": self.world_size,
             "alignment": self.alignment,
@@ -201,7 +200,7 @@ class ShardLayout:
 
     @classmethod
     def from_fingerprint(cls, fingerprint: dict) -> "ShardLayout":
-        """Rebuild a layout from :meth:`fingerprint`; raises ValueError if the description is inconsistent."""
+        """The layout :meth:`fingerprint` describes; ValueError if inconsistent."""
         world_size, numels = int(fingerprint["world_size"]), [int(n) for n in fingerprint["param_numels"]]
         slots: list = [None] * len(numels)
         buckets = []
@@ -257,10 +256,9 @@ def _completion_keys(params: Sequence[ParamSpec]) -> list[float]:
 
 def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int,
                  alignment: int = 8) -> ShardLayout:
-    """Pack ``params`` (by parameter index) into buckets, each padded to a multiple of ``world_size * alignment``
-    (default 8: aligned shard starts, room for the fp32 scales of 8-bit payloads). A flat or blocked bucket holds
-    at most ``bucket_numel`` elements (a larger parameter gets a bucket of its own); a whole-parameter one grows past
-    it until its shards pack with little padding (:func:`split_whole_run`), the ranks' total ``work`` balanced."""
+    """Pack ``params`` (by parameter index) into buckets padded to multiples of ``world_size * alignment``. A flat or
+    blocked bucket holds at most ``bucket_numel`` elements, or one larger parameter; a whole-parameter one grows
+    until its shards pack with little padding, balancing the ranks' ``work``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1 or alignment < 1:

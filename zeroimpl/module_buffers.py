@@ -18,11 +18,9 @@ FLAT_NUMEL = 2 ** 22  # elements a broadcast flattens together at most (16 MiB o
 
 
 class BufferBroadcast:
-    """Broadcasts the group's first rank's buffers (integer ones too) before a forward of ``module`` exactly when
-    ``DistributedDataParallel(broadcast_buffers=True)`` would: before the first forward, and before each one that
-    follows a forward with gradients outside ``no_sync()``. ``forward()`` brackets a forward that every rank runs;
-    ``attach()`` hooks the rule onto the module until ``remove()``, skipping forwards without gradients, which may run
-    on one rank alone (``generate``): each rank then keeps its own buffers, where DDP would broadcast rank 0's."""
+    """Broadcasts the group's first rank's buffers when DDP's ``broadcast_buffers=True`` would: before the first
+    forward and each after a forward with gradients outside ``no_sync()``. ``forward()`` wraps a forward every rank
+    runs; ``attach()`` hooks the rule on."""
 
     def __init__(self, module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None):
         self.module, self.process_group = module, process_group
@@ -60,7 +58,8 @@ class BufferBroadcast:
             self.accumulating = outer
 
     def attach(self) -> "BufferBroadcast":
-        """Run the rule around every forward of the module with gradients enabled (hooks), until :meth:`remove`."""
+        """Apply the rule to every forward with gradients, until :meth:`remove`. Forwards without (``generate``, maybe
+        on one rank) keep each rank's buffers; DDP would broadcast rank 0's."""
         self.handles += [self.module.register_forward_pre_hook(self._before_training_forward),
                          self.module.register_forward_hook(self._after_training_forward)]
         return self
@@ -83,22 +82,21 @@ def no_sync(optimizers: Iterable, buffers: Optional[BufferBroadcast] = None) -> 
 
 
 def broadcast_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> BufferBroadcast:
-    """Broadcast ``model``'s buffers from the group's first rank before its training forwards, as DDP's
-    ``broadcast_buffers=True`` does, until ``.remove()`` (the rule: :class:`BufferBroadcast`). Call it on every rank;
-    around non-final micro-batches, enter the returned object's ``no_sync()`` with ``optimizer.accumulating()``."""
+    """DDP's ``broadcast_buffers=True`` for ``model`` (:class:`BufferBroadcast`), until ``.remove()``. Call it on every
+    rank; around non-final micro-batches, enter its ``no_sync()`` with ``optimizer.accumulating()``."""
     return BufferBroadcast(model, process_group).attach()
 
 
 @torch.no_grad()
 def sync_buffers(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> None:
-    """Overwrite every rank's buffers with those of the group's first rank, now. Collective."""
+    """Overwrite every rank's buffers with the group's first rank's, now. Collective."""
     _overwrite_by_dtype(list(model.buffers()), _broadcaster(process_group))
 
 
 @torch.no_grad()
 def sync_module_states(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> None:
-    """Overwrite every rank's parameters (frozen ones too) and buffers with the group's first rank's, now, as DDP's
-    constructor does: for frameworks that hold the module (a ShardedOptimizer sees only its parameters). Collective."""
+    """Overwrite every rank's parameters (frozen too) and buffers with the group's first rank's, now, as DDP's
+    constructor does; for frameworks that hold the module. Collective."""
     _overwrite_by_dtype([*model.parameters(), *model.buffers()], _broadcaster(process_group))
 
 

@@ -28,17 +28,15 @@ FUSED_CPU_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, to
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """Offload policy: master weights (at least fp32), optimizer state and gradient shards on the host; step there."""
+    """The ``offload`` policy; ``"cpu"`` is ``CPUOffload()``."""
 
     pin_memory: bool = True
-    """Page-locked host buffers (one ``cudaHostRegister``-ed range of whole pages; torch's ``pin_memory=True`` is the
-    fallback, with a warning), so that copies to and from a CUDA device are asynchronous. Not inherited by processes
-    forked after construction (``MADV_DONTFORK``); to hand a ``state_dict``'s host masters to another process, send
-    clones. Ignored when the parameters are on the CPU."""
+    """Page-locked host memory, for asynchronous CUDA copies. Forked processes do not inherit it: send them clones
+    of a ``state_dict``'s host masters."""
 
     fused_step: bool = True
-    """Step with the optimizer's fused CPU kernel when it has one (Adam, AdamW, SGD, Adagrad) and the user
-    passed neither ``fused`` nor ``foreach``. Results differ from the for-loop kernel in the last bits."""
+    """Use the fused CPU kernel (Adam, AdamW, SGD, Adagrad; last bits differ from the for-loop's) unless you pass
+    ``fused``, ``foreach`` or ``differentiable``."""
 
 
 OffloadOption = Union[None, Literal["cpu"], CPUOffload]

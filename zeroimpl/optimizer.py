@@ -60,53 +60,35 @@ class _PartSettings(NamedTuple):
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """Shards optimizer state (stage 1) and gradients (stage 2) of ``params`` across data-parallel ranks.
 
-    Every rank holds the same parameters after ``step()``; rank r's inner optimizers hold state for chunk r of every
-    bucket only. Each option in depth: docs/advanced.md.
+    Every rank holds the same parameters after ``step()``. Options in depth: docs/advanced.md.
 
     Args:
-        params: parameters or param-group dicts, as any torch optimizer takes; frozen ones are left alone. A group may
-            name its own class under ``"optimizer"``, its other keys being that class's hyperparameters. Stage 2 needs
-            the bare model; stage 1 also takes a DistributedDataParallel one (3Ψ of traffic against 2Ψ).
-        optimizer_class: the ``torch.optim.Optimizer`` subclass of the groups that name none. Elementwise classes
-            (AdamW, SGD, ...) get flat shards; Muon, Adafactor and ``per_parameter`` classes whole-parameter shards
-            (each parameter stepped whole, by one rank); LBFGS and SparseAdam are refused.
-        stage: ``1`` shards optimizer state and master weights, reducing gradients once per step; ``2`` also shards
-            gradients, reduce-scattered bucket by bucket during backward.
-        offload: keep the fp32 master weights, optimizer state and gradient shard in host memory and step on the
-            CPU: ``"cpu"`` or a :class:`zeroimpl.CPUOffload` policy; ``None``: off.
-        process_group: the data-parallel group (default: the whole world).
-        device_mesh: a ``torch.distributed.DeviceMesh`` instead of ``process_group``: 1-D, its group; 2-D (replicate x
-            shard), hybrid sharding. 2-D dims are unnamed or ``("replicate", "shard")``. State (stage 2: and gradients)
-            is sharded within each shard group and all-reduced across replicas: 2Ψ/n per rank (n: shard-group size)
-            against DDP's 2Ψ; ``rank`` and ``world_size`` describe the shard group.
-        bucket_numel: elements per gradient/parameter bucket (default 2**22, 16 MiB of fp32).
-        max_inflight_buckets: how many reduce-scatters (hybrid: and replica all-reduces) backward keeps in flight
-            before it waits for the oldest (0: none); bounds the buffers alive during backward.
-        reduce_dtype: the dtype gradients are reduced and their shard kept in (default fp32; fp64 for fp64 models).
-            Under loss scaling a 16-bit shard is widened to fp32 until ``zero_grad()``.
-        loss_scale: dynamic loss scaling: ``"auto"``, on when any parameter is fp16; a :class:`LossScaleConfig`, on
-            with those settings (for fp16 autocast); ``None``, off. When on, call ``optimizer.backward(loss)``;
-            steps whose gradients overflow are skipped and the scale backs off.
-        verify_every: every this many steps, compare a checksum of the parameters across ranks (one small
-            all-reduce) and raise :class:`zeroimpl.DivergenceError` naming the first that differs (``None``: never).
-        nonfinite: what ``step()`` does when the averaged gradients hold NaN or Inf and no loss scaling is on (or
-            the scale is at its minimum): ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` skips.
-            Either way nothing is updated, the gradients are cleared and ``skipped_steps`` counts the step.
-        collective_timeout: seconds any one of this optimizer's collectives on CPU tensors (gloo) may take before
-            it raises :class:`zeroimpl.CollectiveError`; on CUDA, the waits where the host blocks anyway. ``None``:
-            the process group's timeout.
-        overlap_param_gather: leave each bucket's parameter all-gather in flight after ``step()``, until the first
-            torch operation or module forward that touches its parameters. Results are bitwise those of ``False``;
-            for reads it cannot see, call :meth:`finish_param_gathers`.
-        quantize_param_gather: all-gather each step's change of the parameters in 8 bits; each rank keeps an exact
-            fp32 master of its shard.
-        quantize_grad_reduce: reduce the gradients in 8 bits, summed in fp32 (``"replicas"``: only across replicas).
-        assume_elementwise: shard unknown classes flat (only if they update each element from its own values alone).
-        per_parameter: optimizer classes to shard by whole parameters (a Shampoo or SOAP implementation, or any
-            class whose update of a parameter needs all of it), besides Muon and Adafactor.
-        init_sync: ``"broadcast"`` (default) or ``"check"``: rank 0's ``params`` overwrite every rank's at
-            construction, as DDP does, or a difference raises on every rank. Buffers: :func:`zeroimpl.sync_buffers`.
-        **optimizer_kwargs: passed to ``optimizer_class`` (lr, weight_decay, betas, ...).
+        params: parameters or param-group dicts; a group may name its class under ``"optimizer"``.
+        optimizer_class: the class of groups that name none (not LBFGS, SparseAdam).
+        stage: ``1`` shards optimizer state and masters; ``2`` also gradients.
+        offload: ``"cpu"`` or a :class:`zeroimpl.CPUOffload`: the shard's state and step on the host.
+        process_group: the data-parallel group (``None``: the world).
+        device_mesh: a ``DeviceMesh`` instead: 1-D, its group; 2-D (dims unnamed or ``("replicate", "shard")``),
+            hybrid sharding. ``rank``, ``world_size``: the shard group's.
+        bucket_numel: elements per gradient/parameter bucket.
+        max_inflight_buckets: reduce-scatters backward keeps in flight before waiting (0: none).
+        reduce_dtype: gradient reduce and shard dtype (``None``: fp32; fp64 for fp64 models). Loss
+            scaling widens 16-bit shards to fp32.
+        loss_scale: dynamic loss scaling: ``"auto"``, on for fp16 parameters; a :class:`LossScaleConfig`, on;
+            ``None``, off.
+        nonfinite: NaN/Inf gradients without loss scaling (or at minimum scale): ``"raise"`` ``FloatingPointError``
+            on every rank, or ``"skip"``.
+        collective_timeout: seconds before a stuck collective raises :class:`zeroimpl.CollectiveError` (CUDA: host
+            waits only).
+        assume_elementwise: shard unknown classes flat (elementwise updates only).
+        per_parameter: classes to shard by whole parameters (Shampoo, SOAP).
+        verify_every: every this many steps, raise :class:`zeroimpl.DivergenceError` if ranks' parameters differ.
+        overlap_param_gather: leave parameter all-gathers in flight after ``step()`` until first use (bitwise as
+            ``False``).
+        quantize_param_gather: all-gather parameter changes in 8 bits (exact masters).
+        quantize_grad_reduce: reduce gradients in 8 bits, summed in fp32 (``"replicas"``: across replicas only).
+        init_sync: ``"broadcast"`` rank 0's parameters, or ``"check"`` that ranks agree (else raise).
+        **optimizer_kwargs: for ``optimizer_class`` (``lr``, ...).
     """
 
     def __init__(self, params: Union[Iterable[torch.Tensor], Iterable[dict]], optimizer_class: type,
@@ -268,13 +250,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
-        """A ShardedOptimizer of a torch ``optimizer``'s class, groups and defaults, plus ``options`` (``ValueError``
-        once ``optimizer`` holds state). Its groups become this one's, for its LR schedulers; its step() raises."""
+        """Replace a stateless torch ``optimizer`` (class, groups, defaults); its schedulers follow, its ``step()``
+        raises."""
         groups, optimizer_class, defaults = optimizer_kinds.settings_of(optimizer)
         return optimizer_kinds.hand_over(optimizer, cls(groups, optimizer_class, stage, **{**defaults, **options}))
 
     def add_param_group(self, param_group: dict) -> None:
-        """Refused after construction: the shard layout is fixed."""
+        """Raises ``NotImplementedError``: groups are fixed."""
         if getattr(self, "_constructed", True):
             raise NotImplementedError("ShardedOptimizer cannot add param groups after construction (the shard "
                                       "layout is fixed); pass every group to the constructor")
@@ -282,27 +264,27 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @property
     def loss_scale(self) -> Optional[float]:
-        """Current loss scale, or None when no loss scaling is used."""
+        """The loss scale; ``None`` without scaling."""
         return self.loss_scaler.scale if self.loss_scaler else None
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped (or raised) for NaN/Inf gradients: saved with the loss scaler, else since construction."""
+        """Steps skipped or raised for NaN/Inf gradients."""
         return self.loss_scaler.skipped_steps if self.loss_scaler else self._skipped_without_scaler
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the loss scale (fp32), for a backward the caller runs; the loss itself without scaling."""
+        """The loss times the loss scale, for your own backward."""
         if self.loss_scaler is None:
             return loss
         self.checks.note_loss_scaled()
         return loss.float() * self.loss_scaler.scale
 
     def backward(self, loss: torch.Tensor, **backward_kwargs) -> None:
-        """``loss.backward()``, with the loss multiplied by the loss scale when loss scaling is on."""
+        """``loss.backward()``, scaled if loss scaling is on."""
         self.scale_loss(loss).backward(**backward_kwargs)
 
     def accumulating(self) -> ContextManager[None]:
-        """Mark the backward passes inside as non-final micro-batches (a hint: offload sums them on the device)."""
+        """Wrap non-final micro-batches' backward (offload: summed on the device)."""
         return self.gradients.accumulating()
 
     def join_hook(self, **kwargs) -> uneven.RefuseUnevenInputs:
@@ -330,7 +312,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return total
 
     def found_nonfinite(self) -> bool:
-        """Whether the averaged gradients hold NaN/Inf (``step()`` will skip or raise). Collective, reused by step."""
+        """Whether ``step()`` will skip or raise for NaN/Inf. Collective."""
         self._follow_model(before_collectives=True)
         with torch.no_grad():
             if not self.grad_views.prepare():
@@ -340,9 +322,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip as ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradients and return the total norm,
-        identical on every rank, from the shards in the step's one small all-reduce (under DDP: torch's, local).
-        NaN/Inf gradients stay unclipped (``step()`` skips or raises); ``max_norm=inf`` only reads the norm."""
+        """``torch.nn.utils.clip_grad_norm_`` over the averaged gradients, same norm on every rank. Collective."""
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
@@ -360,7 +340,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """Update the parameters from the averaged gradients (or skip: see ``nonfinite``). Collective."""
+        """Update from the averaged gradients, or skip (``nonfinite``). Collective."""
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self._follow_model(before_collectives=True)
@@ -427,12 +407,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.checks.reset()
 
     def train(self) -> None:
-        """Schedule-free optimizers' ``train()``, called before training (HF Trainer calls it): see :meth:`eval`."""
+        """Schedule-free classes: undo :meth:`eval`. Collective."""
         self._switch_mode("train")
 
     def eval(self) -> None:
-        """Schedule-free optimizers' switch of the parameters to the averaged point (``train()`` switches back).
-        Collective when an inner class has the method (its masters move, the parameters are all-gathered)."""
+        """Schedule-free classes: switch to the averaged parameters. Collective."""
         self._switch_mode("eval")
 
     def _switch_mode(self, mode: str) -> None:
@@ -442,11 +421,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.param_sync.start_param_sync()
 
     def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
-        """Wait for the parameter all-gathers in flight, of ``buckets`` or of all. Local: ``step()`` issued them."""
+        """Wait for parameter all-gathers in flight (of ``buckets``, or all)."""
         self.param_sync.finish_param_sync(buckets)
 
     def trains(self, module: torch.nn.Module) -> bool:
-        """Whether a parameter of ``module`` (frozen ones too) is in this optimizer's groups: which one owns it."""
+        """Whether ``module`` has a parameter in this optimizer's groups."""
         held = {id(p) for group in self.param_groups for p in group["params"]}
         return any(id(p) in held for p in module.parameters())
 
@@ -462,7 +441,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
-        """Raise :class:`zeroimpl.DivergenceError` on every rank unless all hold identical parameters. Collective."""
+        """Collective: raise :class:`zeroimpl.DivergenceError` unless ranks' parameters are equal."""
         self._follow_model(before_collectives=True)
         self.finish_param_gathers()
         verify.verify_ranks_agree(self.storages, self.ownership.frozen, self.topology, self._device,
@@ -470,9 +449,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                   lambda param: verify.param_name(self.param_groups, param))
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Collective: gather the full state on rank ``to`` of the shard group (hybrid: of every replica), as torch's
-        ZeroRedundancyOptimizer: until the next step or load, :meth:`state_dict` there returns it in torch's format,
-        loadable by the plain inner optimizer and by :meth:`load_state_dict` at any world size."""
+        """Collective: gather the full torch-format state for rank ``to``'s :meth:`state_dict`, until the next step or
+        load."""
         self.sync_masters()
         whole = [bucket.whole or bool(bucket.block) for bucket in self.layout.buckets]
         split = [(piece, *(_on_host(part) for part in split_state(state, tuple(master.shape),
@@ -499,9 +477,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return full
 
     def state_dict(self) -> dict:
-        """This rank's state, tensors by reference (its pieces' inner state, group hyperparameters, separate master
-        shards, loss scaler); local. After :meth:`consolidate_state_dict`, on rank ``to``: the full state. Under DDP
-        (stage 1) only that, as torch's ZeroRedundancyOptimizer, else ``RuntimeError``."""
+        """This rank's shard, by reference. After :meth:`consolidate_state_dict`: the full state, on rank ``to`` (under
+        DDP only then, else ``RuntimeError``)."""
         if self._consolidated is not None:  # its hyperparameters as they are now (a scheduler may have moved them)
             groups = [{**described["hyperparameters"], "params": saved["params"]}
                       for described, saved in zip(describe_groups(self), self._consolidated["param_groups"])]
@@ -526,10 +503,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore this rank's ``state_dict()`` (same world size and layout), or a full state in torch's format given
-        to every rank at any world size (:meth:`consolidate_state_dict`'s, or a plain torch optimizer's over the same
-        groups and classes), whose masters follow the parameters: load the model first. Collective: a state some rank
-        cannot load is refused on every rank, before anything changes."""
+        """Collective: load this rank's :meth:`state_dict`, or a full torch-format state (any world size; model first).
+        All ranks raise ``ValueError`` if one cannot."""
         self._follow_model()
         self._consolidated = None
         if _is_torch_format(state_dict):
@@ -666,7 +641,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         }
 
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds right now, by kind and place (see :class:`zeroimpl.MemoryReport`)."""
+        """Bytes this rank holds, by kind and place."""
         return memory_report(self.held_tensors(), offload=self.offload is not None)
 
 

@@ -22,7 +22,7 @@ HOST_POLL_SECONDS = 5e-5  # Pending.wait_on_host's polling interval
 
 
 class CollectiveError(RuntimeError):
-    """A collective of ShardedOptimizer failed or timed out: another rank has died, hangs, or diverged."""
+    """A collective failed or timed out: another rank died, hangs or diverged."""
 
 
 class Pending:

@@ -20,20 +20,20 @@ def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class LossScaleConfig:
-    """Settings of the dynamic loss scaler (``ShardedOptimizer(loss_scale=...)``)."""
+    """``ShardedOptimizer(loss_scale=...)``'s settings; invalid values raise ValueError."""
 
     initial_scale: float = 2.0 ** 16
-    """Scale of the first step."""
+    """The first step's scale."""
     growth_factor: float = 2.0
-    """Multiplier applied after ``growth_interval`` consecutive steps without overflow."""
+    """Multiplier after ``growth_interval`` clean steps."""
     backoff_factor: float = 0.5
-    """Multiplier applied when the scale backs off after an overflow."""
+    """Multiplier when the scale backs off."""
     growth_interval: int = 1000
-    """Clean steps needed before the scale grows."""
+    """Clean steps per growth."""
     hysteresis: int = 2
-    """Overflows tolerated (steps still skipped) before the scale backs off; restored on growth."""
+    """Overflows (each skipped) before the scale backs off; restored on growth."""
     min_scale: float = 1.0
-    """The scale never goes below this."""
+    """The lowest scale."""
 
     def __post_init__(self):
         if not (self.initial_scale > 0 and self.min_scale > 0 and self.growth_factor >= 1

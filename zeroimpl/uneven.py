@@ -26,7 +26,7 @@ MESSAGE = ("uneven inputs: a rank ran out of data inside `with Join([...])` whil
 
 
 class UnevenInputsError(RuntimeError):
-    """Some rank ran out of data under ``Join`` (raised on every rank, at the same collective)."""
+    """A rank ran out of data under ``Join``; raised on every rank at the same collective."""
 
 
 class RefuseUnevenInputs(JoinHook):

@@ -15,7 +15,7 @@ from .topology import Topology
 
 
 class DivergenceError(CollectiveError):
-    """The ranks' parameters differ (``ShardedOptimizer(verify_every=K)``, ``verify_ranks_agree()``)."""
+    """The ranks' parameters differ (``verify_every``, ``verify_ranks_agree()``)."""
 
 
 def verify_ranks_agree(storages: list[BucketStorage], frozen: list[torch.Tensor], topology: Topology,

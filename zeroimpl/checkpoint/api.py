@@ -46,21 +46,16 @@ from .format import (FORMAT, check_fits, check_format, merge_scalars, model_stat
 # -- save ---------------------------------------------------------------------------------------------
 def save_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
                     timeout: Optional[float] = None, *, when: Optional[bool] = None) -> bool:
-    """Save ``optimizer`` and ``model`` to ``directory``; returns whether it saved. Collective: every rank of the
-    optimizer's group calls it.
-
-    Each rank writes only its own shard (with hybrid sharding, only the first replica's ranks); the first rank also
-    writes the index and the frozen parameters and buffers. Files, crash safety, per-rank directories:
-    docs/checkpoints.md.
+    """Save ``optimizer`` and ``model`` to ``directory``; return whether it saved. Call it on every rank of the
+    optimizer's group.
 
     Args:
-        directory: a folder every rank sees, or each rank's own; the save tells which. Replaced only once the new
-            checkpoint is complete.
+        directory: a folder every rank sees, or each rank's own; replaced once the new one is complete.
         optimizer: the :class:`ShardedOptimizer`.
         model: the model it trains.
-        timeout: seconds each agreement between the ranks may wait (other ranks' writes included) before
-            raising ``CollectiveError`` (gloo). ``None``: the process group's timeout.
-        when: save or not, as the first rank's value says; every rank follows it. ``None``: save.
+        timeout: seconds each agreement between the ranks may wait (writes included), then ``CollectiveError``.
+            ``None``: the process group's timeout.
+        when: save if the first rank's value is true; ``None``: save.
     """
     _check_arguments(optimizer, model, "save_checkpoint")
     topology = optimizer.topology
@@ -199,8 +194,8 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, save: str, listi
 
 # -- load ---------------------------------------------------------------------------------------------
 def exists_on_every_rank(directory: str, optimizer: ShardedOptimizer, timeout: Optional[float] = None) -> bool:
-    """Whether every rank of ``optimizer`` sees the folder ``directory`` (or what a save killed mid-publish left of
-    it). Collective: every rank gets the same answer. ``timeout``: as for :func:`save_checkpoint`."""
+    """Whether every rank of ``optimizer`` sees ``directory`` (or what a save killed mid-publish left of it), the
+    same answer on every rank. Collective; ``timeout`` as for :func:`save_checkpoint`."""
     return all(optimizer.topology.all_gather_objects(files.findable(directory), timeout, "checkpoint existence check"))
 
 
@@ -213,20 +208,16 @@ def _check_arguments(optimizer, model, function: str) -> None:
 
 def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn.Module,
                     timeout: Optional[float] = None, missing: Optional[str] = None) -> None:
-    """Restore ``optimizer`` and ``model`` from a checkpoint of any world size, stage or offload setting.
-    Collective, as :func:`save_checkpoint`.
-
-    Each rank reads only the files that hold part of its new shard; masters and optimizer state are restored
-    exactly, the parameters set from them. Nothing changes until every rank has read and checked all it needs; a
-    failure on any rank raises on every rank.
+    """Restore ``optimizer`` and ``model`` from a checkpoint of any world size, stage or offload, on every rank. A
+    failure on one rank raises on all (a bad checkpoint: ``CheckpointError``), changing nothing.
 
     Args:
         directory: the folder given to :func:`save_checkpoint`.
         optimizer: the :class:`ShardedOptimizer`.
         model: the model it trains.
         timeout: as for :func:`save_checkpoint`.
-        missing: if given, every rank raises ``FileNotFoundError(missing)`` when some rank does not see
-            ``directory``. ``None``: refused as any unreadable checkpoint.
+        missing: if given, ``FileNotFoundError(missing)`` on every rank when some rank does not see ``directory``;
+            ``None``: refused as unreadable.
     """
     _check_arguments(optimizer, model, "load_checkpoint")
     if missing is not None and not exists_on_every_rank(directory, optimizer, timeout):

@@ -48,8 +48,8 @@ def _read_full(directory: str):
 
 
 def export_fp32_state_dict(directory: str) -> dict[str, torch.Tensor]:
-    """The model's full fp32 weights, for ``model.load_state_dict``: trainable parameters from the masters (tied
-    names share a tensor), frozen parameters and buffers as saved, floating ones in fp32. No process group needed."""
+    """The model's full fp32 state dict, for ``model.load_state_dict``: trainable parameters from the masters (tied
+    names share a tensor), the rest as saved, floating ones in fp32. No process group needed."""
     directory, index, _, masters, _ = _read_full(directory)
     state = {}
     for entry, flat in zip(index["params"], masters):
@@ -63,11 +63,9 @@ def export_fp32_state_dict(directory: str) -> dict[str, torch.Tensor]:
 
 
 def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[int]] = None) -> dict:
-    """The checkpoint's optimizer state as ``state_dict()`` of the plain inner optimizer over the same param groups,
-    frozen members included. No process group needed.
-
-    ``groups``: only these param groups (by position), as an optimizer over them alone holds them; one call per
-    optimizer class. ``None``: all."""
+    """The saved optimizer state as the plain inner optimizer's ``state_dict()`` over the same param groups, frozen
+    members included. No process group needed. ``groups``: these groups' positions only, as an optimizer over them
+    alone holds them (one call per optimizer class); ``None``: all."""
     _, index, layout, _, states = _read_full(directory)
     scalars_of = param_scalars(index)
     chosen = range(len(index["groups"])) if groups is None else list(groups)
@@ -80,9 +78,8 @@ def consolidated_optimizer_state_dict(directory: str, groups: Optional[Sequence[
 
 
 def load_torch_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict) -> None:
-    """Load a plain torch optimizer's ``state_dict()`` (same classes and param groups) into ``optimizer``. Call it on
-    every rank. No communication: every rank checks the whole dict, so all raise alike. The masters come from the
-    model's parameters: load its weights first."""
+    """Load a plain torch optimizer's ``state_dict()`` (same classes and param groups) into ``optimizer``, on every
+    rank, after the model's weights (the masters come from them). No communication: all ranks raise alike."""
     pieces = [(piece, master) for piece, master, _ in optimizer.piece_states()]
     optimizer.restore_state(*pieces_of_torch_state(state_dict, describe_groups(optimizer), optimizer.trainable_params,
                                                    optimizer.layout, pieces))

@@ -126,12 +126,9 @@ def _boxes_of(shape: tuple[int, ...], start: int, values: torch.Tensor) -> list[
 
 
 class DCPState(Stateful):
-    """``model`` and its :class:`ShardedOptimizer` as one ``torch.distributed.checkpoint`` ``Stateful``.
-
-    ``dcp.save({"app": DCPState(model, optimizer)}, checkpoint_id=path)`` writes what a DDP or FSDP2 job with the
-    same torch optimizer writes under that key, and ``dcp.load`` reads either, at any world size, stage, offload
-    setting or mesh. Refused at construction: fp16 loss scaling, ``quantize_param_gather``, low-bit optimizers,
-    non-contiguous parameters. Layout and ``dcp.async_save``: docs/checkpoints.md."""
+    """``model`` and its :class:`ShardedOptimizer` as one DCP ``Stateful``, saved as a DDP or FSDP2 job with the same
+    torch optimizer saves them; ``dcp.load`` reads either, at any world size, stage, offload or mesh. Raises
+    ``CheckpointError`` at construction for what docs/checkpoints.md refuses."""
 
     def __init__(self, model: torch.nn.Module, optimizer: ShardedOptimizer) -> None:
         if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, ShardedOptimizer):
@@ -144,8 +141,8 @@ class DCPState(Stateful):
         self.model, self.optimizer = _bare(model), optimizer
 
     def state_dict(self) -> dict:
-        """``{"model": ..., "optim": ...}`` in ``get_state_dict``'s flattened layout: views of this rank's masters
-        and state, which ``dcp.load`` loads into. Collective."""
+        """``{"model", "optim"}`` in ``get_state_dict``'s flattened layout: views of this rank's masters and state,
+        which ``dcp.load`` fills. Collective."""
         optimizer = self.optimizer
         optimizer.sync_masters()  # (the gathers in flight finished; parameters edited since the last step taken in)
         names = [first for first, *_ in param_names(optimizer, self.model)]
@@ -228,8 +225,7 @@ class DCPState(Stateful):
         return found
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """After ``dcp.load``: install the loaded state and hyperparameters and all-gather the parameters.
-        Collective. A load that fails part-way has already written: rebuild the model and optimizer."""
+        """After ``dcp.load``: install the state and hyperparameters, all-gather the parameters. Collective."""
         optimizer, optim = self.optimizer, state_dict["optim"]
         names = [first for first, *_ in param_names(optimizer, self.model)]
         hyperparameters = []

@@ -54,20 +54,15 @@ _ADAM_KEYS = {"exp_avg", "exp_avg_sq", "step"}
 
 
 def from_deepspeed(ds_dir: str, out_dir: str) -> None:
-    """Convert the DeepSpeed ZeRO-1/2 checkpoint in ``ds_dir`` into a zeroimpl checkpoint at ``out_dir``, in one
-    process outside the training job.
+    """Convert the DeepSpeed ZeRO-1/2 checkpoint in ``ds_dir`` (a tag folder, ``ds_to_universal.py``'s, or their
+    parent, whose ``latest``, else ``latest_universal``, names one) to a zeroimpl one at ``out_dir``. Run it in one
+    process, outside the training job.
 
-    ``ds_dir``: a tag folder, a universal-format folder (``ds_to_universal.py``'s), or their parent, whose
-    ``latest`` (else ``latest_universal``) names one.
-
-    Carries the fp32 masters, Adam's moments and steps, param groups and hyperparameters, frozen parameters,
-    buffers and the dynamic fp16 loss scale; from fp32, bf16 or fp16 training, with or without
-    ``offload_optimizer``, at any data-parallel degree; as torch's Adam or AdamW, as the saved config (else the
-    param groups) says.
-
-    Refused by name: tensor or pipeline parallelism, stage 3, optimizers other than Adam or AdamW, an Adam that
-    does not say which or runs without bias correction, a static fp16 loss scale, ``consecutive_hysteresis``; not
-    carried yet: ``elastic_checkpoint``, BF16_Optimizer's state."""
+    Carried: fp32 masters, Adam's moments and steps, param groups, frozen parameters, buffers, the dynamic fp16 loss
+    scale; from fp32, bf16 or fp16, with or without ``offload_optimizer``, any data-parallel degree; as torch's Adam
+    or AdamW, as the config (else the param groups) says. ``CheckpointError``: tensor or pipeline parallelism, stage
+    3, other optimizers, Adam without bias correction or not saying which, a static fp16 loss scale,
+    ``consecutive_hysteresis``, ``elastic_checkpoint``, BF16_Optimizer's state."""
     if dist.is_available() and dist.is_initialized():
         raise CheckpointError("from_deepspeed converts in one process, with a process group of its own: run it "
                               "outside the training job (python -m zeroimpl.checkpoint from-deepspeed DS_DIR OUT_DIR)")

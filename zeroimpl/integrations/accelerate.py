@@ -1,4 +1,4 @@
-"""Hugging Face accelerate with zeroimpl: one call in place of ``accelerator.prepare``.
+"""Hugging Face accelerate: one call in place of ``accelerator.prepare``.
 
     from zeroimpl.integrations.accelerate import prepare
     optimizer = ShardedOptimizer(param_groups, torch.optim.AdamW, stage=2, lr=3e-4)   # over the model where it trains
@@ -104,17 +104,16 @@ class AcceleratedShardedOptimizer(AcceleratedOptimizer):
 
 
 def prepare(accelerator: accelerate.Accelerator, *objects):
-    """``accelerator.prepare(*objects)`` for models trained with a :class:`zeroimpl.ShardedOptimizer`: call it on
-    every process, once per model, with the model and its ShardedOptimizer.
+    """``accelerator.prepare(*objects)`` with each model passed beside its :class:`zeroimpl.ShardedOptimizer`. Call
+    it on every process.
 
-    Returns what ``accelerator.prepare`` does, in the same order, but each model unmoved and unwrapped and each
-    ShardedOptimizer as an :class:`AcceleratedShardedOptimizer`. ``accelerator.save_state`` / ``load_state`` then
-    keep every rank's shard (in ``<dir>/zeroimpl``).
+    Returns what ``accelerator.prepare`` does, but each model unmoved and unwrapped, and each ShardedOptimizer as an
+    :class:`AcceleratedShardedOptimizer`: ``save_state`` / ``load_state`` keep every rank's shard.
 
-    Raises before changing anything: ``TypeError`` for a plain torch optimizer; ``ValueError`` for a model without
-    exactly one ShardedOptimizer in the call or an optimizer without its model, a model off ``accelerator.device``
-    or prepared before, DeepSpeed, FSDP, Megatron-LM, a DDP communication hook, or an accelerator whose process
-    count differs from the process group's (on CPU: ``Accelerator(cpu=True)``).
+    Raises, before changing anything, ``TypeError`` for a plain torch optimizer and ``ValueError`` for: a model
+    without exactly one ShardedOptimizer in the call, or an optimizer without its model; a model off
+    ``accelerator.device`` or prepared before; DeepSpeed, FSDP, Megatron-LM or a DDP communication hook; an
+    accelerator whose process count is not the process group's (on CPU: ``Accelerator(cpu=True)``).
     """
     _check_accelerator(accelerator)
     plain = [o for o in objects if isinstance(o, torch.optim.Optimizer) and not isinstance(o, ShardedOptimizer)]

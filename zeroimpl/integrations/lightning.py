@@ -1,4 +1,4 @@
-"""PyTorch Lightning with zeroimpl: ZeRO stage 1/2 and CPU offload for ``Trainer`` and ``Fabric`` by naming a strategy.
+"""PyTorch Lightning strategies for ``Trainer`` and ``Fabric``: ZeRO-1/2 and CPU offload.
 
     import zeroimpl.integrations.lightning                          # registers the names below
     trainer = lightning.Trainer(strategy="zero2", devices=2)        # or "zero1", "zero2_offload", ZeroStrategy(...)
@@ -246,24 +246,14 @@ def sharded_precision(plugin: Precision) -> Precision:
 
 
 class ZeroStrategy(ShardedStrategy, DDPStrategy):
-    """``lightning.pytorch.Trainer`` strategy: a :class:`~zeroimpl.ShardedOptimizer` in place of
-    DistributedDataParallel, registered as ``"zero1"``, ``"zero2"`` and ``"zero2_offload"``. The torch optimizers of
-    ``configure_optimizers`` are rebuilt as ShardedOptimizers; fp16 parameters (``"16-true"``) are refused. Details:
-    docs/lightning.md.
+    """``lightning.pytorch.Trainer`` strategy: ``DDPStrategy`` with a :class:`~zeroimpl.ShardedOptimizer` in place
+    of DDP. Registered as ``"zero1"``, ``"zero2"`` and ``"zero2_offload"``. Options (``accelerator`` to
+    ``start_method``: as ``DDPStrategy``):
 
-    Args:
-        stage: 1 (shard optimizer state) or 2 (also gradients).
-        offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
-        broadcast_buffers: broadcast rank 0's buffers as DDP's ``broadcast_buffers=True`` does.
-        accelerator: as ``DDPStrategy``.
-        parallel_devices: as ``DDPStrategy``.
-        cluster_environment: as ``DDPStrategy``.
-        checkpoint_io: as ``DDPStrategy``; the shards go beside its file.
-        precision_plugin: as ``DDPStrategy``.
-        process_group_backend: as ``DDPStrategy``.
-        timeout: as ``DDPStrategy``.
-        start_method: as ``DDPStrategy``. DDP's own keywords are not taken.
-        **options: ShardedOptimizer's other keywords; any other raises ``TypeError``.
+    * ``stage``: 1 (shard optimizer state) or 2 (also gradients).
+    * ``offload``: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
+    * ``broadcast_buffers``: broadcast rank 0's buffers as DDP does.
+    * ``**options``: other ShardedOptimizer keywords; any other, DDP's too, raises ``TypeError``.
     """
 
     def __init__(self, stage: int = 2, offload: Union[None, str, CPUOffload] = None, broadcast_buffers: bool = True,
@@ -314,7 +304,6 @@ class ZeroStrategy(ShardedStrategy, DDPStrategy):
         self.optimizers = self._shard_optimizers(self.optimizers,
                                                 [config.scheduler for config in self.lr_scheduler_configs])
 
-    # -- the DDP hooks ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def block_backward_sync(self):
         """Non-final micro-batches (``accumulate_grad_batches``, ``toggle_model(sync_grad=False)``)."""
@@ -378,10 +367,9 @@ class ShardedBackwardSync(_BackwardSyncControl):
 
 
 class FabricZeroStrategy(ShardedStrategy, FabricDDPStrategy):
-    """``lightning.fabric.Fabric`` strategy: ``fabric.setup`` and ``setup_optimizers`` return the model unwrapped and
-    each optimizer as a :class:`~zeroimpl.ShardedOptimizer`.
-
-    Args: as :class:`ZeroStrategy`, with ``precision`` for ``precision_plugin``.
+    """``lightning.fabric.Fabric`` strategy: ``fabric.setup`` (and ``setup_optimizers``) returns the model unwrapped
+    and each optimizer as a :class:`~zeroimpl.ShardedOptimizer`. Options: as :class:`ZeroStrategy`'s, ``precision``
+    for ``precision_plugin``.
     """
 
     def __init__(self, stage: int = 2, offload: Union[None, str, CPUOffload] = None, broadcast_buffers: bool = True,

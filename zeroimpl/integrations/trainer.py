@@ -200,18 +200,15 @@ class ShardedModule(torch.nn.Module):
 
 
 class ZeroTrainer(transformers.Trainer):
-    """``transformers.Trainer`` whose optimizer is a :class:`zeroimpl.ShardedOptimizer`, with sharded checkpoints.
+    """``transformers.Trainer`` with a :class:`zeroimpl.ShardedOptimizer` of ``TrainingArguments.optim``'s class over
+    Trainer's param groups, and sharded checkpoints. DeepSpeed or FSDP settings raise ``ValueError``.
 
     Args (besides Trainer's own):
-        zero_stage: 1 (shard optimizer state) or 2 (also shard gradients).
+        zero_stage: 1 (shard optimizer state) or 2 (also gradients).
         zero_offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
-        zero_options: other ``ShardedOptimizer`` keywords.
-        zero_muon: train the hidden matrices (linear layers' 2-D weights, not embeddings or the output head) with
-            ``torch.optim.Muon`` and these hyperparameters (``{}``: its defaults), each stepped whole by one rank.
-            ``None``: no Muon.
-
-    The inner optimizer is ``TrainingArguments.optim``'s, over Trainer's decay / no-decay param groups. DeepSpeed or
-    FSDP settings raise ``ValueError``.
+        zero_options: other ShardedOptimizer keywords.
+        zero_muon: ``torch.optim.Muon``'s hyperparameters (``{}``: its defaults) for the linear layers' 2-D weights
+            but the output head; ``None``: no Muon.
     """
 
     def __init_subclass__(cls, **kwargs):
