@@ -29,7 +29,7 @@ class StateBytes:
     """The averaged gradient shard, reduce dtype (fp32 from a loss-scaled step to ``zero_grad()``, not estimated);
     offload: fp32 on the host, plus a device accumulator in ``accumulating()``."""
     master_weights: int = 0
-    """fp32 (or wider) copies of this rank's shard; 0 for fp32 parameters without offload or
+    """fp32 (or wider) copies of this rank's shard; 0 for fp32 or fp64 parameters without offload or
     ``quantize_param_gather``."""
     optimizer_state: int = 0
     """Every tensor in the inner optimizers' state."""
@@ -197,8 +197,8 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
                     quantize_grad_reduce: bool = False) -> MemoryReport:
     """Predict :meth:`ShardedOptimizer.memory_report` of one rank at its peak of model states (after backward, all
     optimizer state allocated); activations and transient buffers excluded. ``params``: ShardedOptimizer's (exact),
-    or a count of trainable ``dtype`` elements for a flat optimizer class. ``world_size``: the shard group's size.
-    ``rank``: default, the one holding most. The rest: as ShardedOptimizer's."""
+    or a count of trainable ``dtype`` elements for a flat optimizer class (padding estimated). ``world_size``: the
+    shard group's size. ``rank``: default, the one holding most. The rest: as ShardedOptimizer's."""
     quantize_param_gather = quantize_param_gather and comm.issues_collectives(world_size)  # (not at one rank)
     validation.check_stage(stage)
     policy = resolve_offload(offload)

@@ -31,8 +31,8 @@ class CPUOffload:
     """The ``offload`` policy; ``"cpu"`` is ``CPUOffload()``."""
 
     pin_memory: bool = True
-    """Page-locked host memory, for asynchronous CUDA copies. Forked processes do not inherit it: send them clones
-    of a ``state_dict``'s host masters."""
+    """Page-locked host memory, for asynchronous CUDA copies (ignored off CUDA). Forked processes do not inherit
+    it: send them clones of a ``state_dict``'s host masters."""
 
     fused_step: bool = True
     """Use the fused CPU kernel (Adam, AdamW, SGD, Adagrad; last bits differ from the for-loop's) unless you pass

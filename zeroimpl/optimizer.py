@@ -71,15 +71,16 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         device_mesh: a ``DeviceMesh`` instead: 1-D, its group; 2-D (dims unnamed or ``("replicate", "shard")``),
             hybrid sharding. ``rank``, ``world_size``: the shard group's.
         bucket_numel: elements per gradient/parameter bucket.
-        max_inflight_buckets: reduce-scatters backward keeps in flight before waiting (0: none).
+        max_inflight_buckets: reduce-scatters backward keeps in flight before waiting (0: none). Hybrid: as many
+            replica all-reduces too.
         reduce_dtype: gradient reduce and shard dtype (``None``: fp32; fp64 for fp64 models). Loss
             scaling widens 16-bit shards to fp32.
         loss_scale: dynamic loss scaling: ``"auto"``, on for fp16 parameters; a :class:`LossScaleConfig`, on;
-            ``None``, off.
+            ``None``, off. When on, call ``optimizer.backward(loss)`` (or :meth:`scale_loss`).
         nonfinite: NaN/Inf gradients without loss scaling (or at minimum scale): ``"raise"`` ``FloatingPointError``
-            on every rank, or ``"skip"``.
+            on every rank, or ``"skip"``. Either way nothing is updated and the gradients are cleared.
         collective_timeout: seconds before a stuck collective raises :class:`zeroimpl.CollectiveError` (CUDA: host
-            waits only).
+            waits only). ``None``: the process group's timeout.
         assume_elementwise: shard unknown classes flat (elementwise updates only).
         per_parameter: classes to shard by whole parameters (Shampoo, SOAP).
         verify_every: every this many steps, raise :class:`zeroimpl.DivergenceError` if ranks' parameters differ.
@@ -250,8 +251,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, stage: Literal[1, 2] = 2, **options):
-        """Replace a stateless torch ``optimizer`` (class, groups, defaults); its schedulers follow, its ``step()``
-        raises."""
+        """Replace a torch ``optimizer`` (class, groups, defaults, plus ``options``; ``ValueError`` once it holds
+        state); its schedulers follow, its ``step()`` raises."""
         groups, optimizer_class, defaults = optimizer_kinds.settings_of(optimizer)
         return optimizer_kinds.hand_over(optimizer, cls(groups, optimizer_class, stage, **{**defaults, **options}))
 
@@ -269,11 +270,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped or raised for NaN/Inf gradients."""
+        """Steps skipped or raised for NaN/Inf gradients: checkpointed with the loss scaler, else since
+        construction."""
         return self.loss_scaler.skipped_steps if self.loss_scaler else self._skipped_without_scaler
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the loss scale, for your own backward."""
+        """The loss times the loss scale (fp32), for your own backward; ``loss`` itself without scaling."""
         if self.loss_scaler is None:
             return loss
         self.checks.note_loss_scaled()
@@ -322,7 +324,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the averaged gradients, same norm on every rank. Collective."""
+        """``torch.nn.utils.clip_grad_norm_`` over the averaged gradients, same norm on every rank. Collective (under
+        DDP: torch's, local). NaN/Inf gradients stay unclipped; ``max_norm=inf`` only reads the norm."""
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
@@ -421,11 +424,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.param_sync.start_param_sync()
 
     def finish_param_gathers(self, buckets: Optional[Iterable[int]] = None) -> None:
-        """Wait for parameter all-gathers in flight (of ``buckets``, or all)."""
+        """Wait for parameter all-gathers in flight (of ``buckets``, or all). Local."""
         self.param_sync.finish_param_sync(buckets)
 
     def trains(self, module: torch.nn.Module) -> bool:
-        """Whether ``module`` has a parameter in this optimizer's groups."""
+        """Whether ``module`` has a parameter (frozen too) in this optimizer's groups."""
         held = {id(p) for group in self.param_groups for p in group["params"]}
         return any(id(p) in held for p in module.parameters())
 
@@ -441,7 +444,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def verify_ranks_agree(self) -> None:
-        """Collective: raise :class:`zeroimpl.DivergenceError` unless ranks' parameters are equal."""
+        """Collective: raise :class:`zeroimpl.DivergenceError` on every rank unless ranks' parameters are equal."""
         self._follow_model(before_collectives=True)
         self.finish_param_gathers()
         verify.verify_ranks_agree(self.storages, self.ownership.frozen, self.topology, self._device,
@@ -449,8 +452,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                   lambda param: verify.param_name(self.param_groups, param))
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Collective: gather the full torch-format state for rank ``to``'s :meth:`state_dict`, until the next step or
-        load."""
+        """Collective: gather the full torch-format state for the :meth:`state_dict` of rank ``to`` of the shard group
+        (hybrid: of every replica), until the next step or load."""
         self.sync_masters()
         whole = [bucket.whole or bool(bucket.block) for bucket in self.layout.buckets]
         split = [(piece, *(_on_host(part) for part in split_state(state, tuple(master.shape),
@@ -477,8 +480,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return full
 
     def state_dict(self) -> dict:
-        """This rank's shard, by reference. After :meth:`consolidate_state_dict`: the full state, on rank ``to`` (under
-        DDP only then, else ``RuntimeError``)."""
+        """This rank's shard (inner state, group hyperparameters, separate masters, loss scaler), by reference; local.
+        After :meth:`consolidate_state_dict`: the full state, on rank ``to`` (under DDP only then, else
+        ``RuntimeError``)."""
         if self._consolidated is not None:  # its hyperparameters as they are now (a scheduler may have moved them)
             groups = [{**described["hyperparameters"], "params": saved["params"]}
                       for described, saved in zip(describe_groups(self), self._consolidated["param_groups"])]
@@ -503,8 +507,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Collective: load this rank's :meth:`state_dict`, or a full torch-format state (any world size; model first).
-        All ranks raise ``ValueError`` if one cannot."""
+        """Collective: load this rank's :meth:`state_dict` (same world size and layout), or a full torch-format state
+        (any world size; model first). All ranks raise ``ValueError``, changing nothing, if one cannot."""
         self._follow_model()
         self._consolidated = None
         if _is_torch_format(state_dict):
