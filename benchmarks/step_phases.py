@@ -29,6 +29,11 @@ KINDS = ("compute", "DDP", "zeroimpl stage 1", "zeroimpl stage 2")
 PHASES = ("forward", "backward", "clip", "step", "total")
 
 
+def _ms(value: float) -> str:
+    """Milliseconds as the table shows them: whole from 100 up, else to 0.01 (a tiny model's phases)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.2f}"
+
+
 def rank_main(kind: str, size: str, micro_batch: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
@@ -121,15 +126,15 @@ def main() -> None:
             for kind in KINDS:
                 rounds[kind].append(run(kind, world_size, args))
                 print(f"world size {world_size}, round {round_index + 1}: {kind}: "
-                      + ", ".join(f"{p} {rounds[kind][-1][p]:.0f}" for p in PHASES), flush=True)
+                      + ", ".join(f"{p} {_ms(rounds[kind][-1][p])}" for p in PHASES), flush=True)
         lines += ["", f"## World size {world_size}", "",
                   "| implementation | " + " | ".join(PHASES) + " | vs DDP | rounds' totals |",
                   "|---|" + "---|" * (len(PHASES) + 2)]
         means = {kind: {p: statistics.mean(r[p] for r in rounds[kind]) for p in PHASES} for kind in KINDS}
         for kind in KINDS:
-            lines.append(f"| {kind} | " + " | ".join(f"{means[kind][p]:.0f}" for p in PHASES)
+            lines.append(f"| {kind} | " + " | ".join(_ms(means[kind][p]) for p in PHASES)
                          + f" | {means[kind]['total'] / means['DDP']['total']:.2f}x | "
-                         + ", ".join(f"{r['total']:.0f}" for r in rounds[kind]) + " |")
+                         + ", ".join(_ms(r['total']) for r in rounds[kind]) + " |")
     with open(args.out, "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines))
