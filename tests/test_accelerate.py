@@ -417,8 +417,9 @@ def test_rank_0s_buffers_are_broadcast_exactly_when_ddp_broadcasts_them(ranks):
     ("plain torch optimizer", "TypeError", "takes a zeroimpl.ShardedOptimizer"),
     ("Accelerator() without cpu=True", "ValueError", "Accelerator(cpu=True)"),
     ("without its model", "ValueError", "without the model it trains"),
-    ("model on another device", "ValueError", "is on cpu, but the accelerator trains on meta: the ShardedOptimizer "
-                                              "holds the model's parameters where they were when it was built"),
+    ("model on another device", "ValueError", "is on cpu, but the accelerator trains on meta: prepare() does not "
+                                              "move a model that a ShardedOptimizer trains. Call "
+                                              "model.to(accelerator.device) before prepare()"),
     ("prepared twice", "ValueError", "prepare each model once"),
     ("state_dict outside save_state", "RuntimeError", "accelerator.save_state(dir) on every process"),
     ("load_state without shards", "FileNotFoundError", "no zeroimpl/ folder of zeroimpl shards"),
