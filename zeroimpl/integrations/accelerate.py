@@ -180,9 +180,8 @@ def _check_model(accelerator: accelerate.Accelerator, model: torch.nn.Module) ->
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if not _same_device(tensor.device, target):
             raise ValueError(
-                f"{name} is on {tensor.device}, but the accelerator trains on {target}: the ShardedOptimizer holds "
-                "the model's parameters where they were when it was built, so the model cannot be moved now. Call "
-                "model.to(accelerator.device) before building the ShardedOptimizer")
+                f"{name} is on {tensor.device}, but the accelerator trains on {target}: prepare() does not move a "
+                "model that a ShardedOptimizer trains. Call model.to(accelerator.device) before prepare()")
 
 
 def _same_device(device: torch.device, target: torch.device) -> bool:
