@@ -4,8 +4,8 @@ What a checkpoint holds (see :mod:`.files` for the directory and its crash safet
 
 * ``rank-NNNNN.pt`` per saving rank: ``pieces`` (K, 3) int64 rows ``(parameter index, start, end)`` -- the
   rank's ranges of the flattened parameters, in ``ShardLayout.pieces`` order -- and, concatenated in that
-  order, ``master`` (the fp32 master weights; for fp32 models without offload, the parameters themselves)
-  and ``state[key]`` for every per-element state tensor of the inner optimizers (``exp_avg``,
+  order, ``master`` (the master weights, at least fp32; for fp32 and fp64 models without offload, the parameters
+  themselves) and ``state[key]`` for every per-element state tensor of the inner optimizers (``exp_avg``,
   ``momentum_buffer``, ...), over the pieces whose parameter has that key; ``whole_state`` maps a
   parameter index to its whole-parameter state tensors (Adafactor's ``row_var``/``col_var``); with
   ``quantize_param_gather``, ``published``: the parameters as the last 8-bit all-gather left them (within a

@@ -7,7 +7,7 @@ classes and groups: ``{"model": {fqn: tensor}, "optim": {"state.<fqn>.<key>": te
 value}}``, so that one checkpoint moves between zeroimpl, DDP and FSDP2 (torchtitan's checkpointer saves that
 structure), at any world size.
 
-What each rank contributes: a parameter's fp32 master weights (the ``model`` entry of a trainable parameter) and
+What each rank contributes: a parameter's master weights (the ``model`` entry of a trainable parameter) and
 its per-element optimizer state are :class:`FlatRanges`: a tensor of the parameter's full shape whose data are
 this rank's ranges of it, described to DCP as the boxes they cover (a contiguous range of a row-major tensor is a
 few boxes: :func:`boxes`), with no copy and nothing gathered; DCP writes each rank's boxes and reads into them
@@ -16,7 +16,7 @@ piece of its parameter, and frozen parameters and buffers are plain tensors on e
 entries once). A load writes in place into the masters and the state, then all-gathers the parameters from the
 masters (:meth:`DCPState.load_state_dict`).
 
-Decisions: the ``model`` entries of trainable parameters are the fp32 masters (for a 16-bit model, fp32 where
+Decisions: the ``model`` entries of trainable parameters are the masters, fp32 or fp64 (for a 16-bit model, fp32 where
 ``get_state_dict`` of the 16-bit model would give its dtype: what FSDP2's mixed precision saves, its sharded fp32
 parameters); an optimizer that has not stepped on any rank has the placeholder state ``get_state_dict`` gives a
 torch optimizer (:func:`_fresh_state`), which it does not take unless a load fills it; once any rank has stepped, a
