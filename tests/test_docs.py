@@ -63,6 +63,9 @@ def test_every_page_quotes_a_generated_table_where_it_shows_one():
 
 
 RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)x\b")
+# a measured amount: a number with its unit, or one of a list ending in one ("217, 334 and 1067 ms", "0.98-1.13%")
+MEASURED = re.compile(r"(?<![\w.\-/])(\d+(?:\.\d+)?)(?=(?:(?:,| and| to|-|–)\s*\d+(?:\.\d+)?)*\s?"
+                      r"(?:ms|µs|ns|s|%|MiB|GiB|MB|GB|M/s)(?!\w))")
 # a target or a bound, not a measurement: "≤ 0.95x", "within 1.05x", "at most 1.2x"
 TARGET = re.compile(r"(?:≤|<=|≥|>=|<|>|within|at most|at least|under|below|above)\s*$")
 RESULT_PATH = re.compile(r"benchmarks/results/[\w./-]*\w")
@@ -109,6 +112,22 @@ def test_every_ratio_in_the_prose_is_in_the_result_it_comes_from():
                         match.group(1) in source for source in sources):
                     unsourced.append((page, match.group(0), sorted(cited) or "the page's generated tables"))
     assert not unsourced, f"ratios not in the result their paragraph names: {unsourced}"
+
+
+def test_every_measured_amount_in_the_prose_is_in_the_result_its_paragraph_names():
+    """A time, share or size (``1067 ms``, ``+3.69 µs``, ``4.19%``, ``233 MiB``) quoted in a paragraph that names a
+    committed result stands in that result, as ratios must: the figures that used to be generated tables stay
+    checked when a result is re-run. Code spans and link targets (commands, paths) are not figures."""
+    results, unsourced = _committed_results(), []
+    for page in PAGES:
+        for paragraph in re.split(r"\n\s*\n", GENERATED.sub("", open(os.path.join(ROOT, page)).read())):
+            cited = _cited_results(paragraph)
+            prose = re.sub(r"`[^`]*`|\]\([^)]*\)", "", paragraph)
+            for match in MEASURED.finditer(prose) if cited else ():
+                if not TARGET.search(prose[max(0, match.start() - 30):match.start()]) and not any(
+                        match.group(1) in results[name] for name in cited):
+                    unsourced.append((page, prose[max(0, match.start() - 40):match.end() + 8], sorted(cited)))
+    assert not unsourced, f"measured amounts not in the result their paragraph names: {unsourced}"
 
 
 def test_user_docs_do_not_speak_of_the_teams_work():
