@@ -31,11 +31,12 @@ are deleted whatever happens (an error, Ctrl-C, SIGTERM).
 
 Per implementation it reports the median step time (every rank's timed steps), bytes across the link per step,
 the loss of the last step (mean over ranks) and the model states per rank, and writes ``network.json`` and
-``network.md`` to ``--out`` (default ``benchmarks/results/network``), which docs/benchmarks.md links. With ``--count-collectives`` each rank also records the bytes it sends to
-ranks of the other node through ``torch.distributed.isend``. zeroimpl's reduce-scatter on gloo is such a
-pairwise exchange, and so is its all-gather under ``ZEROIMPL_COLLECTIVES=pairwise`` (by default an
-all-gather across nodes is gloo's ring, whose bytes the counter cannot attribute to a peer): then the link
-must carry those bytes plus headers (tests/test_benchmark_network.py checks this).
+``network.md`` to ``--out`` (default ``benchmarks/results/network``), which docs/benchmarks.md links. With
+``--count-collectives`` each rank also records the bytes it sends to ranks of the other node through
+``torch.distributed.isend``. zeroimpl's reduce-scatter on gloo is such a pairwise exchange, and so is its
+all-gather under ``ZEROIMPL_COLLECTIVES=pairwise`` (by default an all-gather across nodes is gloo's ring, whose
+bytes the counter cannot attribute to a peer): then the link must carry those bytes plus headers
+(tests/test_benchmark_network.py checks this).
 """
 
 from __future__ import annotations

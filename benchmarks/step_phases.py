@@ -27,6 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("compute", "DDP", "zeroimpl stage 1", "zeroimpl stage 2")
 PHASES = ("forward", "backward", "clip", "step", "total")
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "step-phases.md")
 
 
 def _ms(value: float) -> str:
@@ -108,15 +109,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rank-of", choices=KINDS, help=argparse.SUPPRESS)  # internal: one rank of one kind
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "step-phases.md"))
+    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     if args.rank_of:
         return rank_main(args.rank_of, args.size, args.micro_batch, args.steps)
     import torch
 
+    out = "" if os.path.abspath(args.out) == DEFAULT_OUT else f" --out {os.path.relpath(args.out, ROOT)}"
     lines = ["# Step phases: DDP against zeroimpl", "",
              f"Command: `python benchmarks/step_phases.py --size {args.size} --micro-batch {args.micro_batch} "
-             f"--steps {args.steps} --rounds {args.rounds} --world-sizes {' '.join(map(str, args.world_sizes))}`; "
+             f"--steps {args.steps} --rounds {args.rounds} --world-sizes {' '.join(map(str, args.world_sizes))}"
+             f"{out}`; "
              f"GPT-2 {args.size}, fp32, AdamW, clip 1.0, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
              "gloo. Milliseconds on rank 0: per round the median of the timed steps, then the mean over rounds; "
              "`vs DDP` is the total over DDP's."]

@@ -280,7 +280,7 @@ def members(cls: type, public: dict[int, str]) -> tuple[list[str], list[str]]:
             value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
         if not function.__doc__:
             origin = next((k for k in cls.__mro__ if not is_zeroimpl(k) and name in vars(k)), None)
-            bare.append(f"`{name}`" + (f" (overrides `{origin.__qualname__}.{name}`)" if origin else ""))
+            bare.append(f"`{name}`" + (f" (overrides `{qualified(origin, public)}.{name}`)" if origin else ""))
             continue
         if isinstance(value, property):
             signature = own_signature(function)
@@ -298,6 +298,16 @@ def members(cls: type, public: dict[int, str]) -> tuple[list[str], list[str]]:
     return documented, bare
 
 
+def _fields_say_it_all(cls: type, signature: inspect.Signature) -> bool:
+    """A dataclass whose constructor takes exactly its fields, in order, each by position or keyword: its fields
+    table gives every name, type and default, so the signature block would repeat it."""
+    if not dataclasses.is_dataclass(cls):
+        return False
+    parameters = list(signature.parameters.values())
+    return ([p.name for p in parameters] == [f.name for f in dataclasses.fields(cls) if f.init]
+            and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters))
+
+
 # -- the page -----------------------------------------------------------------------------------------
 def document(public_name: str, obj, public: dict[int, str]) -> str:
     short = public_name.rsplit(".", 1)[-1]
@@ -308,7 +318,7 @@ def document(public_name: str, obj, public: dict[int, str]) -> str:
         signature = own_signature(obj) if not issubclass(obj, BaseException) else None
         if signature is not None:  # a constructor: `-> None` says nothing
             signature = signature.replace(return_annotation=inspect.Signature.empty)
-        if signature is not None and not dataclasses.is_dataclass(obj):  # (a dataclass's fields table says it all)
+        if signature is not None and not _fields_say_it_all(obj, signature):
             parts.append(f"```python\n{signature_text(public_name, signature)}\n```")
         kind = "Exception" if issubclass(obj, BaseException) else "Dataclass" if dataclasses.is_dataclass(obj) \
             else "Class"
@@ -414,7 +424,6 @@ def main() -> int:
                 handle.write(rendered)
             print(f"rewrote {name}")
     return stale
-    return 0
 
 
 if __name__ == "__main__":

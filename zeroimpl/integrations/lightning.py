@@ -247,13 +247,21 @@ def sharded_precision(plugin: Precision) -> Precision:
 
 class ZeroStrategy(ShardedStrategy, DDPStrategy):
     """``lightning.pytorch.Trainer`` strategy: ``DDPStrategy`` with a :class:`~zeroimpl.ShardedOptimizer` in place
-    of DDP. Registered as ``"zero1"``, ``"zero2"`` and ``"zero2_offload"``. Options (``accelerator`` to
-    ``start_method``: as ``DDPStrategy``):
+    of DDP. Registered as ``"zero1"``, ``"zero2"`` and ``"zero2_offload"``.
 
-    * ``stage``: 1 (shard optimizer state) or 2 (also gradients).
-    * ``offload``: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
-    * ``broadcast_buffers``: broadcast rank 0's buffers as DDP does.
-    * ``**options``: other ShardedOptimizer keywords; any other, DDP's too, raises ``TypeError``.
+    Args:
+        stage: 1 (shard optimizer state) or 2 (also gradients).
+        offload: ``None``, ``"cpu"`` or :class:`zeroimpl.CPUOffload`.
+        broadcast_buffers: broadcast rank 0's buffers as DDP does.
+        accelerator: as ``DDPStrategy``.
+        parallel_devices: as ``DDPStrategy``.
+        cluster_environment: as ``DDPStrategy``.
+        checkpoint_io: as ``DDPStrategy``.
+        precision_plugin: as ``DDPStrategy``.
+        process_group_backend: as ``DDPStrategy``.
+        timeout: as ``DDPStrategy``.
+        start_method: as ``DDPStrategy``.
+        **options: other ShardedOptimizer keywords; any other, DDP's too, raises ``TypeError``.
     """
 
     def __init__(self, stage: int = 2, offload: Union[None, str, CPUOffload] = None, broadcast_buffers: bool = True,
