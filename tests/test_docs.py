@@ -95,22 +95,33 @@ def _cited_results(paragraph: str) -> set:
     return cited
 
 
-def test_every_ratio_in_the_prose_is_in_the_result_it_comes_from():
-    """A ratio quoted in the README or docs/ (``0.94x``) stands in the committed result its paragraph names
-    (a path under benchmarks/results/, or the benchmark script that writes it), or, where the paragraph names none,
-    in a table generated into the same page. Targets and bounds ("≤ 0.95x") are not measurements. So a figure from
-    a run that was not kept, or computed by hand, or matching some other file by chance, cannot stand unseen."""
+def _unsourced(figures: re.Pattern, prose_of, uncited_from_generated: bool) -> list:
+    """Each match of ``figures`` (group 1: the number) in a paragraph of the README or docs/ (``prose_of`` its text
+    searched) that is not a target or bound and stands in none of its sources: the committed results the paragraph
+    names, or, where it names none, the page's generated tables if ``uncited_from_generated`` (else it is skipped)."""
     results, unsourced = _committed_results(), []
     for page in PAGES:
         text = open(os.path.join(ROOT, page)).read()
         generated = "\n".join(match.group(0) for match in GENERATED.finditer(text))
         for paragraph in re.split(r"\n\s*\n", GENERATED.sub("", text)):
             cited = _cited_results(paragraph)
-            sources = [results[name] for name in cited] if cited else [generated]
-            for match in RATIO.finditer(paragraph):
-                if not TARGET.search(paragraph[max(0, match.start() - 30):match.start()]) and not any(
+            if not cited and not uncited_from_generated:
+                continue
+            sources, prose = [results[name] for name in cited] if cited else [generated], prose_of(paragraph)
+            for match in figures.finditer(prose):
+                if not TARGET.search(prose[max(0, match.start() - 30):match.start()]) and not any(
                         match.group(1) in source for source in sources):
-                    unsourced.append((page, match.group(0), sorted(cited) or "the page's generated tables"))
+                    unsourced.append((page, prose[max(0, match.start() - 40):match.end() + 8],
+                                      sorted(cited) or "the page's generated tables"))
+    return unsourced
+
+
+def test_every_ratio_in_the_prose_is_in_the_result_it_comes_from():
+    """A ratio quoted in the README or docs/ (``0.94x``) stands in the committed result its paragraph names
+    (a path under benchmarks/results/, or the benchmark script that writes it), or, where the paragraph names none,
+    in a table generated into the same page. Targets and bounds ("≤ 0.95x") are not measurements. So a figure from
+    a run that was not kept, or computed by hand, or matching some other file by chance, cannot stand unseen."""
+    unsourced = _unsourced(RATIO, lambda paragraph: paragraph, uncited_from_generated=True)
     assert not unsourced, f"ratios not in the result their paragraph names: {unsourced}"
 
 
@@ -118,15 +129,8 @@ def test_every_measured_amount_in_the_prose_is_in_the_result_its_paragraph_names
     """A time, share or size (``1067 ms``, ``+3.69 µs``, ``4.19%``, ``233 MiB``) quoted in a paragraph that names a
     committed result stands in that result, as ratios must: the figures that used to be generated tables stay
     checked when a result is re-run. Code spans and link targets (commands, paths) are not figures."""
-    results, unsourced = _committed_results(), []
-    for page in PAGES:
-        for paragraph in re.split(r"\n\s*\n", GENERATED.sub("", open(os.path.join(ROOT, page)).read())):
-            cited = _cited_results(paragraph)
-            prose = re.sub(r"`[^`]*`|\]\([^)]*\)", "", paragraph)
-            for match in MEASURED.finditer(prose) if cited else ():
-                if not TARGET.search(prose[max(0, match.start() - 30):match.start()]) and not any(
-                        match.group(1) in results[name] for name in cited):
-                    unsourced.append((page, prose[max(0, match.start() - 40):match.end() + 8], sorted(cited)))
+    unsourced = _unsourced(MEASURED, lambda paragraph: re.sub(r"`[^`]*`|\]\([^)]*\)", "", paragraph),
+                           uncited_from_generated=False)
     assert not unsourced, f"measured amounts not in the result their paragraph names: {unsourced}"
 
 

@@ -111,9 +111,8 @@ def wrapped_in_ddp(param: torch.Tensor) -> bool:
 def ddp_state_dict_message() -> str:
     return ("under DistributedDataParallel, a stage-1 ShardedOptimizer keeps its state as torch's "
             "ZeroRedundancyOptimizer does, a shard per rank, and state_dict() gives the full state only after a "
-            "consolidation: call optimizer.consolidate_state_dict(to=0) on every rank first, "
-            "then state_dict() on rank 0 "
-            "(Lightning's strategy=\"ddp\" does so itself), or save every rank's shard with "
+            "consolidation: call optimizer.consolidate_state_dict(to=0) on every rank first, then state_dict() on "
+            "rank 0 (Lightning's strategy=\"ddp\" does so itself), or save every rank's shard with "
             "zeroimpl.checkpoint.save_checkpoint. A framework that saves optimizer.state_dict() from its main process "
             "alone (accelerate's save_state, transformers' Trainer) would keep one rank's shard and lose the others'. "
             + FRAMEWORK_ROUTES)
