@@ -7,7 +7,8 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
 * Stage 1 under DDP, AdamW, bitwise DDP + AdamW: plain; ``no_sync()`` accumulation; ``torch.nn.utils.
   clip_grad_norm_`` on DDP's full gradients; a GradScaler with a scale that overflows at first (both skip the
   same steps); an LR scheduler; CPU offload (the for-loop AdamW kernel, as DDP + AdamW's); and the optimizer's
-  own collectives per step: no reduction, only the parameters' all-gather (Ψ) and the 5-element check.
+  own collectives per step: the parameters' all-gather (Ψ) alone; a NaN in a piece that one rank steps is
+  found on every rank all the same.
 * Stage 2 under DDP: refused at the first backward, on every rank, naming stage 1 and the unwrapped route.
 * Built before the model changes: ``.to(cpu:0)``, ``load_state_dict(assign=True)``, ``.double()`` and
   ``.bfloat16()``, DDP-wrapped or not: bitwise an optimizer built after the change (the documented route); a
@@ -470,6 +471,34 @@ def _edits_under_ddp(rank):
     return out
 
 
+def _nonfinite_under_ddp(rank):
+    """Under DDP, a NaN in DDP's averaged gradient of the last parameter, whose piece rank 1 alone steps (written
+    alike on every rank after backward): per ``nonfinite`` policy, what step() did on each rank, the parameters
+    before and after, and the all-reduces zeroimpl issued."""
+    out = {}
+    for policy in ("raise", "skip"):
+        model = _model()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, bucket_numel=500,
+                                     nonfinite=policy)
+        ddp = DDP(model)
+        _fit(rank, model, ddp, optimizer, 1)
+        before = [p.detach().clone() for p in model.parameters()]
+        ddp(torch.ones(2, 20)).sum().backward()
+        with torch.no_grad():
+            list(model.parameters())[-1].grad.view(-1)[-1] = float("nan")
+        counter = CollectiveCounter().install()
+        try:
+            optimizer.step()
+            outcome = f"skipped {optimizer.skipped_steps}"
+        except FloatingPointError as error:
+            outcome = str(error)
+        finally:
+            counter.uninstall()
+        out[policy] = (outcome, _bitwise(before, [p.detach() for p in model.parameters()]),
+                       summarize(counter.take()).get("all_reduce"))
+    return out
+
+
 def _wrapped_after_a_first_backward(rank):
     """One backward of the bare model, zero_grad(), then the DDP wrap: trains as DDP + AdamW after the same."""
     runs = []
@@ -508,6 +537,7 @@ def _all(rank, world_size, shared):
     cases = {"tutorial": lambda: _tutorial_runs(rank, shared), "under ddp": lambda: _under_ddp(rank),
              "fp16": lambda: _fp16_follows(rank), "consolidated": lambda: _consolidated(rank, shared),
              "replaced twice": lambda: _replaced_twice(rank), "edits under ddp": lambda: _edits_under_ddp(rank),
+             "nonfinite under ddp": lambda: _nonfinite_under_ddp(rank),
              "wrapped after a backward": lambda: _wrapped_after_a_first_backward(rank),
              "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
              "consolidated then loaded": lambda: _consolidated_then_loaded(rank, shared),
@@ -557,12 +587,12 @@ def test_stage_1_under_ddp_is_bitwise_ddp_with_the_same_torch_optimizer(ranks, v
 
 
 def test_under_ddp_the_optimizer_reduces_nothing_and_gathers_the_parameters_once(ranks):
-    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction: zeroimpl's calls per step are the
-    5-element check all-reduce and the all-gather of the parameters, Ψ (padded) per step."""
+    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction, and its averaged gradients are the
+    same on every rank, so the step's checks need no all-reduce: zeroimpl's one collective per step is the
+    all-gather of the parameters, Ψ (padded)."""
     for out in case_results(ranks, "under ddp"):
         for per_step in out["collectives"]:
-            assert not any("reduce_scatter" in name for name in per_step), per_step
-            assert per_step["all_reduce"][:2] == (1, 5), per_step
+            assert not any("reduce" in name for name in per_step), per_step
             sent = sum(per_step.get(name, (0, 0))[1] for name in ("isend", "all_gather_into_tensor"))
             assert out["psi"] <= sent * (2 if "isend" in per_step else 1) <= out["psi"] + 64 * 8, per_step
 
@@ -684,6 +714,15 @@ def test_under_ddp_edits_of_param_grad_before_the_step_count(ranks, name):
     DDP's full gradients: bitwise DDP + AdamW with torch's utilities, norms included."""
     for torch_run, zero_run in (out[name] for out in case_results(ranks, "edits under ddp")):
         assert _bitwise(zero_run, torch_run)
+
+
+def test_under_ddp_nan_in_a_piece_one_rank_steps_is_found_on_every_rank_without_a_collective(ranks):
+    """DDP left the same averaged gradients on every rank, so each rank reads the NaN from the whole gradient,
+    not its shard: raised (or skipped) on both ranks, the parameters untouched, and no all-reduce of zeroimpl's."""
+    for out in case_results(ranks, "nonfinite under ddp"):
+        raised, raise_untouched, raise_reduces = out["raise"]
+        assert "NaN or Inf" in raised and raise_untouched and raise_reduces is None
+        assert out["skip"] == ("skipped 1", True, None)
 
 
 def test_a_model_wrapped_in_ddp_after_a_first_backward_trains_as_ddp(ranks):
