@@ -474,18 +474,19 @@ def _edits_under_ddp(rank):
 def _nonfinite_under_ddp(rank):
     """Under DDP, a NaN in DDP's averaged gradient of the last parameter, whose piece rank 1 alone steps (written
     alike on every rank after backward): per ``nonfinite`` policy, what step() did on each rank, the parameters
-    before and after, and the all-reduces zeroimpl issued."""
+    before and after, and the all-reduces zeroimpl issued; and a finite 3e38 there, whose square overflows the
+    norm (stepped)."""
     out = {}
-    for policy in ("raise", "skip"):
+    for policy, value in (("raise", float("nan")), ("skip", float("nan")), ("finite", 3e38)):
         model = _model()
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, bucket_numel=500,
-                                     nonfinite=policy)
+                                     nonfinite="skip" if policy == "skip" else "raise")
         ddp = DDP(model)
         _fit(rank, model, ddp, optimizer, 1)
         before = [p.detach().clone() for p in model.parameters()]
         ddp(torch.ones(2, 20)).sum().backward()
         with torch.no_grad():
-            list(model.parameters())[-1].grad.view(-1)[-1] = float("nan")
+            list(model.parameters())[-1].grad.view(-1)[-1] = value
         counter = CollectiveCounter().install()
         try:
             optimizer.step()
@@ -718,11 +719,13 @@ def test_under_ddp_edits_of_param_grad_before_the_step_count(ranks, name):
 
 def test_under_ddp_nan_in_a_piece_one_rank_steps_is_found_on_every_rank_without_a_collective(ranks):
     """DDP left the same averaged gradients on every rank, so each rank reads the NaN from the whole gradient,
-    not its shard: raised (or skipped) on both ranks, the parameters untouched, and no all-reduce of zeroimpl's."""
+    not its shard: raised (or skipped) on both ranks, the parameters untouched, and no all-reduce of zeroimpl's; a
+    finite gradient whose norm overflows is stepped."""
     for out in case_results(ranks, "nonfinite under ddp"):
         raised, raise_untouched, raise_reduces = out["raise"]
         assert "NaN or Inf" in raised and raise_untouched and raise_reduces is None
         assert out["skip"] == ("skipped 1", True, None)
+        assert out["finite"] == ("skipped 0", False, None)
 
 
 def test_a_model_wrapped_in_ddp_after_a_first_backward_trains_as_ddp(ranks):
