@@ -188,11 +188,11 @@ class StepChecks:
     def _agree_under_ddp(self) -> None:
         """The verdict from this rank's ``param.grad``: DDP's all-reduce left the same averaged gradients on every
         rank, for the same parameters (locally unused ones too), so each rank reads what an all-reduce would agree.
-        NaN/Inf are looked for in the whole gradient, not the shard (a maximum keeps them). Backward passes are not
-        compared: DDP averages whatever ran."""
+        NaN/Inf are looked for in the whole gradient, not the shard, exactly only where a norm is not finite (as in
+        :meth:`agree`). Backward passes are not compared: DDP averages whatever ran."""
         grads = [param.grad for storage in self.storages for param in storage.params if param.grad is not None]
-        maxima = torch._foreach_norm(grads, float("inf")) if grads else []
-        nonfinite = bool(maxima) and not bool(torch.stack([m.float() for m in maxima]).isfinite().all())
+        suspect = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
+        nonfinite = suspect and bool(holds_nonfinite(grads))
         stepped = None if all(self.reducer.grad_exists) else list(self.reducer.grad_exists)
         self.verdict = StepVerdict(same_passes=True, nonfinite=nonfinite, stepped=stepped)
         self._largest = {}
@@ -206,11 +206,15 @@ class StepChecks:
 
     def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
         """Whether any rank's shard holds NaN/Inf, exactly: a mask per shard, one more all-reduce and host sync."""
-        local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1)
-        local = to_device(local, self.device)
+        local = to_device(holds_nonfinite(shards).float().reshape(1), self.device)
         agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.topology.timeout,
                                            "gradient NaN/Inf all-reduce", read_on_host=True)
         return bool(agreed.item())
+
+
+def holds_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether any of ``tensors`` holds NaN or Inf: a 0-d bool tensor, on their device."""
+    return torch.stack([~torch.isfinite(tensor).all() for tensor in tensors]).any()
 
 
 def loss_scaling_misuse(loss_scaled: bool, unscaled: bool) -> Optional[str]:
