@@ -29,6 +29,7 @@ from step_phases import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("compute", "DDP", "zeroimpl stage 1", "zeroimpl stage 2")
+STAGE_1_UNDER_DDP = "zeroimpl stage 1 under DDP"
 WARMUP = 5
 
 
@@ -48,7 +49,8 @@ def model_and_batches(rank: int, steps: int):
 
 def set_up(kind: str, model):
     """``(network, optimizer)`` of one of ``KINDS`` over ``model`` (in a process group): the bare model and no
-    optimizer ("compute"), DDP + torch AdamW, or zeroimpl's AdamW at stage 1 or 2."""
+    optimizer ("compute"), DDP + torch AdamW, or zeroimpl's AdamW at stage 1 or 2; or ``STAGE_1_UNDER_DDP``: DDP
+    kept, zeroimpl's AdamW at stage 1 in torch's AdamW's place (the one-line swap)."""
     import torch
 
     from zeroimpl import ShardedOptimizer
@@ -57,6 +59,9 @@ def set_up(kind: str, model):
         return model, None
     if kind == "DDP":
         return torch.nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(model.parameters())
+    if kind == STAGE_1_UNDER_DDP:
+        return torch.nn.parallel.DistributedDataParallel(model), ShardedOptimizer(model.parameters(),
+                                                                                  torch.optim.AdamW, stage=1)
     return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=int(kind[-1]))
 
 
