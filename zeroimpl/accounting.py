@@ -118,18 +118,17 @@ def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: 
 
 def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, shape: tuple) -> int:
     """State bytes for one ``shape`` parameter: a step on a meta tensor, or on zeros if the class reads values."""
-    for device in ("meta", "cpu"):
+    def stepped_on(device: str) -> int:
         probe = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
         probe.grad = torch.zeros_like(probe)
         optimizer = optimizer_class([probe], **optimizer_kwargs)
-        try:
-            optimizer.step()
-        except (NotImplementedError, RuntimeError):
-            if device == "cpu":
-                raise
-            continue
+        optimizer.step()
         return sum(tensor_bytes([v]) for v in optimizer.state[probe].values())
-    raise AssertionError("unreachable")
+
+    try:
+        return stepped_on("meta")
+    except (NotImplementedError, RuntimeError):
+        return stepped_on("cpu")
 
 
 def shared_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, numel: int) -> dict[str, int]:
@@ -158,8 +157,6 @@ def _groups_and_specs(params: Union[int, Iterable], dtype: torch.dtype, bucket_n
         blocks = _blocks(group, per_parameter)
         return [group], [None] * len(sizes), [ParamSpec(0, str(dtype), size, blocks=blocks) for size in sizes]
     groups = optimizer_kinds.groups_with_classes(params, optimizer_class, optimizer_kwargs)
-    for group in groups:
-        group["params"] = list(group["params"])
     work = [optimizer_kinds.step_work(g["optimizer"])
             if _sharding(g["optimizer"], per_parameter) == "whole" else None for g in groups]
     trainable, specs = trainable_specs(groups, work, [_blocks(g, per_parameter) for g in groups])

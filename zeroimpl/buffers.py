@@ -1,13 +1,8 @@
-"""Flat parameter storage: one buffer per bucket, every parameter a view into it. Tensors (all 1-D):
-
-* ``param_buffer`` -- ``bucket.padded_numel`` elements, the model's dtype and device. After :func:`flatten_params`
-  every member's ``param.data`` is a view of it (with its shape and memory format: :mod:`zeroimpl.memory_format`),
-  so an all-gather into ``param_buffer`` updates the model in place.
-* ``shard`` -- this rank's ``bucket.shard_numel`` elements of ``param_buffer`` (a view).
-* ``master`` -- what the inner optimizer updates, fp32 (fp64 for fp64 models): ``shard`` itself for fp32 and fp64
-  models, else (16-bit model, quantized all-gather, CPU offload: then on the host) a copy only this rank holds.
-* ``published`` -- quantized all-gather only: ``shard`` as the last all-gather left it (model dtype and device), what
-  the next step's 8-bit delta starts from and what tells an edit apart."""
+"""One flat parameter buffer per bucket. ``param_buffer``: ``bucket.padded_numel`` elements, model dtype and device;
+every member's ``param.data`` is a view of it (its shape and memory format), so an all-gather into it updates the model
+in place. ``shard``: this rank's ``bucket.shard_numel`` of them, a view. ``master``: what the inner optimizer steps, at
+least fp32; ``shard`` itself or a copy of its own (16-bit model, quantized all-gather, CPU offload: on the host).
+``published`` (quantized all-gather): ``shard`` as the last all-gather left it, the base of deltas and edit checks."""
 
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
 """The collectives zeroimpl issues, in one place so that they can be read, counted and replaced.
 
 Reduce-scatter, all-gather and the 8-bit all-to-all run ``native`` (the backend's own; always off the CPU) or
-``pairwise`` (N - 1 point-to-point exchanges, step k sending to rank ``r + k`` and receiving from ``r - k``, all
-posted at once); both send ``(N - 1) / N`` of the tensor per rank, the ring minimum. Pairwise is gloo's default:
-against gloo's all-reduce of 4M-element buckets on 2 ranks, its reduce-scatter and all-gather cost 0.85x and 0.5x,
-native's 1.2x and 0.65x (``benchmarks/results/collectives-gloo.md``). Across nodes pairwise sends ``1 / N`` between
-*every* two ranks, where a ring (ranks numbered node by node) crosses each node boundary once, so a gloo all-gather
-over a group that :func:`spans_nodes` is native (16 MB, 2 nodes of 2 ranks over 1 Gbit/s: 103-112 ms, pairwise
-146-167 ms; ``benchmarks/results/network/collectives-1gbit.md``); the reduce-scatter stays pairwise, gloo's native
-one costing more than an all-reduce there too. ``ZEROIMPL_COLLECTIVES=native|pairwise`` overrides the choice for
-CPU tensors (read per collective: set it alike on every rank).
+``pairwise`` (N - 1 point-to-point exchanges, step k sending to rank ``r + k`` and receiving from ``r - k``, all posted
+at once); both send ``(N - 1) / N`` of the tensor per rank, the ring minimum. Gloo runs pairwise, the faster
+(``benchmarks/results/collectives-gloo.md``), but for an all-gather over a group that :func:`spans_nodes`: pairwise
+sends ``1 / N`` between *every* two ranks, where gloo's ring (ranks numbered node by node) crosses each node boundary
+once; the reduce-scatter stays pairwise, gloo's costing more than an all-reduce (``benchmarks/results/network/``).
+``ZEROIMPL_COLLECTIVES=native|pairwise`` forces the choice on the CPU (read per collective: set it alike on all ranks).
 
 At world size 1 an in-place reduce-scatter issues nothing, any other collective the backend's one-rank copy; an
 optimizer issues none (:func:`issues_collectives`). ``torch.distributed`` functions are looked up at call time, so
@@ -23,29 +20,15 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .pending import HOST_POLL_SECONDS, CollectiveError, Pending
+from .quantized_comm import ShardBlocks
 
 ALGORITHMS = ("native", "pairwise")
-
-
-class PayloadBlocks(Protocol):
-    """What the 8-bit collectives use of a shard's blocks (:class:`zeroimpl.quantized_comm.ShardBlocks`)."""
-
-    shard_numel: int  # elements per rank's piece
-    payload_bytes: int  # bytes per rank's payload
-
-    def encode(self, values: torch.Tensor, rank: Optional[int] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
-
-    def decoded(self, payload: torch.Tensor, rank: Optional[int] = None,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
-
-    def accumulate(self, payload: torch.Tensor, total: torch.Tensor, rank: Optional[int] = None) -> None: ...
 
 
 def issues_collectives(world_size: int) -> bool:
@@ -127,20 +110,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, timeout: Op
     return Pending(works, name, timeout, finish=add_pieces, buffers=(received,), on_stream=on_stream)
 
 
-def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: PayloadBlocks, group,
+def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, blocks: ShardBlocks, group,
                              timeout: Optional[float] = None, tag: int = 0) -> Pending:
     """Start ``output`` = this rank's piece of ``input`` (exact) plus every other rank's, sent to its owner as an
     8-bit payload on the owner's ``blocks`` (:mod:`zeroimpl.quantized_comm`) and summed there in fp32: an
     all-to-all of about a quarter of :func:`reduce_scatter`'s fp32 bytes. Shapes and ``tag`` as there."""
-    if dist.get_world_size(group) == 1:  # nothing crosses a link: nothing to quantize
-        return reduce_scatter(output, input, group, timeout, tag)
     works, lent, sent, received = _send_payloads(input, blocks, group, tag)
     return Pending(works, "gradient reduce-scatter (8-bit)", timeout,
                    finish=lambda: _summed(input, received, blocks, group, output), buffers=(sent, received),
                    lent=lent, on_stream=input.device.type != "cpu")
 
 
-def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, timeout: Optional[float] = None,
+def all_reduce_quantized(tensor: torch.Tensor, blocks: ShardBlocks, group, timeout: Optional[float] = None,
                          tag: int = 0) -> Pending:
     """Start ``tensor`` = its sum over the group, 8 bits both ways: a :func:`reduce_scatter_quantized` of its
     ``blocks.shard_numel``-element pieces (zero-padded), then at the wait an all-gather of each owner's fp32 sum as
@@ -172,7 +153,7 @@ def all_reduce_quantized(tensor: torch.Tensor, blocks: PayloadBlocks, group, tim
                    on_stream=tensor.device.type != "cpu")
 
 
-def _send_payloads(input: torch.Tensor, blocks: PayloadBlocks, group, tag: int) -> tuple:
+def _send_payloads(input: torch.Tensor, blocks: ShardBlocks, group, tag: int) -> tuple:
     """Post the all-to-all sending each other rank its piece of ``input``, encoded on its blocks; return the works,
     the aliases lent, and the payloads sent and received (``(world_size, payload_bytes)`` uint8, row r: rank r)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -191,7 +172,7 @@ def _send_payloads(input: torch.Tensor, blocks: PayloadBlocks, group, tag: int) 
     return works, (), sent, received
 
 
-def _summed(input: torch.Tensor, received: torch.Tensor, blocks: PayloadBlocks, group, out: torch.Tensor) -> None:
+def _summed(input: torch.Tensor, received: torch.Tensor, blocks: ShardBlocks, group, out: torch.Tensor) -> None:
     """``out`` = this rank's piece of ``input`` plus every other rank's decoded payload in ``received``, summed in
     fp32 in rank order (in ``out`` itself when it is fp32, which may be that piece; else then cast to its dtype)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -261,12 +242,11 @@ def broadcast(tensor: torch.Tensor, group, timeout: Optional[float] = None, name
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group, timeout: Optional[float] = None,
-                name: str = "all-reduce", read_on_host: bool = False) -> torch.Tensor:
-    """Reduce ``tensor`` in place across the group and return it. ``read_on_host``: the host waits for it, bounded
-    by ``timeout`` (the caller reads it next); else, on an accelerator, the current stream waits."""
+                name: str = "all-reduce", read_on_host: bool = False) -> None:
+    """Reduce ``tensor`` in place across the group. ``read_on_host``: the host waits for it, bounded by ``timeout``
+    (the caller reads it next); else, on an accelerator, the current stream waits."""
     pending = all_reduce(tensor, op, group, timeout, name)
     (pending.wait_on_host if read_on_host else pending.wait)()
-    return tensor
 
 
 def all_gather_objects(value, group, timeout: Optional[float] = None, name: str = "object all-gather",

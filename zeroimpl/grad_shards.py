@@ -73,10 +73,9 @@ class ShardFill(enum.Enum):
 
 
 class HostGradientShards:
-    """Gradient shards on the host, filled by asynchronous copies as each bucket's reduction completes. After
-    :meth:`ready`, every gradient reduced since :meth:`clear` is summed in them in reduction order, with no host copy in
-    flight. Host syncs: one per step (:meth:`ready`), plus one per bucket per later micro-batch outside
-    :meth:`accumulating`."""
+    """After :meth:`ready`, the host shards hold every gradient reduced since :meth:`clear`, summed in reduction order,
+    with no host copy in flight. Host syncs: one per step (:meth:`ready`), plus one per bucket per later micro-batch
+    outside :meth:`accumulating`."""
 
     def __init__(self, device: torch.device, shards: list[torch.Tensor], timeout: Optional[float] = None):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copy stream

@@ -28,9 +28,8 @@ A *round* is what one backward reduces, each bucket once. Its :class:`RoundState
   others', so every later verb raises naming the first failure, and the other ranks raise ``CollectiveError`` at
   their next collective. An interrupt (Ctrl-C) fails the round too, once this rank has issued any of it.
 
-Rules (``tests/test_house.py`` enforces them): every verb (a hook, or a call of the optimizer's) is a
-:func:`reducer_verb`; every collective is issued through :meth:`GradientReducer._issue` inside ``_own_work``
-(whatever fails there leaves the reducer ``FAILED``) and kept as one :class:`InFlight` until finished.
+Every verb (a hook, or a call of the optimizer's) is a :func:`reducer_verb`; every collective is issued through
+:meth:`GradientReducer._issue` inside ``_own_work`` and kept as one :class:`InFlight` (``tests/test_house.py``).
 """
 
 from __future__ import annotations
@@ -76,12 +75,6 @@ class InFlight(NamedTuple):
     buffer: Optional[torch.Tensor]
     output: torch.Tensor  # (shard_numel,), reduce dtype: handed to the store once finished
     work: Pending
-
-    def wait(self, streams: WorkStream, on_host: bool) -> None:
-        """Wait for the collective; ``on_host``: block the host, not the compute stream (CUDA). Records its tensors
-        on the work stream first: the wait lets go of the work's buffers and queues the 8-bit sum that reads them."""
-        streams.use(*(t for t in (self.buffer, self.output) if t is not None), *self.work.buffers)
-        (self.work.wait_on_host if on_host else self.work.wait)()
 
 
 def reducer_verb(joined: bool = True):
@@ -185,7 +178,8 @@ class GradientReducer:
                 self.start_grad_sync(ready)
 
     def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
-        if under_compiled_autograd():
+        compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # its graph cannot hold collectives
+        if torch.compiler.is_compiling() or getattr(compiled_autograd, "in_compiled_autograd_region", False):
             return ("ShardedOptimizer does not support compiled autograd (torch._dynamo.config.compiled_autograd): "
                     "its gradient hooks reduce-scatter during backward. Compile the model's forward "
                     "(torch.compile(model)) and run backward without compiled autograd")
@@ -214,7 +208,8 @@ class GradientReducer:
 
     def _end_of_backward(self) -> None:
         self._callback = None
-        if _inside_outer_backward():
+        current_node = getattr(torch._C, "_current_autograd_node", None)
+        if current_node is not None and current_node() is not None:  # inside another backward's node (reentrant)
             self.state = RoundState.DEFERRED
         else:
             with self.streams.span():
@@ -262,7 +257,8 @@ class GradientReducer:
         except BaseException as error:
             if self.state is RoundState.FAILED:
                 raise  # (recorded by an inner block)
-            if not isinstance(error, Exception) and self._nothing_issued():
+            nothing_issued = not (self._checking_in or self._started or self._reducing or self._replicating)
+            if not isinstance(error, Exception) and nothing_issued:
                 raise  # the user's interrupt (Ctrl-C) before this round issued anything: every rank is still in step
             self.state, self._failure = RoundState.FAILED, f"{type(error).__name__}: {error}"
             if isinstance(error, CollectiveError) or not isinstance(error, Exception):
@@ -281,10 +277,6 @@ class GradientReducer:
         assert self._owning, "the reducer's collectives are issued inside _own_work"
         self.streams.use(*(t for t in (buffer, output) if t is not None))
         queue.append(InFlight(bucket_index, buffer, output, launch()))
-
-    def _nothing_issued(self) -> bool:
-        """Whether this rank issued no collective this round: left open, it closes as a failed backward's, in step."""
-        return not self._checking_in and self._started == 0 and not self._reducing and not self._replicating
 
     def _refuse_if_failed(self) -> None:
         if self.state is RoundState.FAILED:
@@ -342,8 +334,11 @@ class GradientReducer:
     def _finish_oldest(self, queue: deque, on_host: bool = False) -> None:
         """Finish the oldest collective of ``queue``; hand its shard to the store or, a reduce-scatter's under hybrid
         sharding, to an all-reduce across the replicas (``_replicating``, bounded as ``_reducing`` is)."""
-        reduction = queue[0]
-        reduction.wait(self.streams, on_host)
+        reduction, work = queue[0], queue[0].work
+        # on_host: block the host, not the compute stream (CUDA). Its tensors go on the work stream first: the wait
+        # lets go of the work's buffers and queues the 8-bit sum that reads them
+        self.streams.use(*(t for t in (reduction.buffer, reduction.output) if t is not None), *work.buffers)
+        (work.wait_on_host if on_host else work.wait)()
         queue.popleft()
         if queue is self._replicating or self.replicate is None:
             self.gradients.add(reduction.bucket_index, reduction.output)
@@ -501,18 +496,6 @@ def complete_through(arrived: list[set[int]], buckets, start: int) -> int:
     while end < len(buckets) and len(arrived[end]) == len(buckets[end].param_indices):
         end += 1
     return end
-
-
-def under_compiled_autograd() -> bool:
-    """Whether compiled autograd is tracing this backward (its graph cannot hold collectives and callbacks)."""
-    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
-    return torch.compiler.is_compiling() or bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
-
-
-def _inside_outer_backward() -> bool:
-    """Whether the backward now ending runs inside another one's node (reentrant checkpointing)."""
-    current_node = getattr(torch._C, "_current_autograd_node", None)
-    return current_node is not None and current_node() is not None
 
 
 class _EndOfBackward:

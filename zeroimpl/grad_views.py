@@ -1,9 +1,8 @@
 """``param.grad`` after backward: the averaged gradient, held as this rank's shard, readable by torch's utilities.
 
-After a backward that reached a :class:`~zeroimpl.ShardedOptimizer` (unless under DDP), each trainable parameter's
-``.grad`` is a :class:`ShardedGrad`: the parameter's shape, dtype and device, the values of the *averaged* gradient
-DDP would leave, the elements in the ranks' gradient shards (this rank holds one contiguous piece, or none). So a
-training loop reads gradients as under DDP, at stage 2's memory:
+After a backward that reached a :class:`~zeroimpl.ShardedOptimizer` (unless under DDP), each trainable ``param.grad`` is
+a :class:`ShardedGrad`: the parameter's shape, dtype and device, the *averaged* gradient DDP would leave, sharded
+(this rank holds one contiguous piece, or none). So a training loop reads gradients as under DDP, at stage 2's memory:
 
 * ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm``, ``clip_grads_with_norm_`` (any ``norm_type``, foreach or
   not): the first norm computes every parameter's norm with **one all-reduce** of one value per parameter, reused
@@ -15,9 +14,8 @@ training loop reads gradients as under DDP, at stage 2's memory:
 
 Any other operation raises, naming the alternatives. The first operation after a backward finishes the reduction
 through :meth:`GradViews.prepare`, a collective: every rank must run the same operations, or the first fails after
-the collective timeout. :meth:`~GradViews.expose` puts one persistent view per parameter in ``.grad`` at the end of
-each backward; :meth:`~GradViews.withdraw` and :meth:`~GradViews.discard` take them out. A view the user removed in
-between (``p.grad = None``) is *dropped*: its gradient is forgotten, as torch forgets a cleared ``.grad``.
+the collective timeout. A view the user removed from ``.grad`` (``p.grad = None``) is *dropped*: its gradient is
+forgotten, as torch forgets a cleared ``.grad``.
 """
 
 from __future__ import annotations
@@ -122,13 +120,10 @@ class GradViews:
         self.expose(prepared=True)
         return True
 
-    def after_backward(self) -> None:
-        """Expose the views at the end of every backward, nested ones too (exposing is idempotent)."""
-        self.expose(prepared=False)
-
-    def expose(self, prepared: bool) -> None:
-        """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local gradient
-        it replaces). ``prepared``: the shards already hold the averaged gradients."""
+    def expose(self, prepared: bool = False) -> None:
+        """Put every trainable parameter's view in ``.grad`` (stage 1 before ``prepare``: keeping the local gradient it
+        replaces); idempotent: called at every backward's end, nested ones too. ``prepared``: the shards hold the
+        averaged gradients."""
         if self.checks.reducer.under_ddp:  # (stage 1 under DistributedDataParallel, which averages param.grad)
             return  # DDP's param.grad is the full averaged gradient already: no view replaces it
         for index, (param, view) in enumerate(zip(self.params, self._views)):
@@ -145,16 +140,14 @@ class GradViews:
     def withdraw(self) -> list[int]:
         """Take the views out of ``.grad`` (giving back stage 1's local gradients) before a backward accumulates and
         in :meth:`prepare`; forget the gradients of views the user had removed, and return their parameter indices."""
-        dropped = self._take_out()
+        dropped = self.discard()
         if dropped:
             self.checks.forget(dropped)
         return dropped
 
-    def discard(self) -> None:
-        """Take the views out of ``.grad`` without forgetting anything (the step or ``zero_grad`` consumed them)."""
-        self._take_out()
-
-    def _take_out(self) -> list[int]:
+    def discard(self) -> list[int]:
+        """Take the views out of ``.grad``, forgetting nothing (the step or ``zero_grad`` consumed them); return the
+        indices of views the user had removed."""
         dropped = []
         for index in sorted(self._installed):
             param = self.params[index]
@@ -251,15 +244,12 @@ class GradViews:
         return self._copies[key][1]
 
     def _norm(self, view: ShardedGrad, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
-        norm = self._all_norms(float(ord))[view.param_index]
-        return norm.to(device=view.device, dtype=dtype or view.dtype)
-
-    def _all_norms(self, ord: float) -> torch.Tensor:
-        """The ``ord``-norm of every parameter's averaged gradient, by parameter index, cached until the gradients
-        change. Partial terms in fp64: within an ulp or two of the full gradient's norm."""
+        """The ``ord``-norm of ``view``'s averaged gradient; every parameter's is cached until the gradients change.
+        Partial terms in fp64: within an ulp or two of the full gradient's norm."""
+        ord = float(ord)
         if ord not in self._norms:
             self._norms[ord] = self._reduce_norms(ord)
-        return self._norms[ord]
+        return self._norms[ord][view.param_index].to(device=view.device, dtype=dtype or view.dtype)
 
     def _reduce_norms(self, ord: float) -> torch.Tensor:
         op, empty = {float("inf"): (dist.ReduceOp.MAX, 0.0), -float("inf"): (dist.ReduceOp.MIN, float("inf"))}.get(

@@ -25,15 +25,13 @@ def device_tensor(values: list, device: torch.device, dtype: torch.dtype) -> tor
 
 
 class HostArena:
-    """Host tensors of several dtypes carved out of one mapping of whole pages (:func:`whole_pages`), registered on a
-    GPU with ``cudaHostRegister`` (portable: page-locked for every device), so the page-locked bytes are :attr:`nbytes`,
-    the slices' rounded up to whole pages (``pin_memory=True`` rounds each block up to a power of two). Slices are laid
-    out widest dtype first: each aligned, with no gaps. Each slice is a storage of its own over the mapping
-    (``torch.save`` of one writes its bytes, not the arena's; ``is_pinned()`` asks about its own first byte) and keeps
-    the mapping alive. When :attr:`pinned`, every non-empty slice is ``is_pinned()``: where registration fails or torch
-    does not count it, each slice is copied into torch's pinned allocator instead, with a warning (:attr:`registered`
-    False). The range is unregistered when the arena is collected, after the device has finished every queued copy: its
-    owner keeps it while it copies."""
+    """Host tensors of several dtypes carved from one whole-page mapping (:func:`whole_pages`) that ``cudaHostRegister``
+    page-locks (portable: for every device), so the page-locked bytes are :attr:`nbytes`, the slices' rounded up to
+    whole pages (``pin_memory=True`` rounds each to a power of two). Slices, widest dtype first, aligned, no gaps, are
+    each a storage over the mapping that keeps it alive (``torch.save`` writes only its bytes; ``is_pinned()`` asks
+    about its first byte). When :attr:`pinned`, every non-empty slice is ``is_pinned()``: if registration fails or torch
+    does not count it, each is copied into torch's pinned allocator, with a warning (:attr:`registered` False).
+    Unregistered on collection, after the device's queued copies; its owner keeps it while it copies."""
 
     def __init__(self, sizes: list[tuple[int, torch.dtype]], pin_device: Optional[torch.device]):
         offsets, total = {}, 0
@@ -42,11 +40,12 @@ class HostArena:
             total += sizes[index][0] * sizes[index][1].itemsize
         self.pinned = pin_device is not None and total > 0
         pages = whole_pages(total, inherited=not self.pinned)
-        self.start: Optional[int] = _address(pages)
+        self.start: Optional[int] = torch.frombuffer(pages, dtype=torch.uint8).data_ptr()
         """The mapping's first byte (None after the fallback below: the slices are separate allocations)."""
         self.nbytes = len(pages)
         """The bytes the arena holds: the mapping's (after the fallback, the slices' before torch rounds them)."""
-        self.slices: list[torch.Tensor] = [_view(pages, offsets[i], numel, dtype)
+        self.slices: list[torch.Tensor] = [torch.frombuffer(pages, dtype=dtype, count=numel, offset=offsets[i])
+                                           if numel else torch.zeros(0, dtype=dtype)
                                            for i, (numel, dtype) in enumerate(sizes)]
         self.registered = self.pinned and _registered(self, pages, pin_device)
         if self.pinned and not self.registered:  # the mapping goes with the slices that held it
@@ -70,22 +69,13 @@ def whole_pages(nbytes: int, inherited: bool = True) -> mmap.mmap:
     return pages
 
 
-def _address(pages: mmap.mmap) -> int:
-    return torch.frombuffer(pages, dtype=torch.uint8).data_ptr()
-
-
-def _view(pages: mmap.mmap, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``numel`` elements of ``dtype`` at byte ``offset`` of ``pages``: a storage of their own that keeps it alive."""
-    if numel == 0:
-        return torch.zeros(0, dtype=dtype)
-    return torch.frombuffer(pages, dtype=dtype, count=numel, offset=offset)
-
-
 def _registered(arena: HostArena, pages: mmap.mmap, device: torch.device) -> bool:
     """Whether ``arena``'s ``pages`` are now registered (until ``arena`` is collected) and torch counts its slices
     as pinned; if not, the registration is undone, a failure's CUDA error consumed, and a warning says why."""
     try:
-        _register(arena.start, arena.nbytes, device)
+        with torch.cuda.device(device):
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostRegister(arena.start, arena.nbytes, _HOST_REGISTER_PORTABLE))
     except (RuntimeError, AttributeError) as error:  # no cudaHostRegister here (a sandbox, another build)
         _clear_cuda_error(device)
         reason = f"cudaHostRegister failed ({error})"
@@ -112,11 +102,6 @@ def _clear_cuda_error(device: torch.device) -> None:
 
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
-
-
-def _register(address: int, nbytes: int, device: torch.device) -> None:
-    with torch.cuda.device(device):
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
 
 
 def _unregister(pages: mmap.mmap, address: int, device: torch.device, registrant: int) -> None:

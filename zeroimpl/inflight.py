@@ -11,11 +11,10 @@ and misses: docs/advanced.md.
 
 Other reads need ``finish_param_gathers()`` first (the integrations call it at one seam each); zeroimpl's own work on
 its own tensors runs under :func:`guards_lifted`. Why a mode, not Megatron's module pre-hooks alone: reads outside a
-forward (an EMA, ``p.data.clamp_()``) would see the previous step's values, or be overwritten when the gather lands. The
-guards exist only while a gather is in flight, and each forward first finishes those that have arrived, so their cost (a
-Python call per torch operation) ends with the last landing. Why torch's private stack calls: a user's ``with mode:``
-block spanning ``step()`` pops the top of the stack on exit, where a mode pushed the public way would be. A guard taken
-off the stack goes to :mod:`zeroimpl.shutdown` (a gloo work issued meanwhile may hold it).
+forward (an EMA, ``p.data.clamp_()``) would see the previous step's values, or be overwritten when the gather lands. Why
+torch's private stack calls: a user's ``with mode:`` block spanning ``step()`` pops the top of the stack on exit, where
+a mode pushed the public way would be. A guard taken off the stack goes to :mod:`zeroimpl.shutdown` (a gloo work issued
+meanwhile may hold it).
 """
 
 from __future__ import annotations
@@ -154,7 +153,8 @@ class InFlightGathers:
             # from the mode's own handler (torch puts the mode back after it) or another thread: inert until the
             # hook, finish() or start() on its thread takes it off
             return
-        _remove_from_stack(guard)
+        _take_off(guard)
+        shutdown.handed_to_gloo(guard)  # (a gloo work issued meanwhile may hold it)
         self._guard = None
         self._hook.remove()
         self._hook = None
@@ -215,11 +215,6 @@ def _push_at_bottom(mode: TorchFunctionMode) -> None:
     keep_below = 1 if stack and isinstance(stack[0], DeviceContext) else 0
     for other in stack[:keep_below] + [mode] + stack[keep_below:]:
         torch._C._push_on_torch_function_stack(other)
-
-
-def _remove_from_stack(mode: TorchFunctionMode) -> None:
-    _take_off(mode)
-    shutdown.handed_to_gloo(mode)
 
 
 def _take_off(mode: TorchFunctionMode) -> bool:

@@ -1,6 +1,6 @@
 """The torch optimizers that step this rank's pieces, one per optimizer class, seen as one optimizer over the outer
 groups. As in Megatron's "optimizer over ranges", they never see a model parameter, only one view of the master shard
-per piece (:func:`piece_view`). Group-level state (timm's Adan step counter, schedule-free's ``k``) is the inner
+per piece (:meth:`PieceMasters.view`). Group-level state (timm's Adan step counter, schedule-free's ``k``) is the inner
 optimizers': the outer groups mirror the inner ones after every step (:meth:`InnerOptimizers.report`), and before a step
 only the outer values changed since (a scheduler's ``lr``) go in (:meth:`InnerOptimizers.follow`). Inner steps fire no
 step hooks: the ``ShardedOptimizer.step()`` around them is the one step the user sees."""
@@ -96,10 +96,6 @@ class InnerOptimizers:
             self.report(outer_groups)
         return bool(switching)
 
-    def refuse_parameter_overrides(self, params: Sequence[torch.Tensor]) -> None:
-        for optimizer in self.optimizers.values():
-            optimizer_kinds.refuse_bitsandbytes_overrides(optimizer, params)
-
     def refuse_global_clipping(self) -> None:
         """Raise for an optimizer that clips by the norm of all it steps (timm's Lamb, ``max_grad_norm``)."""
         for optimizer_class, optimizer in self.optimizers.items():
@@ -166,25 +162,23 @@ def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs:
                         timeout: Optional[float], params: Sequence[torch.Tensor]) -> InnerOptimizers:
     """:class:`InnerOptimizers` over this rank's pieces of ``params``. Collective unless ``topology`` is ``None``:
     a refusal on one rank (a shape only it owns) raises the same error on every rank, never a later hang."""
-    error, inner = None, None
+    error, inner, refused = None, None, None
     try:
         inner = InnerOptimizers(groups, classes, kwargs)
-        inner.refuse_parameter_overrides(params)
+        for optimizer in inner.optimizers.values():
+            optimizer_kinds.refuse_bitsandbytes_overrides(optimizer, params)
         if topology is not None and topology.shard_size > 1:  # (None: refused at construction already)
             inner.refuse_global_clipping()
     except Exception as exc:  # any refusal by a class's constructor: shared below, then raised everywhere
         error = exc
-    if topology is None:
-        if error is not None:
-            raise error
-        return inner
-    gathered = topology.all_gather_objects(None if error is None else _portable(error), timeout,
-                                           "inner optimizer construction agreement")
-    refused = next(((rank, found) for rank, found in enumerate(gathered) if found is not None), None)
-    if refused is None:
-        return inner
+    if topology is not None:
+        gathered = topology.all_gather_objects(None if error is None else _portable(error), timeout,
+                                               "inner optimizer construction agreement")
+        refused = next(((rank, found) for rank, found in enumerate(gathered) if found is not None), None)
     if error is not None:
         raise error
+    if refused is None:
+        return inner
     rank, (error_class, message) = refused
     note = f"(rank {rank} in all-gather order, building its inner optimizer) {message}"
     try:
@@ -203,14 +197,6 @@ def _portable(error: Exception) -> tuple[type, str]:
         return RuntimeError, f"{type(error).__name__}: {error}"
 
 
-def piece_view(shard: torch.Tensor, piece: ShardPiece, layout: ShardLayout, param: torch.Tensor) -> torch.Tensor:
-    """``piece``'s elements of a shard-sized tensor: 1-D, or shaped as ``param`` in a whole-parameter bucket."""
-    flat = shard[piece.shard_offset:piece.shard_offset + piece.length]
-    if layout.buckets[piece.bucket_index].whole:
-        return shaped(flat, param.shape, param.stride())
-    return flat
-
-
 class PieceMasters:
     """This rank's pieces (``layout.pieces(rank)`` order) and ``masters[k]``, piece ``k``'s view of its master."""
 
@@ -220,7 +206,12 @@ class PieceMasters:
         self.masters = [self.view(storages[p.bucket_index].master, p) for p in pieces]
 
     def view(self, shard: torch.Tensor, piece: ShardPiece) -> torch.Tensor:
-        return piece_view(shard, piece, self.layout, self.params[piece.param_index])
+        """``piece``'s elements of a shard-sized tensor: 1-D, or shaped as its parameter in a whole-parameter bucket."""
+        flat = shard[piece.shard_offset:piece.shard_offset + piece.length]
+        if not self.layout.buckets[piece.bucket_index].whole:
+            return flat
+        param = self.params[piece.param_index]
+        return shaped(flat, param.shape, param.stride())
 
     def inner_groups(self, outer_groups: list[dict]) -> list[dict]:
         """The inner optimizers' param groups: each outer group's hyperparameters over its pieces' masters."""

@@ -324,11 +324,6 @@ def pack_whole(members: Sequence[int], params: Sequence[ParamSpec], world_size: 
     return [sorted(chunk, key=order.__getitem__) for chunk in chunks]
 
 
-def _chunk_padding(members: Sequence[int], params: Sequence[ParamSpec], world_size: int) -> int:
-    fill = [sum(params[i].numel for i in chunk) for chunk in pack_whole(members, params, world_size)]
-    return world_size * max(fill) - sum(fill)
-
-
 def split_whole_run(run: Sequence[int], params: Sequence[ParamSpec], world_size: int,
                      bucket_numel: int) -> list[list[int]]:
     """Cut a run of whole parameters (reverse parameter order, one group and dtype) into buckets. A bucket grows one
@@ -343,7 +338,8 @@ def split_whole_run(run: Sequence[int], params: Sequence[ParamSpec], world_size:
             largest = max(largest, params[run[end - 1]].numel)
             if total < bucket_numel and end < len(run):
                 continue
-            fraction = _chunk_padding(run[start:end], params, world_size) / max(total, 1)
+            fill = [sum(params[i].numel for i in chunk) for chunk in pack_whole(run[start:end], params, world_size)]
+            fraction = (world_size * max(fill) - sum(fill)) / max(total, 1)
             if fraction < best_fraction:
                 best_end, best_fraction = end, fraction
             limit = WHOLE_BUCKET_GROWTH * world_size * max(bucket_numel, largest)
@@ -379,12 +375,10 @@ def place_whole(members: list[int], params: Sequence[ParamSpec], world_size: int
 
 
 def place_blocked(sizes: Sequence[int], blocks: Blocks, world_size: int, alignment: int) -> tuple[list[int], int]:
-    """Offsets of a blocked bucket's members (of ``sizes`` elements, in buffer order), and its padded size.
-    Members start on a block and the shard size is a multiple of the block and of ``alignment``: a piece of a
-    member is whole blocks of it (but for its last). bitsandbytes and torchao choose a tensor's state (8-bit or
-    fp32) by its size, so each member goes at the first offset past the previous one where every piece of it is
-    quantized as the whole is. The shard size grows from the least that holds the members (doubling its slack, then
-    bisecting) until every member finds one; at most it holds all members whole (then one rank owns each)."""
+    """Offsets of a blocked bucket's members (of ``sizes`` elements, in buffer order), and its padded size. Each member
+    goes at the first block start past the previous one where every piece of it is quantized as it is (:class:`Blocks`).
+    The shard size, a multiple of the block and of ``alignment``, grows from the least that holds the members (doubling
+    its slack, then bisecting) until every member finds one; at most it holds all members whole (one rank owns each)."""
     unit = math.lcm(blocks.size, alignment)
     one_shard = round_up(max(1, sum(round_up(n, blocks.size) for n in sizes)), unit)  # holds every member whole
     low = round_up(-(-one_shard // world_size), unit)

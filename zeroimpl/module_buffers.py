@@ -112,7 +112,9 @@ def broadcast_parameters(params: Sequence[torch.Tensor], topology, timeout: Opti
     cannot reach where they are (a CPU model under NCCL) go through the device they reach, a run at a time."""
     def broadcast(flat: torch.Tensor) -> None:
         staged = flat.to(topology.reaching(flat.device))
-        topology.broadcast_from_first_(staged, timeout, "parameter broadcast at construction (init_sync='broadcast')")
+        for group in topology.groups():
+            comm.broadcast(staged, group, timeout,
+                           "parameter broadcast at construction (init_sync='broadcast')").wait_on_host()
         if staged is not flat:
             flat.copy_(staged)
     _overwrite_by_dtype(list(params), broadcast)

@@ -1,15 +1,7 @@
 """ShardedOptimizer: ZeRO stage 1 and 2 around torch optimizers, elementwise (AdamW) or not (Muon, Adafactor).
 
-One optimizer step on one rank (Ψ trainable elements, N ranks), and the module that does each part (this module
-builds those parts and runs the step; it calls down into them, none calls back up)::
-
-    backward -> gradients reduce-scattered into this rank's gradient shard (Ψ/N)  [grad_sync]
-                kept on the device, or copied to the host with offload              [grad_shards, offload]
-                param.grad: a view of the averaged gradient, for torch's utilities  [grad_views]
-    step     -> finish the reduction, unscale, agree on NaN/Inf (and the clipping norm) [step_checks]
-             -> inner optimizers over this rank's pieces of the master weights       [inner]
-             -> masters into the parameter shard, all-gathered bucket by bucket (offload: each bucket's
-                host step, copy and all-gather in turn), left in flight into the next forward  [param_sync]
+This module builds the parts of one step and runs it, calling down into them (none calls back up); which part does
+what: docs/design.md, "One step" (offload: :mod:`zeroimpl.offload`'s timeline).
 """
 
 from __future__ import annotations
@@ -106,7 +98,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         quantized = {"quantize_param_gather": bool(quantize_param_gather), "quantize_grad_reduce": quantize_grad_reduce}
         validation.refuse_peer_arguments(optimizer_kwargs)
         validation.check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
-                                 quantized, init_sync)
+                                 quantize_grad_reduce, init_sync)
         self.collective_timeout = collective_timeout
         self.offload: Optional[CPUOffload] = resolve_offload(offload)
         groups, step_works, blocks = optimizer_kinds.plan(params, optimizer_class, optimizer_kwargs, per_parameter,
@@ -134,7 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # a CPU model under NCCL (built through its GPU) may move there later; the step refuses it until then
         self._unplaced: Optional[str] = validation.placement_problem(trainable, self.process_group)
         members = [p for g in self.param_groups for p in g["params"]]  # frozen ones too
-        optimizer_kinds.check_whole_groups(self.param_groups, OUTER_ONLY_KEYS)
+        optimizer_kinds.check_whole_groups(self.param_groups)
         self.ownership = Ownership(trainable, [p for p in members if not p.requires_grad])  # frozen: out of the layout
         try:
             if init_sync == "broadcast":  # once this optimizer owns them, before they move into its buffers
@@ -182,7 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                  loss_scaler=self.loss_scaler, topology=self.topology, device=self._device)
         self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
                                     topology=self.topology)
-        self.reducer.call_after_backward(self.grad_views.after_backward)
+        self.reducer.call_after_backward(self.grad_views.expose)
 
     def _follow_model(self, before_collectives: bool = False) -> None:
         """Before the first gradient or step, rebuild the parts around the parameters the model now holds (after
@@ -511,7 +503,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         (any world size; model first). All ranks raise ``ValueError``, changing nothing, if one cannot."""
         self._follow_model()
         self._consolidated = None
-        if _is_torch_format(state_dict):
+        if (isinstance(state_dict, dict) and "format" not in state_dict
+                and {"state", "param_groups"} <= state_dict.keys()):  # torch's format: a full state, no zeroimpl tag
             self._load_full(state_dict)
             return
         self._agree_to_load(self._load_problem(state_dict))
@@ -641,18 +634,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             "host_staging": [t for buffers in self.param_sync.staging.values() for t in buffers],
             "master_weights": [s.master for s in self.storages if s.has_separate_master],
             "optimizer_state": [v for state in self.inner.state.values() for v in state.values() if torch.is_tensor(v)],
-            "bucket_buffers": self.reducer.live_buffers() + self.param_sync.live_buffers(),
+            "bucket_buffers": self.reducer.live_buffers() + self.param_sync.gathers.live_buffers(),
         }
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by kind and place."""
         return memory_report(self.held_tensors(), offload=self.offload is not None)
-
-
-def _is_torch_format(state_dict) -> bool:
-    """Whether ``state_dict`` is a full state in ``torch.optim.Optimizer.state_dict()`` format (no zeroimpl tag)."""
-    return (isinstance(state_dict, dict) and "format" not in state_dict
-            and {"state", "param_groups"} <= state_dict.keys())
 
 
 def _positions(pieces) -> list[tuple[int, int, int, int]]:

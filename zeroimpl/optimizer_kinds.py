@@ -5,8 +5,6 @@
   each parameter, as the plain optimizer would.
 * **blocked** -- bitsandbytes' and torchao's low-bit optimizers, whose state is quantized in blocks from a parameter's
   first element (:func:`blocks_of`): shards are cut on block boundaries; quantization maps replicate.
-* Third-party classes checked against DDP are recognised by name (:data:`THIRD_PARTY_SHARDING`).
-* refused -- LBFGS (a closure over the whole model) and SparseAdam (sparse gradients).
 """
 
 from __future__ import annotations
@@ -53,12 +51,6 @@ def check_class(optimizer_class) -> None:
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"an optimizer class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
                         f"got {optimizer_class!r}")
-
-
-def check_per_parameter(per_parameter) -> None:
-    if isinstance(per_parameter, type) or not all(isinstance(cls, type) for cls in per_parameter):
-        raise TypeError(f"per_parameter must be a list of optimizer classes, e.g. per_parameter=[MyShampoo], "
-                        f"got {per_parameter!r}")
 
 
 def sharding_of(optimizer_class: type, per_parameter: Collection[type], assume_elementwise: bool) -> Sharding:
@@ -137,7 +129,9 @@ def plan(params, optimizer_class: type, optimizer_kwargs: dict, per_parameter: C
          assume_elementwise: bool) -> tuple[list[dict], list[Optional[Callable[[tuple], int]]], list[Optional[Blocks]]]:
     """(groups with their classes, per group a whole one's :func:`step_work`, a blocked one's blocks)."""
     check_class(optimizer_class)
-    check_per_parameter(per_parameter)
+    if isinstance(per_parameter, type) or not all(isinstance(cls, type) for cls in per_parameter):
+        raise TypeError(f"per_parameter must be a list of optimizer classes, e.g. per_parameter=[MyShampoo], "
+                        f"got {per_parameter!r}")
     groups = groups_with_classes(params, optimizer_class, optimizer_kwargs)
     kinds = [sharding_of(group["optimizer"], per_parameter, assume_elementwise) for group in groups]
     works = [step_work(group["optimizer"]) if kind == "whole" else None for group, kind in zip(groups, kinds)]
@@ -183,7 +177,11 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
         if group_class is optimizer_class:
             for key, value in optimizer_kwargs.items():
                 group.setdefault(key, value)
-        _refuse_bitsandbytes_args(group)
+        if group.get("args") is not None and _comes_from(group_class, ("bitsandbytes.",)):
+            raise ValueError(f"{group_class.__name__}(args=...): bitsandbytes then ignores its keyword arguments "
+                             "for the settings in args, which zeroimpl reads from the keyword arguments to cut its "
+                             "shards (min_8bit_size) or step whole parameters (max_unorm): pass the settings as "
+                             "keyword arguments instead")
     if optimizer_kwargs and all(group["optimizer"] is not optimizer_class for group in groups):
         raise ValueError(f"the keyword arguments {sorted(optimizer_kwargs)} are {optimizer_class.__name__}'s, but "
                          f"every param group names another optimizer class; put them in the groups they are for, "
@@ -191,21 +189,13 @@ def groups_with_classes(params, optimizer_class: type, optimizer_kwargs: dict) -
     return groups
 
 
-def _refuse_bitsandbytes_args(group: dict) -> None:
-    if group.get("args") is not None and _comes_from(group["optimizer"], ("bitsandbytes.",)):
-        raise ValueError(f"{group['optimizer'].__name__}(args=...): bitsandbytes then ignores its keyword arguments "
-                         "for the settings in args, which zeroimpl reads from the keyword arguments to cut its shards "
-                         "(min_8bit_size) or step whole parameters (max_unorm): pass the settings as keyword "
-                         "arguments instead")
-
-
-def check_whole_groups(groups: list[dict], outer_only_keys: frozenset) -> None:
+def check_whole_groups(groups: list[dict]) -> None:
     """Build each group of torch's whole-parameter classes over meta copies of its parameters, so that every rank, not
     only the owner, refuses a bad group (Muon: a parameter not 2-D). A user's class may read values: not built."""
     for group in groups:
         trainable = [p for p in group["params"] if p.requires_grad]
         if group["optimizer"] in WHOLE_PARAMETER_OPTIMIZERS and trainable:
-            hyperparameters = {k: v for k, v in group.items() if k not in outer_only_keys}
+            hyperparameters = {k: v for k, v in group.items() if k not in OUTER_ONLY_KEYS}
             group["optimizer"]([{**hyperparameters, "params": [torch.empty_like(p, device="meta") for p in trainable]}])
 
 

@@ -51,10 +51,6 @@ class Ownership:
         """``id(owned parameter)`` -> the Parameter now in its place, if replaced since construction (frozen too)."""
         return dict(self._successors)
 
-    @property
-    def has_successors(self) -> bool:
-        return bool(self._successors)
-
     def _succeed(self, original: int, param: torch.nn.Parameter) -> None:
         """``param`` replaces the owned parameter of id ``original`` (directly, or a replacement of it)."""
         self._successors[original] = param
@@ -160,7 +156,7 @@ class ModelFollower:
         # a compiled module runs its original's forward below the hooks: its parameters are all the original's
         params = module.parameters() if type(module).__name__ == "OptimizedModule" else module._parameters.values()
         moved = any(id(p) in addresses and p.data_ptr() != addresses[id(p)] for p in params if p is not None)
-        if moved or self.ownership.has_successors:
+        if moved or self.ownership.successors():
             follow = self._follow()
             if follow is not None:
                 follow()

@@ -22,11 +22,10 @@ from .topology import Topology
 
 
 class ParamSync:
-    """Publishes one optimizer's master weights (``storages``) into the parameters and all-gathers them in
-    ``topology``'s shard group, once per step: :meth:`start_param_sync`, then :meth:`finish_param_sync`. ``staging``: a
-    16-bit model's two host buffers per dtype under offload, else empty. Invariant: after the start every bucket's
-    all-gather is issued (waited for, or left in :attr:`gathers`, guarded); after a finish of every bucket the
-    parameters hold the published values and no copy reads the masters or the staging buffers."""
+    """One optimizer's ``storages``, synced in ``topology``'s shard group once per step: :meth:`start_param_sync`, then
+    :meth:`finish_param_sync`. ``staging``: a 16-bit model's two host buffers per dtype under offload, else empty.
+    Invariant: after the start every bucket's all-gather is issued (waited for, or left in :attr:`gathers`, guarded);
+    after a finish of all buckets the parameters hold the published values, and no copy reads masters or staging."""
 
     def __init__(self, storages: list[BucketStorage], topology: Topology,
                  staging: dict[torch.dtype, list[torch.Tensor]]):
@@ -92,10 +91,6 @@ class ParamSync:
         if take_edits:
             for storage in self.storages:
                 storage.sync_master_with_params()
-
-    def live_buffers(self) -> list[torch.Tensor]:
-        """The gathered payloads of quantized all-gathers still in flight."""
-        return self.gathers.live_buffers()
 
     def _overrule_edits(self) -> None:
         """Collective (one small all-reduce): where any rank saw a member of a quantized bucket written outside the

@@ -1,12 +1,10 @@
 """Issued communication and the wait for it: :class:`Pending`, returned by every collective of :mod:`zeroimpl.comm`. A
 collective that fails (a peer died) or does not finish within ``timeout`` seconds (a peer hangs) raises
 :class:`CollectiveError` on this rank instead of blocking forever (``timeout=None``: the process group's timeout). On
-CUDA most waits are the current stream's: the host goes on, and NCCL's watchdog enforces the group's timeout by aborting
-the process. ``timeout`` bounds the waits where the host blocks anyway (:meth:`Pending.wait_on_host` beyond the
-in-flight window, the step's check all-reduce, offload's gradient copies), so a collective that hangs while only streams
-wait for it raises by the next step's check. A failed collective, or a ``finish`` that raised while landing the result
-(out of memory), fails the Pending: every later wait raises the same :class:`CollectiveError`, since what the collective
-writes may be half-landed."""
+CUDA most waits are the current stream's, bounded only by the group's timeout (NCCL's watchdog aborts the process);
+``timeout`` bounds those where the host blocks anyway (docs/design.md's "Host waits"), so a collective that hangs raises
+by the next step's check. A failed collective, or a ``finish`` that raised (out of memory), fails the Pending: every
+later wait raises the same :class:`CollectiveError`, since what the collective writes may be half-landed."""
 
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ block NaN, which the next step's NaN check stops on, as it would unquantized.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -30,10 +29,6 @@ CHUNK = 1 << 20
 _LEVELS = 255.0
 _SIGNED_LEVELS = 127.0
 _TINY = torch.finfo(torch.float32).tiny
-
-
-def _blocks_of(lengths: list[int]) -> int:
-    return sum(math.ceil(length / BLOCK) for length in lengths)
 
 
 @dataclass(frozen=True)
@@ -114,7 +109,7 @@ class ShardBlocks:
             cuts = sorted({start, end, *(b for b in boundaries if start < b < end)})
             segments.append(tuple(high - low for low, high in zip(cuts, cuts[1:])))
         range_bytes = 4 if signed else 8
-        payload = shard_numel + range_bytes * max(_blocks_of(list(lengths)) for lengths in segments)
+        payload = shard_numel + range_bytes * max(sum(-(-n // BLOCK) for n in lengths) for lengths in segments)
         return ShardBlocks(rank, shard_numel, tuple(segments), payload, signed)
 
     def _plan(self, rank: int, device: torch.device) -> _Plan:

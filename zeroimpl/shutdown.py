@@ -1,13 +1,10 @@
 """Exit without an abort: before the interpreter finalizes, wait for gloo's workers to drop zeroimpl's objects. A gloo
-worker thread drops its reference to a collective's work (``ProcessGroupGloo::AsyncWork``) just after completing it, and
-the workers outlive ``destroy_process_group()`` (default arguments of ``torch.distributed.nn.functional`` hold the
-group). A work holds Python objects: its tensors (in torch >= 2.10 C++ holding a tensor keeps its Python object alive)
-and, in its copy of the issuing thread's state, the TorchFunctionModes on the stack, among them
-:mod:`zeroimpl.inflight`'s guard (so even the user's own ``dist.barrier()`` holds it); a barrier also defers the
-destruction of the works in progress when it was issued. A worker that lets go of such an object once the interpreter
-finalizes asks for the GIL, Python ends the thread with ``pthread_exit``, and its unwinding through the work's noexcept
-destructor calls ``std::terminate``: "terminate called without an active exception", SIGABRT after a good run (torch
-2.13, Python 3.11).
+worker drops a work (``ProcessGroupGloo::AsyncWork``) just after completing it, and outlives ``destroy_process_group()``
+(``torch.distributed.nn.functional``'s default arguments hold the group). A work holds its tensors' Python objects
+(torch >= 2.10) and the issuing thread's TorchFunctionModes, :mod:`zeroimpl.inflight`'s guard among them (so the user's
+own ``dist.barrier()`` holds it, and keeps the works then in progress alive). A worker dropping one once finalization
+began asks for the GIL, is ended by ``pthread_exit``, and unwinds through the work's noexcept destructor into
+``std::terminate``: "terminate called without an active exception", SIGABRT after a good run (torch 2.13, Python 3.11).
 
 So at exit, after every optimizer's finalizer and only while objects registered by :func:`handed_to_gloo` are still held
 (each collective's alias of a CPU tensor; a guard taken off the mode stack), zeroimpl releases the GIL for
@@ -38,12 +35,8 @@ def _wait_for_gloo() -> None:
     time.sleep(WORKER_SECONDS)  # releases the GIL to any worker letting go of a Python object, registered or not
     if _held:
         gc.collect()  # one held only by cyclic garbage (an exception's traceback) is no work's to free
-        _wait_until(deadline)
-
-
-def _wait_until(deadline: float) -> None:
-    while _held and time.monotonic() < deadline:
-        time.sleep(1e-3)  # releases the GIL
+        while _held and time.monotonic() < deadline:
+            time.sleep(1e-3)  # releases the GIL
 
 
 class _Process:

@@ -37,10 +37,6 @@ def is_recipe(key: str, value) -> bool:
     return is_part(key, RECIPE) and isinstance(value, tuple) and len(value) == 3 and value[0] in CLASSES
 
 
-def has_subclass_state(state: Optional[dict]) -> bool:
-    return any(is_recipe(key, value) for key, value in (state or {}).items())
-
-
 def plain_parts(state: Optional[dict]) -> Optional[dict]:
     """``state`` with each torchao subclass value split into its plain parts; another tensor subclass is refused."""
     if not state:
@@ -70,7 +66,8 @@ def plain_parts(state: Optional[dict]) -> Optional[dict]:
 def require_logical_order(state: Optional[dict], shape: tuple, strides: tuple, index: int) -> None:
     """Refuse to move parameter ``index``'s subclass state between flat shards (blocks in memory order) and the plain
     class or whole-parameter stepping (blocks in logical order) when the two orders differ."""
-    if has_subclass_state(state) and not same_order(tuple(shape), tuple(strides), contiguous_strides(tuple(shape))):
+    subclass_state = any(is_recipe(key, value) for key, value in (state or {}).items())
+    if subclass_state and not same_order(tuple(shape), tuple(strides), contiguous_strides(tuple(shape))):
         raise CheckpointError(f"trainable parameter {index} {tuple(shape)} has strides {tuple(strides)}: zeroimpl's "
                               "flat shards quantize its torchao state in blocks of its memory order and the plain "
                               "torchao class (as whole-parameter stepping, per_parameter) in blocks of its logical "
@@ -116,7 +113,8 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
         return None, None, None
     elementwise, scalars, whole_state = {}, {}, {}
     for key, value in plain_parts(state).items():
-        if torch.is_tensor(value) and whole and is_piece_level(key):  # (may have the piece's shape: a 256-element
+        piece_level = is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")  # block scales, qmaps
+        if torch.is_tensor(value) and whole and piece_level:  # (may have the piece's shape: a 256-element
             whole_state[key] = value.detach().cpu().clone()  # piece's quantization map, a 1-element piece's scale)
         elif torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
             elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
@@ -132,11 +130,6 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
                                   "scalar, so it cannot be resharded; this optimizer is not elementwise (shard it "
                                   "by whole parameters: ShardedOptimizer(..., per_parameter=[its class]))")
     return elementwise, scalars, whole_state
-
-
-def is_piece_level(key: str) -> bool:
-    """Whether low-bit state ``key`` is piece-level whatever its shape: block scales and ``qmap``s."""
-    return is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")
 
 
 def is_per_block(key: str) -> bool:
@@ -184,9 +177,7 @@ def torch_optimizer_state(groups: list[dict], shapes: list[tuple], strides: list
         for member in group["members"]:
             if member >= 0 and scalars[member] is not None:
                 shape, order = tuple(shapes[member]), tuple(strides[member])
-                numel = 1
-                for size in shape:
-                    numel *= size
+                numel = torch.Size(shape).numel()
                 parts = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars[member].items()},
                          **{key: shaped(value, shape, order) if value.numel() == numel else value
                             for key, value in states[member].items()}}

@@ -4,13 +4,11 @@ the gradient reducer writes one bucket buffer from several streams, and launches
 others. Unordered, a launch could read a slot before another stream's write, a finish a buffer before its writes (at
 world size 1 no collective orders anything), two streams could add into one gradient shard at once.
 
-:class:`WorkStream` runs the work as spans: on the one stream they all came from so far (the common case, for one
-``torch.cuda.current_stream()`` per span), and from the first span on another stream on, on ``own`` (from torch's pool:
-maybe a stream the program uses too, which then also waits where ``own`` does), each after its caller's queued work and
-every earlier span. A *joined* span also makes its caller's stream wait for it; a hook's span does not, so that in
-backward no compute stream waits on the GPU for another's queue or the communication. The caching allocator reuses a
-freed block after its allocation stream's work only: a tensor used on another stream must be recorded there (``use``,
-``hand_over``). On CPU nothing happens."""
+:class:`WorkStream` runs the work as spans (:meth:`WorkStream.span`): on the one stream they all came from so far, and
+once one comes from another stream, on ``own`` (from torch's pool: maybe a stream the program uses too, which then also
+waits where ``own`` does). A hook's span is not joined, so that in backward no compute stream waits on the GPU for
+another's queue or the communication. The caching allocator reuses a freed block after its allocation stream's work
+only: a tensor used on another stream is recorded there (``use``, ``hand_over``). On CPU nothing happens."""
 
 from __future__ import annotations
 
@@ -37,30 +35,27 @@ class WorkStream:
         ``joined``: the current stream's later work waits for it too."""
         self.depth += 1
         try:
-            yield from self._span(joined)
+            caller = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if self.own is None and caller is not None:
+                if self.first is None:
+                    self.first = caller
+                if caller != self.first:  # the first span from a second stream
+                    self.own = torch.cuda.Stream(self.device)
+                    self.own.wait_stream(self.first)
+            if caller is None or self.own is None or caller == self.own:  # CPU, one stream so far, or a nested span
+                yield
+                return
+            self.own.wait_stream(caller)
+            outer, self._caller = self._caller, caller
+            try:
+                with torch.cuda.stream(self.own):
+                    yield
+            finally:
+                self._caller = outer
+                if joined:
+                    caller.wait_stream(self.own)
         finally:
             self.depth -= 1
-
-    def _span(self, joined: bool) -> Iterator[None]:
-        caller = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if self.own is None and caller is not None:
-            if self.first is None:
-                self.first = caller
-            if caller != self.first:  # the first span from a second stream
-                self.own = torch.cuda.Stream(self.device)
-                self.own.wait_stream(self.first)
-        if caller is None or self.own is None or caller == self.own:  # CPU, one stream so far, or a nested span
-            yield
-            return
-        self.own.wait_stream(caller)
-        outer, self._caller = self._caller, caller
-        try:
-            with torch.cuda.stream(self.own):
-                yield
-        finally:
-            self._caller = outer
-            if joined:
-                caller.wait_stream(self.own)
 
     def use(self, *tensors: torch.Tensor) -> None:
         """Record on ``own`` the ``tensors`` the span uses (a record on a tensor's allocation stream is ignored)."""

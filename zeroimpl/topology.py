@@ -69,13 +69,6 @@ class Topology:
             comm.all_reduce_(tensor, op, group, timeout, name, read_on_host)
         return tensor
 
-    def broadcast_from_first_(self, tensor: torch.Tensor, timeout: Optional[float] = None,
-                              name: str = "broadcast") -> torch.Tensor:
-        """Overwrite ``tensor`` on every rank with the first rank's (:attr:`is_first`); return it, landed."""
-        for group in self.groups():
-            comm.broadcast(tensor, group, timeout, name).wait_on_host()
-        return tensor
-
     def same_on_every_rank(self, values: torch.Tensor, timeout: Optional[float] = None,
                            name: str = "agreement all-reduce") -> torch.Tensor:
         """Elementwise, whether every rank holds the same 1-D ``values`` (the maximum is the minimum); the same

@@ -21,14 +21,17 @@ FRAMEWORK_ROUTES = (
 
 
 def check_options(stage, loss_scale, nonfinite, collective_timeout, max_inflight_buckets, verify_every,
-                  quantized: Optional[dict] = None, init_sync: str = "broadcast") -> None:
-    """Refuse an option out of range, naming what it accepts. ``quantized``: the ``quantize_*`` options by name."""
-    grads = (quantized or {}).get("quantize_grad_reduce", False)
-    if grads not in (False, True, "replicas"):
-        raise ValueError(f"quantize_grad_reduce must be False, True or 'replicas', got {grads!r}")
+                  quantize_grad_reduce=False, init_sync: str = "broadcast") -> None:
+    """Refuse an option out of range, naming what it accepts."""
+    if quantize_grad_reduce not in (False, True, "replicas"):
+        raise ValueError(f"quantize_grad_reduce must be False, True or 'replicas', got {quantize_grad_reduce!r}")
     check_stage(stage)
-    check_loss_scale(loss_scale)
-    check_nonfinite(nonfinite)
+    if not (loss_scale is None or loss_scale == "auto" or isinstance(loss_scale, LossScaleConfig)):
+        raise ValueError(f"loss_scale must be 'auto' (on for fp16 parameters), None (off) or "
+                         f"zeroimpl.LossScaleConfig(...) (on), got {loss_scale!r}")
+    if nonfinite not in ("raise", "skip"):
+        raise ValueError(f"nonfinite must be 'raise' (stop with FloatingPointError on NaN/Inf gradients) or "
+                         f"'skip' (skip such steps and count them), got {nonfinite!r}")
     check_timeout(collective_timeout)
     if max_inflight_buckets < 0:
         raise ValueError(f"max_inflight_buckets must be >= 0, got {max_inflight_buckets}")
@@ -72,18 +75,6 @@ def check_process_group(group) -> None:
     if group is not None and dist.get_rank(group) < 0:
         raise ValueError("this rank is not a member of the process_group passed to ShardedOptimizer; "
                          "create the optimizer only on ranks of that group")
-
-
-def check_loss_scale(loss_scale) -> None:
-    if not (loss_scale is None or loss_scale == "auto" or isinstance(loss_scale, LossScaleConfig)):
-        raise ValueError(f"loss_scale must be 'auto' (on for fp16 parameters), None (off) or "
-                         f"zeroimpl.LossScaleConfig(...) (on), got {loss_scale!r}")
-
-
-def check_nonfinite(nonfinite) -> None:
-    if nonfinite not in ("raise", "skip"):
-        raise ValueError(f"nonfinite must be 'raise' (stop with FloatingPointError on NaN/Inf gradients) or "
-                         f"'skip' (skip such steps and count them), got {nonfinite!r}")
 
 
 def check_timeout(timeout) -> None:
@@ -139,10 +130,31 @@ def _held_by_ddp(param: torch.Tensor) -> bool:
 
 def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
                  layout: Optional[dict] = None, values: bool = True) -> None:
-    """Local checks, then a collective one that every rank holds the same parameters (and ``layout``), on a device
-    the collectives reach (a CPU model under NCCL: the GPU); ``values=False``: shapes only."""
+    """Local checks, then a collective one that every rank holds the same parameters (shapes, strides and float64
+    checksums, compared as ``max(x) == -max(-x)``) and ``layout`` (a fingerprint), on a device the collectives reach
+    (a CPU model under NCCL: the GPU); ``values=False``: shapes only."""
     check_local_params(params)
-    _check_same_across_ranks(params, topology, topology.reaching(params[0].device), timeout, layout, values)
+    device = topology.reaching(params[0].device)
+    layout_digest = int(hashlib.sha256(repr(layout).encode()).hexdigest()[:12], 16)  # 48 bits: exact in fp64
+    shapes = torch.tensor([len(params), sum(p.numel() for p in params),
+                           hash(tuple((tuple(p.shape), dense_strides(p)) for p in params)) % (2 ** 50), layout_digest],
+                          dtype=torch.float64, device=device)
+    _raise_if_ranks_differ(shapes, topology, "the number, shapes or memory formats (strides: channels_last, a "
+                           "transposed weight) of the trainable parameters, or the shard "
+                           "layout (param groups, their optimizer classes, per_parameter, bucket_numel, "
+                           "quantize_param_gather, quantize_grad_reduce)",
+                           timeout, "build the same model, with the same options, on every rank")
+    if not values:
+        return
+    with torch.no_grad():
+        sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+                            for p in params]).flatten().to(device)
+    _raise_if_ranks_differ(sums, topology, "the values of the parameters (init_sync='check')", timeout,
+                           "leave init_sync at 'broadcast' (the default: rank 0's parameters overwrite the others', "
+                           "as DDP does at construction), or load the same weights on every rank before building "
+                           "the optimizer. Seeding every rank alike gives equal weights too, but if that generator "
+                           "also draws the batches (nanoGPT seeds 1337 + rank), every rank then trains on the same "
+                           "data")
 
 
 def placement_problem(params: list[torch.Tensor], group) -> Optional[str]:
@@ -171,31 +183,6 @@ def check_local_params(params: list[torch.Tensor]) -> None:
         if not p.dtype.is_floating_point:
             raise ValueError(f"a trainable parameter has dtype {p.dtype}; only floating-point parameters can "
                              "be optimized")
-
-
-def _check_same_across_ranks(params: list[torch.Tensor], topology, device: torch.device,
-                             timeout: Optional[float], layout: Optional[dict], values: bool) -> None:
-    """Compare shapes, the layout's fingerprint and float64 checksums across ranks (``max(x) == -max(-x)``)."""
-    layout_digest = int(hashlib.sha256(repr(layout).encode()).hexdigest()[:12], 16)  # 48 bits: exact in fp64
-    shapes = torch.tensor([len(params), sum(p.numel() for p in params),
-                           hash(tuple((tuple(p.shape), dense_strides(p)) for p in params)) % (2 ** 50), layout_digest],
-                          dtype=torch.float64, device=device)
-    _raise_if_ranks_differ(shapes, topology, "the number, shapes or memory formats (strides: channels_last, a "
-                           "transposed weight) of the trainable parameters, or the shard "
-                           "layout (param groups, their optimizer classes, per_parameter, bucket_numel, "
-                           "quantize_param_gather, quantize_grad_reduce)",
-                           timeout, "build the same model, with the same options, on every rank")
-    if not values:
-        return
-    with torch.no_grad():
-        sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
-                            for p in params]).flatten().to(device)
-    _raise_if_ranks_differ(sums, topology, "the values of the parameters (init_sync='check')", timeout,
-                           "leave init_sync at 'broadcast' (the default: rank 0's parameters overwrite the others', "
-                           "as DDP does at construction), or load the same weights on every rank before building "
-                           "the optimizer. Seeding every rank alike gives equal weights too, but if that generator "
-                           "also draws the batches (nanoGPT seeds 1337 + rank), every rank then trains on the same "
-                           "data")
 
 
 def _raise_if_ranks_differ(values: torch.Tensor, topology, what: str, timeout: Optional[float], fix: str) -> None:

@@ -1,7 +1,5 @@
-"""Are the ranks' parameters still identical? Data-parallel ranks must hold bit-identical parameters after every
-step; a rank-dependent edit, a different seed or a corrupted update breaks that silently. :func:`verify_ranks_agree`
-(every ``verify_every`` steps, or on demand) compares bit checksums in one small all-reduce and names the first
-parameter that differs (:class:`DivergenceError`)."""
+"""Are the ranks' parameters still bit-identical, as data parallelism needs (:func:`verify_ranks_agree`, every
+``verify_every`` steps or on demand)? A rank-dependent edit, another seed or a corrupted update breaks that silently."""
 
 from __future__ import annotations
 
