@@ -1,5 +1,8 @@
-"""The nanoGPT recipe: ``examples/nanogpt_train.py`` (laid out as nanoGPT's ``train.py``, on DDP) with
-``examples/nanogpt_zeroimpl.patch`` applied, against the same script on DDP, under torchrun (2 CPU ranks, gloo).
+"""The nanoGPT recipes: ``examples/nanogpt_train.py`` (laid out as nanoGPT's ``train.py``, on DDP) with
+``examples/nanogpt_zeroimpl.patch`` applied (stage 2, DDP dropped), and with
+``examples/nanogpt_zeroimpl_stage1.patch`` (stage 1, DDP kept: the optimizer line swapped, and the optimizer state
+consolidated on rank 0 before the master's save), against the same script on DDP, under torchrun (2 CPU ranks, gloo).
+Stage 1 under DDP steps from DDP's own gradients, clipped by torch: bitwise DDP in every case, resumed too.
 
 Every rank seeds ``1337 + rank``, so the ranks initialise different weights and draw different batches: DDP
 broadcasts rank 0's weights at construction, and so does ShardedOptimizer. The master process alone evaluates
@@ -21,8 +24,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "nanogpt_train.py")
 PATCH = os.path.join(ROOT, "examples", "nanogpt_zeroimpl.patch")
+STAGE_1_PATCH = os.path.join(ROOT, "examples", "nanogpt_zeroimpl_stage1.patch")
 RUNNER = os.path.join(ROOT, "tests", "reference_runner.py")
 MAX_CHANGED_LINES = 8
+MAX_STAGE_1_CHANGED_LINES = 4
 LOSS_ATOL = 1e-5
 PARAM_ATOL = 1e-4
 EXACT = ("--grad_clip=0.0", "--gradient_accumulation_steps=2")  # one micro-batch per rank, no clipping
@@ -57,14 +62,17 @@ def torchrun(script: str, *flags: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Per path ("ddp", "zeroimpl") and case: the master's dump ({"losses", "model"}) and what it printed."""
+    """Per path ("ddp", "zeroimpl", "stage1") and case: the master's dump ({"losses", "model"}) and what it
+    printed."""
     root = tmp_path_factory.mktemp("nanogpt")
-    patched = root / "zeroimpl"
-    patched.mkdir()
-    shutil.copy(SCRIPT, patched / "nanogpt_train.py")
-    subprocess.run(["git", "apply", "-p1", PATCH], cwd=patched, check=True)
+    scripts = {"ddp": SCRIPT}
+    for path, patch in (("zeroimpl", PATCH), ("stage1", STAGE_1_PATCH)):
+        (root / path).mkdir()
+        shutil.copy(SCRIPT, root / path / "nanogpt_train.py")
+        subprocess.run(["git", "apply", "-p1", patch], cwd=root / path, check=True)
+        scripts[path] = str(root / path / "nanogpt_train.py")
     results = {}
-    for path, script in (("ddp", SCRIPT), ("zeroimpl", str(patched / "nanogpt_train.py"))):
+    for path, script in scripts.items():
         for case, flags in (("exact", EXACT), ("exact resumed", (*EXACT, "--init_from=resume", "--max_iters=10")),
                             ("defaults", ())):
             out_dir = root / f"{path}-{case.split()[0]}"
@@ -74,9 +82,19 @@ def runs(tmp_path_factory):
     return results
 
 
-def test_the_recipe_adds_or_changes_at_most_8_lines():
+def test_the_recipe_adds_or_changes_at_most_8_lines_and_the_stage_1_recipe_4():
     with open(PATCH) as patch:
         assert changed_lines(patch.read()) <= MAX_CHANGED_LINES
+    with open(STAGE_1_PATCH) as patch:
+        assert changed_lines(patch.read()) <= MAX_STAGE_1_CHANGED_LINES
+
+
+@pytest.mark.parametrize("case", ["exact", "exact resumed", "defaults"])
+def test_the_stage_1_recipe_under_ddp_trains_bitwise_as_ddp_with_clipping_accumulation_and_resume(runs, case):
+    (ours, printed, _), (reference, reference_printed, _) = runs[("stage1", case)], runs[("ddp", case)]
+    assert ours["losses"] == reference["losses"] and len(ours["losses"]) >= 5
+    assert all(torch.equal(ours["model"][name], reference["model"][name]) for name in reference["model"])
+    assert printed.count("saving checkpoint") == reference_printed.count("saving checkpoint")
 
 
 @pytest.mark.parametrize("case", ["exact", "exact resumed"])
