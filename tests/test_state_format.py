@@ -144,3 +144,12 @@ def test_a_state_key_that_merely_ends_like_a_stored_part_is_not_taken_for_one():
 
     with pytest.raises(CheckpointError, match="'foo/tensor'.*neither one value per element nor a scalar"):
         split_state({"step": torch.tensor(1.0), "foo/tensor": "abc"}, (8,), whole=False)
+
+
+def test_a_state_keyed_by_a_number_splits_as_any_state_outside_whole_parameter_stepping():
+    """A custom optimizer may key its state by numbers; the names of low-bit piece-level parts are looked for only
+    where pieces are stepped whole, so elsewhere such a state splits into per-element values and scalars."""
+    from zeroimpl.state_format import split_state
+
+    elementwise, scalars, piece_level = split_state({0: torch.zeros(4), "step": torch.tensor(1.0)}, (4,), whole=False)
+    assert set(elementwise) == {0} and set(scalars) == {"step"} and piece_level == {}
