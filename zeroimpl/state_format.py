@@ -113,9 +113,9 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
         return None, None, None
     elementwise, scalars, whole_state = {}, {}, {}
     for key, value in plain_parts(state).items():
-        piece_level = is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")  # block scales, qmaps
-        if torch.is_tensor(value) and whole and piece_level:  # (may have the piece's shape: a 256-element
-            whole_state[key] = value.detach().cpu().clone()  # piece's quantization map, a 1-element piece's scale)
+        if torch.is_tensor(value) and whole and (  # block scales and qmaps: piece-level whatever their shape (a
+                is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")):  # 256-element piece's map)
+            whole_state[key] = value.detach().cpu().clone()
         elif torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
             elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
         elif torch.is_tensor(value) and value.dim() == 0:
