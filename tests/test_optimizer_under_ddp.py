@@ -7,8 +7,8 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
 * Stage 1 under DDP, AdamW, bitwise DDP + AdamW: plain; ``no_sync()`` accumulation; ``torch.nn.utils.
   clip_grad_norm_`` on DDP's full gradients; a GradScaler with a scale that overflows at first (both skip the
   same steps); an LR scheduler; CPU offload (the for-loop AdamW kernel, as DDP + AdamW's); and the optimizer's
-  own collectives per step: the parameters' all-gather (Ψ) alone; a NaN in a piece that one rank steps is
-  found on every rank all the same.
+  own collectives per step: no reduction, only the parameters' all-gather (Ψ) and the 5-element check, which
+  finds a NaN in a piece one rank steps, or in one rank's gradient alone (edited per rank), on every rank.
 * Stage 2 under DDP: refused at the first backward, on every rank, naming stage 1 and the unwrapped route.
 * Built before the model changes: ``.to(cpu:0)``, ``load_state_dict(assign=True)``, ``.double()`` and
   ``.bfloat16()``, DDP-wrapped or not: bitwise an optimizer built after the change (the documented route); a
@@ -473,9 +473,9 @@ def _edits_under_ddp(rank):
 
 def _nonfinite_under_ddp(rank):
     """Under DDP, a NaN in DDP's averaged gradient of the last parameter, whose piece rank 1 alone steps (written
-    alike on every rank after backward): per ``nonfinite`` policy, what step() did on each rank, the parameters
-    before and after, and the all-reduces zeroimpl issued; and a finite 3e38 there, whose square overflows the
-    norm (stepped)."""
+    alike on every rank after backward): per ``nonfinite`` policy, what step() did on each rank and whether the
+    parameters stayed; and a finite 3e38 there, whose square overflows the norm (stepped). Then ("per rank") a
+    gradient divided by each rank's own count, rank 1's 0: Inf/NaN on rank 1 alone."""
     out = {}
     for policy, value in (("raise", float("nan")), ("skip", float("nan")), ("finite", 3e38)):
         model = _model()
@@ -487,16 +487,24 @@ def _nonfinite_under_ddp(rank):
         ddp(torch.ones(2, 20)).sum().backward()
         with torch.no_grad():
             list(model.parameters())[-1].grad.view(-1)[-1] = value
-        counter = CollectiveCounter().install()
         try:
             optimizer.step()
             outcome = f"skipped {optimizer.skipped_steps}"
         except FloatingPointError as error:
             outcome = str(error)
-        finally:
-            counter.uninstall()
-        out[policy] = (outcome, _bitwise(before, [p.detach() for p in model.parameters()]),
-                       summarize(counter.take()).get("all_reduce"))
+        out[policy] = (outcome, _bitwise(before, [p.detach() for p in model.parameters()]))
+    model = _model()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
+    ddp = DDP(model)
+    ddp(torch.ones(2, 20)).sum().backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.grad.div_(2.0 if rank == 0 else 0.0)  # (a mean over this rank's tokens, rank 1 having none)
+    try:
+        optimizer.step()
+        out["per rank"] = "stepped"
+    except (FloatingPointError, RuntimeError) as error:
+        out["per rank"] = f"{type(error).__name__}: {error}"
     return out
 
 
@@ -588,12 +596,12 @@ def test_stage_1_under_ddp_is_bitwise_ddp_with_the_same_torch_optimizer(ranks, v
 
 
 def test_under_ddp_the_optimizer_reduces_nothing_and_gathers_the_parameters_once(ranks):
-    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction, and its averaged gradients are the
-    same on every rank, so the step's checks need no all-reduce: zeroimpl's one collective per step is the
-    all-gather of the parameters, Ψ (padded)."""
+    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction: zeroimpl's calls per step are the
+    5-element check all-reduce and the all-gather of the parameters, Ψ (padded) per step."""
     for out in case_results(ranks, "under ddp"):
         for per_step in out["collectives"]:
-            assert not any("reduce" in name for name in per_step), per_step
+            assert not any("reduce_scatter" in name for name in per_step), per_step
+            assert per_step["all_reduce"][:2] == (1, 5), per_step
             sent = sum(per_step.get(name, (0, 0))[1] for name in ("isend", "all_gather_into_tensor"))
             assert out["psi"] <= sent * (2 if "isend" in per_step else 1) <= out["psi"] + 64 * 8, per_step
 
@@ -717,15 +725,17 @@ def test_under_ddp_edits_of_param_grad_before_the_step_count(ranks, name):
         assert _bitwise(zero_run, torch_run)
 
 
-def test_under_ddp_nan_in_a_piece_one_rank_steps_is_found_on_every_rank_without_a_collective(ranks):
-    """DDP left the same averaged gradients on every rank, so each rank reads the NaN from the whole gradient,
-    not its shard: raised (or skipped) on both ranks, the parameters untouched, and no all-reduce of zeroimpl's; a
-    finite gradient whose norm overflows is stepped."""
+def test_under_ddp_nan_in_a_piece_one_rank_steps_or_in_one_ranks_gradient_is_found_on_every_rank(ranks):
+    """A NaN in the piece rank 1 alone steps: raised (or skipped) on both ranks, the parameters untouched; a finite
+    gradient whose norm overflows is stepped. A gradient edited per rank (Inf/NaN on rank 1 alone, as a mean over
+    a rank without tokens gives): FloatingPointError on both ranks, never one rank stepping into the all-gather
+    while the other raised (a local check would hang there until the timeout)."""
     for out in case_results(ranks, "nonfinite under ddp"):
-        raised, raise_untouched, raise_reduces = out["raise"]
-        assert "NaN or Inf" in raised and raise_untouched and raise_reduces is None
-        assert out["skip"] == ("skipped 1", True, None)
-        assert out["finite"] == ("skipped 0", False, None)
+        raised, raise_untouched = out["raise"]
+        assert "NaN or Inf" in raised and raise_untouched
+        assert out["skip"] == ("skipped 1", True)
+        assert out["finite"] == ("skipped 0", False)
+        assert out["per rank"].startswith("FloatingPointError: the averaged gradients hold NaN or Inf"), out["per rank"]
 
 
 def test_a_model_wrapped_in_ddp_after_a_first_backward_trains_as_ddp(ranks):
