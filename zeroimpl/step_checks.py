@@ -2,8 +2,7 @@
 a ``param.grad`` view) finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling.
 :meth:`StepChecks.agree` is the step's one host sync: an all-reduce of 5 values (:func:`encode_checks`) says whether any
 shard holds NaN/Inf, whether every rank ran the same backward passes, the global norm when clipping, and whether some
-rank lacks some gradient (only then does a second all-reduce say which). Under DDP, which leaves the same averaged
-gradients on every rank, each rank reads the verdict locally.
+rank lacks some gradient (only then does a second all-reduce say which).
 
 The step's facts, each set once, all forgotten by :meth:`StepChecks.reset` (end of ``step()``, ``zero_grad()``):
 
@@ -143,11 +142,7 @@ class StepChecks:
     def agree(self, norm_type: Optional[float] = None, riders: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The agreement all-reduce: sets ``verdict``; returns the global norm for ``norm_type`` on the device, else
         ``None``. ``riders`` (1-D fp64) ride along, reduced in place (sum; max for ``inf``), counted once under hybrid
-        sharding. Only a non-finite norm (finite gradients can give one) makes every rank run :meth:`_any_nonfinite`.
-        Under DDP (no norm, no riders: clipping there is torch's) no collective: :meth:`_agree_under_ddp`."""
-        if self.reducer.under_ddp:
-            assert norm_type is None and riders is None, "under DDP the norm is torch's clip_grad_norm_'s, local"
-            return self._agree_under_ddp()
+        sharding. Only a non-finite norm (finite gradients can give one) makes every rank run :meth:`_any_nonfinite`."""
         shards = self.shards()
         local_device = shards[0].device if shards else self.device
         passes = float(self.reducer.backward_passes)
@@ -185,18 +180,6 @@ class StepChecks:
         norm = agreed[1].to(norm_term.dtype)
         return norm if maximum else norm ** (1.0 / norm_type)
 
-    def _agree_under_ddp(self) -> None:
-        """The verdict from this rank's ``param.grad``: DDP's all-reduce left the same averaged gradients on every
-        rank, for the same parameters (locally unused ones too), so each rank reads what an all-reduce would agree.
-        NaN/Inf are looked for in the whole gradient, not the shard, exactly only where a norm is not finite (as in
-        :meth:`agree`). Backward passes are not compared: DDP averages whatever ran."""
-        grads = [param.grad for storage in self.storages for param in storage.params if param.grad is not None]
-        suspect = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
-        nonfinite = suspect and bool(holds_nonfinite(grads))
-        stepped = None if all(self.reducer.grad_exists) else list(self.reducer.grad_exists)
-        self.verdict = StepVerdict(same_passes=True, nonfinite=nonfinite, stepped=stepped)
-        self._largest = {}
-
     def _params_with_gradients(self) -> list[bool]:
         """By parameter index, whether any rank has its gradient: a flag per parameter, all-reduced."""
         local = device_tensor(self.reducer.grad_exists, self.device, torch.float32)
@@ -206,15 +189,11 @@ class StepChecks:
 
     def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
         """Whether any rank's shard holds NaN/Inf, exactly: a mask per shard, one more all-reduce and host sync."""
-        local = to_device(holds_nonfinite(shards).float().reshape(1), self.device)
+        local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1)
+        local = to_device(local, self.device)
         agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.topology.timeout,
                                            "gradient NaN/Inf all-reduce", read_on_host=True)
         return bool(agreed.item())
-
-
-def holds_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Whether any of ``tensors`` holds NaN or Inf: a 0-d bool tensor, on their device."""
-    return torch.stack([~torch.isfinite(tensor).all() for tensor in tensors]).any()
 
 
 def loss_scaling_misuse(loss_scaled: bool, unscaled: bool) -> Optional[str]:
