@@ -508,6 +508,34 @@ def _nonfinite_under_ddp(rank):
     return out
 
 
+def _partly_outside_ddp(rank):
+    """Stage 1 under DDP over parameters DDP does not average: a layer outside the wrapper ("outside"), a parameter
+    DDP ignores ("ignored"); what the first step raises on each rank. And ("frozen first") a layer frozen after the
+    optimizer was built, before the wrap (DDP then holds the rest): parameters after 2 steps, against torch AdamW's."""
+    out = {}
+    for case in ("outside", "ignored"):
+        torch.manual_seed(0)
+        front, model = torch.nn.Linear(20, 20), _model()
+        optimizer = ShardedOptimizer([*front.parameters(), *model.parameters()], torch.optim.AdamW, stage=1)
+        if case == "ignored":
+            DDP._set_params_and_buffers_to_ignore_for_model(model, ["2.bias"])
+        ddp = DDP(model)
+        try:
+            _fit(rank, model, lambda x: ddp(front(x)), optimizer, 1)
+            out[case] = "trained"
+        except RuntimeError as error:
+            out[case] = str(error)
+    runs = []
+    for sharded in (False, True):
+        model = _model()
+        optimizer = (ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1) if sharded
+                     else torch.optim.AdamW(model.parameters()))
+        model[0].requires_grad_(False)
+        runs.append(_fit(rank, model, DDP(model), optimizer, 2))
+    out["frozen first"] = runs
+    return out
+
+
 def _wrapped_after_a_first_backward(rank):
     """One backward of the bare model, zero_grad(), then the DDP wrap: trains as DDP + AdamW after the same."""
     runs = []
@@ -547,6 +575,7 @@ def _all(rank, world_size, shared):
              "fp16": lambda: _fp16_follows(rank), "consolidated": lambda: _consolidated(rank, shared),
              "replaced twice": lambda: _replaced_twice(rank), "edits under ddp": lambda: _edits_under_ddp(rank),
              "nonfinite under ddp": lambda: _nonfinite_under_ddp(rank),
+             "partly outside ddp": lambda: _partly_outside_ddp(rank),
              "wrapped after a backward": lambda: _wrapped_after_a_first_backward(rank),
              "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
              "consolidated then loaded": lambda: _consolidated_then_loaded(rank, shared),
@@ -736,6 +765,22 @@ def test_under_ddp_nan_in_a_piece_one_rank_steps_or_in_one_ranks_gradient_is_fou
         assert out["skip"] == ("skipped 1", True)
         assert out["finite"] == ("skipped 0", False)
         assert out["per rank"].startswith("FloatingPointError: the averaged gradients hold NaN or Inf"), out["per rank"]
+
+
+@pytest.mark.parametrize("case", ["outside", "ignored"])
+def test_under_ddp_parameters_ddp_does_not_average_are_refused_on_every_rank(ranks, case):
+    """Stage 1 under DDP steps from DDP's averaged param.grad: a parameter outside the wrapper, or one DDP ignores,
+    would be stepped from one rank's own gradient (the ranks' models then differ from DDP + AdamW's): refused at
+    the first backward, naming the fixes."""
+    count = {"outside": "2 trainable parameter", "ignored": "1 trainable parameter"}[case]
+    for out in case_results(ranks, "partly outside ddp"):
+        for expected in ("not averaged by DistributedDataParallel", count, "wrap every parameter"):
+            assert expected in out[case], out[case]
+
+
+def test_under_ddp_a_layer_frozen_before_the_wrap_trains_as_ddp(ranks):
+    for torch_run, zero_run in (out["frozen first"] for out in case_results(ranks, "partly outside ddp")):
+        assert _bitwise(zero_run, torch_run)
 
 
 def test_a_model_wrapped_in_ddp_after_a_first_backward_trains_as_ddp(ranks):
