@@ -515,7 +515,8 @@ def _partly_outside_ddp(rank):
     out = {}
     for case in ("outside", "ignored"):
         torch.manual_seed(0)
-        front, model = torch.nn.Linear(20, 20), _model()
+        front = torch.nn.Linear(20, 20) if case == "outside" else torch.nn.Identity()
+        model = _model()
         optimizer = ShardedOptimizer([*front.parameters(), *model.parameters()], torch.optim.AdamW, stage=1)
         if case == "ignored":
             DDP._set_params_and_buffers_to_ignore_for_model(model, ["2.bias"])
