@@ -130,6 +130,7 @@ class GradientReducer:
         self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
         self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
         self.under_ddp: Optional[bool] = None  # DDP wraps the model (it averages param.grad); None: not yet known
+        self._outside_ddp: list[int] = []  # under DDP: trainable param indices no DDP wrapper averages (refused)
         self._stepped = False  # a step consumed gradients: the wrapping is settled
         self._taken: Optional[tuple] = None  # under DDP: (backward passes, param.grad versions) at the last take
         self.takes = 0  # under DDP: copies of param.grad into the store
@@ -155,7 +156,9 @@ class GradientReducer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, param_index = self._bucket_of[id(param)]
         if not self.under_ddp and not self._stepped and self.state is RoundState.IDLE:
-            self.under_ddp = validation.wrapped_in_ddp(param)  # a scan of the heap: once a round, till the first step
+            held = validation.held_by_ddp(list(self._params.values()))  # a heap scan: once a round, till the first step
+            self.under_ddp = bool(held)
+            self._outside_ddp = [index for index, p in self._params.items() if p.requires_grad and id(p) not in held]
         problem = self._refused(param, bucket_index, param_index)
         if problem is not None:
             with self._own_work():  # no reduction of this backward may stay in flight behind the error
@@ -185,6 +188,8 @@ class GradientReducer:
                     "(torch.compile(model)) and run backward without compiled autograd")
         if self.under_ddp and self.stage == 2:
             return validation.ddp_stage_2_message()
+        if self.under_ddp and self._outside_ddp:
+            return validation.outside_ddp_message(self._outside_ddp)
         if param.grad.is_sparse:
             return ("ShardedOptimizer got a sparse gradient; sparse gradients cannot be sharded. Use dense "
                     "embeddings (e.g. nn.Embedding(sparse=False)).")

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .memory_format import dense_strides
 from .precision import LossScaleConfig
@@ -90,13 +91,14 @@ def check_verify_every(verify_every) -> None:
         raise ValueError(f"verify_every must be None (never) or a number of steps >= 1, got {verify_every!r}")
 
 
-def wrapped_in_ddp(param: torch.Tensor) -> bool:
-    """Whether torch's DDP holds ``param`` (stage 1 then takes DDP's averaged gradients, as ZeroRedundancyOptimizer
-    does): two scans of live objects, a hit rechecked after ``gc.collect()`` (a dropped wrapper counts on no rank)."""
-    if _held_by_ddp(param):
+def held_by_ddp(params: list[torch.Tensor]) -> set[int]:
+    """The ``id``s of the parameters that torch's DDP wrappers holding any of ``params`` average (stage 1 then takes
+    their averaged gradients, as ZeroRedundancyOptimizer does); empty if none holds one. Two scans of live objects,
+    a hit rechecked after ``gc.collect()`` (a dropped wrapper counts on no rank)."""
+    if _held_by_ddp(params):
         gc.collect()
-        return _held_by_ddp(param)
-    return False
+        return _held_by_ddp(params)
+    return set()
 
 
 def ddp_state_dict_message() -> str:
@@ -117,15 +119,25 @@ def ddp_stage_2_message() -> str:
             "(stage 2 then reduce-scatters the gradients itself during backward). " + FRAMEWORK_ROUTES)
 
 
-def _held_by_ddp(param: torch.Tensor) -> bool:
-    """Whether a DistributedDataParallel's ``_module_parameters`` list, alive or not yet collected, holds ``param``."""
-    lists = [holder for holder in gc.get_referrers(param) if isinstance(holder, list)]
-    for owner in gc.get_referrers(*lists) if lists else ():
-        held = (owner.get("_module_parameters") if isinstance(owner, dict)
-                else getattr(owner, "_module_parameters", None))
-        if any(held is holder for holder in lists):
-            return True
-    return False
+def _held_by_ddp(params: list[torch.Tensor]) -> set[int]:
+    """The ``id``s of the parameters that each DistributedDataParallel (alive or not yet collected) holding one of
+    ``params`` averages: its ``_module_parameters``, which leave out those it ignores."""
+    ours, held = {id(param) for param in params}, set()
+    for wrapper in gc.get_objects():
+        if issubclass(type(wrapper), DistributedDataParallel):  # (type: isinstance would follow a dead weak proxy)
+            averaged = {id(param) for param in wrapper._module_parameters}
+            if averaged & ours:
+                held |= averaged
+    return held
+
+
+def outside_ddp_message(indices: list[int]) -> str:
+    """Why stage 1 under DDP refuses trainable parameters (by index) that no DDP wrapper averages."""
+    return (f"{len(indices)} trainable parameter(s) of this ShardedOptimizer (indices {sorted(indices)[:8]}) are not "
+            "averaged by DistributedDataParallel (outside the wrapped module, or ignored by it), yet under DDP stage 1 "
+            "steps from DDP's averaged param.grad, so they would be stepped from one rank's own gradient. Either "
+            "wrap every parameter the optimizer holds in the DDP module, give those parameters an optimizer of their "
+            "own, or drop the DDP wrap (ShardedOptimizer then averages every gradient itself). " + FRAMEWORK_ROUTES)
 
 
 def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
