@@ -155,7 +155,7 @@ class GradientReducer:
     @reducer_verb(joined=False)  # the compute streams do not wait for the reduction during backward
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, param_index = self._bucket_of[id(param)]
-        if not self.under_ddp and not self._stepped and self.state is RoundState.IDLE and not tracing_backward():
+        if not self.under_ddp and not self._stepped and self.state is RoundState.IDLE and not under_compiled_autograd():
             held = validation.held_by_ddp(list(self._params.values()))  # a heap scan: once a round, till the first step
             self.under_ddp = bool(held)
             self._outside_ddp = [index for index, p in self._params.items() if p.requires_grad and id(p) not in held]
@@ -181,7 +181,7 @@ class GradientReducer:
                 self.start_grad_sync(ready)
 
     def _refused(self, param: torch.Tensor, bucket_index: int, param_index: int) -> Optional[str]:
-        if tracing_backward():  # its graph cannot hold collectives
+        if under_compiled_autograd():
             return ("ShardedOptimizer does not support compiled autograd (torch._dynamo.config.compiled_autograd): "
                     "its gradient hooks reduce-scatter during backward. Compile the model's forward "
                     "(torch.compile(model)) and run backward without compiled autograd")
@@ -502,8 +502,9 @@ def complete_through(arrived: list[set[int]], buckets, start: int) -> int:
     return end
 
 
-def tracing_backward() -> bool:
-    """Whether compiled autograd traces this backward (refused; nor can its tracing follow a scan of the heap)."""
+def under_compiled_autograd() -> bool:
+    """Whether compiled autograd is tracing this backward (its graph cannot hold collectives and callbacks, nor can
+    its tracing follow the heap scan that looks for DDP)."""
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
     return torch.compiler.is_compiling() or bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
