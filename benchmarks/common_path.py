@@ -5,17 +5,21 @@
 Two workloads, both on 2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW:
 
 * **Tiny GPT-2** (2 layers, 64 wide, 2 heads, vocabulary 2048; 4 x 64 tokens per rank, no clipping, one micro-batch
-  per step), the model of ``benchmarks/step_profile.py``. One torchrun job builds five set-ups side by side on each
+  per step), the model of ``benchmarks/step_profile.py``. One torchrun job builds six set-ups side by side on each
   rank -- the bare model's forward and backward ("compute": no communication, no step), DDP + torch AdamW, zeroimpl
-  stages 1 and 2, and zeroimpl stage 1 under DDP (the one-line swap) -- and times them in ``--rounds`` rounds of
+  stages 1 and 2, zeroimpl stage 1 under DDP (the one-line swap) and the floor (below) -- and times them in ``--rounds`` rounds of
   ``--steps`` steps each, the set-ups taking turns within a round and the order rotating from round to round, so
   that the machine's drifts (this machine's step times move by several ms between minutes) hit every set-up alike. A
   round's time per step is its steps' wall time over their count, from a barrier, with zeroimpl's last parameter
   gathers finished inside it (they would otherwise land in the next set-up's first forward). Per set-up: the median
   over rounds; its overhead is that minus the compute's.
+* **The floor**, in both workloads: DDP + torch AdamW followed by an all-gather of the parameters (each rank's half,
+  through ``zeroimpl.comm.all_gather``, waited for at once) and nothing else (:class:`GatherAfterStep`): the
+  collective stage 1 adds to DDP's, without any of zeroimpl's work, so no stage 1 kept under DDP costs less.
 * **nanoGPT's train.py** (``examples/nanogpt_train.py``: 2 layers, 64 wide, 2 micro-batches per rank with
   DDP's ``require_backward_grad_sync``, clipping at 1.0): the script on DDP; with
-  ``examples/nanogpt_zeroimpl_stage1.patch`` (stage 1, DDP kept); and with ``examples/nanogpt_zeroimpl.patch``
+  ``examples/nanogpt_zeroimpl_stage1.patch`` (stage 1, DDP kept); the script with the floor's all-gather after its
+  step; and with ``examples/nanogpt_zeroimpl.patch``
   (DDP dropped) at stage 1 and at stage 2, each a fresh torchrun job of
   ``--nanogpt-iters`` iterations, taking turns in ``--nanogpt-rounds`` rounds (order rotating). Per run the
   median of the iteration times the script prints, the first 5 left out (the runs evaluate, and so consolidate
@@ -43,9 +47,10 @@ from step_phases import run_ranks
 from step_profile import KINDS as PROFILED_KINDS, STAGE_1_UNDER_DDP, model_and_batches, set_up, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = PROFILED_KINDS + (STAGE_1_UNDER_DDP,)
+FLOOR = "DDP + the parameters' all-gather alone"  # what any ZeRO-1 adds to DDP's traffic, and nothing else
+KINDS = PROFILED_KINDS + (STAGE_1_UNDER_DDP, FLOOR)
 SWAP, UNWRAPPED = "zeroimpl stage 1, DDP kept", "zeroimpl stage 1, unwrapped"  # the stage-1 recipe; the stage-2 one's
-NANOGPT_PATHS = ("DDP", SWAP, UNWRAPPED, "zeroimpl stage 2")
+NANOGPT_PATHS = ("DDP", FLOOR, SWAP, UNWRAPPED, "zeroimpl stage 2")
 WARMUP = 5
 
 
@@ -58,7 +63,7 @@ def rank_main(rounds: int, steps: int) -> None:
     setups = {}
     for kind in KINDS:
         model, batches = model_and_batches(rank, steps)
-        setups[kind] = (model, *set_up(kind, model))
+        setups[kind] = (model, *(set_up(kind, model) if kind != FLOOR else set_up_floor(model)))
 
     def train(kind: str, ids) -> None:
         train_step(*setups[kind], ids)
@@ -88,6 +93,41 @@ def rank_main(rounds: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
+class GatherAfterStep:
+    """torch's optimizer, then the one collective that ZeRO-1 adds to DDP's: an all-gather of the parameters' Ψ
+    elements (each rank's half, zeroimpl's way on gloo: ``zeroimpl.comm.all_gather``), waited for at once. Its
+    overhead over DDP's bounds from below what any stage 1 kept under DDP costs here."""
+
+    def __init__(self, optimizer, params):
+        import torch
+        import torch.distributed as dist
+
+        numel = sum(p.numel() for p in params)
+        self.optimizer = optimizer
+        self.gathered = torch.zeros(numel + numel % dist.get_world_size())
+        self.own = self.gathered.view(dist.get_world_size(), -1)[dist.get_rank()]
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.gather()
+
+    def gather(self) -> None:
+        from zeroimpl import comm
+
+        comm.all_gather(self.gathered, self.own, None).wait()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+
+def set_up_floor(model):
+    """``FLOOR``'s ``(network, optimizer)``: DDP + torch AdamW + :class:`GatherAfterStep`."""
+    import torch
+
+    return (torch.nn.parallel.DistributedDataParallel(model),
+            GatherAfterStep(torch.optim.AdamW(model.parameters()), list(model.parameters())))
+
+
 WHY = ("Collectives per optimizer step: DDP all-reduces each gradient bucket once. Stage 1 under DDP (the one-line "
        "swap) adds the check all-reduce and the parameters' all-gather; clipping is torch's, local "
        "(tests/test_optimizer_under_ddp.py counts its collectives). Unwrapped, "
@@ -105,13 +145,25 @@ def nanogpt_scripts(directory: str) -> dict[str, str]:
     """The nanoGPT script per path: the example as it is (DDP); with ``examples/nanogpt_zeroimpl_stage1.patch``
     (stage 1, DDP kept); and with ``examples/nanogpt_zeroimpl.patch`` (DDP dropped) at stage 1 and at stage 2."""
     scripts = {"DDP": DDP_SCRIPT}
-    for index, path in enumerate(NANOGPT_PATHS[1:]):
+    for index, path in enumerate(NANOGPT_PATHS[2:]):
         folder = os.path.join(directory, str(index))
         os.makedirs(folder)
         scripts[path] = os.path.join(folder, "nanogpt_train.py")
         shutil.copy(DDP_SCRIPT, scripts[path])
         patch = "nanogpt_zeroimpl_stage1.patch" if path == SWAP else "nanogpt_zeroimpl.patch"
         subprocess.run(["git", "apply", "-p1", os.path.join(ROOT, "examples", patch)], cwd=folder, check=True)
+    with open(DDP_SCRIPT) as handle:
+        text = handle.read()
+    assert text.count("    scaler.step(optimizer)\n") == 1, "the script's step moved: update this benchmark"
+    scripts[FLOOR] = os.path.join(directory, "floor.py")
+    with open(scripts[FLOOR], "w") as handle:  # the DDP script, plus GatherAfterStep's all-gather after its step
+        handle.write(text.replace("    scaler.step(optimizer)\n", "    scaler.step(optimizer)\n    _gather()\n").replace(
+            "raw_model = model.module if ddp else model\n",
+            "raw_model = model.module if ddp else model\n"
+            "import sys as _sys\n"
+            "_sys.path.insert(0, " + repr(os.path.dirname(os.path.abspath(__file__))) + ")\n"
+            "from common_path import GatherAfterStep\n"
+            "_gather = GatherAfterStep(None, list(raw_model.parameters())).gather\n"))
     with open(scripts[UNWRAPPED]) as handle:
         text = handle.read()
     assert text.count("stage=2)") == 1, "the recipe's stage argument moved: update this benchmark"
@@ -124,7 +176,9 @@ def nanogpt_run(script: str, iterations: int, out_dir: str) -> float:
     """One torchrun job of the script: the median of the iteration times it printed, after the first 5. DDP's script
     runs through tests/reference_runner.py, which leaves without finalizing: plain DDP on gloo can abort in torch's
     teardown after a good run (see there)."""
-    runner = [os.path.join(ROOT, "tests", "reference_runner.py")] if script == DDP_SCRIPT else []
+    with open(script) as handle:
+        plain = "ShardedOptimizer" not in handle.read()  # DDP's script, with or without the floor's all-gather
+    runner = [os.path.join(ROOT, "tests", "reference_runner.py")] if plain else []
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *runner, script,
                f"--max_iters={iterations}", "--eval_interval=1000000", f"--out_dir={out_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -194,6 +248,12 @@ def main() -> None:
     ]
     lines += ["", "Targets (issue 54, point 6):", ""]
     lines += [f"- {name}: {'met' if met else 'not met'}" for name, met in verdicts]
+    lines += ["", f"The floor: \"{FLOOR}\" is DDP + torch AdamW plus the one collective that stage 1 adds to DDP's "
+              "traffic (each rank's half of the parameters, all-gathered as zeroimpl does on gloo), with none of "
+              "zeroimpl's work. No stage 1 that keeps DDP can cost less here. Its overhead is "
+              f"{over[FLOOR] / over['DDP']:.2f}x DDP's on the tiny GPT-2; on nanoGPT it takes "
+              f"{typical[FLOOR] / typical['DDP']:.2f}x DDP's time per iteration (median of runs; fastest runs "
+              f"{best[FLOOR] / best['DDP']:.2f}x), against the 1.05x target."]
     lines += ["", WHY]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "common_path.md"), "w") as handle:
