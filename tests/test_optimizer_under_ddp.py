@@ -131,6 +131,7 @@ def _under_ddp(rank):
     finally:
         counter.uninstall()
     out["psi"] = sum(p.numel() for p in _model().parameters())
+    out["parameters"] = len(list(_model().parameters()))
 
     def stage_2():
         model = _model()
@@ -505,6 +506,17 @@ def _nonfinite_under_ddp(rank):
         out["per rank"] = "stepped"
     except (FloatingPointError, RuntimeError) as error:
         out["per rank"] = f"{type(error).__name__}: {error}"
+    model = _model()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
+    ddp = DDP(model)
+    ddp(torch.ones(2, 20)).sum().backward()
+    if rank == 1:
+        list(model.parameters())[0].grad = None  # (a parameter left out on one rank)
+    try:
+        optimizer.step()
+        out["presence per rank"] = "stepped"
+    except RuntimeError as error:
+        out["presence per rank"] = str(error)
     return out
 
 
@@ -626,14 +638,16 @@ def test_stage_1_under_ddp_is_bitwise_ddp_with_the_same_torch_optimizer(ranks, v
 
 
 def test_under_ddp_the_optimizer_reduces_nothing_and_gathers_the_parameters_once(ranks):
-    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction: zeroimpl's calls per step are the
-    5-element check all-reduce and the all-gather of the parameters, Ψ (padded) per step."""
+    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction, and zeroimpl adds no collective of its
+    own: per step it all-gathers the parameters, Ψ (padded), and with them each rank's verdict on DDP's gradients
+    (NaN/Inf found, and a flag per parameter: 1 + 4 fp64 values), the check that once took an all-reduce."""
     for out in case_results(ranks, "under ddp"):
         for per_step in out["collectives"]:
-            assert not any("reduce_scatter" in name for name in per_step), per_step
-            assert per_step["all_reduce"][:2] == (1, 5), per_step
-            sent = sum(per_step.get(name, (0, 0))[1] for name in ("isend", "all_gather_into_tensor"))
+            assert not any("reduce" in name for name in per_step), per_step
+            verdict = 1 + out["parameters"]
+            sent = sum(per_step.get(name, (0, 0))[1] for name in ("isend", "all_gather_into_tensor")) - verdict
             assert out["psi"] <= sent * (2 if "isend" in per_step else 1) <= out["psi"] + 64 * 8, per_step
+            assert torch.float64 in per_step["isend" if "isend" in per_step else "all_gather_into_tensor"][2]
 
 
 def test_stage_2_under_ddp_is_refused_at_the_first_backward_on_every_rank(ranks):
@@ -758,14 +772,18 @@ def test_under_ddp_edits_of_param_grad_before_the_step_count(ranks, name):
 def test_under_ddp_nan_in_a_piece_one_rank_steps_or_in_one_ranks_gradient_is_found_on_every_rank(ranks):
     """A NaN in the piece rank 1 alone steps: raised (or skipped) on both ranks, the parameters untouched; a finite
     gradient whose norm overflows is stepped. A gradient edited per rank (Inf/NaN on rank 1 alone, as a mean over
-    a rank without tokens gives): FloatingPointError on both ranks, never one rank stepping into the all-gather
-    while the other raised (a local check would hang there until the timeout)."""
+    a rank without tokens gives; or a gradient dropped on one rank): each rank judges its own gradients, with no
+    collective, and the all-gather of the parameters carries the verdicts, so both ranks raise at the same step,
+    naming the ranks, never one rank stepping into a collective while the other raised (it would hang there until
+    the timeout)."""
     for out in case_results(ranks, "nonfinite under ddp"):
         raised, raise_untouched = out["raise"]
         assert "NaN or Inf" in raised and raise_untouched
         assert out["skip"] == ("skipped 1", True)
         assert out["finite"] == ("skipped 0", False)
-        assert out["per rank"].startswith("FloatingPointError: the averaged gradients hold NaN or Inf"), out["per rank"]
+        assert out["per rank"].startswith("RuntimeError: the ranks' gradients differ after DistributedDataParallel "
+                                          "averaged them (NaN/Inf on rank(s) [1] only)"), out["per rank"]
+        assert "different parameters with a gradient on different ranks" in out["presence per rank"]
 
 
 @pytest.mark.parametrize("case", ["outside", "ignored"])

@@ -342,15 +342,32 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.param_sync.finish_param_sync(take_edits=True)
         if not self.grad_views.prepare():  # the reduction finished and unscaled: False when no rank has gradients
             return loss
-        self._agree()  # the step's one small all-reduce: same passes, NaN/Inf, which parameters have gradients
-        if self.checks.verdict.nonfinite:
+        if self.reducer.under_ddp and self.checks.device.type == "cpu" and not self.checks.verdict_stands():
+            # DDP's gradients, alike on every rank, judged here; the all-gather below confirms it. (On a GPU the
+            # all-reduce stays: reading the verdict and then the gathered ones would stall its queue twice)
+            self.checks.judge_locally()
+        else:
+            self._agree()  # the step's one small all-reduce: same passes, NaN/Inf, which parameters have gradients
+        confirming = self.checks.start_confirming(self.join_process_group, self.collective_timeout,
+                                                  tag=len(self.storages))
+        skipping = self.checks.verdict.nonfinite
+        if skipping and confirming is None:
             self._skip_step()
             return loss
-        pairs = self._pieces_to_step()
+        pairs = {} if skipping else self._pieces_to_step()  # (under DDP a skipping rank gathers its shard unchanged)
         in_parts = self.offload is not None and self.inner.steps_in_parts  # the pipeline: a host step per bucket
         step_pieces(self.inner, [] if in_parts else [pair for bucket in pairs.values() for pair in bucket])
         self.param_sync.start_param_sync(overlap=True, step_bucket=(  # guarded: a failed landing raises at each read
             lambda storage: step_pieces(self.inner, pairs.get(storage.bucket.index, []))) if in_parts else None)
+        if confirming is not None:
+            problem = self.checks.confirm(confirming, dist.get_world_size(self.join_process_group))
+            if problem is not None:
+                self.param_sync.finish_param_sync()
+                self.zero_grad()
+                raise RuntimeError(problem)
+        if skipping:
+            self._skip_step()
+            return loss
         self.inner.report(self.param_groups)
         self._steps_taken += 1
         self._finish_step(overflow=False)

@@ -2,7 +2,9 @@
 a ``param.grad`` view) finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling.
 :meth:`StepChecks.agree` is the step's one host sync: an all-reduce of 5 values (:func:`encode_checks`) says whether any
 shard holds NaN/Inf, whether every rank ran the same backward passes, the global norm when clipping, and whether some
-rank lacks some gradient (only then does a second all-reduce say which).
+rank lacks some gradient (only then does a second all-reduce say which). Under DDP the step runs none:
+:meth:`StepChecks.judge_locally` judges DDP's averaged ``param.grad`` (alike on every rank), and the verdicts travel
+with the parameters' all-gather (:meth:`StepChecks.start_confirming`, :meth:`StepChecks.confirm`).
 
 The step's facts, each set once, all forgotten by :meth:`StepChecks.reset` (end of ``step()``, ``zero_grad()``):
 
@@ -21,11 +23,13 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .buffers import BucketStorage
 from .grad_shards import DeviceGradientShards, HostGradientShards
 from .grad_sync import GradientReducer, RoundState
 from .host_memory import device_tensor, to_device
 from .ownership import Ownership
+from .pending import Pending
 from .precision import DynamicLossScaler, at_least_fp32
 from .topology import Topology
 from .uneven import UnevenInputs
@@ -55,6 +59,7 @@ class StepChecks:
         self.unscaled = False
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
+        self._judged: Optional[list[float]] = None  # judge_locally's values, until start_confirming sends them
         # per device: the largest |factor| since the verdict, taken at each multiply (a tensor may change later)
         self._largest: dict[torch.device, torch.Tensor] = {}
         self._prepared = False  # prepare() found gradients to step on (see ``prepared``)
@@ -80,7 +85,7 @@ class StepChecks:
         return self.verdict is not None
 
     def _forget_verdict(self) -> None:
-        self.verdict, self._largest = None, {}
+        self.verdict, self._largest, self._judged = None, {}, None
 
     def note_loss_scaled(self) -> None:
         self.loss_scaled = True
@@ -165,7 +170,7 @@ class StepChecks:
         if riders is not None:
             riders.copy_(agreed[CHECK_VALUES:])
             agreed = agreed[:CHECK_VALUES]
-        self._largest = {}
+        self._largest, self._judged = {}, None
         suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum, self.topology.world_size)  # host sync
         if not same_passes:
             self.verdict = StepVerdict(same_passes=False, nonfinite=False, stepped=None)
@@ -179,6 +184,42 @@ class StepChecks:
             return torch.full((), float("nan"), device=self.device)
         norm = agreed[1].to(norm_term.dtype)
         return norm if maximum else norm ** (1.0 / norm_type)
+
+    def judge_locally(self) -> None:
+        """Under DDP, whose averaged ``param.grad`` is alike on every rank: set ``verdict`` from this rank's own
+        gradients, with no collective (one host sync); :meth:`start_confirming` then sends what it saw along with the
+        parameters' all-gather. The backward passes need not agree: DDP's ``no_sync`` micro-batches may differ."""
+        grads = self.reducer.averaged_grads()
+        nonfinite = False
+        if grads:  # the norms first, in one call (stacked in the widest dtype); only a non-finite sum looks closer
+            norms = torch.stack(torch._foreach_norm(grads))
+            nonfinite = not bool(torch.isfinite(norms.sum())) and any(not bool(torch.isfinite(g).all()) for g in grads)
+        present = list(self.reducer.grad_exists)
+        self.verdict = StepVerdict(same_passes=True, nonfinite=nonfinite, stepped=None if all(present) else present)
+        self._largest = {}
+        self._judged = [float(nonfinite)] + [float(flag) for flag in present]
+
+    def start_confirming(self, group, timeout: Optional[float], tag: int) -> Optional[tuple[Pending, torch.Tensor]]:
+        """After :meth:`judge_locally`, before the parameters' all-gathers (the same order on every rank): issue the
+        all-gather of every rank's ``[NaN/Inf found, has a gradient per parameter]``; None if the verdict was agreed
+        (:meth:`agree`) instead."""
+        if self._judged is None:
+            return None
+        world, rank, width = dist.get_world_size(group), dist.get_rank(group), len(self._judged)
+        gathered = torch.zeros(world * width, dtype=torch.float64, device=self.device)
+        own = gathered[rank * width:(rank + 1) * width]
+        own.copy_(device_tensor(self._judged, self.device, torch.float64))
+        return comm.all_gather(gathered, own, group, timeout, tag=tag, name="step verdict all-gather"), gathered
+
+    @staticmethod
+    def confirm(started: tuple[Pending, torch.Tensor], world_size: int) -> Optional[str]:
+        """Wait for :meth:`start_confirming`'s all-gather: None if every rank judged alike, else what differed."""
+        work, gathered = started
+        work.wait()
+        rows = gathered.view(world_size, -1).tolist()  # host sync
+        if all(row == rows[0] for row in rows):
+            return None
+        return disagreement_message(rows)
 
     def _params_with_gradients(self) -> list[bool]:
         """By parameter index, whether any rank has its gradient: a flag per parameter, all-reduced."""
@@ -215,6 +256,19 @@ def nonfinite_message(loss_scale: Optional[float]) -> str:
             "too high, a diverging loss, bad input data, or fp16 without loss scaling. Fix the cause (lower the "
             "learning rate, clip gradients, use bf16), or pass nonfinite='skip' to skip such steps and count them "
             "in optimizer.skipped_steps")
+
+
+def disagreement_message(rows: list[list[float]]) -> str:
+    """Why ``step()`` raises under DDP when the ranks judged their gradients differently (``rows``: each rank's
+    ``[NaN/Inf found, has a gradient per parameter]``)."""
+    found = [rank for rank, row in enumerate(rows) if row[0]]
+    what = (f"NaN/Inf on rank(s) {found} only" if found and len(found) < len(rows) else
+            "different parameters with a gradient on different ranks")
+    return (f"the ranks' gradients differ after DistributedDataParallel averaged them ({what}): param.grad was "
+            "edited differently on some ranks after backward, with which DDP + torch's optimizer would train a "
+            "different model on each rank. Each rank stepped its shard from its own gradients, so the shards no "
+            "longer make one model: restore the last checkpoint (zeroimpl.checkpoint.load_checkpoint), and edit "
+            "param.grad alike on every rank. The gradients were cleared")
 
 
 def passes_message(passes: int) -> str:
