@@ -7,8 +7,9 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
 * Stage 1 under DDP, AdamW, bitwise DDP + AdamW: plain; ``no_sync()`` accumulation; ``torch.nn.utils.
   clip_grad_norm_`` on DDP's full gradients; a GradScaler with a scale that overflows at first (both skip the
   same steps); an LR scheduler; CPU offload (the for-loop AdamW kernel, as DDP + AdamW's); and the optimizer's
-  own collectives per step: no reduction, only the parameters' all-gather (Ψ) and the 5-element check, which
-  finds a NaN in a piece one rank steps, or in one rank's gradient alone (edited per rank), on every rank.
+  own collectives per step: no reduction, only the parameters' all-gather (Ψ) with each rank's verdict on DDP's
+  gradients, which finds a NaN in a piece one rank steps on every rank, and raises on every rank where the ranks'
+  gradients differ (edited per rank); ``no_sync()`` with a different number of micro-batches per rank, as DDP allows.
 * Stage 2 under DDP: refused at the first backward, on every rank, naming stage 1 and the unwrapped route.
 * Built before the model changes: ``.to(cpu:0)``, ``load_state_dict(assign=True)``, ``.double()`` and
   ``.bfloat16()``, DDP-wrapped or not: bitwise an optimizer built after the change (the documented route); a
@@ -19,6 +20,7 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
 """
 
 import contextlib
+import time
 import os
 
 import pytest
@@ -74,7 +76,10 @@ def _fit(rank, model, forward, optimizer, steps):
 
 def _ddp_run(rank, optimizer_of, accumulate=1, clip=False, scaler=None, steps=5, counter=None, wrap_first=False):
     """AdamW-style training of a DDP-wrapped model: ``optimizer_of(params)``, built before the wrap (or after:
-    ``wrap_first``); returns the parameters, the losses and, with ``counter``, zeroimpl's collectives per step."""
+    ``wrap_first``); returns the parameters, the losses and, with ``counter``, zeroimpl's collectives per step.
+    ``accumulate``: micro-batches per step, a number or per rank (a tuple)."""
+    if isinstance(accumulate, tuple):
+        accumulate = accumulate[rank]
     model = _model()
     ddp = DDP(model) if wrap_first else None
     optimizer = optimizer_of(model.parameters())
@@ -107,7 +112,8 @@ def _ddp_run(rank, optimizer_of, accumulate=1, clip=False, scaler=None, steps=5,
     return [p.detach().clone() for p in model.parameters()], losses, calls
 
 
-VARIANTS = {"plain": {}, "DDP first": dict(wrap_first=True), "no_sync": dict(accumulate=3), "clip": dict(clip=True),
+VARIANTS = {"plain": {}, "DDP first": dict(wrap_first=True), "no_sync": dict(accumulate=3),
+            "no_sync, uneven": dict(accumulate=(2, 1)), "clip": dict(clip=True),
             "scaler": dict(scaler=True),
             "offload": dict(offload=CPUOffload(fused_step=False))}
 
@@ -520,6 +526,58 @@ def _nonfinite_under_ddp(rank):
     return out
 
 
+def _verdicts_under_ddp(rank):
+    """How each rank's own verdict on DDP's gradients meets the others' (sent with the parameters' all-gather):
+    found_nonfinite() (an all-reduce), then a finite edit on rank 1 alone, then step(); every rank's gradients
+    dropped on rank 1 alone; NaN alike on every rank with 8-bit parameter gathers (raised: the parameters must stay
+    bitwise) and with overlap_param_gather=False (skipped: nothing may stay in flight)."""
+    out = {}
+
+    def backward(model, ddp, scale=1.0):
+        ddp(torch.ones(2, 20)).sum().mul(scale).backward()
+
+    model = _model()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
+    ddp = DDP(model)
+    backward(model, ddp)
+    optimizer.found_nonfinite()
+    if rank == 1:
+        list(model.parameters())[0].grad.mul_(0.5)
+    start = time.monotonic()
+    optimizer.step()
+    optimizer.finish_param_gathers()
+    out["found, then edited on one rank"] = time.monotonic() - start
+    model = _model()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
+    ddp = DDP(model)
+    backward(model, ddp)
+    if rank == 1:
+        optimizer.zero_grad()
+    try:
+        optimizer.step()
+        out["dropped on one rank"] = "stepped"
+    except RuntimeError as error:
+        out["dropped on one rank"] = str(error)
+    for case, options in (("8-bit gathers", dict(quantize_param_gather=True)),
+                          ("no overlap", dict(overlap_param_gather=False, nonfinite="skip"))):
+        model = _model()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, **options)
+        ddp = DDP(model)
+        _fit(rank, model, ddp, optimizer, 2)
+        optimizer.finish_param_gathers()
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        backward(model, ddp, float("nan"))
+        try:
+            optimizer.step()
+        except FloatingPointError:
+            pass
+        in_flight = optimizer.param_gathers_in_flight
+        optimizer.finish_param_gathers()
+        out[case] = (optimizer.skipped_steps, in_flight, _bitwise(before, [p.detach() for p in model.parameters()]))
+    return out
+
+
 def _partly_outside_ddp(rank):
     """Stage 1 under DDP over parameters DDP does not average: a layer outside the wrapper ("outside"), a parameter
     DDP ignores ("ignored"); what the first step raises on each rank. And ("frozen first") a layer frozen after the
@@ -588,6 +646,7 @@ def _all(rank, world_size, shared):
              "fp16": lambda: _fp16_follows(rank), "consolidated": lambda: _consolidated(rank, shared),
              "replaced twice": lambda: _replaced_twice(rank), "edits under ddp": lambda: _edits_under_ddp(rank),
              "nonfinite under ddp": lambda: _nonfinite_under_ddp(rank),
+             "verdicts under ddp": lambda: _verdicts_under_ddp(rank),
              "partly outside ddp": lambda: _partly_outside_ddp(rank),
              "wrapped after a backward": lambda: _wrapped_after_a_first_backward(rank),
              "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
@@ -638,9 +697,9 @@ def test_stage_1_under_ddp_is_bitwise_ddp_with_the_same_torch_optimizer(ranks, v
 
 
 def test_under_ddp_the_optimizer_reduces_nothing_and_gathers_the_parameters_once(ranks):
-    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction, and zeroimpl adds no collective of its
-    own: per step it all-gathers the parameters, Ψ (padded), and with them each rank's verdict on DDP's gradients
-    (NaN/Inf found, and a flag per parameter: 1 + 4 fp64 values), the check that once took an all-reduce."""
+    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction: per step zeroimpl all-gathers the
+    parameters, Ψ (padded), and alongside them each rank's verdict on DDP's gradients (NaN/Inf found, and a flag
+    per parameter: 1 + 4 fp64 values), in place of a check all-reduce before the step."""
     for out in case_results(ranks, "under ddp"):
         for per_step in out["collectives"]:
             assert not any("reduce" in name for name in per_step), per_step
@@ -784,6 +843,18 @@ def test_under_ddp_nan_in_a_piece_one_rank_steps_or_in_one_ranks_gradient_is_fou
         assert out["per rank"].startswith("RuntimeError: the ranks' gradients differ after DistributedDataParallel "
                                           "averaged them (NaN/Inf on rank(s) [1] only)"), out["per rank"]
         assert "different parameters with a gradient on different ranks" in out["presence per rank"]
+
+
+def test_under_ddp_each_ranks_verdict_meets_the_others_at_every_step(ranks):
+    """Every rank sends its verdict at every step, whatever it knew before (found_nonfinite) or found since (no
+    gradient at all): a per-rank finite edit after found_nonfinite() steps at once, never waiting out the timeout;
+    gradients dropped on one rank raise on both. A NaN alike on every rank leaves the parameters bitwise, 8-bit
+    gathers included, and no gather in flight."""
+    for out in case_results(ranks, "verdicts under ddp"):
+        assert out["found, then edited on one rank"] < 10, out
+        assert "different parameters with a gradient on different ranks" in out["dropped on one rank"], out
+        assert out["8-bit gathers"] == (1, 0, True), out
+        assert out["no overlap"] == (1, 0, True), out
 
 
 @pytest.mark.parametrize("case", ["outside", "ignored"])

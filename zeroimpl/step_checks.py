@@ -59,7 +59,6 @@ class StepChecks:
         self.unscaled = False
         self.checked_in = False
         self.verdict: Optional[StepVerdict] = None
-        self._judged: Optional[list[float]] = None  # judge_locally's values, until start_confirming sends them
         # per device: the largest |factor| since the verdict, taken at each multiply (a tensor may change later)
         self._largest: dict[torch.device, torch.Tensor] = {}
         self._prepared = False  # prepare() found gradients to step on (see ``prepared``)
@@ -85,7 +84,7 @@ class StepChecks:
         return self.verdict is not None
 
     def _forget_verdict(self) -> None:
-        self.verdict, self._largest, self._judged = None, {}, None
+        self.verdict, self._largest = None, {}
 
     def note_loss_scaled(self) -> None:
         self.loss_scaled = True
@@ -170,9 +169,9 @@ class StepChecks:
         if riders is not None:
             riders.copy_(agreed[CHECK_VALUES:])
             agreed = agreed[:CHECK_VALUES]
-        self._largest, self._judged = {}, None
+        self._largest = {}
         suspect, same_passes, lacking = decode_checks(agreed.tolist(), maximum, self.topology.world_size)  # host sync
-        if not same_passes:
+        if not same_passes and not self.reducer.under_ddp:  # (under DDP, DDP's rule: no_sync micro-batches may differ)
             self.verdict = StepVerdict(same_passes=False, nonfinite=False, stepped=None)
             return None
         verdict = StepVerdict(same_passes=True, nonfinite=suspect and self._any_nonfinite(shards),
@@ -185,10 +184,12 @@ class StepChecks:
         norm = agreed[1].to(norm_term.dtype)
         return norm if maximum else norm ** (1.0 / norm_type)
 
-    def judge_locally(self) -> None:
+    def judge_locally(self) -> list[float]:
         """Under DDP, whose averaged ``param.grad`` is alike on every rank: set ``verdict`` from this rank's own
-        gradients, with no collective (one host sync); :meth:`start_confirming` then sends what it saw along with the
-        parameters' all-gather. The backward passes need not agree: DDP's ``no_sync`` micro-batches may differ."""
+        gradients, with no collective (one host sync), and return what :meth:`start_confirming` sends along with the
+        parameters' all-gather: ``[NaN/Inf found, has a gradient per parameter]``. Reads all of DDP's gradient once: a NaN/Inf in a piece another rank steps is seen on
+        every rank. The backward passes need not agree, as under :meth:`agree`: DDP's ``no_sync`` micro-batches may
+        differ."""
         grads = self.reducer.averaged_grads()
         nonfinite = False
         if grads:  # the norms first, in one call (stacked in the widest dtype); only a non-finite sum looks closer
@@ -197,26 +198,24 @@ class StepChecks:
         present = list(self.reducer.grad_exists)
         self.verdict = StepVerdict(same_passes=True, nonfinite=nonfinite, stepped=None if all(present) else present)
         self._largest = {}
-        self._judged = [float(nonfinite)] + [float(flag) for flag in present]
+        return [float(nonfinite)] + [float(flag) for flag in present]
 
-    def start_confirming(self, group, timeout: Optional[float], tag: int) -> Optional[tuple[Pending, torch.Tensor]]:
-        """After :meth:`judge_locally`, before the parameters' all-gathers (the same order on every rank): issue the
-        all-gather of every rank's ``[NaN/Inf found, has a gradient per parameter]``; None if the verdict was agreed
-        (:meth:`agree`) instead."""
-        if self._judged is None:
-            return None
-        world, rank, width = dist.get_world_size(group), dist.get_rank(group), len(self._judged)
-        gathered = torch.zeros(world * width, dtype=torch.float64, device=self.device)
-        own = gathered[rank * width:(rank + 1) * width]
-        own.copy_(device_tensor(self._judged, self.device, torch.float64))
-        return comm.all_gather(gathered, own, group, timeout, tag=tag, name="step verdict all-gather"), gathered
+    def start_confirming(self, judged: list[float], group, timeout: Optional[float],
+                         tag: int) -> tuple[Pending, torch.Tensor]:
+        """Before any parameter all-gather of the step (the same order on every rank): issue the all-gather of every
+        rank's :meth:`judge_locally` values, fp64; returns its work and its output, ``(world size, len(judged))``."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = torch.zeros(world, len(judged), dtype=torch.float64, device=self.device)
+        gathered[rank].copy_(device_tensor(judged, self.device, torch.float64))
+        work = comm.all_gather(gathered.view(-1), gathered[rank], group, timeout, tag=tag, name="step verdict all-gather")
+        return work, gathered
 
     @staticmethod
-    def confirm(started: tuple[Pending, torch.Tensor], world_size: int) -> Optional[str]:
+    def confirm(started: tuple[Pending, torch.Tensor]) -> Optional[str]:
         """Wait for :meth:`start_confirming`'s all-gather: None if every rank judged alike, else what differed."""
         work, gathered = started
         work.wait()
-        rows = gathered.view(world_size, -1).tolist()  # host sync
+        rows = gathered.tolist()  # host sync
         if all(row == rows[0] for row in rows):
             return None
         return disagreement_message(rows)
@@ -262,13 +261,17 @@ def disagreement_message(rows: list[list[float]]) -> str:
     """Why ``step()`` raises under DDP when the ranks judged their gradients differently (``rows``: each rank's
     ``[NaN/Inf found, has a gradient per parameter]``)."""
     found = [rank for rank, row in enumerate(rows) if row[0]]
-    what = (f"NaN/Inf on rank(s) {found} only" if found and len(found) < len(rows) else
-            "different parameters with a gradient on different ranks")
+    if found and len(found) < len(rows):
+        what = f"NaN/Inf on rank(s) {found} only"
+        done = f"rank(s) {found} skipped this step and the others applied it"
+    else:
+        what = "different parameters with a gradient on different ranks"
+        done = "each rank stepped its shard from its own gradients"
     return (f"the ranks' gradients differ after DistributedDataParallel averaged them ({what}): param.grad was "
-            "edited differently on some ranks after backward, with which DDP + torch's optimizer would train a "
-            "different model on each rank. Each rank stepped its shard from its own gradients, so the shards no "
-            "longer make one model: restore the last checkpoint (zeroimpl.checkpoint.load_checkpoint), and edit "
-            "param.grad alike on every rank. The gradients were cleared")
+            "edited differently on some ranks after backward (DDP + torch's optimizer would then train a different "
+            f"model on each rank). Here {done}, so the shards no longer make one model: restore the last "
+            "checkpoint (zeroimpl.checkpoint.load_checkpoint), and edit param.grad alike on every rank. The "
+            "gradients were cleared")
 
 
 def passes_message(passes: int) -> str:
