@@ -509,7 +509,6 @@ def _nonfinite_under_ddp(rank):
             param.grad.div_(2.0 if rank == 0 else 0.0)  # (a mean over this rank's tokens, rank 1 having none)
     try:
         optimizer.step()
-        optimizer.finish_param_gathers()  # (a rank that stepped learns of the others' verdicts with its gathers)
         out["per rank"] = "stepped"
     except (FloatingPointError, RuntimeError) as error:
         out["per rank"] = f"{type(error).__name__}: {error}"
@@ -521,7 +520,6 @@ def _nonfinite_under_ddp(rank):
         list(model.parameters())[0].grad = None  # (a parameter left out on one rank)
     try:
         optimizer.step()
-        optimizer.finish_param_gathers()
         out["presence per rank"] = "stepped"
     except RuntimeError as error:
         out["presence per rank"] = str(error)
@@ -557,7 +555,6 @@ def _verdicts_under_ddp(rank):
         optimizer.zero_grad()
     try:
         optimizer.step()
-        optimizer.finish_param_gathers()
         out["dropped on one rank"] = "stepped"
     except RuntimeError as error:
         out["dropped on one rank"] = str(error)
@@ -835,15 +832,15 @@ def test_under_ddp_nan_in_a_piece_one_rank_steps_or_in_one_ranks_gradient_is_fou
     """A NaN in the piece rank 1 alone steps: raised (or skipped) on both ranks, the parameters untouched; a finite
     gradient whose norm overflows is stepped. A gradient edited per rank (Inf/NaN on rank 1 alone, as a mean over
     a rank without tokens gives; or a gradient dropped on one rank): each rank judges its own gradients, with no
-    collective, and the verdicts travel with the parameters' all-gather, so both ranks raise, naming the ranks (the
-    rank that skips in step(), the one that stepped when its gathers land), never one rank stepping into a collective
-    while the other raised (it would hang there until the timeout)."""
+    collective, and the all-gather of the parameters carries the verdicts, so both ranks raise at the same step,
+    naming the ranks, never one rank stepping into a collective while the other raised (it would hang there until
+    the timeout)."""
     for out in case_results(ranks, "nonfinite under ddp"):
         raised, raise_untouched = out["raise"]
         assert "NaN or Inf" in raised and raise_untouched
         assert out["skip"] == ("skipped 1", True)
         assert out["finite"] == ("skipped 0", False)
-        assert out["per rank"].startswith("RanksDisagree: the ranks' gradients differ after DistributedDataParallel "
+        assert out["per rank"].startswith("RuntimeError: the ranks' gradients differ after DistributedDataParallel "
                                           "averaged them (NaN/Inf on rank(s) [1] only)"), out["per rank"]
         assert "different parameters with a gradient on different ranks" in out["presence per rank"]
 

@@ -57,7 +57,6 @@ class InFlightGathers:
 
     def __init__(self) -> None:
         self._pending: dict[int, BucketGather] = {}
-        self._first: Optional[Pending] = None  # waited for before any bucket (the step's verdicts under DDP)
         self._bucket_of_storage: dict[int, int] = {}  # data_ptr of a parameter buffer's storage -> bucket index
         self._bucket_of_param: dict[int, int] = {}  # id(parameter) -> bucket index
         self._guard: Optional[_Guard] = None
@@ -71,12 +70,11 @@ class InFlightGathers:
         return len(self._pending)
 
     def start(self, pending: dict[int, BucketGather], param_buffers: dict[int, torch.Tensor],
-              params: dict[int, list[torch.nn.Parameter]], guard: bool, first: Optional[Pending] = None) -> None:
+              params: dict[int, list[torch.nn.Parameter]], guard: bool) -> None:
         """Take over ``pending`` (bucket index -> its gather into ``param_buffers[index]``, whose members are
-        ``params[index]``): with ``guard``, leave them in flight behind the guards; without, wait for them now.
-        ``first``: waited for before any bucket, kept while it raises (every read raises again)."""
+        ``params[index]``): with ``guard``, leave them in flight behind the guards; without, wait for them now."""
         self.finish()
-        self._pending, self._streams, self._first = dict(pending), [], first
+        self._pending, self._streams = dict(pending), []
         if not guard:
             self.finish()
             return
@@ -93,11 +91,7 @@ class InFlightGathers:
     def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
         # a landing is zeroimpl's own work on its own buffers (8-bit decoding: thousands of operations per bucket)
-        first = self._first if chosen or buckets is None else None
-        with guards_lifted() if chosen or first is not None else contextlib.nullcontext():
-            if first is not None:
-                first.wait()
-                self._first = None
+        with guards_lifted() if chosen else contextlib.nullcontext():
             for index in chosen:
                 pending = self._pending[index].pending
                 pending.wait()  # (kept if it raised: every later read raises again)
@@ -119,7 +113,6 @@ class InFlightGathers:
             self.finish()
         finally:
             self._pending.clear()
-            self._first = None
             self._remove_guards()
 
     def live_buffers(self) -> list[torch.Tensor]:

@@ -27,8 +27,7 @@ from .ownership import ModelFollower, Ownership
 from .param_sync import ParamSync
 from .precision import DynamicLossScaler, LossScaleConfig
 from .state_format import describe_groups, pieces_of_torch_state, place_piece, split_state, torch_optimizer_state
-from .pending import Pending
-from .step_checks import RanksDisagree, StepChecks, nonfinite_message, passes_message
+from .step_checks import StepChecks, nonfinite_message, passes_message
 from .topology import Topology, resolve_topology
 
 STATE_FORMAT = "zeroimpl.sharded_optimizer/2"
@@ -352,8 +351,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         elif prepared:
             self._agree()  # the step's one small all-reduce: same passes, NaN/Inf, which parameters have gradients
         if not prepared or self.checks.verdict.nonfinite:
-            if confirming is not None:
-                self._confirm_before_gathering(confirming)
+            self._confirm(confirming, gathers_started=False)
             if prepared:
                 self._skip_step()
             return loss
@@ -361,8 +359,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         in_parts = self.offload is not None and self.inner.steps_in_parts  # the pipeline: a host step per bucket
         step_pieces(self.inner, [] if in_parts else [pair for bucket in pairs.values() for pair in bucket])
         self.param_sync.start_param_sync(overlap=True, step_bucket=(  # guarded: a failed landing raises at each read
-            lambda storage: step_pieces(self.inner, pairs.get(storage.bucket.index, []))) if in_parts else None,
-            verdicts=confirming)  # (under DDP on gloo: waited for with the gathers, raising at every read if unalike)
+            lambda storage: step_pieces(self.inner, pairs.get(storage.bucket.index, []))) if in_parts else None)
+        self._confirm(confirming, gathers_started=True)
         self.inner.report(self.param_groups)
         self._steps_taken += 1
         self._finish_step(overflow=False)
@@ -372,15 +370,18 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.verify_ranks_agree()
         return loss
 
-    def _confirm_before_gathering(self, verdicts: Pending) -> None:
-        """Under DDP on gloo, a rank that skips: wait for every rank's verdict now. Where they differ, another rank
-        stepped: match its parameters' all-gathers (this rank's shard unchanged), then raise."""
-        try:
-            verdicts.wait()
-        except RanksDisagree:
+    def _confirm(self, confirming, gathers_started: bool) -> None:
+        """Under DDP on gloo: wait for the verdicts sent with this step; if the ranks judged differently, raise on
+        every rank, once this rank has matched the parameters' all-gathers of the ranks that stepped (started here
+        already, or now, this rank's shard unchanged)."""
+        problem = None if confirming is None else self.checks.confirm(confirming)
+        if problem is None:
+            return
+        if not gathers_started:
             self.param_sync.start_param_sync()
-            self._finish_step(overflow=True)
-            raise
+        self.param_sync.finish_param_sync()
+        self._finish_step(overflow=True)
+        raise RuntimeError(problem)
 
     def _pieces_to_step(self) -> dict[int, list]:
         """By bucket index, this rank's (master piece, gradient piece) pairs to step."""

@@ -41,14 +41,12 @@ class ParamSync:
         weakref.finalize(self, self.gathers.abandon)  # no gather outlives its optimizer unfinished, no guard stays
 
     def start_param_sync(self, step_bucket: Optional[Callable[[BucketStorage], None]] = None, overlap: bool = False,
-                         exact: bool = False, saved_shards: Optional[list[torch.Tensor]] = None,
-                         verdicts: Optional[Pending] = None) -> None:
+                         exact: bool = False, saved_shards: Optional[list[torch.Tensor]] = None) -> None:
         """Collective (shard group): finish the previous round, then write every bucket's master into its shard of the
         parameters and issue its all-gather, in bucket order. ``step_bucket(storage)``: run just before a bucket is
         published (offload). ``overlap``: leave the gathers in flight, guarded. ``exact`` (state load): gather every
         bucket unquantized, a quantized bucket's shard from ``saved_shards`` (this rank's, as saved) if given, else from
-        its master; else edits made on some ranks only are first overruled (:meth:`_overrule_edits`). ``verdicts``:
-        issued already, waited for before any of the gathers (:meth:`InFlightGathers.start`)."""
+        its master; else edits made on some ranks only are first overruled (:meth:`_overrule_edits`)."""
         self.finish_param_sync()
         self._turns = dict.fromkeys(self.staging, 0)
         if not exact:
@@ -76,7 +74,7 @@ class ParamSync:
         for storage in self.storages:
             storage.mark_master_in_sync()
         self.gathers.start(gathers, {s.bucket.index: s.param_buffer for s in self.storages},
-                           {s.bucket.index: s.params for s in self.storages}, guard=overlap, first=verdicts)
+                           {s.bucket.index: s.params for s in self.storages}, guard=overlap)
 
     def finish_param_sync(self, buckets: Optional[Iterable[int]] = None, take_edits: bool = False) -> None:
         """Wait for the all-gathers in flight of ``buckets`` (``None``: all, then every copy out of the masters and

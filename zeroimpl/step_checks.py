@@ -29,7 +29,7 @@ from .grad_shards import DeviceGradientShards, HostGradientShards
 from .grad_sync import GradientReducer, RoundState
 from .host_memory import device_tensor, to_device
 from .ownership import Ownership
-from .pending import CollectiveError, Pending
+from .pending import Pending
 from .precision import DynamicLossScaler, at_least_fp32
 from .topology import Topology
 from .uneven import UnevenInputs
@@ -200,21 +200,25 @@ class StepChecks:
         self._largest = {}
         return [float(nonfinite)] + [float(flag) for flag in present]
 
-    def start_confirming(self, judged: list[float], group, timeout: Optional[float], tag: int) -> Pending:
+    def start_confirming(self, judged: list[float], group, timeout: Optional[float],
+                         tag: int) -> tuple[Pending, torch.Tensor]:
         """Before any parameter all-gather of the step (the same order on every rank): issue the all-gather of every
-        rank's :meth:`judge_locally` values (fp64). Its wait raises :class:`RanksDisagree` on every rank where they
-        differ: a rank that skips waits at once; one that steps leaves it with its parameters' all-gathers, waited
-        for with them (:meth:`zeroimpl.inflight.InFlightGathers.start`), so that it adds no wait of its own."""
+        rank's :meth:`judge_locally` values, fp64; returns its work and its output, ``(world size, len(judged))``."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = torch.zeros(world, len(judged), dtype=torch.float64, device=self.device)
         gathered[rank].copy_(device_tensor(judged, self.device, torch.float64))
+        work = comm.all_gather(gathered.view(-1), gathered[rank], group, timeout, tag=tag, name="step verdict all-gather")
+        return work, gathered
 
-        def compare() -> None:
-            rows = gathered.tolist()  # host sync
-            if any(row != rows[0] for row in rows):
-                raise RanksDisagree(disagreement_message(rows))
-        return comm.all_gather(gathered.view(-1), gathered[rank], group, timeout, tag=tag,
-                               name="step verdict all-gather", then=compare)
+    @staticmethod
+    def confirm(started: tuple[Pending, torch.Tensor]) -> Optional[str]:
+        """Wait for :meth:`start_confirming`'s all-gather: None if every rank judged alike, else what differed."""
+        work, gathered = started
+        work.wait()
+        rows = gathered.tolist()  # host sync
+        if all(row == rows[0] for row in rows):
+            return None
+        return disagreement_message(rows)
 
     def _params_with_gradients(self) -> list[bool]:
         """By parameter index, whether any rank has its gradient: a flag per parameter, all-reduced."""
@@ -253,10 +257,6 @@ def nonfinite_message(loss_scale: Optional[float]) -> str:
             "in optimizer.skipped_steps")
 
 
-class RanksDisagree(CollectiveError):
-    """Under DDP, the ranks judged DDP's averaged gradients differently (:meth:`StepChecks.judge_locally`)."""
-
-
 def disagreement_message(rows: list[list[float]]) -> str:
     """Why ``step()`` raises under DDP when the ranks judged their gradients differently (``rows``: each rank's
     ``[NaN/Inf found, has a gradient per parameter]``)."""
@@ -269,7 +269,7 @@ def disagreement_message(rows: list[list[float]]) -> str:
         done = "each rank stepped its shard from its own gradients"
     return (f"the ranks' gradients differ after DistributedDataParallel averaged them ({what}): param.grad was "
             "edited differently on some ranks after backward (DDP + torch's optimizer would then train a different "
-            f"model on each rank). At that step {done}, so the shards no longer make one model: restore the last "
+            f"model on each rank). Here {done}, so the shards no longer make one model: restore the last "
             "checkpoint (zeroimpl.checkpoint.load_checkpoint), and edit param.grad alike on every rank. The "
             "gradients were cleared")
 
