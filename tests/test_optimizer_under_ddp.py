@@ -529,7 +529,8 @@ def _nonfinite_under_ddp(rank):
 def _verdicts_under_ddp(rank):
     """How each rank's own verdict on DDP's gradients meets the others' (sent with the parameters' all-gather):
     found_nonfinite() (an all-reduce), then a finite edit on rank 1 alone, then step(); every rank's gradients
-    dropped on rank 1 alone; NaN alike on every rank with 8-bit parameter gathers (raised: the parameters must stay
+    dropped on rank 1 alone; one gradient dropped on rank 1 after found_nonfinite(); NaN on rank 0 while rank 1 has
+    no gradient (no rank steps); NaN alike on every rank with 8-bit parameter gathers (raised: the parameters must stay
     bitwise) and with overlap_param_gather=False (skipped: nothing may stay in flight)."""
     out = {}
 
@@ -558,6 +559,26 @@ def _verdicts_under_ddp(rank):
         out["dropped on one rank"] = "stepped"
     except RuntimeError as error:
         out["dropped on one rank"] = str(error)
+    for case in ("dropped after found_nonfinite", "NaN on one rank, none on the other"):
+        model = _model()
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
+        ddp = DDP(model)
+        backward(model, ddp)
+        if case == "dropped after found_nonfinite":
+            optimizer.found_nonfinite()
+            if rank == 1:
+                list(model.parameters())[0].grad = None
+        elif rank == 0:
+            list(model.parameters())[0].grad.view(-1)[0] = float("nan")
+        else:
+            optimizer.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            optimizer.step()
+            out[case] = "stepped"
+        except RuntimeError as error:
+            out[case] = (str(error), [p.grad is None for p in model.parameters()],
+                         _bitwise(before, [p.detach() for p in model.parameters()]))
     for case, options in (("8-bit gathers", dict(quantize_param_gather=True)),
                           ("no overlap", dict(overlap_param_gather=False, nonfinite="skip"))):
         model = _model()
@@ -848,12 +869,18 @@ def test_under_ddp_nan_in_a_piece_one_rank_steps_or_in_one_ranks_gradient_is_fou
 def test_under_ddp_each_ranks_verdict_meets_the_others_at_every_step(ranks):
     """Every rank sends its verdict at every step, whatever it knew before (found_nonfinite) or found since (no
     gradient at all): a per-rank finite edit after found_nonfinite() steps at once, never waiting out the timeout;
-    gradients dropped on one rank raise on both. A NaN alike on every rank leaves the parameters bitwise, 8-bit
-    gathers included, and no gather in flight."""
+    gradients dropped on one rank raise on both, after found_nonfinite() too, clearing every param.grad and saying
+    whether any rank stepped. A NaN alike on every rank leaves the parameters bitwise, 8-bit gathers included, and no
+    gather in flight."""
     for out in case_results(ranks, "verdicts under ddp"):
         assert out["found, then edited on one rank"] < 10, out
         assert "different parameters with a gradient on different ranks" in out["dropped on one rank"], out
         assert out["8-bit gathers"] == (1, 0, True), out
+        message, cleared, untouched = out["dropped after found_nonfinite"]
+        assert "Every rank stepped its shard" in message and all(cleared) and not untouched, out
+        message, cleared, untouched = out["NaN on one rank, none on the other"]
+        assert "NaN/Inf on rank(s) [0] only" in message and "No rank stepped" in message, out
+        assert all(cleared) and untouched, out
         assert out["no overlap"] == (1, 0, True), out
 
 

@@ -410,6 +410,7 @@ class GradientReducer:
         with_grad = {i for i, p in self._params.items() if p.grad is not None}
         self.gradients.clear(set_to_none=True)  # param.grad holds every micro-batch's sum
         self._taken, self.takes = taken, self.takes + 1
+        self.grad_exists = [index in with_grad for index in range(len(self.grad_exists))]  # (one set to None since)
         if not with_grad:
             return
         shards = [torch.zeros(bucket.shard_numel, dtype=dtype, device=storage.param_buffer.device)
@@ -419,8 +420,6 @@ class GradientReducer:
                 grad = flattened(self._params[piece.param_index].grad, self._strides[piece.param_index])
                 shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length].copy_(
                     grad[piece.param_start:piece.param_end])
-        for index in with_grad:
-            self.grad_exists[index] = True
         for bucket_index, shard in enumerate(shards):
             self.gradients.add(bucket_index, shard)
 

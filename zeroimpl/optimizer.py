@@ -381,6 +381,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.param_sync.start_param_sync()
         self.param_sync.finish_param_sync()
         self._finish_step(overflow=True)
+        self.zero_grad()  # (DDP's param.grad too)
         raise RuntimeError(problem)
 
     def _pieces_to_step(self) -> dict[int, list]:

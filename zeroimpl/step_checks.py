@@ -2,7 +2,7 @@
 a ``param.grad`` view) finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling.
 :meth:`StepChecks.agree` is the step's one host sync: an all-reduce of 5 values (:func:`encode_checks`) says whether any
 shard holds NaN/Inf, whether every rank ran the same backward passes, the global norm when clipping, and whether some
-rank lacks some gradient (only then does a second all-reduce say which). Under DDP the step runs none:
+rank lacks some gradient (only then does a second all-reduce say which). Under DDP on gloo the step runs none:
 :meth:`StepChecks.judge_locally` judges DDP's averaged ``param.grad`` (alike on every rank), and the verdicts travel
 with the parameters' all-gather (:meth:`StepChecks.start_confirming`, :meth:`StepChecks.confirm`).
 
@@ -259,19 +259,22 @@ def nonfinite_message(loss_scale: Optional[float]) -> str:
 
 def disagreement_message(rows: list[list[float]]) -> str:
     """Why ``step()`` raises under DDP when the ranks judged their gradients differently (``rows``: each rank's
-    ``[NaN/Inf found, has a gradient per parameter]``)."""
+    ``[NaN/Inf found, has a gradient per parameter]``). A rank stepped where it found no NaN/Inf and some gradient."""
     found = [rank for rank, row in enumerate(rows) if row[0]]
-    if found and len(found) < len(rows):
-        what = f"NaN/Inf on rank(s) {found} only"
-        done = f"rank(s) {found} skipped this step and the others applied it"
+    stepped = [rank for rank, row in enumerate(rows) if not row[0] and any(row[1:])]
+    what = (f"NaN/Inf on rank(s) {found} only" if found and len(found) < len(rows) else
+            "different parameters with a gradient on different ranks")
+    if not stepped:
+        outcome = "No rank stepped: the parameters and optimizer state are unchanged"
     else:
-        what = "different parameters with a gradient on different ranks"
-        done = "each rank stepped its shard from its own gradients"
+        outcome = (f"Rank(s) {stepped} stepped their shards, each from its own gradients, and the others did not, so "
+                   "the shards no longer make one model: restore the last checkpoint "
+                   "(zeroimpl.checkpoint.load_checkpoint)" if len(stepped) < len(rows) else
+                   "Every rank stepped its shard from its own gradients, so the shards no longer make one model: "
+                   "restore the last checkpoint (zeroimpl.checkpoint.load_checkpoint)")
     return (f"the ranks' gradients differ after DistributedDataParallel averaged them ({what}): param.grad was "
             "edited differently on some ranks after backward (DDP + torch's optimizer would then train a different "
-            f"model on each rank). Here {done}, so the shards no longer make one model: restore the last "
-            "checkpoint (zeroimpl.checkpoint.load_checkpoint), and edit param.grad alike on every rank. The "
-            "gradients were cleared")
+            f"model on each rank). {outcome}. Edit param.grad alike on every rank. The gradients were cleared")
 
 
 def passes_message(passes: int) -> str:
