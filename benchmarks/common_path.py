@@ -128,8 +128,8 @@ def set_up_floor(model):
 
 
 WHY = ("Collectives per optimizer step: DDP all-reduces each gradient bucket once. Stage 1 under DDP (the one-line "
-       "swap) adds the parameters' all-gather, which carries each rank's verdict on DDP's gradients (NaN/Inf, which "
-       "have one); clipping is torch's, local (tests/test_optimizer_under_ddp.py counts its collectives). Unwrapped, "
+       "swap) adds the check all-reduce and the parameters' all-gather; clipping is torch's, local "
+       "(tests/test_optimizer_under_ddp.py counts its collectives). Unwrapped, "
        "zeroimpl reduce-scatters (stage 1 once per step, stage 2 once per micro-batch), runs the check all-reduce "
        "(NaN/Inf, backward counts, and the clipping norm when the loop clips through param.grad, as nanoGPT does) and "
        "all-gathers the parameters (tests/test_optimizer_drop_in_loops.py pins one all-reduce per clipping step): "

@@ -5,11 +5,11 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
   which copies it, then DDP's wrap), 3 epochs of SGD and a resume from its model snapshot: stage 1 with DDP
   kept (the one changed line) and stage 2 without DDP (two more), bitwise the tutorial's own run.
 * Stage 1 under DDP, AdamW, bitwise DDP + AdamW: plain; ``no_sync()`` accumulation; ``torch.nn.utils.
-  clip_grad_norm_`` on DDP's full gradients; a GradScaler with a scale that overflows at first (both skip the
-  same steps); an LR scheduler; CPU offload (the for-loop AdamW kernel, as DDP + AdamW's); and the optimizer's
-  own collectives per step: no reduction, only the parameters' all-gather (Ψ) with each rank's verdict on DDP's
-  gradients, which finds a NaN in a piece one rank steps on every rank, and raises on every rank where the ranks'
-  gradients differ (edited per rank); ``no_sync()`` with a different number of micro-batches per rank, as DDP allows.
+  clip_grad_norm_`` on DDP's full gradients; ``no_sync()`` with 2 micro-batches on one rank and 1 on the other,
+  as DDP allows; a GradScaler with a scale that overflows at first (both skip the same steps); an LR scheduler; CPU
+  offload (the for-loop AdamW kernel, as DDP + AdamW's); and the optimizer's own collectives per step: no
+  reduction, only the parameters' all-gather (Ψ) and the 5-element check, run afresh at every step, which finds a
+  NaN in a piece one rank steps, or in one rank's gradient alone (edited per rank), on every rank.
 * Stage 2 under DDP: refused at the first backward, on every rank, naming stage 1 and the unwrapped route.
 * Built before the model changes: ``.to(cpu:0)``, ``load_state_dict(assign=True)``, ``.double()`` and
   ``.bfloat16()``, DDP-wrapped or not: bitwise an optimizer built after the change (the documented route); a
@@ -20,8 +20,8 @@ script, against the same script with the torch optimizer, 2 ranks, gloo, fp32.
 """
 
 import contextlib
-import time
 import os
+import time
 
 import pytest
 import torch
@@ -137,7 +137,6 @@ def _under_ddp(rank):
     finally:
         counter.uninstall()
     out["psi"] = sum(p.numel() for p in _model().parameters())
-    out["parameters"] = len(list(_model().parameters()))
 
     def stage_2():
         model = _model()
@@ -512,73 +511,30 @@ def _nonfinite_under_ddp(rank):
         out["per rank"] = "stepped"
     except (FloatingPointError, RuntimeError) as error:
         out["per rank"] = f"{type(error).__name__}: {error}"
-    model = _model()
-    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
-    ddp = DDP(model)
-    ddp(torch.ones(2, 20)).sum().backward()
-    if rank == 1:
-        list(model.parameters())[0].grad = None  # (a parameter left out on one rank)
-    try:
-        optimizer.step()
-        out["presence per rank"] = "stepped"
-    except RuntimeError as error:
-        out["presence per rank"] = str(error)
     return out
 
 
-def _verdicts_under_ddp(rank):
-    """How each rank's own verdict on DDP's gradients meets the others' (sent with the parameters' all-gather):
-    found_nonfinite() (an all-reduce), then a finite edit on rank 1 alone, then step(); every rank's gradients
-    dropped on rank 1 alone; one gradient dropped on rank 1 after found_nonfinite(); NaN on rank 0 while rank 1 has
-    no gradient (no rank steps); NaN alike on every rank with 8-bit parameter gathers (raised: the parameters must stay
-    bitwise) and with overlap_param_gather=False (skipped: nothing may stay in flight)."""
+def _agreement_under_ddp(rank):
+    """found_nonfinite() (an all-reduce), then a finite edit of param.grad on rank 1 alone, then step(); and then
+    param.grad set to None on every rank (torch steps none of that parameter): the parameters after the step, and
+    whether they moved. NaN alike on every rank with 8-bit parameter gathers (raised) and with
+    overlap_param_gather=False (skipped): the skipped steps, the gathers in flight after, the parameters unchanged."""
     out = {}
-
-    def backward(model, ddp, scale=1.0):
-        ddp(torch.ones(2, 20)).sum().mul(scale).backward()
-
-    model = _model()
-    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
-    ddp = DDP(model)
-    backward(model, ddp)
-    optimizer.found_nonfinite()
-    if rank == 1:
-        list(model.parameters())[0].grad.mul_(0.5)
-    start = time.monotonic()
-    optimizer.step()
-    optimizer.finish_param_gathers()
-    out["found, then edited on one rank"] = time.monotonic() - start
-    model = _model()
-    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
-    ddp = DDP(model)
-    backward(model, ddp)
-    if rank == 1:
-        optimizer.zero_grad()
-    try:
-        optimizer.step()
-        out["dropped on one rank"] = "stepped"
-    except RuntimeError as error:
-        out["dropped on one rank"] = str(error)
-    for case in ("dropped after found_nonfinite", "NaN on one rank, none on the other"):
+    for case in ("edited on one rank", "dropped on every rank"):
         model = _model()
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=1e-2, collective_timeout=20)
         ddp = DDP(model)
-        backward(model, ddp)
-        if case == "dropped after found_nonfinite":
-            optimizer.found_nonfinite()
-            if rank == 1:
-                list(model.parameters())[0].grad = None
-        elif rank == 0:
-            list(model.parameters())[0].grad.view(-1)[0] = float("nan")
-        else:
-            optimizer.zero_grad()
+        ddp(torch.ones(2, 20)).sum().backward()
         before = [p.detach().clone() for p in model.parameters()]
-        try:
-            optimizer.step()
-            out[case] = "stepped"
-        except RuntimeError as error:
-            out[case] = (str(error), [p.grad is None for p in model.parameters()],
-                         _bitwise(before, [p.detach() for p in model.parameters()]))
+        optimizer.found_nonfinite()
+        if case == "dropped on every rank":
+            list(model.parameters())[0].grad = None
+        elif rank == 1:
+            list(model.parameters())[0].grad.mul_(0.5)
+        start = time.monotonic()
+        optimizer.step()
+        optimizer.finish_param_gathers()
+        out[case] = (time.monotonic() - start, [torch.equal(b, p.detach()) for b, p in zip(before, model.parameters())])
     for case, options in (("8-bit gathers", dict(quantize_param_gather=True)),
                           ("no overlap", dict(overlap_param_gather=False, nonfinite="skip"))):
         model = _model()
@@ -588,7 +544,7 @@ def _verdicts_under_ddp(rank):
         optimizer.finish_param_gathers()
         before = [p.detach().clone() for p in model.parameters()]
         optimizer.zero_grad()
-        backward(model, ddp, float("nan"))
+        ddp(torch.ones(2, 20)).sum().mul(float("nan")).backward()
         try:
             optimizer.step()
         except FloatingPointError:
@@ -667,7 +623,7 @@ def _all(rank, world_size, shared):
              "fp16": lambda: _fp16_follows(rank), "consolidated": lambda: _consolidated(rank, shared),
              "replaced twice": lambda: _replaced_twice(rank), "edits under ddp": lambda: _edits_under_ddp(rank),
              "nonfinite under ddp": lambda: _nonfinite_under_ddp(rank),
-             "verdicts under ddp": lambda: _verdicts_under_ddp(rank),
+             "agreement under ddp": lambda: _agreement_under_ddp(rank),
              "partly outside ddp": lambda: _partly_outside_ddp(rank),
              "wrapped after a backward": lambda: _wrapped_after_a_first_backward(rank),
              "consolidated then scheduled": lambda: _consolidated_then_scheduled(rank),
@@ -718,16 +674,14 @@ def test_stage_1_under_ddp_is_bitwise_ddp_with_the_same_torch_optimizer(ranks, v
 
 
 def test_under_ddp_the_optimizer_reduces_nothing_and_gathers_the_parameters_once(ranks):
-    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction: per step zeroimpl all-gathers the
-    parameters, Ψ (padded), and alongside them each rank's verdict on DDP's gradients (NaN/Inf found, and a flag
-    per parameter: 1 + 4 fp64 values), in place of a check all-reduce before the step."""
+    """DDP's all-reduce (2Ψ, in C++: not counted here) is the only reduction: zeroimpl's calls per step are the
+    5-element check all-reduce and the all-gather of the parameters, Ψ (padded) per step."""
     for out in case_results(ranks, "under ddp"):
         for per_step in out["collectives"]:
-            assert not any("reduce" in name for name in per_step), per_step
-            verdict = 1 + out["parameters"]
-            sent = sum(per_step.get(name, (0, 0))[1] for name in ("isend", "all_gather_into_tensor")) - verdict
+            assert not any("reduce_scatter" in name for name in per_step), per_step
+            assert per_step["all_reduce"][:2] == (1, 5), per_step
+            sent = sum(per_step.get(name, (0, 0))[1] for name in ("isend", "all_gather_into_tensor"))
             assert out["psi"] <= sent * (2 if "isend" in per_step else 1) <= out["psi"] + 64 * 8, per_step
-            assert torch.float64 in per_step["isend" if "isend" in per_step else "all_gather_into_tensor"][2]
 
 
 def test_stage_2_under_ddp_is_refused_at_the_first_backward_on_every_rank(ranks):
@@ -852,35 +806,27 @@ def test_under_ddp_edits_of_param_grad_before_the_step_count(ranks, name):
 def test_under_ddp_nan_in_a_piece_one_rank_steps_or_in_one_ranks_gradient_is_found_on_every_rank(ranks):
     """A NaN in the piece rank 1 alone steps: raised (or skipped) on both ranks, the parameters untouched; a finite
     gradient whose norm overflows is stepped. A gradient edited per rank (Inf/NaN on rank 1 alone, as a mean over
-    a rank without tokens gives; or a gradient dropped on one rank): each rank judges its own gradients, with no
-    collective, and the all-gather of the parameters carries the verdicts, so both ranks raise at the same step,
-    naming the ranks, never one rank stepping into a collective while the other raised (it would hang there until
-    the timeout)."""
+    a rank without tokens gives): FloatingPointError on both ranks, never one rank stepping into the all-gather
+    while the other raised (a local check would hang there until the timeout)."""
     for out in case_results(ranks, "nonfinite under ddp"):
         raised, raise_untouched = out["raise"]
         assert "NaN or Inf" in raised and raise_untouched
         assert out["skip"] == ("skipped 1", True)
         assert out["finite"] == ("skipped 0", False)
-        assert out["per rank"].startswith("RuntimeError: the ranks' gradients differ after DistributedDataParallel "
-                                          "averaged them (NaN/Inf on rank(s) [1] only)"), out["per rank"]
-        assert "different parameters with a gradient on different ranks" in out["presence per rank"]
+        assert out["per rank"].startswith("FloatingPointError: the averaged gradients hold NaN or Inf"), out["per rank"]
 
 
-def test_under_ddp_each_ranks_verdict_meets_the_others_at_every_step(ranks):
-    """Every rank sends its verdict at every step, whatever it knew before (found_nonfinite) or found since (no
-    gradient at all): a per-rank finite edit after found_nonfinite() steps at once, never waiting out the timeout;
-    gradients dropped on one rank raise on both, after found_nonfinite() too, clearing every param.grad and saying
-    whether any rank stepped. A NaN alike on every rank leaves the parameters bitwise, 8-bit gathers included, and no
-    gather in flight."""
-    for out in case_results(ranks, "verdicts under ddp"):
-        assert out["found, then edited on one rank"] < 10, out
-        assert "different parameters with a gradient on different ranks" in out["dropped on one rank"], out
+def test_under_ddp_every_step_agrees_afresh(ranks):
+    """The step's check all-reduce runs on every rank even after found_nonfinite(): an edit of param.grad on one rank
+    since (which makes that rank alone take DDP's gradients afresh) steps at once, never waiting out the timeout; a
+    param.grad set to None since is not stepped, as with torch. A NaN alike on every rank leaves the parameters
+    bitwise, 8-bit gathers included, and no gather in flight."""
+    for out in case_results(ranks, "agreement under ddp"):
+        seconds, unchanged = out["edited on one rank"]
+        assert seconds < 10 and not any(unchanged), out
+        seconds, unchanged = out["dropped on every rank"]
+        assert unchanged[0] and not any(unchanged[1:]), out
         assert out["8-bit gathers"] == (1, 0, True), out
-        message, cleared, untouched = out["dropped after found_nonfinite"]
-        assert "Every rank stepped its shard" in message and all(cleared) and not untouched, out
-        message, cleared, untouched = out["NaN on one rank, none on the other"]
-        assert "NaN/Inf on rank(s) [0] only" in message and "No rank stepped" in message, out
-        assert all(cleared) and untouched, out
         assert out["no overlap"] == (1, 0, True), out
 
 

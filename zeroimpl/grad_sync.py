@@ -423,10 +423,6 @@ class GradientReducer:
         for bucket_index, shard in enumerate(shards):
             self.gradients.add(bucket_index, shard)
 
-    def averaged_grads(self) -> list[torch.Tensor]:
-        """Under DDP: every ``param.grad`` DDP averaged (alike on every rank unless edited per rank since)."""
-        return [p.grad for p in self._params.values() if p.grad is not None]
-
     def _check_grads_unedited(self) -> None:
         """Refuse an in-place edit since backward of a local gradient (kept by a hook; ``.grad`` itself is a view
         of the average): stage 1 reduces at the step, so the edit would act on this rank's gradient alone."""

@@ -296,8 +296,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return dist.group.WORLD if whole_world else self.process_group  # (the object DDP names too, not None)
 
     def _agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """:meth:`StepChecks.agree` unless its verdict stands and no norm is asked; unequal backward passes raise."""
-        stands = norm_type is None and self.checks.verdict_stands()
+        """:meth:`StepChecks.agree` unless its verdict stands and no norm is asked (never under DDP, where an edit of
+        ``param.grad`` on some ranks only would let it stand there alone); unequal backward passes raise."""
+        stands = norm_type is None and not self.reducer.under_ddp and self.checks.verdict_stands()
         total = None if stands else self.checks.agree(norm_type)
         if not self.checks.verdict.same_passes:
             passes = self.reducer.backward_passes
@@ -340,27 +341,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             loss = closure() if closure is not None else None
         self._follow_model(before_collectives=True)
         self.param_sync.finish_param_sync(take_edits=True)
-        prepared = self.grad_views.prepare()  # the reduction finished and unscaled: False when no rank has gradients
-        confirming = None
-        if self.reducer.under_ddp and self.checks.device.type == "cpu":
-            # DDP's gradients, alike on every rank, judged here; the verdicts travel with the all-gather. (On a GPU
-            # the all-reduce stays: reading the verdict, then the gathered ones, would stall its queue twice)
-            judged = self.checks.judge_locally()
-            confirming = self.checks.start_confirming(judged, self.join_process_group, self.collective_timeout,
-                                                      tag=len(self.storages))
-        elif prepared:
-            self._agree()  # the step's one small all-reduce: same passes, NaN/Inf, which parameters have gradients
-        if not prepared or self.checks.verdict.nonfinite:
-            self._confirm(confirming, gathers_started=False)
-            if prepared:
-                self._skip_step()
+        if not self.grad_views.prepare():  # the reduction finished and unscaled: False when no rank has gradients
+            return loss
+        self._agree()  # the step's one small all-reduce: same passes, NaN/Inf, which parameters have gradients
+        if self.checks.verdict.nonfinite:
+            self._skip_step()
             return loss
         pairs = self._pieces_to_step()
         in_parts = self.offload is not None and self.inner.steps_in_parts  # the pipeline: a host step per bucket
         step_pieces(self.inner, [] if in_parts else [pair for bucket in pairs.values() for pair in bucket])
         self.param_sync.start_param_sync(overlap=True, step_bucket=(  # guarded: a failed landing raises at each read
             lambda storage: step_pieces(self.inner, pairs.get(storage.bucket.index, []))) if in_parts else None)
-        self._confirm(confirming, gathers_started=True)
         self.inner.report(self.param_groups)
         self._steps_taken += 1
         self._finish_step(overflow=False)
@@ -369,20 +360,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self.verify_every and self._steps_taken % self.verify_every == 0:
             self.verify_ranks_agree()
         return loss
-
-    def _confirm(self, confirming, gathers_started: bool) -> None:
-        """Under DDP on gloo: wait for the verdicts sent with this step; if the ranks judged differently, raise on
-        every rank, once this rank has matched the parameters' all-gathers of the ranks that stepped (started here
-        already, or now, this rank's shard unchanged)."""
-        problem = None if confirming is None else self.checks.confirm(confirming)
-        if problem is None:
-            return
-        if not gathers_started:
-            self.param_sync.start_param_sync()
-        self.param_sync.finish_param_sync()
-        self._finish_step(overflow=True)
-        self.zero_grad()  # (DDP's param.grad too)
-        raise RuntimeError(problem)
 
     def _pieces_to_step(self) -> dict[int, list]:
         """By bucket index, this rank's (master piece, gradient piece) pairs to step."""

@@ -2,9 +2,7 @@
 a ``param.grad`` view) finishes the reduction (stage 1: the step's reduce-scatter) and the unscaling.
 :meth:`StepChecks.agree` is the step's one host sync: an all-reduce of 5 values (:func:`encode_checks`) says whether any
 shard holds NaN/Inf, whether every rank ran the same backward passes, the global norm when clipping, and whether some
-rank lacks some gradient (only then does a second all-reduce say which). Under DDP on gloo the step runs none:
-:meth:`StepChecks.judge_locally` judges DDP's averaged ``param.grad`` (alike on every rank), and the verdicts travel
-with the parameters' all-gather (:meth:`StepChecks.start_confirming`, :meth:`StepChecks.confirm`).
+rank lacks some gradient (only then does a second all-reduce say which).
 
 The step's facts, each set once, all forgotten by :meth:`StepChecks.reset` (end of ``step()``, ``zero_grad()``):
 
@@ -23,13 +21,11 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import comm
 from .buffers import BucketStorage
 from .grad_shards import DeviceGradientShards, HostGradientShards
 from .grad_sync import GradientReducer, RoundState
 from .host_memory import device_tensor, to_device
 from .ownership import Ownership
-from .pending import Pending
 from .precision import DynamicLossScaler, at_least_fp32
 from .topology import Topology
 from .uneven import UnevenInputs
@@ -184,42 +180,6 @@ class StepChecks:
         norm = agreed[1].to(norm_term.dtype)
         return norm if maximum else norm ** (1.0 / norm_type)
 
-    def judge_locally(self) -> list[float]:
-        """Under DDP, whose averaged ``param.grad`` is alike on every rank: set ``verdict`` from this rank's own
-        gradients, with no collective (one host sync), and return what :meth:`start_confirming` sends along with the
-        parameters' all-gather: ``[NaN/Inf found, has a gradient per parameter]``. Reads all of DDP's gradient once: a NaN/Inf in a piece another rank steps is seen on
-        every rank. The backward passes need not agree, as under :meth:`agree`: DDP's ``no_sync`` micro-batches may
-        differ."""
-        grads = self.reducer.averaged_grads()
-        nonfinite = False
-        if grads:  # the norms first, in one call (stacked in the widest dtype); only a non-finite sum looks closer
-            norms = torch.stack(torch._foreach_norm(grads))
-            nonfinite = not bool(torch.isfinite(norms.sum())) and any(not bool(torch.isfinite(g).all()) for g in grads)
-        present = list(self.reducer.grad_exists)
-        self.verdict = StepVerdict(same_passes=True, nonfinite=nonfinite, stepped=None if all(present) else present)
-        self._largest = {}
-        return [float(nonfinite)] + [float(flag) for flag in present]
-
-    def start_confirming(self, judged: list[float], group, timeout: Optional[float],
-                         tag: int) -> tuple[Pending, torch.Tensor]:
-        """Before any parameter all-gather of the step (the same order on every rank): issue the all-gather of every
-        rank's :meth:`judge_locally` values, fp64; returns its work and its output, ``(world size, len(judged))``."""
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        gathered = torch.zeros(world, len(judged), dtype=torch.float64, device=self.device)
-        gathered[rank].copy_(device_tensor(judged, self.device, torch.float64))
-        work = comm.all_gather(gathered.view(-1), gathered[rank], group, timeout, tag=tag, name="step verdict all-gather")
-        return work, gathered
-
-    @staticmethod
-    def confirm(started: tuple[Pending, torch.Tensor]) -> Optional[str]:
-        """Wait for :meth:`start_confirming`'s all-gather: None if every rank judged alike, else what differed."""
-        work, gathered = started
-        work.wait()
-        rows = gathered.tolist()  # host sync
-        if all(row == rows[0] for row in rows):
-            return None
-        return disagreement_message(rows)
-
     def _params_with_gradients(self) -> list[bool]:
         """By parameter index, whether any rank has its gradient: a flag per parameter, all-reduced."""
         local = device_tensor(self.reducer.grad_exists, self.device, torch.float32)
@@ -255,26 +215,6 @@ def nonfinite_message(loss_scale: Optional[float]) -> str:
             "too high, a diverging loss, bad input data, or fp16 without loss scaling. Fix the cause (lower the "
             "learning rate, clip gradients, use bf16), or pass nonfinite='skip' to skip such steps and count them "
             "in optimizer.skipped_steps")
-
-
-def disagreement_message(rows: list[list[float]]) -> str:
-    """Why ``step()`` raises under DDP when the ranks judged their gradients differently (``rows``: each rank's
-    ``[NaN/Inf found, has a gradient per parameter]``). A rank stepped where it found no NaN/Inf and some gradient."""
-    found = [rank for rank, row in enumerate(rows) if row[0]]
-    stepped = [rank for rank, row in enumerate(rows) if not row[0] and any(row[1:])]
-    what = (f"NaN/Inf on rank(s) {found} only" if found and len(found) < len(rows) else
-            "different parameters with a gradient on different ranks")
-    if not stepped:
-        outcome = "No rank stepped: the parameters and optimizer state are unchanged"
-    else:
-        outcome = (f"Rank(s) {stepped} stepped their shards, each from its own gradients, and the others did not, so "
-                   "the shards no longer make one model: restore the last checkpoint "
-                   "(zeroimpl.checkpoint.load_checkpoint)" if len(stepped) < len(rows) else
-                   "Every rank stepped its shard from its own gradients, so the shards no longer make one model: "
-                   "restore the last checkpoint (zeroimpl.checkpoint.load_checkpoint)")
-    return (f"the ranks' gradients differ after DistributedDataParallel averaged them ({what}): param.grad was "
-            "edited differently on some ranks after backward (DDP + torch's optimizer would then train a different "
-            f"model on each rank). {outcome}. Edit param.grad alike on every rank. The gradients were cleared")
 
 
 def passes_message(passes: int) -> str:
