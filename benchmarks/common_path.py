@@ -14,7 +14,7 @@ Two workloads, both on 2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW:
   gathers finished inside it (they would otherwise land in the next set-up's first forward). Per set-up: the median
   over rounds; its overhead is that minus the compute's.
 * **The floor**, in both workloads: DDP + torch AdamW followed by an all-gather of the parameters (each rank's half,
-  through ``zeroimpl.comm.all_gather``, waited for at once) and nothing else (:class:`GatherAfterStep`): what the
+  through ``zeroimpl.comm.all_gather``, waited for at once) and nothing else (:class:`ParameterGather`): what the
   one collective that stage 1 adds to DDP's costs here, without any of zeroimpl's work.
 * **nanoGPT's train.py** (``examples/nanogpt_train.py``: 2 layers, 64 wide, 2 micro-batches per rank with
   DDP's ``require_backward_grad_sync``, clipping at 1.0): the script on DDP; with
@@ -55,7 +55,7 @@ WARMUP = 5
 
 
 def rank_main(rounds: int, steps: int) -> None:
-    """One rank of the tiny GPT-2 job: the five set-ups, timed in turns; rank 0 prints every round's ms per step."""
+    """One rank of the tiny GPT-2 job: the six set-ups, timed in turns; rank 0 prints every round's ms per step."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -93,27 +93,33 @@ def rank_main(rounds: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
-class GatherAfterStep:
-    """torch's optimizer, then the one collective that ZeRO-1 adds to DDP's: an all-gather of the parameters' Ψ
-    elements (each rank's half, zeroimpl's way on gloo: ``zeroimpl.comm.all_gather``), waited for at once."""
+class ParameterGather:
+    """The one collective that ZeRO-1 adds to DDP's: an all-gather of the parameters' Ψ elements (each rank's half,
+    zeroimpl's way on gloo: ``zeroimpl.comm.all_gather``), waited for at once when called."""
 
-    def __init__(self, optimizer, params):
+    def __init__(self, params):
         import torch
         import torch.distributed as dist
 
         numel = sum(p.numel() for p in params)
-        self.optimizer = optimizer
         self.gathered = torch.zeros(numel + numel % dist.get_world_size())
         self.own = self.gathered.view(dist.get_world_size(), -1)[dist.get_rank()]
+
+    def __call__(self) -> None:
+        from zeroimpl import comm
+
+        comm.all_gather(self.gathered, self.own, None).wait()
+
+
+class GatherAfterStep:
+    """torch's optimizer, then a :class:`ParameterGather` of its parameters after each step."""
+
+    def __init__(self, optimizer, params):
+        self.optimizer, self.gather = optimizer, ParameterGather(params)
 
     def step(self) -> None:
         self.optimizer.step()
         self.gather()
-
-    def gather(self) -> None:
-        from zeroimpl import comm
-
-        comm.all_gather(self.gathered, self.own, None).wait()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -155,14 +161,14 @@ def nanogpt_scripts(directory: str) -> dict[str, str]:
         text = handle.read()
     assert text.count("    scaler.step(optimizer)\n") == 1, "the script's step moved: update this benchmark"
     scripts[FLOOR] = os.path.join(directory, "floor.py")
-    with open(scripts[FLOOR], "w") as handle:  # the DDP script, plus GatherAfterStep's all-gather after its step
+    with open(scripts[FLOOR], "w") as handle:  # the DDP script, plus a ParameterGather after its step
         handle.write(text.replace("    scaler.step(optimizer)\n", "    scaler.step(optimizer)\n    _gather()\n").replace(
             "raw_model = model.module if ddp else model\n",
             "raw_model = model.module if ddp else model\n"
             "import sys as _sys\n"
             "_sys.path.insert(0, " + repr(os.path.dirname(os.path.abspath(__file__))) + ")\n"
-            "from common_path import GatherAfterStep\n"
-            "_gather = GatherAfterStep(None, list(raw_model.parameters())).gather\n"))
+            "from common_path import ParameterGather\n"
+            "_gather = ParameterGather(list(raw_model.parameters()))\n"))
     with open(scripts[UNWRAPPED]) as handle:
         text = handle.read()
     assert text.count("stage=2)") == 1, "the recipe's stage argument moved: update this benchmark"
