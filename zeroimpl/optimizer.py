@@ -296,9 +296,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return dist.group.WORLD if whole_world else self.process_group  # (the object DDP names too, not None)
 
     def _agree(self, norm_type: Optional[float] = None) -> Optional[torch.Tensor]:
-        """:meth:`StepChecks.agree` unless its verdict stands and no norm is asked (never under DDP, where an edit of
-        ``param.grad`` on some ranks only would let it stand there alone); unequal backward passes raise."""
-        stands = norm_type is None and not self.reducer.under_ddp and self.checks.verdict_stands()
+        """:meth:`StepChecks.agree` unless its verdict stands and no norm is asked; unequal backward passes raise."""
+        stands = norm_type is None and self.checks.verdict_stands()
         total = None if stands else self.checks.agree(norm_type)
         if not self.checks.verdict.same_passes:
             passes = self.reducer.backward_passes

@@ -73,8 +73,10 @@ class StepChecks:
             self._largest[magnitude.device] = magnitude if largest is None else torch.maximum(largest, magnitude)
 
     def verdict_stands(self) -> bool:
-        """Whether the verdict holds: every :meth:`note_edit` factor since was finite and at most 1 in magnitude."""
-        if self.verdict is not None and not all(bool(largest <= 1) for largest in self._largest.values()):
+        """Whether the verdict holds: every :meth:`note_edit` factor since was finite and at most 1 in magnitude. Never
+        under DDP: DDP's ``param.grad`` edited on some ranks only would leave it standing there alone."""
+        if self.verdict is not None and (self.reducer.under_ddp
+                                         or not all(bool(largest <= 1) for largest in self._largest.values())):
             self.verdict = None  # (NaN compares false)
         self._largest = {}
         return self.verdict is not None
