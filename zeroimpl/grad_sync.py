@@ -152,8 +152,19 @@ class GradientReducer:
         """Call bound ``method`` (held weakly) at the end of every backward here, once the round closed or deferred."""
         self._after_backward = weakref.WeakMethod(method)
 
-    @reducer_verb(joined=False)  # the compute streams do not wait for the reduction during backward
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """A gradient arrived. At stage 1 a round's later gradients need only their own checks and their version:
+        the round runs (so the reducer has not failed, and the backward's callback lives), and its first gradient
+        ran the checks that hold for the whole round (compiled autograd, DDP, an unplaced optimizer)."""
+        if self.stage == 1 and self.state is RoundState.RUNNING and self._callback() is not None:
+            bucket_index, param_index = self._bucket_of[id(param)]
+            if not param.grad.is_sparse and self.storages[bucket_index].holds(param_index, param):
+                self._grad_versions[param_index] = param.grad._version
+                return
+        self._on_round_grad(param)
+
+    @reducer_verb(joined=False)  # the compute streams do not wait for the reduction during backward
+    def _on_round_grad(self, param: torch.Tensor) -> None:
         bucket_index, param_index = self._bucket_of[id(param)]
         if not self.under_ddp and not self._stepped and self.state is RoundState.IDLE and not under_compiled_autograd():
             held = validation.held_by_ddp(list(self._params.values()))  # a heap scan: once a round, till the first step

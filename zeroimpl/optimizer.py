@@ -18,6 +18,7 @@ from .accounting import MemoryReport, memory_report
 from .buffers import BucketStorage, flatten_params
 from .grad_sync import GradientReducer
 from .grad_views import GradViews
+from .inflight import guards_lifted
 from .inner import PieceMasters, build_on_every_rank, step_pieces
 from .layout import ShardLayout, ShardPiece, build_layout, trainable_specs
 from .memory_format import contiguous_strides, same_order
@@ -392,14 +393,16 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._reset_gradients(consumed_by_step=False, set_to_none=set_to_none)
 
     def _reset_gradients(self, consumed_by_step: bool, set_to_none: bool = True) -> None:
-        """The one reset of a round of gradients; the checks go last, or the next backward would look like none."""
-        self.grad_views.discard()
-        if consumed_by_step:
-            verdict = self.checks.verdict
-            self.reducer.end_step(stepped=None if verdict is None else verdict.stepped)
-        else:
-            self.reducer.zero_grad(set_to_none)
-        self.checks.reset()
+        """The one reset of a round of gradients; the checks go last, or the next backward would look like none. It
+        touches gradients only, never a parameter that a gather in flight writes: the guards need not see it."""
+        with guards_lifted():
+            self.grad_views.discard()
+            if consumed_by_step:
+                verdict = self.checks.verdict
+                self.reducer.end_step(stepped=None if verdict is None else verdict.stepped)
+            else:
+                self.reducer.zero_grad(set_to_none)
+            self.checks.reset()
 
     def train(self) -> None:
         """Schedule-free classes: undo :meth:`eval`. Collective."""
