@@ -426,11 +426,12 @@ class GradientReducer:
             return
         shards = [torch.zeros(bucket.shard_numel, dtype=dtype, device=storage.param_buffer.device)
                   for bucket, dtype, storage in zip(self.layout.buckets, self.reduce_dtypes, self.storages)]
-        for piece in self._pieces:
-            if piece.param_index in with_grad:
-                grad = flattened(self._params[piece.param_index].grad, self._strides[piece.param_index])
-                shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length].copy_(
-                    grad[piece.param_start:piece.param_end])
+        pieces = [piece for piece in self._pieces if piece.param_index in with_grad]
+        if pieces:  # (one multi-tensor copy, not one per piece)
+            torch._foreach_copy_(
+                [shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length] for piece in pieces],
+                [flattened(self._params[piece.param_index].grad, self._strides[piece.param_index])[
+                    piece.param_start:piece.param_end] for piece in pieces])
         for bucket_index, shard in enumerate(shards):
             self.gradients.add(bucket_index, shard)
 
