@@ -11,7 +11,8 @@ Two workloads, both on 2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW:
   ``--steps`` steps each, the set-ups taking turns within a round and the order rotating from round to round, so
   that the machine's drifts (this machine's step times move by several ms between minutes) hit every set-up alike. A
   round's time per step is its steps' wall time over their count, from a barrier, with zeroimpl's last parameter
-  gathers finished inside it (they would otherwise land in the next set-up's first forward). Per set-up: the median
+  gathers finished inside it (they would otherwise land in the next set-up's first forward), and the CPU time of
+  its training thread over the same steps (host work, without the waits for collectives). Per set-up: the median
   over rounds; its overhead is that minus the compute's.
 * **The floor**, in both workloads: DDP + torch AdamW followed by an all-gather of the parameters (each rank's half,
   through ``zeroimpl.comm.all_gather``, waited for at once) and nothing else (:class:`ParameterGather`): what the
@@ -79,17 +80,19 @@ def rank_main(rounds: int, steps: int) -> None:
             train(kind, batches[step % steps])
         settle(kind)
     times = {kind: [] for kind in KINDS}
+    host = {kind: [] for kind in KINDS}  # this thread's CPU time: a wait for a collective (blocked) counts none
     for round_index in range(rounds):
         shift = round_index % len(KINDS)
         for kind in KINDS[shift:] + KINDS[:shift]:
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             for ids in batches:
                 train(kind, ids)
             settle(kind)
             times[kind].append((time.perf_counter() - start) * 1e3 / steps)
+            host[kind].append((time.thread_time() - start_cpu) * 1e3 / steps)
     if rank == 0:
-        print("ROUNDS " + json.dumps(times), flush=True)
+        print("ROUNDS " + json.dumps({"wall": times, "host": host}), flush=True)
     dist.destroy_process_group()
 
 
@@ -208,10 +211,13 @@ def main() -> None:
         return rank_main(args.rounds, args.steps)
     import torch
 
-    rounds = run_ranks(__file__, ["--rank-job", "--rounds", str(args.rounds), "--steps", str(args.steps)], 2,
-                       "ROUNDS")
+    measured = run_ranks(__file__, ["--rank-job", "--rounds", str(args.rounds), "--steps", str(args.steps)], 2,
+                         "ROUNDS")
+    rounds, host_rounds = measured["wall"], measured["host"]
     tiny = {kind: statistics.median(values) for kind, values in rounds.items()}
     over = {kind: tiny[kind] - tiny["compute"] for kind in KINDS}
+    host = {kind: statistics.median(values) for kind, values in host_rounds.items()}
+    host_over = {kind: host[kind] - host["compute"] for kind in KINDS}
     print("tiny GPT-2, ms per step: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in tiny.items()), flush=True)
     nanogpt = {path: [] for path in NANOGPT_PATHS}
     with tempfile.TemporaryDirectory() as directory:
@@ -230,12 +236,19 @@ def main() -> None:
              f"2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW; torch {torch.__version__}, "
              f"{os.cpu_count()} CPU cores. Milliseconds on rank 0.", "",
              f"## Tiny GPT-2: {args.rounds} alternating rounds of {args.steps} steps per set-up, in one job", "",
-             "| set-up | ms per step (median of rounds) | over the compute | vs DDP's overhead | rounds' range |",
-             "|---|---|---|---|---|"]
+             "| set-up | ms per step (median of rounds) | over the compute | vs DDP's overhead | rounds' range "
+             "| host CPU ms per step | over the compute | vs DDP's |",
+             "|---|---|---|---|---|---|---|---|"]
     for kind in KINDS:
         ratio = "-" if kind == "compute" else f"{over[kind] / over['DDP']:.2f}x"
+        host_ratio = "-" if kind == "compute" else f"{host_over[kind] / host_over['DDP']:.2f}x"
         lines.append(f"| {kind} | {tiny[kind]:.2f} | {over[kind]:+.2f} | {ratio} | "
-                     f"{min(rounds[kind]):.2f} - {max(rounds[kind]):.2f} |")
+                     f"{min(rounds[kind]):.2f} - {max(rounds[kind]):.2f} | {host[kind]:.2f} | {host_over[kind]:+.2f} "
+                     f"| {host_ratio} |")
+    lines += ["", "Host CPU is the CPU time of rank 0's training thread (``time.thread_time``): the Python and "
+              "kernels a set-up runs, without its waits for collectives or for the other rank (a blocked wait takes "
+              "none). On a GPU that host time, not this machine's waits, decides whether the host keeps ahead of "
+              "the device."]
     lines += ["", f"## nanoGPT's train.py: {args.nanogpt_rounds} alternating runs of {args.nanogpt_iters} "
               "iterations per path", "",
               "| path | ms per iteration (fastest run) | vs DDP | median of runs | vs DDP | runs |",
@@ -266,7 +279,7 @@ def main() -> None:
     with open(os.path.join(args.out, "common_path.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, "common_path.json"), "w") as handle:
-        json.dump({"tiny_rounds": rounds, "nanogpt_runs": nanogpt}, handle, indent=1)
+        json.dump({"tiny_rounds": rounds, "tiny_host_rounds": host_rounds, "nanogpt_runs": nanogpt}, handle, indent=1)
     print("\n".join(lines))
 
 
