@@ -28,7 +28,8 @@ A *round* is what one backward reduces, each bucket once. Its :class:`RoundState
   others', so every later verb raises naming the first failure, and the other ranks raise ``CollectiveError`` at
   their next collective. An interrupt (Ctrl-C) fails the round too, once this rank has issued any of it.
 
-Every verb (a hook, or a call of the optimizer's) is a :func:`reducer_verb`; every collective is issued through
+Every verb (a hook, or a call of the optimizer's) is a :func:`reducer_verb`, but a round's later gradients, which take a
+short path while the round runs (so the reducer has not failed); every collective is issued through
 :meth:`GradientReducer._issue` inside ``_own_work`` and kept as one :class:`InFlight` (``tests/test_house.py``).
 """
 
@@ -153,14 +154,20 @@ class GradientReducer:
         self._after_backward = weakref.WeakMethod(method)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        """A gradient arrived. At stage 1 a round's later gradients need only their own checks and their version:
-        the round runs (so the reducer has not failed, and the backward's callback lives), and its first gradient
-        ran the checks that hold for the whole round (compiled autograd, DDP, an unplaced optimizer)."""
-        if self.stage == 1 and self.state is RoundState.RUNNING and self._callback() is not None:
+        """A gradient arrived. A round's later gradients take a short path: the round runs (so the reducer has not
+        failed, and the backward's callback lives), and its first gradient ran the checks that hold for the whole
+        round (compiled autograd, DDP, an unplaced optimizer). What remains is this gradient's own checks (sparse,
+        rebound), then its version (stage 1) or, at stage 2 unless its parameter already sent one this round, its
+        reduction."""
+        if self.state is RoundState.RUNNING and self._callback() is not None:
             bucket_index, param_index = self._bucket_of[id(param)]
             if not param.grad.is_sparse and self.storages[bucket_index].holds(param_index, param):
-                self._grad_versions[param_index] = param.grad._version
-                return
+                if self.stage == 1:
+                    self._grad_versions[param_index] = param.grad._version
+                    return
+                if param_index not in self._arrived[bucket_index]:
+                    self._reduce_arrived(bucket_index, param_index, param)
+                    return
         self._on_round_grad(param)
 
     @reducer_verb(joined=False)  # the compute streams do not wait for the reduction during backward
@@ -184,6 +191,12 @@ class GradientReducer:
         if self.stage == 1:
             self._grad_versions[param_index] = param.grad._version
             return
+        self._reduce_arrived(bucket_index, param_index, param)
+
+    @on_work_stream(joined=False)  # (a span of its own on the short path, nested in the verb's on the other)
+    def _reduce_arrived(self, bucket_index: int, param_index: int, param: torch.Tensor) -> None:
+        """Stage 2, in a running round: write the gradient into its bucket buffer and free it; start every bucket that
+        is complete now, in bucket order."""
         self.grad_exists[param_index] = True
         with self._own_work():
             self._write_grad(bucket_index, param_index, param.grad)
