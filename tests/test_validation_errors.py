@@ -113,6 +113,14 @@ def _misuse(rank, world_size):
         embedding(torch.tensor([1, 2])).sum().backward()
     errors["sparse"] = _catch(sparse_gradient)
 
+    def sparse_gradient_later(stage):  # not the round's first gradient: the hooks' short path checks it too
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 4))
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.1)  # noqa: F841
+        model(torch.tensor([1, 2])).sum().backward()  # (the linear layer's gradients come first)
+    errors["sparse_later_1"] = _catch(lambda: sparse_gradient_later(1))
+    errors["sparse_later_2"] = _catch(lambda: sparse_gradient_later(2))
+
     def add_group_later():
         optimizer = ShardedOptimizer(_linear().parameters(), torch.optim.AdamW)
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
@@ -214,6 +222,8 @@ MISUSE = {  # case -> what its error must say
     "shapes": ["ranks differ in the number, shapes or memory formats"],
     "counts": ["ranks differ in the number, shapes or memory formats"],
     "sparse": ["sparse gradient", "sparse=False"],
+    "sparse_later_1": ["sparse gradient", "sparse=False"],
+    "sparse_later_2": ["sparse gradient", "sparse=False"],
     "add_group": ["cannot add param groups after construction"],
     "fp16": ["call optimizer.backward(loss)"],
     "devices": ["several devices"],
