@@ -231,6 +231,28 @@ def test_the_guards_leave_once_every_gather_has_landed(collectives):
         assert (left, modes) == ((0, 0) if collectives == "native" else (started, 1))
 
 
+def _gathers_finished_with_the_guards_lifted(rank, world_size):
+    """After step(), zeroimpl's own work with the guards lifted (its gradient reset runs so) finishes the gathers:
+    the torch-function modes left on the stack after the block, and the gathers left in flight."""
+    from zeroimpl.inflight import guards_lifted
+
+    model = build_model("gpt2")
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=2, bucket_numel=4096, lr=1e-2)
+    optimizer.backward(model(**batch(rank, 0, 0)).loss)
+    optimizer.step()
+    started = optimizer.param_gathers_in_flight
+    with guards_lifted():
+        optimizer.finish_param_gathers()
+    return started, optimizer.param_gathers_in_flight, torch._C._len_torch_function_stack()
+
+
+def test_a_guard_removed_while_lifted_is_not_put_back():
+    """A guard whose gathers all landed while it was lifted leaves for good: none stays on the mode stack, inert,
+    making every later torch call pay for its Python handler."""
+    for started, left, modes in run_distributed(2, _gathers_finished_with_the_guards_lifted):
+        assert started > 0 and (left, modes) == (0, 0)
+
+
 def _compiled_step(rank, world_size):
     """A compiled training-step function (fullgraph), the recipe of docs/advanced.md: finish_param_gathers() just
     before it. Returns the graphs dynamo made over 4 steps, and whether the parameters equal those of the same

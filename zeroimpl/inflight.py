@@ -171,7 +171,8 @@ def guards_lifted():
         yield
     finally:
         for guard in lifted:
-            _push_at_bottom(guard)
+            if guard.active:  # (one removed in the block, its gathers finished or abandoned, stays off)
+                _push_at_bottom(guard)
 
 
 class _Guard(TorchFunctionMode):
