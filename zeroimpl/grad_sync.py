@@ -28,10 +28,8 @@ A *round* is what one backward reduces, each bucket once. Its :class:`RoundState
   others', so every later verb raises naming the first failure, and the other ranks raise ``CollectiveError`` at
   their next collective. An interrupt (Ctrl-C) fails the round too, once this rank has issued any of it.
 
-Every verb (a hook, or a call of the optimizer's) is a :func:`reducer_verb`. A round's later gradients are not verbs: they
-take a short path only while the round runs (so the reducer has not failed), and do their work in a span of the work
-stream too. Every collective is issued through :meth:`GradientReducer._issue` inside ``_own_work`` and kept as one
-:class:`InFlight` (``tests/test_house.py``).
+Every verb (a hook, or a call of the optimizer's) is a :func:`reducer_verb`; every collective is issued through
+:meth:`GradientReducer._issue` inside ``_own_work`` and kept as one :class:`InFlight` (``tests/test_house.py``).
 """
 
 from __future__ import annotations
@@ -154,25 +152,8 @@ class GradientReducer:
         """Call bound ``method`` (held weakly) at the end of every backward here, once the round closed or deferred."""
         self._after_backward = weakref.WeakMethod(method)
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        """A gradient arrived. A round's later gradients take a short path: the round runs (so the reducer has not
-        failed, and the backward's callback lives), and its first gradient ran the checks that cannot change within
-        it (DDP, an unplaced optimizer). What remains is this gradient's own checks (compiled autograd, sparse,
-        rebound; at stage 1 a stream the work stream has not seen, which needs a span), then its version (stage 1)
-        or, at stage 2 unless its parameter already sent one this round, its reduction (in a span)."""
-        if self.state is RoundState.RUNNING and self._callback() is not None and not under_compiled_autograd():
-            bucket_index, param_index = self._bucket_of[id(param)]
-            if not param.grad.is_sparse and self.storages[bucket_index].holds(param_index, param):
-                if self.stage == 1 and self.streams.knows_current_stream():
-                    self._grad_versions[param_index] = param.grad._version
-                    return
-                if self.stage == 2 and param_index not in self._arrived[bucket_index]:
-                    self._reduce_arrived(bucket_index, param_index, param)
-                    return
-        self._on_round_grad(param)
-
     @reducer_verb(joined=False)  # the compute streams do not wait for the reduction during backward
-    def _on_round_grad(self, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, param_index = self._bucket_of[id(param)]
         if not self.under_ddp and not self._stepped and self.state is RoundState.IDLE and not under_compiled_autograd():
             held = validation.held_by_ddp(list(self._params.values()))  # a heap scan: once a round, till the first step
@@ -192,12 +173,6 @@ class GradientReducer:
         if self.stage == 1:
             self._grad_versions[param_index] = param.grad._version
             return
-        self._reduce_arrived(bucket_index, param_index, param)
-
-    @on_work_stream(joined=False)  # (a span of its own on the short path, nested in the verb's on the other)
-    def _reduce_arrived(self, bucket_index: int, param_index: int, param: torch.Tensor) -> None:
-        """Stage 2, in a running round: write the gradient into its bucket buffer and free it; start every bucket that
-        is complete now, in bucket order."""
         self.grad_exists[param_index] = True
         with self._own_work():
             self._write_grad(bucket_index, param_index, param.grad)
@@ -277,7 +252,7 @@ class GradientReducer:
     @contextmanager
     def _own_work(self) -> Iterator[None]:
         """Run zeroimpl's own work (in a work-stream span): whatever it raises leaves the reducer ``FAILED``."""
-        assert self.streams.depth, "the reducer's own work runs inside a span of its work stream (on_work_stream)"
+        assert self.streams.depth, "the reducer's own work runs inside a span of its work stream (reducer_verb)"
         self._owning += 1
         try:
             yield
@@ -440,19 +415,18 @@ class GradientReducer:
             return
         shards = [torch.zeros(bucket.shard_numel, dtype=dtype, device=storage.param_buffer.device)
                   for bucket, dtype, storage in zip(self.layout.buckets, self.reduce_dtypes, self.storages)]
-        destinations, sources = [], []  # pieces read in place: one multi-tensor copy, not one per piece
-        for piece in self._pieces:
-            if piece.param_index in with_grad:
-                grad = self._params[piece.param_index].grad
-                flat = flattened(grad, self._strides[piece.param_index])
-                destination = shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length]
-                if flat.data_ptr() == grad.data_ptr():
-                    destinations.append(destination)
-                    sources.append(flat[piece.param_start:piece.param_end])
-                else:  # a flattened copy (another memory format): copied at once, so that one at a time is alive
-                    destination.copy_(flat[piece.param_start:piece.param_end])
-        if destinations:
-            torch._foreach_copy_(destinations, sources)
+        pairs = []  # (destination, source) read in place: one multi-tensor copy; a flattened copy at once
+        for piece in (piece for piece in self._pieces if piece.param_index in with_grad):
+            grad = self._params[piece.param_index].grad
+            flat = flattened(grad, self._strides[piece.param_index])
+            pair = (shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length],
+                    flat[piece.param_start:piece.param_end])
+            if flat.data_ptr() == grad.data_ptr():
+                pairs.append(pair)
+            else:
+                pair[0].copy_(pair[1])
+        if pairs:
+            torch._foreach_copy_(*zip(*pairs))
         for bucket_index, shard in enumerate(shards):
             self.gradients.add(bucket_index, shard)
 

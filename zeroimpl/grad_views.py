@@ -125,9 +125,7 @@ class GradViews:
         replaces); idempotent: called at every backward's end, nested ones too. ``prepared``: the shards hold the
         averaged gradients."""
         if self.checks.reducer.under_ddp:  # (stage 1 under DistributedDataParallel, which averages param.grad)
-            # DDP's param.grad is the full averaged gradient already: no view replaces it, none is ever withdrawn, and
-            # the hooks that would withdraw them go (each is a call into Python per gradient of every backward)
-            self.remove_hooks()
+            self.remove_hooks()  # DDP's param.grad is the averaged gradient: no view replaces it, none is withdrawn
             return
         for index, (param, view) in enumerate(zip(self.params, self._views)):
             if not param.requires_grad or param.grad is view:

@@ -20,7 +20,6 @@ meanwhile may hold it).
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import threading
 import weakref
@@ -179,16 +178,12 @@ class _Guard(TorchFunctionMode):
     """Waits for the buckets an operation touches before running it. The wait is a call torch.compile does not
     trace (:data:`COMPILED_READ`), wrapped only once torch._dynamo is imported: importing it costs seconds."""
 
-    _compiler_disabled_wait = None  # the class's wait under torch.compiler.disable: made once, not at every step
-
     def __init__(self, gathers: InFlightGathers) -> None:
         super().__init__()
         self.gathers, self.active, self.handling = gathers, True, False
         self._wait = self._wait_for_touched
         if "torch._dynamo" in sys.modules:
-            if _Guard._compiler_disabled_wait is None:
-                _Guard._compiler_disabled_wait = torch.compiler.disable(_Guard._wait_for_touched, reason=COMPILED_READ)
-            self._wait = functools.partial(_Guard._compiler_disabled_wait, self)
+            self._wait = torch.compiler.disable(self._wait_for_touched, reason=COMPILED_READ)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

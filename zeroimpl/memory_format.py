@@ -41,9 +41,8 @@ def shaped(flat: torch.Tensor, shape: Sequence[int], strides: Sequence[int]) -> 
 
 def flattened(tensor: torch.Tensor, strides: Sequence[int]) -> torch.Tensor:
     """``tensor``'s elements, 1-D, in the memory order of ``strides``: a view when both are contiguous, else a copy."""
-    if tensor.dim() <= 1 or (tensor.is_contiguous() and (tensor.stride() == strides  # (the common case, cheaply)
-                                                         or same_order(tensor.shape, strides,
-                                                                       contiguous_strides(tensor.shape)))):
+    if tensor.dim() <= 1 or tensor.is_contiguous() and (  # (equal strides: the common case, cheaply)
+            tensor.stride() == strides or same_order(tensor.shape, strides, contiguous_strides(tensor.shape))):
         return tensor.reshape(-1)
     out = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     shaped(out, tensor.shape, strides).copy_(tensor)

@@ -393,8 +393,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._reset_gradients(consumed_by_step=False, set_to_none=set_to_none)
 
     def _reset_gradients(self, consumed_by_step: bool, set_to_none: bool = True) -> None:
-        """The one reset of a round of gradients; the checks go last, or the next backward would look like none. It
-        touches gradients only, never a parameter that a gather in flight writes: the guards need not see it."""
+        """The one reset of a round of gradients (of no parameter a gather writes: unguarded); the checks go last, or
+        the next backward would look like none."""
         with guards_lifted():
             self.grad_views.discard()
             if consumed_by_step:

@@ -29,13 +29,6 @@ class WorkStream:
         self._caller: Optional[torch.cuda.Stream] = None  # the stream the current span came from
         self.depth = 0  # spans open now (on CPU too): work that needs one can tell it runs inside one
 
-    def knows_current_stream(self) -> bool:
-        """Whether a span opened now would run where the spans so far ran (always on CPU): a span from a stream not
-        seen yet must open, so that the work stream learns of it (:meth:`span`)."""
-        if self.device.type != "cuda" or self.own is not None:
-            return True
-        return torch.cuda.current_stream(self.device) == self.first
-
     @contextmanager
     def span(self, joined: bool = True) -> Iterator[None]:
         """Run the body's GPU work after what the current stream has queued and after every earlier span;
