@@ -113,7 +113,7 @@ def _misuse(rank, world_size):
         embedding(torch.tensor([1, 2])).sum().backward()
     errors["sparse"] = _catch(sparse_gradient)
 
-    def sparse_gradient_later(stage):  # not the round's first gradient: the hooks' short path checks it too
+    def sparse_gradient_later(stage):  # not the round's first gradient: checked as the first is
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 4))
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.1)  # noqa: F841
