@@ -4,13 +4,14 @@
 
 A model of ``--layers`` blocks of ``Linear(16, 16)`` and ``LayerNorm(16)`` (4 parameters each: 80 by default), so
 small that a backward is mostly its per-gradient overhead, on 2 CPU ranks (gloo, OMP_NUM_THREADS=1). Five set-ups
-are built side by side in one job: the bare model (no hooks), DDP, DDP with zeroimpl's stage 1 in torch's
-optimizer's place (the one-line swap), and zeroimpl at stages 1 and 2. They take turns in ``--rounds`` rounds of
-``--passes`` timed backward passes each (each followed, untimed, by its step and ``zero_grad``), the order rotating
-from round to round. Per set-up, the median over rounds of each round's median backward on rank 0, and what it adds
-per gradient: over the bare backward, and for the swap over DDP's. Stage 2's hooks do its reduction's work (each
-gradient scaled into its bucket, the reduce-scatter when a bucket completes: here one, at the end), stage 1's only
-note the gradient. Writes ``hook_cost.md`` under ``--out`` (default benchmarks/results).
+are built side by side in one job, by ``step_profile.set_up``: the bare model ("compute": no hooks), DDP, DDP with
+zeroimpl's stage 1 in torch's optimizer's place (the one-line swap), and zeroimpl at stages 1 and 2. They take turns
+in ``--rounds`` rounds of ``--passes`` timed backward passes each (each followed, untimed, by its step and
+``zero_grad``), the order rotating from round to round. Per set-up, the median over rounds of each round's median
+backward on rank 0, and what it adds per gradient: over the bare backward, and for the swap over DDP's. Stage 2's
+hooks do its reduction's work (each gradient scaled into its bucket, the reduce-scatter when a bucket completes: here
+one, at the end), stage 1's only note the gradient. Writes ``hook_cost.md`` under ``--out`` (default
+benchmarks/results).
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ import statistics
 import time
 
 from step_phases import run_ranks
+from step_profile import STAGE_1_UNDER_DDP, set_up
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SETUPS = ("bare", "DDP", "DDP + zeroimpl stage 1", "zeroimpl stage 1", "zeroimpl stage 2")
+SETUPS = ("compute", "DDP", STAGE_1_UNDER_DDP, "zeroimpl stage 1", "zeroimpl stage 2")  # step_profile's set-ups
 
 
 def rank_main(rounds: int, passes: int, layers: int) -> None:
     import torch
     import torch.distributed as dist
-
-    from zeroimpl import ShardedOptimizer
 
     dist.init_process_group("gloo")
 
@@ -43,23 +43,16 @@ def rank_main(rounds: int, passes: int, layers: int) -> None:
     setups = {}
     for name in SETUPS:
         net = model()
-        if name == "bare":
-            setups[name] = (net, None)
-        elif name.startswith("DDP"):
-            wrapped = torch.nn.parallel.DistributedDataParallel(net)
-            setups[name] = (wrapped, torch.optim.AdamW(net.parameters()) if name == "DDP"
-                            else ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=1))
-        else:
-            setups[name] = (net, ShardedOptimizer(net.parameters(), torch.optim.AdamW, stage=int(name[-1])))
+        setups[name] = (net, *set_up(name, net))
     x = torch.randn(4, 16)
     medians = {name: [] for name in SETUPS}
     for round_index in range(rounds + 1):  # (round 0 warms up)
         shift = round_index % len(SETUPS)
         for name in SETUPS[shift:] + SETUPS[:shift]:
-            net, optimizer = setups[name]
+            net, network, optimizer = setups[name]
             times = []
             for _ in range(passes):
-                loss = net(x).sum()
+                loss = network(x).sum()
                 dist.barrier()
                 start = time.perf_counter()
                 loss.backward()
@@ -96,12 +89,11 @@ def main() -> None:
              f"Command: `python benchmarks/hook_cost.py --rounds {args.rounds} --passes {args.passes} --layers "
              f"{args.layers}` (see its docstring); {params} parameters, 2 CPU ranks (gloo, OMP_NUM_THREADS=1), "
              f"torch {torch.__version__}, {os.cpu_count()} CPU cores. Rank 0.", "",
-             "| set-up | backward ms (median of rounds) | over the bare backward, µs per gradient | over DDP's, µs per "
-             "gradient |", "|---|---|---|---|"]
+             "| set-up | backward ms (median of rounds) | over the bare backward (compute), µs per gradient "
+             "| over DDP's, µs per gradient |", "|---|---|---|---|"]
     for name in SETUPS:
-        over_bare = "-" if name == "bare" else f"{(backward[name] - backward['bare']) * 1e3 / params:+.1f}"
-        over_ddp = (f"{(backward[name] - backward['DDP']) * 1e3 / params:+.1f}" if name == "DDP + zeroimpl stage 1"
-                    else "-")
+        over_bare = "-" if name == "compute" else f"{(backward[name] - backward['compute']) * 1e3 / params:+.1f}"
+        over_ddp = f"{(backward[name] - backward['DDP']) * 1e3 / params:+.1f}" if name == STAGE_1_UNDER_DDP else "-"
         lines.append(f"| {name} | {backward[name]:.3f} | {over_bare} | {over_ddp} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hook_cost.md"), "w") as handle:

@@ -415,18 +415,20 @@ class GradientReducer:
             return
         shards = [torch.zeros(bucket.shard_numel, dtype=dtype, device=storage.param_buffer.device)
                   for bucket, dtype, storage in zip(self.layout.buckets, self.reduce_dtypes, self.storages)]
-        pairs = []  # (destination, source) read in place: one multi-tensor copy; a flattened copy at once
-        for piece in (piece for piece in self._pieces if piece.param_index in with_grad):
+        destinations, sources = [], []  # read in place: one multi-tensor copy (a flattened copy: copied at once)
+        for piece in self._pieces:
+            if piece.param_index not in with_grad:
+                continue
             grad = self._params[piece.param_index].grad
             flat = flattened(grad, self._strides[piece.param_index])
-            pair = (shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length],
-                    flat[piece.param_start:piece.param_end])
+            destination = shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length]
             if flat.data_ptr() == grad.data_ptr():
-                pairs.append(pair)
+                destinations.append(destination)
+                sources.append(flat[piece.param_start:piece.param_end])
             else:
-                pair[0].copy_(pair[1])
-        if pairs:
-            torch._foreach_copy_(*zip(*pairs))
+                destination.copy_(flat[piece.param_start:piece.param_end])
+        if destinations:
+            torch._foreach_copy_(destinations, sources)
         for bucket_index, shard in enumerate(shards):
             self.gradients.add(bucket_index, shard)
 
