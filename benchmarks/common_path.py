@@ -5,10 +5,10 @@
 Two workloads, both on 2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW:
 
 * **Tiny GPT-2** (2 layers, 64 wide, 2 heads, vocabulary 2048; 4 x 64 tokens per rank, no clipping, one micro-batch
-  per step), the model of ``benchmarks/step_profile.py``. One torchrun job builds six set-ups side by side on each
+  per step), the model of ``benchmarks/step_profile.py``. One torchrun job builds seven set-ups side by side on each
   rank -- the bare model's forward and backward ("compute": no communication, no step), DDP + torch AdamW, zeroimpl
-  stages 1 and 2, zeroimpl stage 1 under DDP (the one-line swap) and the floor (below) -- and times them in ``--rounds`` rounds of
-  ``--steps`` steps each, the set-ups taking turns within a round and the order rotating from round to round, so
+  stages 1 and 2, zeroimpl stage 1 under DDP (the one-line swap) and the two floors (below) -- and times them in
+  ``--rounds`` rounds of ``--steps`` steps each, the set-ups taking turns within a round and the order rotating from round to round, so
   that the machine's drifts (this machine's step times move by several ms between minutes) hit every set-up alike. A
   round's time per step is its steps' wall time over their count, from a barrier, with zeroimpl's last parameter
   gathers finished inside it (they would otherwise land in the next set-up's first forward), and the CPU time of
@@ -17,6 +17,9 @@ Two workloads, both on 2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW:
 * **The floor**, in both workloads: DDP + torch AdamW followed by an all-gather of the parameters (each rank's half,
   through ``zeroimpl.comm.all_gather``, waited for at once) and nothing else (:class:`ParameterGather`): what the
   one collective that stage 1 adds to DDP's costs here, without any of zeroimpl's work.
+* **The unwrapped stages' floor**, on the tiny GPT-2: a ZeRO-1 written by hand (:class:`ZeRO1ByHand`), its
+  reduce-scatter, step and all-gather and nothing else. Each set-up's time minus DDP's (and zeroimpl's minus this
+  floor's) is also given paired by round, with a bootstrap interval (:func:`paired_difference`).
 * **nanoGPT's train.py** (``examples/nanogpt_train.py``: 2 layers, 64 wide, 2 micro-batches per rank with
   DDP's ``require_backward_grad_sync``, clipping at 1.0): the script on DDP; with
   ``examples/nanogpt_zeroimpl_stage1.patch`` (stage 1, DDP kept); the script with the floor's all-gather after its
@@ -49,14 +52,16 @@ from step_profile import KINDS as PROFILED_KINDS, STAGE_1_UNDER_DDP, model_and_b
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOOR = "DDP + the parameters' all-gather alone"  # what any ZeRO-1 adds to DDP's traffic, and nothing else
-KINDS = PROFILED_KINDS + (STAGE_1_UNDER_DDP, FLOOR)
+ZERO_1_FLOOR = "ZeRO-1's collectives and step alone"  # the unwrapped stages' traffic, with no checks, hooks or guard
+FLOORS = (FLOOR, ZERO_1_FLOOR)
+KINDS = PROFILED_KINDS + (STAGE_1_UNDER_DDP,) + FLOORS
 SWAP, UNWRAPPED = "zeroimpl stage 1, DDP kept", "zeroimpl stage 1, unwrapped"  # the stage-1 recipe; the stage-2 one's
 NANOGPT_PATHS = ("DDP", FLOOR, SWAP, UNWRAPPED, "zeroimpl stage 2")
 WARMUP = 5
 
 
 def rank_main(rounds: int, steps: int) -> None:
-    """One rank of the tiny GPT-2 job: the six set-ups, timed in turns; rank 0 prints every round's ms per step."""
+    """One rank of the tiny GPT-2 job: the seven set-ups, timed in turns; rank 0 prints every round's ms per step."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -64,7 +69,7 @@ def rank_main(rounds: int, steps: int) -> None:
     setups = {}
     for kind in KINDS:
         model, batches = model_and_batches(rank, steps)
-        setups[kind] = (model, *(set_up(kind, model) if kind != FLOOR else set_up_floor(model)))
+        setups[kind] = (model, *(set_up_floor(kind, model) if kind in FLOORS else set_up(kind, model)))
 
     def train(kind: str, ids) -> None:
         train_step(*setups[kind], ids)
@@ -91,8 +96,11 @@ def rank_main(rounds: int, steps: int) -> None:
             settle(kind)
             times[kind].append((time.perf_counter() - start) * 1e3 / steps)
             host[kind].append((time.thread_time() - start_cpu) * 1e3 / steps)
+    # the hand-written ZeRO-1 is a faithful one: after the same steps, its parameters against DDP's
+    by_hand = max((a - b).abs().max().item() for a, b in zip(setups[ZERO_1_FLOOR][0].parameters(),
+                                                             setups["DDP"][0].parameters()))
     if rank == 0:
-        print("ROUNDS " + json.dumps({"wall": times, "host": host}), flush=True)
+        print("ROUNDS " + json.dumps({"wall": times, "host": host, "by_hand_vs_ddp": by_hand}), flush=True)
     dist.destroy_process_group()
 
 
@@ -128,10 +136,55 @@ class GatherAfterStep:
         self.optimizer.zero_grad()
 
 
-def set_up_floor(model):
-    """``FLOOR``'s ``(network, optimizer)``: DDP + torch AdamW + :class:`GatherAfterStep`."""
+class ZeRO1ByHand:
+    """ZeRO-1's collectives and step with none of zeroimpl's work: a floor for the unwrapped stages, not an optimizer
+    (no checks, no gradient hooks, no guard, no clipping). The parameters become views of one flat buffer (padded to
+    the world size); :meth:`step` copies the gradients into a flat buffer divided by the world size, reduce-scatters
+    it, steps this rank's half of the flat parameters with torch's AdamW as one tensor, and all-gathers the
+    parameters in place, waited for at once (both collectives zeroimpl's way on gloo: ``zeroimpl.comm``)."""
+
+    def __init__(self, params):
+        import torch
+        import torch.distributed as dist
+
+        self.params, world = list(params), dist.get_world_size()
+        numel = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(numel + (-numel) % world)
+        self.grads = torch.zeros_like(self.flat)
+        self.grad_views, offset = [], 0
+        for param in self.params:
+            self.flat[offset:offset + param.numel()].copy_(param.detach().flatten())
+            param.data = self.flat[offset:offset + param.numel()].view_as(param)
+            self.grad_views.append(self.grads[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        self.scale = 1.0 / world
+        self.own = torch.nn.Parameter(self.flat.view(world, -1)[dist.get_rank()])  # shares the flat buffer
+        self.own.grad = torch.zeros_like(self.own)
+        self.optimizer = torch.optim.AdamW([self.own])
+
+    def step(self) -> None:
+        import torch
+
+        from zeroimpl import comm
+
+        torch._foreach_copy_(self.grad_views, [param.grad for param in self.params])
+        self.grads.mul_(self.scale)
+        comm.reduce_scatter(self.own.grad, self.grads, None).wait()
+        self.optimizer.step()
+        comm.all_gather(self.flat, self.own.detach(), None).wait()
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+
+def set_up_floor(kind: str, model):
+    """``(network, optimizer)`` of one of ``FLOORS``: DDP + torch AdamW + :class:`GatherAfterStep` (``FLOOR``), or the
+    bare model + :class:`ZeRO1ByHand` (``ZERO_1_FLOOR``)."""
     import torch
 
+    if kind == ZERO_1_FLOOR:
+        return model, ZeRO1ByHand(model.parameters())
     return (torch.nn.parallel.DistributedDataParallel(model),
             GatherAfterStep(torch.optim.AdamW(model.parameters()), list(model.parameters())))
 
@@ -142,8 +195,8 @@ WHY = ("Collectives per optimizer step: DDP all-reduces each gradient bucket onc
        "zeroimpl reduce-scatters (stage 1 once per step, stage 2 once per micro-batch), runs the check all-reduce "
        "(NaN/Inf, backward counts, and the clipping norm when the loop clips through param.grad, as nanoGPT does) and "
        "all-gathers the parameters (tests/test_optimizer_drop_in_loops.py pins one all-reduce per clipping step): "
-       "with clipping, three, since the norm needs the reduced shards and the all-gather the stepped ones. On these "
-       "small models the number of collectives, not their bytes, sets the cost.")
+       "with clipping, three, since the norm needs the reduced shards and the all-gather the stepped ones. The "
+       "hand-written ZeRO-1 issues two (its reduce-scatter and all-gather) against DDP's one.")
 
 
 DDP_SCRIPT = os.path.join(ROOT, "examples", "nanogpt_train.py")
@@ -198,6 +251,17 @@ def nanogpt_run(script: str, iterations: int, out_dir: str) -> float:
     return statistics.median(times)
 
 
+def paired_difference(values: list[float], baseline: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The median of the per-round differences ``values[i] - baseline[i]``, and a 95% percentile-bootstrap interval
+    of that median (``resamples`` resamplings of the rounds, seeded: the same rounds give the same interval)."""
+    import numpy
+
+    differences = numpy.asarray(values) - numpy.asarray(baseline)
+    rows = numpy.random.default_rng(0).choice(differences, size=(resamples, len(differences)))
+    low, high = numpy.percentile(numpy.median(rows, axis=1), [2.5, 97.5])
+    return float(numpy.median(differences)), float(low), float(high)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=20)
@@ -236,15 +300,20 @@ def main() -> None:
              f"2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW; torch {torch.__version__}, "
              f"{os.cpu_count()} CPU cores. Milliseconds on rank 0.", "",
              f"## Tiny GPT-2: {args.rounds} alternating rounds of {args.steps} steps per set-up, in one job", "",
-             "| set-up | ms per step (median of rounds) | over the compute | vs DDP's overhead | rounds' range "
-             "| host CPU ms per step | over the compute | vs DDP's |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| set-up | ms per step (median of rounds) | over the compute | vs DDP's overhead | minus DDP, paired "
+             "(95% CI) | rounds' range | host CPU ms per step | over the compute | vs DDP's |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for kind in KINDS:
         ratio = "-" if kind == "compute" else f"{over[kind] / over['DDP']:.2f}x"
         host_ratio = "-" if kind == "compute" else f"{host_over[kind] / host_over['DDP']:.2f}x"
-        lines.append(f"| {kind} | {tiny[kind]:.2f} | {over[kind]:+.2f} | {ratio} | "
+        paired = "-" if kind in ("compute", "DDP") else "{:+.2f} ({:+.2f} to {:+.2f})".format(
+            *paired_difference(rounds[kind], rounds["DDP"]))
+        lines.append(f"| {kind} | {tiny[kind]:.2f} | {over[kind]:+.2f} | {ratio} | {paired} | "
                      f"{min(rounds[kind]):.2f} - {max(rounds[kind]):.2f} | {host[kind]:.2f} | {host_over[kind]:+.2f} "
                      f"| {host_ratio} |")
+    lines += ["", "\"Minus DDP, paired\": the median over rounds of the set-up's ms per step minus DDP's in the same "
+              "round (the set-ups take turns within a round, so the machine's drifts cancel), with a 95% bootstrap "
+              "interval of that median. An interval that holds 0 cannot tell the set-up from DDP in this run."]
     lines += ["", "Host CPU is the CPU time of rank 0's training thread (``time.thread_time``): the Python and "
               "kernels a set-up runs, without its waits for collectives or for the other rank (a blocked wait takes "
               "none). On a GPU that host time, not this machine's waits, decides whether the host keeps ahead of "
@@ -274,12 +343,24 @@ def main() -> None:
               f"{over[FLOOR] / over['DDP']:.2f}x DDP's on the tiny GPT-2; on nanoGPT it takes "
               f"{typical[FLOOR] / typical['DDP']:.2f}x DDP's time per iteration (median of runs; fastest runs "
               f"{best[FLOOR] / best['DDP']:.2f}x), against the 1.05x target."]
+    own = {kind: paired_difference(rounds[kind], rounds[ZERO_1_FLOOR]) for kind in PROFILED_KINDS[2:]}
+    lines += ["", f"The unwrapped stages' floor: \"{ZERO_1_FLOOR}\" (:class:`ZeRO1ByHand`, tiny GPT-2 only) is a "
+              "ZeRO-1 written by hand with nothing but its collectives and its step: the gradients reduce-scattered "
+              "after backward, torch's AdamW on this rank's half of the flat parameters as one tensor, the "
+              "parameters all-gathered, both collectives zeroimpl's way on gloo and waited for at once; no NaN/Inf "
+              "or backward-count checks, no gradient hooks, no guard. After the run its parameters differ from "
+              f"DDP's by at most {measured['by_hand_vs_ddp']:.1e} (a faithful ZeRO-1). Its overhead is "
+              f"{over[ZERO_1_FLOOR] / over['DDP']:.2f}x DDP's. What zeroimpl adds over it, paired as above: "
+              + "; ".join(f"{kind} {mid:+.2f} ms ({low:+.2f} to {high:+.2f})" for kind, (mid, low, high) in own.items())
+              + ". That is the cost of zeroimpl's own work (checks, hooks, guard, bookkeeping) beyond ZeRO-1's "
+              "traffic; the rest of its overhead over DDP is the traffic's."]
     lines += ["", WHY]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "common_path.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, "common_path.json"), "w") as handle:
-        json.dump({"tiny_rounds": rounds, "tiny_host_rounds": host_rounds, "nanogpt_runs": nanogpt}, handle, indent=1)
+        json.dump({"tiny_rounds": rounds, "tiny_host_rounds": host_rounds, "by_hand_vs_ddp": measured["by_hand_vs_ddp"],
+                   "nanogpt_runs": nanogpt}, handle, indent=1)
     print("\n".join(lines))
 
 
