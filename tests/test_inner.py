@@ -111,3 +111,67 @@ def test_follow_takes_only_changed_outer_values_so_a_users_betas_outlive_an_old_
     inner.follow(outer)
     assert inner.param_groups[1]["betas"] == (0.5, 0.99)
     assert inner.param_groups[0]["momentum"] == 0.9  # unchanged outer values change nothing
+
+def _run_of(sizes, optimizer_class, kwargs):
+    """Pieces of ``sizes`` laid end to end in one master (a run), their InnerOptimizers, and per-piece twins stepped
+    by torch's ``optimizer_class`` itself (the reference)."""
+    master = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
+    pieces = list(master.split(sizes))
+    twins = [torch.nn.Parameter(piece.clone()) for piece in pieces]
+    inner = InnerOptimizers([{"params": pieces}], [optimizer_class], {optimizer_class: kwargs}, runs=[(pieces, master)])
+    return master, pieces, inner, optimizer_class(twins, **kwargs), twins
+
+
+def _step_both(pieces, inner, reference, twins, seed, skipped=()):
+    for index, (piece, twin, grad) in enumerate(zip(pieces, twins, _grads_like(pieces, seed))):
+        piece.grad, twin.grad = (None, None) if index in skipped else (grad, grad.clone())
+    inner.step()
+    reference.step()
+    for piece in pieces:
+        piece.grad = None
+
+
+def test_a_run_of_pieces_steps_as_one_tensor_bitwise_as_each_piece_alone_until_a_step_leaves_one_out():
+    """AdamW and SGD with momentum: the run steps as one tensor (one state, each piece's a view of it, the step
+    counters one tensor, exported as copies), bitwise torch's per-tensor steps; a step without one piece's gradient
+    splits it for good (each piece its own counter), still bitwise."""
+    for optimizer_class, kwargs in ((torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.1}),
+                                    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
+        master, pieces, inner, reference, twins = _run_of([5, 3, 17, 1], optimizer_class, kwargs)
+        for seed in range(3):
+            _step_both(pieces, inner, reference, twins, seed)
+        run = inner.runs[0]
+        assert run.state is not None and all(torch.equal(p, t) for p, t in zip(pieces, twins)), optimizer_class
+        buffer = next(v for v in run.state.values() if torch.is_tensor(v) and v.dim())
+        assert all(next(v for v in inner.optimizers[optimizer_class].state[p].values() if torch.is_tensor(v) and
+                        v.dim()).data_ptr() == buffer[start:].data_ptr() for p, (start, _) in zip(pieces, run.bounds))
+        if optimizer_class is torch.optim.AdamW:
+            steps = [state["step"] for state in inner.state_dict()["state"].values()]
+            assert len({id(step) for step in steps}) == len(steps) and all(step.item() == 3 for step in steps)
+        _step_both(pieces, inner, reference, twins, 3, skipped={1})
+        assert run.state is None
+        for seed in range(4, 6):
+            _step_both(pieces, inner, reference, twins, seed)
+        assert all(torch.equal(p, t) for p, t in zip(pieces, twins)), optimizer_class
+
+
+def test_a_loaded_run_steps_as_one_again_and_a_fused_kernel_never_runs_one():
+    """A state saved from a run and loaded into a fresh one makes it one again, and going on is bitwise going on
+    without the round trip; torch's fused CPU kernels (not bitwise over a run) and classes outside torch's
+    elementwise ones get no run."""
+    sizes, kwargs = [4, 9, 2], {"lr": 0.1}
+    master, pieces, inner, reference, twins = _run_of(sizes, torch.optim.AdamW, kwargs)
+    for seed in range(2):
+        _step_both(pieces, inner, reference, twins, seed)
+    loaded, loaded_pieces, fresh, _, _ = _run_of(sizes, torch.optim.AdamW, kwargs)
+    loaded.copy_(master)
+    fresh.load_state_dict(inner.state_dict())
+    assert fresh.runs[0].state is not None and fresh.runs[0].state["step"].item() == 2
+    for seed in range(2, 4):
+        _step_both(loaded_pieces, fresh, reference, twins, seed)
+    assert all(torch.equal(p, t) for p, t in zip(loaded_pieces, twins))
+    assert not _run_of(sizes, torch.optim.AdamW, {"fused": True})[2].runs
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+    assert not _run_of(sizes, MyAdamW, {})[2].runs

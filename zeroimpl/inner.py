@@ -3,10 +3,14 @@ groups. As in Megatron's "optimizer over ranges", they never see a model paramet
 per piece (:meth:`PieceMasters.view`). Group-level state (timm's Adan step counter, schedule-free's ``k``) is the inner
 optimizers': the outer groups mirror the inner ones after every step (:meth:`InnerOptimizers.report`), and before a step
 only the outer values changed since (a scheduler's ``lr``) go in (:meth:`InnerOptimizers.follow`). Inner steps fire no
-step hooks: the ``ShardedOptimizer.step()`` around them is the one step the user sees."""
+step hooks: the ``ShardedOptimizer.step()`` around them is the one step the user sees. As in DeepSpeed's one flat
+partition per group, torch's elementwise classes step a run of pieces laid end to end as one tensor (:class:`PieceRun`;
+bitwise each piece's own step, at one Python call instead of one per piece), while the run's state and steps stay one;
+state is saved and loaded per piece either way."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from typing import Optional, Sequence
 
@@ -21,18 +25,78 @@ from .offload import KERNEL_KEYS
 from .optimizer_kinds import OUTER_ONLY_KEYS
 
 _MOMENTUM_KEYS = frozenset({"momentum", "betas"})  # the two names of momentum in torch's optimizer classes
+# torch's classes whose update is elementwise given one step count: their for-loop and foreach kernels step a run of
+# pieces as one tensor bitwise as they step each piece (torch's fused CPU kernels do not: never run there)
+_ELEMENTWISE = frozenset({torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
+                          torch.optim.Adamax, torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.ASGD, torch.optim.Rprop})
+
+
+class PieceRun:
+    """Consecutive pieces of one master shard in one inner group (``pieces``: their masters), stepped as one tensor,
+    ``master`` (the shard's view spanning them), while their state is one: ``state``, the state of ``master`` (empty
+    before its first step), of which each piece's holds views and the same 0-dim tensors. ``None`` once a step left
+    some pieces out: from then on (until a load) each piece steps alone."""
+
+    def __init__(self, pieces: list[torch.Tensor], master: torch.Tensor, optimizer: torch.optim.Optimizer):
+        self.pieces, self.master, self.optimizer = pieces, master, optimizer
+        ends = list(itertools.accumulate(piece.numel() for piece in pieces))
+        self.bounds = list(zip([0] + ends[:-1], ends))
+        self.state: Optional[dict] = {}
+
+    def joins_step(self) -> bool:
+        """Whether the run steps as one now (``master.grad`` set); a gradient on some pieces only splits it."""
+        grads = [piece.grad for piece in self.pieces]
+        if self.state is not None and any(grad is None for grad in grads) and any(g is not None for g in grads):
+            self.split()
+        if self.state is None or any(grad is None for grad in grads):
+            return False
+        self.master.grad = _joined(grads)
+        return True
+
+    def share(self) -> None:
+        """Give each piece its part of ``state``: views of its tensors, the same 0-dim tensors and other values."""
+        for piece, (start, end) in zip(self.pieces, self.bounds):
+            self.optimizer.state[piece] = {key: value[start:end] if torch.is_tensor(value) and value.dim() else value
+                                           for key, value in self.state.items()}
+
+    def gather(self) -> None:
+        """After a load: the pieces' states as one where they can be (same keys; tensors of each piece's size, then
+        concatenated; equal other values), else :meth:`split`."""
+        states = [self.optimizer.state.get(piece) or {} for piece in self.pieces]
+        joined = {key: _as_one([state.get(key) for state in states], self.pieces) for key in states[0]}
+        if any(state.keys() != states[0].keys() for state in states) or any(v is None for v in joined.values()):
+            self.split()
+        else:
+            self.state = joined
+            if joined:
+                self.share()
+
+    def split(self) -> None:
+        for piece in self.pieces:
+            if self.optimizer.state.get(piece):
+                self.optimizer.state[piece] = _own_scalars(self.optimizer.state[piece])
+        self.state = None
 
 
 class InnerOptimizers:
     """One ``optimizer_class(groups_of_that_class, **kwargs[class])`` per class in ``classes`` (outer group
     ``g`` steps with ``classes[g]``); ``groups[g]`` holds the pieces of outer group ``g`` on this rank."""
 
-    def __init__(self, groups: Sequence[dict], classes: Sequence[type], kwargs: dict[type, dict]):
+    def __init__(self, groups: Sequence[dict], classes: Sequence[type], kwargs: dict[type, dict],
+                 runs: Sequence[tuple[list[torch.Tensor], torch.Tensor]] = ()):
         self.classes = list(classes)
         self.optimizers: dict[type, torch.optim.Optimizer] = {}
         for optimizer_class in dict.fromkeys(classes):
             members = [group for group, cls in zip(groups, classes) if cls is optimizer_class]
             self.optimizers[optimizer_class] = optimizer_class(members, **kwargs[optimizer_class])
+        holder = {id(p): (optimizer, group) for optimizer in self.optimizers.values()
+                  for group in optimizer.param_groups for p in group["params"]}
+        self.runs: list[PieceRun] = []  # (exact classes: a subclass may step otherwise)
+        for pieces, master in runs:
+            optimizer, group = holder[id(pieces[0])]
+            if type(optimizer) in _ELEMENTWISE and not group.get("fused"):
+                self.runs.append(PieceRun(pieces, master, optimizer))
 
     @property
     def param_groups(self) -> list[dict]:
@@ -54,8 +118,10 @@ class InnerOptimizers:
 
     @property
     def state(self) -> dict:
-        """Every piece's state (a new dict each call; the values are the optimizers' own)."""
-        return {piece: state for optimizer in self.optimizers.values() for piece, state in optimizer.state.items()}
+        """Every piece's state (a new dict each call; the values are the optimizers' own, but 0-dim tensors, which a
+        run's pieces share: copies)."""
+        return {piece: _own_scalars(state) for optimizer in self.optimizers.values()
+                for piece, state in optimizer.state.items()}
 
     def fill_defaults(self, outer_groups: list[dict]) -> None:
         """Give the outer groups the hyperparameters they left to the classes' defaults; remember them as in sync."""
@@ -114,9 +180,29 @@ class InnerOptimizers:
         return all(type(optimizer).__module__.startswith("torch.optim") for optimizer in self.optimizers.values())
 
     def step(self) -> None:
-        for optimizer in self.optimizers.values():
-            step = type(optimizer).step  # torch.optim.Optimizer wraps it with the hooks ("hooked") on construction
-            (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
+        """Step the pieces that have a gradient; a run (:class:`PieceRun`) whose pieces all have one, as one tensor
+        in their place, for this step only."""
+        joining = {id(run.pieces[0]): run for run in self.runs if run.joins_step()}
+        left_out = {id(piece) for run in joining.values() for piece in run.pieces}
+        kept = [(group, group["params"]) for optimizer in self.optimizers.values() for group in optimizer.param_groups]
+        before = {id(run): [id(value) for value in run.state.values()] for run in joining.values()}
+        try:
+            for group, params in kept if joining else ():
+                group["params"] = [joining[id(p)].master if id(p) in joining else p for p in params
+                                   if id(p) in joining or id(p) not in left_out]
+            for run in joining.values():
+                run.optimizer.state[run.master] = run.state
+            for optimizer in self.optimizers.values():
+                step = type(optimizer).step  # torch.optim.Optimizer wraps it with the hooks ("hooked") on construction
+                (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
+        finally:
+            for group, params in kept:
+                group["params"] = params
+            for run in joining.values():
+                run.state = run.optimizer.state.pop(run.master)
+                run.master.grad = None
+                if [id(value) for value in run.state.values()] != before[id(run)]:
+                    run.share()  # (its first step made the state, or the class replaced a tensor)
 
     def state_dict(self) -> dict:
         """Torch's format, pieces numbered through the outer groups in order."""
@@ -126,7 +212,7 @@ class InnerOptimizers:
             numbers = []
             for own_number in group["params"]:
                 if own_number in own[optimizer_class]["state"]:
-                    state[number] = own[optimizer_class]["state"][own_number]
+                    state[number] = _own_scalars(own[optimizer_class]["state"][own_number])
                 numbers.append(number)
                 number += 1
             param_groups.append({**group, "params": numbers})
@@ -147,6 +233,8 @@ class InnerOptimizers:
             part["param_groups"].append({**group, "params": list(range(first, first + len(group["params"])))})
         for optimizer_class, optimizer in self.optimizers.items():
             optimizer.load_state_dict(parts[optimizer_class])
+        for run in self.runs:
+            run.gather()
 
     def _groups_by_class(self, own: dict) -> list[dict]:
         """Each outer group's entry of its class's ``param_groups`` (in ``own[class]``), in outer order."""
@@ -159,12 +247,13 @@ class InnerOptimizers:
 
 
 def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs: dict[type, dict], topology,
-                        timeout: Optional[float], params: Sequence[torch.Tensor]) -> InnerOptimizers:
+                        timeout: Optional[float], params: Sequence[torch.Tensor],
+                        runs: Sequence[tuple[list[torch.Tensor], torch.Tensor]] = ()) -> InnerOptimizers:
     """:class:`InnerOptimizers` over this rank's pieces of ``params``. Collective unless ``topology`` is ``None``:
     a refusal on one rank (a shape only it owns) raises the same error on every rank, never a later hang."""
     error, inner, refused = None, None, None
     try:
-        inner = InnerOptimizers(groups, classes, kwargs)
+        inner = InnerOptimizers(groups, classes, kwargs, runs)
         for optimizer in inner.optimizers.values():
             optimizer_kinds.refuse_bitsandbytes_overrides(optimizer, params)
         if topology is not None and topology.shard_size > 1:  # (None: refused at construction already)
@@ -220,6 +309,21 @@ class PieceMasters:
             groups[self.layout.buckets[piece.bucket_index].group_index]["params"].append(master)
         return groups
 
+    def runs(self) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """Each run of two or more pieces laid end to end in a flat bucket's shard: their masters, and the master's
+        view that spans them."""
+        runs, current = [], []
+        for piece, master in zip(self.pieces, self.masters):
+            bucket = self.layout.buckets[piece.bucket_index]
+            last = current[-1][0] if current else None
+            if last is None or (last.bucket_index, last.shard_offset + last.length) != (bucket.index, piece.shard_offset):
+                runs.append(current)
+                current = []
+            if not bucket.whole and not bucket.block:
+                current.append((piece, master))
+        runs.append(current)
+        return [([master for _, master in run], _joined([master for _, master in run])) for run in runs if len(run) > 1]
+
     def states(self, inner: InnerOptimizers) -> list[tuple[ShardPiece, torch.Tensor, Optional[dict]]]:
         """Each piece with its master view and ``inner``'s state for it (``None``: never stepped)."""
         state = inner.state  # (a merged view, built once)
@@ -249,3 +353,32 @@ def step_pieces(inner: InnerOptimizers, pairs: list[tuple[torch.Tensor, torch.Te
         inner.step()
     for master, _ in pairs:
         master.grad = None
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` end to end as one 1-D tensor: a view where they lie so in one storage, else a copy."""
+    first, offset = tensors[0], tensors[0].storage_offset()
+    for tensor in tensors:
+        if (tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or tensor.dtype != first.dtype
+                or tensor.storage_offset() != offset or not tensor.is_contiguous()):
+            return torch.cat([tensor.reshape(-1) for tensor in tensors])
+        offset += tensor.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,))
+
+
+def _as_one(values: list, pieces: list[torch.Tensor]):
+    """A run's value of one state key from its pieces': tensors of each piece's size concatenated, other values
+    equal on every piece taken once; ``None`` if neither."""
+    first = values[0]
+    if torch.is_tensor(first) and first.dim():
+        fits = all(torch.is_tensor(value) and value.shape == piece.shape for value, piece in zip(values, pieces))
+        return torch.cat(values) if fits else None
+    if all(torch.equal(value, first) if torch.is_tensor(first) else value == first for value in values):
+        return first.clone() if torch.is_tensor(first) else first
+    return None
+
+
+def _own_scalars(state: dict) -> dict:
+    """``state`` with copies of its 0-dim tensors (a run's pieces share them: a step of one alone must not count for
+    all, nor may a saved state hand one counter to several parameters)."""
+    return {key: value.clone() if torch.is_tensor(value) and not value.dim() else value for key, value in state.items()}

@@ -161,7 +161,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), settings.classes,
                                          inner_kwargs(settings.classes, settings.optimizer_class,
                                                       settings.optimizer_kwargs, self.param_groups, self.offload),
-                                         self.topology if agree else None, timeout, trainable)
+                                         self.topology if agree else None, timeout, trainable, self.pieces.runs())
         self.inner.fill_defaults(self.param_groups)
         self.defaults = self.inner.defaults
 
