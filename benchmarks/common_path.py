@@ -8,12 +8,12 @@ Two workloads, both on 2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW:
   per step), the model of ``benchmarks/step_profile.py``. One torchrun job builds seven set-ups side by side on each
   rank -- the bare model's forward and backward ("compute": no communication, no step), DDP + torch AdamW, zeroimpl
   stages 1 and 2, zeroimpl stage 1 under DDP (the one-line swap) and the two floors (below) -- and times them in
-  ``--rounds`` rounds of ``--steps`` steps each, the set-ups taking turns within a round and the order rotating from round to round, so
-  that the machine's drifts (this machine's step times move by several ms between minutes) hit every set-up alike. A
-  round's time per step is its steps' wall time over their count, from a barrier, with zeroimpl's last parameter
-  gathers finished inside it (they would otherwise land in the next set-up's first forward), and the CPU time of
-  its training thread over the same steps (host work, without the waits for collectives). Per set-up: the median
-  over rounds; its overhead is that minus the compute's.
+  ``--rounds`` rounds of ``--steps`` steps each, the set-ups taking turns within a round and the order rotating from
+  round to round, so that the machine's drifts (this machine's step times move by several ms between minutes) hit
+  every set-up alike. A round's time per step is its steps' wall time over their count, from a barrier, with
+  zeroimpl's last parameter gathers finished inside it (they would otherwise land in the next set-up's first
+  forward), and the CPU time of its training thread over the same steps (host work, without the waits for
+  collectives). Per set-up: the median over rounds; its overhead is that minus the compute's.
 * **The floor**, in both workloads: DDP + torch AdamW followed by an all-gather of the parameters (each rank's half,
   through ``zeroimpl.comm.all_gather``, waited for at once) and nothing else (:class:`ParameterGather`): what the
   one collective that stage 1 adds to DDP's costs here, without any of zeroimpl's work.

@@ -118,7 +118,8 @@ def _run_of(sizes, optimizer_class, kwargs):
     master = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
     pieces = list(master.split(sizes))
     twins = [torch.nn.Parameter(piece.clone()) for piece in pieces]
-    inner = InnerOptimizers([{"params": pieces}], [optimizer_class], {optimizer_class: kwargs}, runs=[(pieces, master)])
+    inner = InnerOptimizers([{"params": pieces}], [optimizer_class], {optimizer_class: kwargs},
+                            runs=[(pieces, master)])
     return master, pieces, inner, optimizer_class(twins, **kwargs), twins
 
 

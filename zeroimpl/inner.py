@@ -27,9 +27,9 @@ from .optimizer_kinds import OUTER_ONLY_KEYS
 _MOMENTUM_KEYS = frozenset({"momentum", "betas"})  # the two names of momentum in torch's optimizer classes
 # torch's classes whose update is elementwise given one step count: their for-loop and foreach kernels step a run of
 # pieces as one tensor bitwise as they step each piece (torch's fused CPU kernels do not: never run there)
-_ELEMENTWISE = frozenset({torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
-                          torch.optim.Adamax, torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam,
-                          torch.optim.ASGD, torch.optim.Rprop})
+_ELEMENTWISE = frozenset({torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
+                          torch.optim.Adagrad, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.NAdam,
+                          torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop})
 
 
 class PieceRun:
@@ -316,7 +316,8 @@ class PieceMasters:
         for piece, master in zip(self.pieces, self.masters):
             bucket = self.layout.buckets[piece.bucket_index]
             last = current[-1][0] if current else None
-            if last is None or (last.bucket_index, last.shard_offset + last.length) != (bucket.index, piece.shard_offset):
+            if last is None or (last.bucket_index, last.shard_offset + last.length) != (bucket.index,
+                                                                                        piece.shard_offset):
                 runs.append(current)
                 current = []
             if not bucket.whole and not bucket.block:
