@@ -157,22 +157,46 @@ def test_a_run_of_pieces_steps_as_one_tensor_bitwise_as_each_piece_alone_until_a
 
 
 def test_a_loaded_run_steps_as_one_again_and_a_fused_kernel_never_runs_one():
-    """A state saved from a run and loaded into a fresh one makes it one again, and going on is bitwise going on
-    without the round trip; torch's fused CPU kernels (not bitwise over a run) and classes outside torch's
-    elementwise ones get no run."""
+    """A state saved from a run and loaded into a fresh one makes it one again (its tensors joined without a copy),
+    and going on is bitwise going on without the round trip; torch's fused CPU kernels (not bitwise over a run) and
+    classes outside torch's elementwise ones get no run."""
     sizes, kwargs = [4, 9, 2], {"lr": 0.1}
     master, pieces, inner, reference, twins = _run_of(sizes, torch.optim.AdamW, kwargs)
     for seed in range(2):
         _step_both(pieces, inner, reference, twins, seed)
     loaded, loaded_pieces, fresh, _, _ = _run_of(sizes, torch.optim.AdamW, kwargs)
     loaded.copy_(master)
-    fresh.load_state_dict(inner.state_dict())
-    assert fresh.runs[0].state is not None and fresh.runs[0].state["step"].item() == 2
+    saved = inner.state_dict()
+    fresh.load_state_dict(saved)  # (torch's load keeps the saved tensors: here views of the run's state)
     for seed in range(2, 4):
         _step_both(loaded_pieces, fresh, reference, twins, seed)
+        assert fresh.runs[0].state["step"].item() == seed + 1  # one again, from the saved counters on
     assert all(torch.equal(p, t) for p, t in zip(loaded_pieces, twins))
+    joined = fresh.runs[0].state["exp_avg"]  # joined without a copy: the saved tensors lie end to end
+    assert joined.untyped_storage().data_ptr() == saved["state"][0]["exp_avg"].untyped_storage().data_ptr()
     assert not _run_of(sizes, torch.optim.AdamW, {"fused": True})[2].runs
 
     class MyAdamW(torch.optim.AdamW):
         pass
     assert not _run_of(sizes, MyAdamW, {})[2].runs
+
+
+def test_a_runs_state_stays_the_pieces_state_through_saves_and_loads_that_bypass_it():
+    """A saved state holds the live tensors, as torch's does (its step counter too); and a load that reaches the
+    pieces' states without the run (torch's own load of one class, as a load failing part-way leaves it) is what the
+    next step steps from."""
+    sizes, kwargs = [4, 9, 2], {"lr": 0.1}
+    master, pieces, inner, reference, twins = _run_of(sizes, torch.optim.AdamW, kwargs)
+    _step_both(pieces, inner, reference, twins, 0)
+    saved = inner.state_dict()
+    _step_both(pieces, inner, reference, twins, 1)
+    assert [state["step"].item() for state in saved["state"].values()] == [2.0] * len(sizes)
+    elsewhere = torch.optim.AdamW([torch.nn.Parameter(t.detach().clone()) for t in twins], **kwargs)
+    for twin, grad in zip(elsewhere.param_groups[0]["params"], _grads_like(twins, 7)):
+        twin.grad = grad
+    elsewhere.step()  # another history: one step, other moments
+    inner.optimizers[torch.optim.AdamW].load_state_dict(elsewhere.state_dict())
+    reference.load_state_dict(elsewhere.state_dict())
+    _step_both(pieces, inner, reference, twins, 2)
+    assert all(torch.equal(p, t) for p, t in zip(pieces, twins))
+    assert inner.runs[0].state["step"].item() == 2

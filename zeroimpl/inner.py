@@ -26,7 +26,8 @@ from .optimizer_kinds import OUTER_ONLY_KEYS
 
 _MOMENTUM_KEYS = frozenset({"momentum", "betas"})  # the two names of momentum in torch's optimizer classes
 # torch's classes whose update is elementwise given one step count: their for-loop and foreach kernels step a run of
-# pieces as one tensor bitwise as they step each piece (torch's fused CPU kernels do not: never run there)
+# fp32 or fp64 pieces as one tensor bitwise as they step each piece (their fused CPU kernels do not: never run there)
+_WIDE = (torch.float32, torch.float64)  # (in 16 bits torch's CPU kernels round a slice unlike the whole)
 _ELEMENTWISE = frozenset({torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
                           torch.optim.Adagrad, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.NAdam,
                           torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop})
@@ -35,48 +36,58 @@ _ELEMENTWISE = frozenset({torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, 
 class PieceRun:
     """Consecutive pieces of one master shard in one inner group (``pieces``: their masters), stepped as one tensor,
     ``master`` (the shard's view spanning them), while their state is one: ``state``, the state of ``master`` (empty
-    before its first step), of which each piece's holds views and the same 0-dim tensors. ``None`` once a step left
-    some pieces out: from then on (until a load) each piece steps alone."""
+    before its first step). Each piece's state (``shared``: the dicts handed out) holds views of its tensors and 0-dim
+    tensors of its own, set to the run's after each step. ``None`` once a step left some pieces out: from then on (until
+    a load) each piece steps alone. Pieces' states that are not the ones handed out (a load) are joined at the next
+    step that steps them all (:meth:`gather`)."""
 
     def __init__(self, pieces: list[torch.Tensor], master: torch.Tensor, optimizer: torch.optim.Optimizer):
         self.pieces, self.master, self.optimizer = pieces, master, optimizer
         ends = list(itertools.accumulate(piece.numel() for piece in pieces))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self.state: Optional[dict] = {}
+        self.shared: list[dict] = []
 
     def joins_step(self) -> bool:
         """Whether the run steps as one now (``master.grad`` set); a gradient on some pieces only splits it."""
         grads = [piece.grad for piece in self.pieces]
         if self.state is not None and any(grad is None for grad in grads) and any(g is not None for g in grads):
-            self.split()
+            self.state = None
         if self.state is None or any(grad is None for grad in grads):
             return False
+        states = [self.optimizer.state.get(piece) for piece in self.pieces]
+        if not _the_same(states, self.shared) if self.shared else any(states):
+            self.gather()
+            if self.state is None:
+                return False
         self.master.grad = _joined(grads)
         return True
 
     def share(self) -> None:
-        """Give each piece its part of ``state``: views of its tensors, the same 0-dim tensors and other values."""
-        for piece, (start, end) in zip(self.pieces, self.bounds):
-            self.optimizer.state[piece] = {key: value[start:end] if torch.is_tensor(value) and value.dim() else value
-                                           for key, value in self.state.items()}
+        """Give each piece its part of ``state``: views of its tensors, copies of 0-dim ones, other values as are."""
+        self.shared = [{key: value[start:end] if torch.is_tensor(value) and value.dim() else
+                        value.clone() if torch.is_tensor(value) else value for key, value in self.state.items()}
+                       for start, end in self.bounds]
+        for piece, state in zip(self.pieces, self.shared):
+            self.optimizer.state[piece] = state
+
+    def stepped(self, before: list) -> None:
+        """After a step as one (``before``: the state's values before it): the pieces' 0-dim tensors take the run's."""
+        if not self.shared or not _the_same(list(self.state.values()), before):  # (its first step made the state)
+            self.share()
+        for key, value in self.state.items():
+            if torch.is_tensor(value) and not value.dim():
+                torch._foreach_copy_([state[key] for state in self.shared], [value] * len(self.shared))
 
     def gather(self) -> None:
-        """After a load: the pieces' states as one where they can be (same keys; tensors of each piece's size, then
-        concatenated; equal other values), else :meth:`split`."""
+        """The pieces' states as one where they can be (same keys; tensors of each piece's size, joined; other values
+        equal), else split."""
         states = [self.optimizer.state.get(piece) or {} for piece in self.pieces]
         joined = {key: _as_one([state.get(key) for state in states], self.pieces) for key in states[0]}
-        if any(state.keys() != states[0].keys() for state in states) or any(v is None for v in joined.values()):
-            self.split()
-        else:
-            self.state = joined
-            if joined:
-                self.share()
-
-    def split(self) -> None:
-        for piece in self.pieces:
-            if self.optimizer.state.get(piece):
-                self.optimizer.state[piece] = _own_scalars(self.optimizer.state[piece])
-        self.state = None
+        fits = all(state.keys() == states[0].keys() for state in states) and all(v is not None for v in joined.values())
+        self.state, self.shared = (joined if fits else None), []
+        if fits and joined:
+            self.share()
 
 
 class InnerOptimizers:
@@ -95,7 +106,7 @@ class InnerOptimizers:
         self.runs: list[PieceRun] = []  # (exact classes: a subclass may step otherwise)
         for pieces, master in runs:
             optimizer, group = holder[id(pieces[0])]
-            if type(optimizer) in _ELEMENTWISE and not group.get("fused"):
+            if type(optimizer) in _ELEMENTWISE and not group.get("fused") and master.dtype in _WIDE:
                 self.runs.append(PieceRun(pieces, master, optimizer))
 
     @property
@@ -118,10 +129,8 @@ class InnerOptimizers:
 
     @property
     def state(self) -> dict:
-        """Every piece's state (a new dict each call; the values are the optimizers' own, but 0-dim tensors, which a
-        run's pieces share: copies)."""
-        return {piece: _own_scalars(state) for optimizer in self.optimizers.values()
-                for piece, state in optimizer.state.items()}
+        """Every piece's state (a new dict each call; the values are the optimizers' own)."""
+        return {piece: state for optimizer in self.optimizers.values() for piece, state in optimizer.state.items()}
 
     def fill_defaults(self, outer_groups: list[dict]) -> None:
         """Give the outer groups the hyperparameters they left to the classes' defaults; remember them as in sync."""
@@ -185,7 +194,7 @@ class InnerOptimizers:
         joining = {id(run.pieces[0]): run for run in self.runs if run.joins_step()}
         left_out = {id(piece) for run in joining.values() for piece in run.pieces}
         kept = [(group, group["params"]) for optimizer in self.optimizers.values() for group in optimizer.param_groups]
-        before = {id(run): [id(value) for value in run.state.values()] for run in joining.values()}
+        before = {id(run): list(run.state.values()) for run in joining.values()}
         try:
             for group, params in kept if joining else ():
                 group["params"] = [joining[id(p)].master if id(p) in joining else p for p in params
@@ -201,8 +210,7 @@ class InnerOptimizers:
             for run in joining.values():
                 run.state = run.optimizer.state.pop(run.master)
                 run.master.grad = None
-                if [id(value) for value in run.state.values()] != before[id(run)]:
-                    run.share()  # (its first step made the state, or the class replaced a tensor)
+                run.stepped(before[id(run)])
 
     def state_dict(self) -> dict:
         """Torch's format, pieces numbered through the outer groups in order."""
@@ -212,7 +220,7 @@ class InnerOptimizers:
             numbers = []
             for own_number in group["params"]:
                 if own_number in own[optimizer_class]["state"]:
-                    state[number] = _own_scalars(own[optimizer_class]["state"][own_number])
+                    state[number] = own[optimizer_class]["state"][own_number]
                 numbers.append(number)
                 number += 1
             param_groups.append({**group, "params": numbers})
@@ -233,8 +241,8 @@ class InnerOptimizers:
             part["param_groups"].append({**group, "params": list(range(first, first + len(group["params"])))})
         for optimizer_class, optimizer in self.optimizers.items():
             optimizer.load_state_dict(parts[optimizer_class])
-        for run in self.runs:
-            run.gather()
+        for run in self.runs:  # (a split one too: joined at the next step that steps all its pieces, if they agree)
+            run.state, run.shared = {}, []
 
     def _groups_by_class(self, own: dict) -> list[dict]:
         """Each outer group's entry of its class's ``param_groups`` (in ``own[class]``), in outer order."""
@@ -373,13 +381,12 @@ def _as_one(values: list, pieces: list[torch.Tensor]):
     first = values[0]
     if torch.is_tensor(first) and first.dim():
         fits = all(torch.is_tensor(value) and value.shape == piece.shape for value, piece in zip(values, pieces))
-        return torch.cat(values) if fits else None
+        return _joined(values) if fits else None
     if all(torch.equal(value, first) if torch.is_tensor(first) else value == first for value in values):
         return first.clone() if torch.is_tensor(first) else first
     return None
 
 
-def _own_scalars(state: dict) -> dict:
-    """``state`` with copies of its 0-dim tensors (a run's pieces share them: a step of one alone must not count for
-    all, nor may a saved state hand one counter to several parameters)."""
-    return {key: value.clone() if torch.is_tensor(value) and not value.dim() else value for key, value in state.items()}
+def _the_same(these: list, those: list) -> bool:
+    """Whether two lists hold the same objects (``is``: a tensor's ``==`` compares values)."""
+    return len(these) == len(those) and all(this is that for this, that in zip(these, those))
