@@ -200,3 +200,21 @@ def test_a_runs_state_stays_the_pieces_state_through_saves_and_loads_that_bypass
     _step_both(pieces, inner, reference, twins, 2)
     assert all(torch.equal(p, t) for p, t in zip(pieces, twins))
     assert inner.runs[0].state["step"].item() == 2
+
+
+def test_a_run_whose_pieces_saved_different_states_loads_split_and_a_stateless_class_exports_none():
+    """Second review: a piece that never stepped (no gradient yet) saves no state; loaded beside its run's other
+    pieces, the next steps split the run and go on bitwise (they raised at every step); and a class that keeps no
+    state (SGD without momentum) exports none, as torch does."""
+    sizes, kwargs = [4, 9, 2], {"lr": 0.1}
+    master, pieces, inner, reference, twins = _run_of(sizes, torch.optim.AdamW, kwargs)
+    _step_both(pieces, inner, reference, twins, 0, skipped={1})
+    loaded, loaded_pieces, fresh, _, _ = _run_of(sizes, torch.optim.AdamW, kwargs)
+    loaded.copy_(master)
+    fresh.load_state_dict(inner.state_dict())
+    for seed in range(1, 3):
+        _step_both(loaded_pieces, fresh, reference, twins, seed)
+    assert fresh.runs[0].state is None and all(torch.equal(p, t) for p, t in zip(loaded_pieces, twins))
+    _, pieces, inner, reference, twins = _run_of(sizes, torch.optim.SGD, kwargs)
+    _step_both(pieces, inner, reference, twins, 0)
+    assert inner.state_dict()["state"] == reference.state_dict()["state"] == {}

@@ -71,20 +71,21 @@ class PieceRun:
         for piece, state in zip(self.pieces, self.shared):
             self.optimizer.state[piece] = state
 
-    def stepped(self, before: list) -> None:
-        """After a step as one (``before``: the state's values before it): the pieces' 0-dim tensors take the run's."""
-        if not self.shared or not _the_same(list(self.state.values()), before):  # (its first step made the state)
-            self.share()
-        for key, value in self.state.items():
-            if torch.is_tensor(value) and not value.dim():
-                torch._foreach_copy_([state[key] for state in self.shared], [value] * len(self.shared))
+    def stepped(self, before: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """After a step as one (``before``: the state's values before it): hand the pieces their part of a new state;
+        return (a piece's 0-dim tensor, the run's) to copy, so that each piece's counts the run's."""
+        if self.state and (not self.shared or not _the_same(list(self.state.values()), before)):
+            self.share()  # (its first step made the state, or the class replaced a tensor)
+        return [(state[key], value) for key, value in self.state.items() if torch.is_tensor(value) and not value.dim()
+                for state in self.shared]
 
     def gather(self) -> None:
         """The pieces' states as one where they can be (same keys; tensors of each piece's size, joined; other values
         equal), else split."""
         states = [self.optimizer.state.get(piece) or {} for piece in self.pieces]
-        joined = {key: _as_one([state.get(key) for state in states], self.pieces) for key in states[0]}
-        fits = all(state.keys() == states[0].keys() for state in states) and all(v is not None for v in joined.values())
+        fits = all(state.keys() == states[0].keys() for state in states)  # (a piece never stepped has none)
+        joined = {key: _as_one([state[key] for state in states], self.pieces) for key in states[0]} if fits else {}
+        fits = fits and all(value is not None for value in joined.values())
         self.state, self.shared = (joined if fits else None), []
         if fits and joined:
             self.share()
@@ -207,10 +208,13 @@ class InnerOptimizers:
         finally:
             for group, params in kept:
                 group["params"] = params
+            scalars = []
             for run in joining.values():
                 run.state = run.optimizer.state.pop(run.master)
                 run.master.grad = None
-                run.stepped(before[id(run)])
+                scalars += run.stepped(before[id(run)])
+            if scalars:  # (one multi-tensor copy for every run)
+                torch._foreach_copy_([piece for piece, _ in scalars], [value for _, value in scalars])
 
     def state_dict(self) -> dict:
         """Torch's format, pieces numbered through the outer groups in order."""
@@ -382,7 +386,8 @@ def _as_one(values: list, pieces: list[torch.Tensor]):
     if torch.is_tensor(first) and first.dim():
         fits = all(torch.is_tensor(value) and value.shape == piece.shape for value, piece in zip(values, pieces))
         return _joined(values) if fits else None
-    if all(torch.equal(value, first) if torch.is_tensor(first) else value == first for value in values):
+    if all(torch.is_tensor(value) and torch.equal(value, first) if torch.is_tensor(first) else value == first
+           for value in values):
         return first.clone() if torch.is_tensor(first) else first
     return None
 

@@ -242,6 +242,7 @@ class DCPState(Stateful):
                 key: value if torch.is_tensor(value) else optim[f"state.{names[piece.param_index]}.{key}"]
                 for key, value in state.items()})
         optimizer.restore_state(states, hyperparameters, [storage.master for storage in optimizer.storages])
+        self._pieces = []  # (installed: held here too, a run's joining copy would keep the loaded state twice)
 
 
 def _fresh_state(group: dict, master: torch.Tensor) -> dict:
