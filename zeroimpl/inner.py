@@ -5,8 +5,8 @@ optimizers': the outer groups mirror the inner ones after every step (:meth:`Inn
 only the outer values changed since (a scheduler's ``lr``) go in (:meth:`InnerOptimizers.follow`). Inner steps fire no
 step hooks: the ``ShardedOptimizer.step()`` around them is the one step the user sees. As in DeepSpeed's one flat
 partition per group, torch's elementwise classes step a run of pieces laid end to end as one tensor (:class:`PieceRun`;
-bitwise each piece's own step, at one Python call instead of one per piece), while the run's state and steps stay one;
-state is saved and loaded per piece either way."""
+bitwise each piece's own step, at one Python call instead of one per piece) while all its pieces step; state is saved
+and loaded per piece either way."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class PieceRun:
         return True
 
     def share(self) -> None:
-        """Give each piece its part of ``state``: views of its tensors, copies of 0-dim ones, other values as are."""
+        """Give each piece its part of ``state``: views of its tensors, copies of 0-dim ones, the other values."""
         self.shared = [{key: value[start:end] if torch.is_tensor(value) and value.dim() else
                         value.clone() if torch.is_tensor(value) else value for key, value in self.state.items()}
                        for start, end in self.bounds]
@@ -73,7 +73,7 @@ class PieceRun:
 
     def stepped(self, before: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """After a step as one (``before``: the state's values before it): hand the pieces their part of a new state;
-        return (a piece's 0-dim tensor, the run's) to copy, so that each piece's counts the run's."""
+        return (a piece's 0-dim tensor, the run's) to copy: each piece's step count follows the run's."""
         if self.state and (not self.shared or not _the_same(list(self.state.values()), before)):
             self.share()  # (its first step made the state, or the class replaced a tensor)
         return [(state[key], value) for key, value in self.state.items() if torch.is_tensor(value) and not value.dim()
@@ -380,8 +380,8 @@ def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _as_one(values: list, pieces: list[torch.Tensor]):
-    """A run's value of one state key from its pieces': tensors of each piece's size concatenated, other values
-    equal on every piece taken once; ``None`` if neither."""
+    """A run's value of one state key from its pieces': tensors of each piece's size joined (:func:`_joined`), other
+    values equal on every piece taken once; ``None`` if neither."""
     first = values[0]
     if torch.is_tensor(first) and first.dim():
         fits = all(torch.is_tensor(value) and value.shape == piece.shape for value, piece in zip(values, pieces))
