@@ -30,8 +30,9 @@ Two workloads, both on 2 CPU ranks (gloo, OMP_NUM_THREADS=1), fp32, AdamW:
   at stage 1, only at iteration 0); per path the fastest run, and the median of the runs.
 
 Writes ``common_path.md`` and ``common_path.json`` under ``--out`` (default benchmarks/results). The targets
-(issue 54): zeroimpl's overhead over the compute on the tiny GPT-2 at most DDP's, at stages 1 and 2; nanoGPT's
-stage-1 recipe (DDP kept) within 1.05x of DDP's time per iteration.
+(issue 54): zeroimpl's overhead over the compute on the tiny GPT-2 at most DDP's, at stages 1 and 2 (met where the
+paired interval of its time minus DDP's lies at or below 0, not met where above, else undecided); nanoGPT's stage-1
+recipe (DDP kept) within 1.05x of DDP's time per iteration (fastest runs).
 """
 
 from __future__ import annotations
@@ -326,15 +327,22 @@ def main() -> None:
         lines.append(f"| {path} | {best[path]:.2f} | {best[path] / best['DDP']:.2f}x | {typical[path]:.2f} | "
                      f"{typical[path] / typical['DDP']:.2f}x | "
                      + ", ".join(f"{ms:.2f}" for ms in nanogpt[path]) + " |")
+    def against_ddp(kind: str) -> str:
+        """A tiny GPT-2 target by the paired interval: met where it lies at or below 0, not met above."""
+        _, low, high = paired_difference(rounds[kind], rounds["DDP"])
+        return "met" if high <= 0 else "not met" if low > 0 else "undecided: the paired interval holds 0"
     verdicts = [
-        ("tiny GPT-2, stage 1 overhead at most DDP's", over["zeroimpl stage 1"] <= over["DDP"]),
-        ("tiny GPT-2, stage 1 under DDP overhead at most DDP's", over[STAGE_1_UNDER_DDP] <= over["DDP"]),
-        ("tiny GPT-2, stage 2 overhead at most DDP's", over["zeroimpl stage 2"] <= over["DDP"]),
-        ("nanoGPT, stage 1 (its recipe, DDP kept) within 1.05x of DDP", best[SWAP] <= 1.05 * best["DDP"]),
-        ("nanoGPT, stage 1 unwrapped within 1.05x of DDP", best[UNWRAPPED] <= 1.05 * best["DDP"]),
+        ("tiny GPT-2, stage 1 overhead at most DDP's", against_ddp("zeroimpl stage 1")),
+        ("tiny GPT-2, stage 1 under DDP overhead at most DDP's", against_ddp(STAGE_1_UNDER_DDP)),
+        ("tiny GPT-2, stage 2 overhead at most DDP's", against_ddp("zeroimpl stage 2")),
+        ("nanoGPT, stage 1 (its recipe, DDP kept) within 1.05x of DDP",
+         "met" if best[SWAP] <= 1.05 * best["DDP"] else "not met"),
+        ("nanoGPT, stage 1 unwrapped within 1.05x of DDP",
+         "met" if best[UNWRAPPED] <= 1.05 * best["DDP"] else "not met"),
     ]
-    lines += ["", "Targets (issue 54, point 6):", ""]
-    lines += [f"- {name}: {'met' if met else 'not met'}" for name, met in verdicts]
+    lines += ["", "Targets (issue 54, point 6; the tiny GPT-2's by the paired interval, not by the medians, which "
+              "move by more than the gaps between runs of the same code):", ""]
+    lines += [f"- {name}: {verdict}" for name, verdict in verdicts]
     lines += ["", f"The floor: \"{FLOOR}\" is DDP + torch AdamW plus the one collective that stage 1 adds to DDP's "
               "traffic (each rank's half of the parameters, all-gathered as zeroimpl does on gloo), with none of "
               "zeroimpl's work, waited for at once (zeroimpl leaves it in flight into the next forward, and steps "
