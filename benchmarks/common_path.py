@@ -304,11 +304,11 @@ def main() -> None:
              "| set-up | ms per step (median of rounds) | over the compute | vs DDP's overhead | minus DDP, paired "
              "(95% CI) | rounds' range | host CPU ms per step | over the compute | vs DDP's |",
              "|---|---|---|---|---|---|---|---|---|"]
+    against = {kind: paired_difference(rounds[kind], rounds["DDP"]) for kind in KINDS[2:]}  # (each set-up - DDP)
     for kind in KINDS:
         ratio = "-" if kind == "compute" else f"{over[kind] / over['DDP']:.2f}x"
         host_ratio = "-" if kind == "compute" else f"{host_over[kind] / host_over['DDP']:.2f}x"
-        paired = "-" if kind in ("compute", "DDP") else "{:+.2f} ({:+.2f} to {:+.2f})".format(
-            *paired_difference(rounds[kind], rounds["DDP"]))
+        paired = "{:+.2f} ({:+.2f} to {:+.2f})".format(*against[kind]) if kind in against else "-"
         lines.append(f"| {kind} | {tiny[kind]:.2f} | {over[kind]:+.2f} | {ratio} | {paired} | "
                      f"{min(rounds[kind]):.2f} - {max(rounds[kind]):.2f} | {host[kind]:.2f} | {host_over[kind]:+.2f} "
                      f"| {host_ratio} |")
@@ -327,9 +327,10 @@ def main() -> None:
         lines.append(f"| {path} | {best[path]:.2f} | {best[path] / best['DDP']:.2f}x | {typical[path]:.2f} | "
                      f"{typical[path] / typical['DDP']:.2f}x | "
                      + ", ".join(f"{ms:.2f}" for ms in nanogpt[path]) + " |")
+
     def against_ddp(kind: str) -> str:
         """A tiny GPT-2 target by the paired interval: met where it lies at or below 0, not met above."""
-        _, low, high = paired_difference(rounds[kind], rounds["DDP"])
+        _, low, high = against[kind]
         return "met" if high <= 0 else "not met" if low > 0 else "undecided: the paired interval holds 0"
     verdicts = [
         ("tiny GPT-2, stage 1 overhead at most DDP's", against_ddp("zeroimpl stage 1")),

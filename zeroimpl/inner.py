@@ -51,9 +51,10 @@ class PieceRun:
     def joins_step(self) -> bool:
         """Whether the run steps as one now (``master.grad`` set); a gradient on some pieces only splits it."""
         grads = [piece.grad for piece in self.pieces]
-        if self.state is not None and any(grad is None for grad in grads) and any(g is not None for g in grads):
+        missing = [grad is None for grad in grads]
+        if any(missing) and not all(missing):
             self.state = None
-        if self.state is None or any(grad is None for grad in grads):
+        if self.state is None or any(missing):
             return False
         states = [self.optimizer.state.get(piece) for piece in self.pieces]
         if not _the_same(states, self.shared) if self.shared else any(states):
