@@ -63,7 +63,8 @@ ZERO_1_FLOOR = "ZeRO-1's collectives and step alone"  # the unwrapped stages' tr
 FLOORS = (FLOOR, SWAP_FLOOR, ZERO_1_FLOOR)
 KINDS = PROFILED_KINDS + (STAGE_1_UNDER_DDP,) + FLOORS
 SWAP, UNWRAPPED = "zeroimpl stage 1, DDP kept", "zeroimpl stage 1, unwrapped"  # the stage-1 recipe; the stage-2 one's
-NANOGPT_PATHS = ("DDP", FLOOR, SWAP_FLOOR, SWAP, UNWRAPPED, "zeroimpl stage 2")
+PATCHED = (SWAP, UNWRAPPED, "zeroimpl stage 2")  # nanoGPT's script with a zeroimpl patch applied
+NANOGPT_PATHS = ("DDP", FLOOR, SWAP_FLOOR) + PATCHED
 WARMUP = 5
 
 
@@ -230,7 +231,7 @@ def nanogpt_scripts(directory: str) -> dict[str, str]:
     step; with ``examples/nanogpt_zeroimpl_stage1.patch`` (stage 1, DDP kept); and with
     ``examples/nanogpt_zeroimpl.patch`` (DDP dropped) at stage 1 and at stage 2."""
     scripts = {"DDP": DDP_SCRIPT}
-    for index, path in enumerate(NANOGPT_PATHS[3:]):
+    for index, path in enumerate(PATCHED):
         folder = os.path.join(directory, str(index))
         os.makedirs(folder)
         scripts[path] = os.path.join(folder, "nanogpt_train.py")

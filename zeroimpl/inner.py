@@ -57,7 +57,8 @@ class PieceRun:
         if self.state is None or any(missing):
             return False
         states = [self.optimizer.state.get(piece) for piece in self.pieces]
-        if not _the_same(states, self.shared) if self.shared else any(states):
+        replaced = not _the_same(states, self.shared) if self.shared else any(states)  # (a load, since it shared)
+        if replaced:
             self.gather()
             if self.state is None:
                 return False
