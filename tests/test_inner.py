@@ -102,7 +102,7 @@ def test_follow_takes_only_changed_outer_values_so_a_users_betas_outlive_an_old_
     outer = [{"params": [sgd_param], "lr": 0.1, "momentum": 0.9}, {"params": [adamw_param], "lr": 0.01}]
     inner = InnerOptimizers([{"params": [sgd_param]}, {"params": [adamw_param]}], [torch.optim.SGD, torch.optim.AdamW],
                             {torch.optim.SGD: {"lr": 0.1, "momentum": 0.9}, torch.optim.AdamW: {"lr": 0.01}})
-    inner.fill_defaults(outer)
+    inner.report(outer)  # (as construction does: the defaults the outer groups left out)
     outer[1]["momentum"] = 0.8  # a momentum scheduler over both classes writes `momentum` into every group
     inner.follow(outer)
     assert inner.param_groups[1]["betas"][0] == 0.8
