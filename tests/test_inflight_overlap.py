@@ -253,6 +253,42 @@ def test_a_guard_removed_while_lifted_is_not_put_back():
         assert started > 0 and (left, modes) == (0, 0)
 
 
+def _optimizer_collected_inside_a_torch_call(rank, world_size):
+    """An optimizer dropped with its gathers in flight (its guard on the mode stack), then collected by the garbage
+    collector (its finalizer landing the gathers) in the middle of a torch function dispatched in Python, which saw
+    the mode on the stack: the threshold 1 collects at every allocation. Returns the gathers that were in flight,
+    whether only the collector freed the optimizer, and the modes left after the next forward."""
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    optimizer.backward(model(torch.randn(4, 8)).pow(2).mean())
+    optimizer.step()
+    started, collected = optimizer.param_gathers_in_flight, weakref.ref(optimizer.param_sync)
+    optimizer.holder = {"optimizer": optimizer}  # a reference cycle, as a framework's wrappers make (Fabric's)
+    thresholds = gc.get_threshold()
+    gc.disable()
+    del optimizer
+    in_a_cycle = collected() is not None
+    gc.set_threshold(1)
+    gc.enable()
+    try:
+        model.weight.register_post_accumulate_grad_hook(lambda param: None).remove()
+    finally:
+        gc.set_threshold(*thresholds)
+    model(torch.randn(4, 8))
+    return started, in_a_cycle and collected() is None, torch._C._len_torch_function_stack()
+
+
+def test_an_optimizer_collected_inside_a_torch_call_leaves_the_call_unbroken():
+    """The finalizer of a dropped optimizer may run inside any torch call (garbage collection): it lands the gathers
+    but must not change the mode stack under that call (torch had seen the guard on it and raised TypeError, 'no
+    implementation found'); the guard leaves at the next forward."""
+    for started, collected_inside, modes in run_distributed(2, _optimizer_collected_inside_a_torch_call):
+        assert started > 0 and collected_inside and modes == 0
+
+
 def _compiled_step(rank, world_size):
     """A compiled training-step function (fullgraph), the recipe of docs/advanced.md: finish_param_gathers() just
     before it. Returns the graphs dynamo made over 4 steps, and whether the parameters equal those of the same

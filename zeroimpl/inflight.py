@@ -88,10 +88,13 @@ class InFlightGathers:
         _push_at_bottom(self._guard)
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
-    def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
+    def finish(self, buckets: Optional[Iterable[int]] = None, keep_stack: bool = False) -> None:
+        """Land the gathers of ``buckets`` (``None``: all); the guards leave with the last. ``keep_stack``: change no
+        mode stack (a finalizer's call, maybe inside a torch call): a guard left without gathers stays on, inert,
+        until the hook or a later ``finish()`` on its thread takes it off."""
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
         # a landing is zeroimpl's own work on its own buffers (8-bit decoding: thousands of operations per bucket)
-        with guards_lifted() if chosen else contextlib.nullcontext():
+        with guards_lifted() if chosen and not keep_stack else contextlib.nullcontext():
             for index in chosen:
                 pending = self._pending[index].pending
                 pending.wait()  # (kept if it raised: every later read raises again)
@@ -105,15 +108,17 @@ class InFlightGathers:
                 if stream != current:
                     stream.wait_stream(current)
         if not self._pending:
-            self._remove_guards()
+            self._remove_guards(keep_stack)
 
     def abandon(self) -> None:
-        """Finish what is in flight for an optimizer that goes away; whatever that raises, no guard stays."""
+        """Finish what is in flight for an optimizer that goes away, from its finalizer: the garbage collector may run
+        it inside any torch call, which saw the guard on the stack, so the stack stays as it is (``keep_stack``);
+        whatever that raises, the guard is inert."""
         try:
-            self.finish()
+            self.finish(keep_stack=True)
         finally:
             self._pending.clear()
-            self._remove_guards()
+            self._remove_guards(keep_stack=True)
 
     def live_buffers(self) -> list[torch.Tensor]:
         """The scratch memory of the gathers in flight (:attr:`BucketGather.payloads`)."""
@@ -143,15 +148,15 @@ class InFlightGathers:
         else:
             self._remove_guards()  # only an inert mode was left: it can go now
 
-    def _remove_guards(self) -> None:
+    def _remove_guards(self, keep_stack: bool = False) -> None:
         self._bucket_of_storage, self._bucket_of_param = {}, {}
         guard = self._guard
         if guard is None:
             return
         guard.active = False
-        if guard.handling or threading.get_ident() != self._thread:
-            # from the mode's own handler (torch puts the mode back after it) or another thread: inert until the
-            # hook, finish() or start() on its thread takes it off
+        if keep_stack or guard.handling or threading.get_ident() != self._thread:
+            # from a finalizer, the mode's own handler (torch puts the mode back after it) or another thread: inert
+            # until the hook, finish() or start() on its thread takes it off
             return
         _take_off(guard)
         shutdown.handed_to_gloo(guard)  # (a gloo work issued meanwhile may hold it)
