@@ -98,7 +98,7 @@ def _measure(rank: int, world_size: int, size: str, root: str, repeats: int, agr
     for _ in range(agreements):
         dist.barrier()
         started = time.perf_counter()
-        optimizer.topology.all_gather_objects(payload, None, "timed agreement")
+        optimizer.topology.all_gather_objects(payload, "timed agreement")
         times.append(time.perf_counter() - started)
     out["agreement s"] = statistics.median(times)
     out["parameters"] = sum(p.numel() for p in model.parameters())

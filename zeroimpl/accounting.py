@@ -83,14 +83,10 @@ def tensor_bytes(tensors) -> int:
 def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryReport:
     """The report of ``ShardedOptimizer.held_tensors()``; ``offload``: masters and optimizer state are on the host."""
     held_bytes = {kind: tensor_bytes(tensors) for kind, tensors in held.items()}
-    device = StateBytes(
-        parameters=held_bytes["parameters"],
-        gradients=held_bytes["gradients"],
-        gradient_shard=held_bytes["gradient_shard"],
-        master_weights=0 if offload else held_bytes["master_weights"],
-        optimizer_state=0 if offload else held_bytes["optimizer_state"],
-        bucket_buffers=held_bytes["bucket_buffers"],
-    )
+    device = StateBytes(parameters=held_bytes["parameters"], gradients=held_bytes["gradients"],
+                        gradient_shard=held_bytes["gradient_shard"], bucket_buffers=held_bytes["bucket_buffers"],
+                        master_weights=0 if offload else held_bytes["master_weights"],
+                        optimizer_state=0 if offload else held_bytes["optimizer_state"])
     host = StateBytes(gradient_shard=held_bytes["host_gradient_shard"], bucket_buffers=held_bytes["host_staging"],
                       master_weights=held_bytes["master_weights"] if offload else 0,
                       optimizer_state=held_bytes["optimizer_state"] if offload else 0)
@@ -106,14 +102,9 @@ def optimizer_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: 
     probe.grad = torch.ones_like(probe)
     optimizer = optimizer_class([probe], **optimizer_kwargs)
     optimizer.step()
-    per_element = per_tensor = 0
-    for value in optimizer.state[probe].values():
-        if isinstance(value, torch.Tensor):
-            if value.numel() == PROBE_NUMEL:
-                per_element += tensor_bytes([value]) // PROBE_NUMEL
-            else:
-                per_tensor += tensor_bytes([value])
-    return per_element, per_tensor
+    tensors = [value for value in optimizer.state[probe].values() if isinstance(value, torch.Tensor)]
+    return (sum(tensor_bytes([value]) // PROBE_NUMEL for value in tensors if value.numel() == PROBE_NUMEL),
+            sum(tensor_bytes([value]) for value in tensors if value.numel() != PROBE_NUMEL))
 
 
 def whole_state_bytes(optimizer_class: type, optimizer_kwargs: dict, dtype: torch.dtype, shape: tuple) -> int:
@@ -172,17 +163,11 @@ def _sharding(optimizer_class: type, per_parameter: Collection[type]) -> optimiz
 
 
 def _blocks(group: dict, per_parameter: Collection[type]):
-    if _sharding(group["optimizer"], per_parameter) != "blocked":
-        return None
-    return optimizer_kinds.blocks_of(group)
+    return optimizer_kinds.blocks_of(group) if _sharding(group["optimizer"], per_parameter) == "blocked" else None
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Literal[1, 2] = 2, *,
@@ -244,19 +229,19 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     for bucket in layout.buckets:
         param_dtype = _dtype(bucket.dtype)
         master_dtype = at_least_fp32(param_dtype)
-        parameters += _size(param_dtype) * (bucket.padded_numel + (bucket.shard_numel if quantize_param_gather else 0))
-        full_gradients += _size(param_dtype) * bucket.numel if stage == 1 else 0
+        published = bucket.shard_numel if quantize_param_gather else 0
+        parameters += param_dtype.itemsize * (bucket.padded_numel + published)
+        full_gradients += param_dtype.itemsize * bucket.numel if stage == 1 else 0
         if policy is not None or master_dtype != param_dtype or quantize_param_gather:
-            masters += _size(master_dtype) * bucket.shard_numel
+            masters += master_dtype.itemsize * bucket.shard_numel
         shard_dtype = master_dtype if policy is not None else (reduce_dtype or master_dtype)
-        shards += _size(shard_dtype) * bucket.shard_numel
+        shards += shard_dtype.itemsize * bucket.shard_numel
     state = max(state_of_rank) if rank is None else state_of_rank[rank]
     if policy is not None:
         staging = staging_sizes(layout, [_dtype(layout.buckets[s.bucket_index].dtype) for s in layout.slots])
-        device = StateBytes(parameters=parameters, gradients=full_gradients)
         host = StateBytes(gradient_shard=shards, master_weights=masters, optimizer_state=state,
-                          bucket_buffers=sum(2 * _size(dtype) * numel for dtype, numel in staging.items()))
-        return MemoryReport(device, host)
+                          bucket_buffers=sum(2 * dtype.itemsize * numel for dtype, numel in staging.items()))
+        return MemoryReport(StateBytes(parameters=parameters, gradients=full_gradients), host)
     device = StateBytes(parameters=parameters, gradients=full_gradients,
                         gradient_shard=shards if stage == 2 else 0,  # stage 1 reduces at step()
                         master_weights=masters, optimizer_state=state)

@@ -37,6 +37,7 @@ class BucketStorage:
 
     def __post_init__(self) -> None:
         self._addresses = {i: p.data_ptr() for i, p in zip(self.bucket.param_indices, self.params)}
+        self.mark_master_in_sync()
 
     def holds(self, param_index: int, param: torch.nn.Parameter) -> bool:
         """Whether member ``param_index`` is still its view of ``param_buffer``: converting or moving the model
@@ -73,10 +74,7 @@ class BucketStorage:
         edits under ``torch.no_grad()``) into the master: each edited member's slice of this shard that differs
         from :meth:`published_values`; else the next step would overwrite them with the stale master. Edits are
         found by autograd's version counters, which writes through ``param.data`` bypass."""
-        if not self.has_separate_master:
-            return
-        versions = tuple(p._version for p in self.params)
-        if versions == self._versions:
+        if not self.has_separate_master or (versions := tuple(p._version for p in self.params)) == self._versions:
             return
         self.edited = True
         shard_start = self.shard.storage_offset() - self.param_buffer.storage_offset()
@@ -100,9 +98,7 @@ class BucketStorage:
 
     def published_values(self) -> torch.Tensor:
         """This rank's shard of the parameters if nothing edited it: ``published``, else the master in their dtype."""
-        if self.published is not None:
-            return self.published
-        return self.master.to(self.shard.device, self.shard.dtype)
+        return self.published if self.published is not None else self.master.to(self.shard.device, self.shard.dtype)
 
     def mark_published(self) -> None:
         if self.published is not None:
@@ -126,8 +122,7 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
             view = shaped(param_buffer[slot.offset:slot.end], param.shape, dense_strides(param))
             view.copy_(param.data)
             param.data = view
-        start, end = bucket.shard_range(rank)
-        shard = param_buffer[start:end]
+        shard = param_buffer[slice(*bucket.shard_range(rank))]
         if host_masters is not None:
             master = host_masters[bucket.index].copy_(shard)
         elif first.dtype in HALF_DTYPES or quantized:
@@ -138,7 +133,5 @@ def flatten_params(layout: ShardLayout, params: list[torch.nn.Parameter], rank: 
         if quantized:
             blocks = ShardBlocks.of(layout.edges(bucket.index), bucket.shard_numel, layout.world_size, rank)
             published = shard.clone()
-        storage = BucketStorage(bucket, members, param_buffer, shard, master, blocks, published)
-        storage.mark_master_in_sync()
-        storages.append(storage)
+        storages.append(BucketStorage(bucket, members, param_buffer, shard, master, blocks, published))
     return storages

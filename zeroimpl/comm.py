@@ -51,9 +51,7 @@ def algorithm(group, tensor: torch.Tensor, gather: bool = False, timeout: Option
         if chosen not in ALGORITHMS:
             raise ValueError(f"ZEROIMPL_COLLECTIVES={chosen!r} is not one of {ALGORITHMS}; unset it for the default")
         return chosen
-    if dist.get_backend(group) != "gloo" or (gather and spans_nodes(group, timeout)):
-        return "native"
-    return "pairwise"
+    return "native" if dist.get_backend(group) != "gloo" or (gather and spans_nodes(group, timeout)) else "pairwise"
 
 
 _spans: dict[tuple, bool] = {}  # (the group's global ranks, this rank's GROUP_RANK) -> spans_nodes' answer
@@ -260,8 +258,7 @@ def all_gather_objects(value, group, timeout: Optional[float] = None, name: str 
     mine, sizes = _pickled_with_sizes(value, group, timeout, name, device)
     longest = int(sizes.max())
     gathered = torch.zeros(world * longest, dtype=torch.uint8, device=mine.device)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=mine.device)
-    padded[:mine.numel()] = mine
+    padded = torch.cat([mine, mine.new_zeros(longest - mine.numel())])
     all_gather(gathered, padded, group, timeout, name=name).wait_on_host()
     rows = gathered.view(world, longest).cpu()
     return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(world)]

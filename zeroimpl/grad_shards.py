@@ -155,8 +155,7 @@ class HostGradientShards:
 
     @property
     def has_gradients(self) -> bool:
-        return (any(fill is not ShardFill.EMPTY for fill in self._fill)
-                or any(s is not None for s in self._device_sums))
+        return any(fill is not ShardFill.EMPTY for fill in self._fill) or bool(self.device_tensors())
 
     def device_tensors(self) -> list[torch.Tensor]:
         return [s for s in self._device_sums if s is not None]

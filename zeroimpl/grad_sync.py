@@ -82,7 +82,11 @@ def reducer_verb(joined: bool = True):
     def decorate(method):
         @functools.wraps(method)
         def refused_if_failed(self, *args, **kwargs):
-            self._refuse_if_failed()
+            if self.state is RoundState.FAILED:
+                raise RuntimeError(
+                    f"ShardedOptimizer cannot go on: its gradient reduction failed earlier on this rank "
+                    f"({self._failure}), and its collectives are no longer those of the other ranks. Restart the job "
+                    "from the last checkpoint (zeroimpl.checkpoint.load_checkpoint)")
             return method(self, *args, **kwargs)
         return on_work_stream(joined)(refused_if_failed)
     return decorate
@@ -125,9 +129,8 @@ class GradientReducer:
 
         # since the last step or zero_grad()
         self.backward_passes = 0  # rounds closed (backward passes that reached us): the step's checks compare it
-        num_params = len(layout.slots)
-        self.grad_exists = [False] * num_params  # by param index: a gradient came since the last clear (else no step)
-        self._consumed = [False] * num_params  # grad_exists when the last step consumed the gradients
+        self.grad_exists = [False] * len(layout.slots)  # by param index: a gradient since the last clear (else no step)
+        self._consumed = [False] * len(layout.slots)  # grad_exists when the last step consumed the gradients
         self._grad_versions: dict[int, int] = {}  # stage 1: param index -> its .grad's version when it arrived
         self.under_ddp: Optional[bool] = None  # DDP wraps the model (it averages param.grad); None: not yet known
         self._outside_ddp: list[int] = []  # under DDP: trainable param indices no DDP wrapper averages (refused)
@@ -135,17 +138,14 @@ class GradientReducer:
         self._taken: Optional[tuple] = None  # under DDP: (backward passes, param.grad versions) at the last take
         self.takes = 0  # under DDP: copies of param.grad into the store
 
-        self._bucket_of = {}  # id(param) -> (bucket index, param index)
-        self._params: dict[int, torch.nn.Parameter] = {}  # param index -> the parameter
-        self._strides: dict[int, tuple] = {}  # param index -> the strides of its view of the bucket buffer
-        handles = []
+        members = [(storage.bucket.index, index, param) for storage in storages
+                   for index, param in zip(storage.bucket.param_indices, storage.params)]
+        self._bucket_of = {id(param): (bucket, index) for bucket, index, param in members}  # -> (bucket, param index)
+        self._params = {index: param for _, index, param in members}  # param index -> the parameter
+        # param index -> the strides of its view of the bucket buffer: its memory format, the gradient slot's too
+        self._strides = {index: param.stride() for _, index, param in members}
         hook = _forward_to(weakref.ref(self))  # holds the reducer weakly: a deleted optimizer lets go of the model
-        for storage in storages:
-            for index, param in zip(storage.bucket.param_indices, storage.params):
-                self._bucket_of[id(param)] = (storage.bucket.index, index)
-                self._params[index] = param
-                self._strides[index] = param.stride()  # its memory format: the gradient slot's too
-                handles.append(param.register_post_accumulate_grad_hook(hook))
+        handles = [param.register_post_accumulate_grad_hook(hook) for _, _, param in members]
         self.remove_hooks = weakref.finalize(self, remove_hooks, handles)  # (callable: the optimizer rebuilt)
 
     def call_after_backward(self, method: Callable[[], None]) -> None:
@@ -282,13 +282,6 @@ class GradientReducer:
         self.streams.use(*(t for t in (buffer, output) if t is not None))
         queue.append(InFlight(bucket_index, buffer, output, launch()))
 
-    def _refuse_if_failed(self) -> None:
-        if self.state is RoundState.FAILED:
-            raise RuntimeError(
-                f"ShardedOptimizer cannot go on: its gradient reduction failed earlier on this rank ({self._failure}), "
-                "and its collectives are no longer those of the other ranks. Restart the job from the last "
-                "checkpoint (zeroimpl.checkpoint.load_checkpoint)")
-
     def _buffer(self, bucket_index: int) -> torch.Tensor:
         """This round's buffer of the bucket, born with zero padding (a gradient shard's norm must not see garbage)."""
         if self._buffers[bucket_index] is None:
@@ -320,10 +313,8 @@ class GradientReducer:
             if param_index not in self._arrived[bucket_index]:
                 slot = self.layout.slots[param_index]
                 buffer[slot.offset:slot.end].zero_()
-        if self._in_place:
-            output = buffer
-        else:
-            output = torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index], device=buffer.device)
+        output = buffer if self._in_place else torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index],
+                                                             device=buffer.device)
         if self._blocks is None:
             launch = functools.partial(comm.reduce_scatter, output, buffer, self.group, self.timeout, tag=bucket_index)
         else:
@@ -359,10 +350,9 @@ class GradientReducer:
             self._finish_oldest(self._replicating, on_host=reduction.output.is_cuda)
 
     def _finish_in_flight(self) -> None:
-        while self._reducing:
-            self._finish_oldest(self._reducing)
-        while self._replicating:
-            self._finish_oldest(self._replicating, on_host=self._replicating[0].output.is_cuda)
+        for queue in (self._reducing, self._replicating):  # (finishing a reduce-scatter may start an all-reduce)
+            while queue:
+                self._finish_oldest(queue, on_host=queue is self._replicating and queue[0].output.is_cuda)
 
     @reducer_verb()
     def finish_grad_sync(self) -> None:
@@ -454,9 +444,8 @@ class GradientReducer:
         shards = self.gradients.ready()
         self.streams.use(*(shard for shard in shards if shard is not None))
         for piece in self._pieces:
-            shard = shards[piece.bucket_index]
-            if piece.param_index in cleared and shard is not None:
-                shard[piece.shard_offset:piece.shard_offset + piece.length].zero_()
+            if piece.param_index in cleared and shards[piece.bucket_index] is not None:
+                shards[piece.bucket_index][piece.shard_offset:piece.shard_offset + piece.length].zero_()
         for index in param_indices:
             self.grad_exists[index] = False
             self._consumed[index] = False
@@ -494,10 +483,8 @@ class GradientReducer:
         self.backward_passes = 0
         self._grad_versions.clear()
         self._taken = None
-        if set_to_none:
-            self.grad_exists = [False] * len(self.grad_exists)
-        else:
-            self.grad_exists = [now or then for now, then in zip(self.grad_exists, self._consumed)]
+        self.grad_exists = ([False] * len(self.grad_exists) if set_to_none
+                            else [now or then for now, then in zip(self.grad_exists, self._consumed)])
         self._consumed = [False] * len(self._consumed)
         self.gradients.clear(set_to_none)
 

@@ -3,6 +3,7 @@ page-locked buffers that cost their bytes up to a page (:class:`HostArena`)."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import warnings
@@ -10,6 +11,8 @@ import weakref
 from typing import Optional
 
 import torch
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -62,10 +65,8 @@ def whole_pages(nbytes: int, inherited: bool = True) -> mmap.mmap:
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # (Windows: always private)
     pages = mmap.mmap(-1, length, **private)
     if not inherited and hasattr(mmap, "MADV_DONTFORK"):
-        try:
+        with contextlib.suppress(OSError):  # a sandbox's kernel: the advice is a safeguard, not a need
             pages.madvise(mmap.MADV_DONTFORK)
-        except OSError:  # a sandbox's kernel: the advice is a safeguard, not a need
-            pass
     return pages
 
 
@@ -77,7 +78,11 @@ def _registered(arena: HostArena, pages: mmap.mmap, device: torch.device) -> boo
             torch.cuda.check_error(
                 torch.cuda.cudart().cudaHostRegister(arena.start, arena.nbytes, _HOST_REGISTER_PORTABLE))
     except (RuntimeError, AttributeError) as error:  # no cudaHostRegister here (a sandbox, another build)
-        _clear_cuda_error(device)
+        # consume the error the failed call left as the thread's last error, which the next checked kernel launch
+        # would otherwise raise, far from its cause: a one-element launch here raises it, as expected
+        with contextlib.suppress(RuntimeError):
+            torch.zeros(1, device=device)
+            torch.cuda.synchronize(device)
         reason = f"cudaHostRegister failed ({error})"
     else:
         unregister = weakref.finalize(arena, _unregister, pages, arena.start, device, os.getpid())
@@ -89,19 +94,6 @@ def _registered(arena: HostArena, pages: mmap.mmap, device: torch.device) -> boo
                   "allocator instead, which rounds each up to a power of two",
                   RuntimeWarning, stacklevel=6)  # (the user's ShardedOptimizer(...) line)
     return False
-
-
-def _clear_cuda_error(device: torch.device) -> None:
-    """Consume the error a failed CUDA runtime call left as the thread's last error, which the next checked kernel
-    launch would otherwise raise, far from its cause: a one-element launch here raises it, as expected."""
-    try:
-        torch.zeros(1, device=device)
-        torch.cuda.synchronize(device)
-    except RuntimeError:
-        pass
-
-
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 def _unregister(pages: mmap.mmap, address: int, device: torch.device, registrant: int) -> None:

@@ -186,9 +186,8 @@ class _Guard(TorchFunctionMode):
     def __init__(self, gathers: InFlightGathers) -> None:
         super().__init__()
         self.gathers, self.active, self.handling = gathers, True, False
-        self._wait = self._wait_for_touched
-        if "torch._dynamo" in sys.modules:
-            self._wait = torch.compiler.disable(self._wait_for_touched, reason=COMPILED_READ)
+        self._wait = (torch.compiler.disable(self._wait_for_touched, reason=COMPILED_READ)
+                      if "torch._dynamo" in sys.modules else self._wait_for_touched)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -22,15 +22,12 @@ from .inflight import guards_lifted
 from .layout import ShardLayout, ShardPiece
 from .memory_format import shaped
 from .offload import KERNEL_KEYS
-from .optimizer_kinds import OUTER_ONLY_KEYS
+from .optimizer_kinds import ELEMENTWISE_OPTIMIZERS, OUTER_ONLY_KEYS
 
 _MOMENTUM_KEYS = frozenset({"momentum", "betas"})  # the two names of momentum in torch's optimizer classes
-# torch's classes whose update is elementwise given one step count: their for-loop and foreach kernels step a run of
+# ELEMENTWISE_OPTIMIZERS update elementwise given one step count: their for-loop and foreach kernels step a run of
 # fp32 or fp64 pieces as one tensor bitwise as they step each piece (their fused CPU kernels do not: never run there)
 _WIDE = (torch.float32, torch.float64)  # (in 16 bits torch's CPU kernels round a slice unlike the whole)
-_ELEMENTWISE = frozenset({torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
-                          torch.optim.Adagrad, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.NAdam,
-                          torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop})
 
 
 class PieceRun:
@@ -100,16 +97,14 @@ class InnerOptimizers:
     def __init__(self, groups: Sequence[dict], classes: Sequence[type], kwargs: dict[type, dict],
                  runs: Sequence[tuple[list[torch.Tensor], torch.Tensor]] = ()):
         self.classes = list(classes)
-        self.optimizers: dict[type, torch.optim.Optimizer] = {}
-        for optimizer_class in dict.fromkeys(classes):
-            members = [group for group, cls in zip(groups, classes) if cls is optimizer_class]
-            self.optimizers[optimizer_class] = optimizer_class(members, **kwargs[optimizer_class])
+        self.optimizers = {cls: cls([group for group, its in zip(groups, classes) if its is cls], **kwargs[cls])
+                           for cls in dict.fromkeys(classes)}
         holder = {id(p): (optimizer, group) for optimizer in self.optimizers.values()
                   for group in optimizer.param_groups for p in group["params"]}
         self.runs: list[PieceRun] = []  # (exact classes: a subclass may step otherwise)
         for pieces, master in runs:
             optimizer, group = holder[id(pieces[0])]
-            if type(optimizer) in _ELEMENTWISE and not group.get("fused") and master.dtype in _WIDE:
+            if type(optimizer) in ELEMENTWISE_OPTIMIZERS and not group.get("fused") and master.dtype in _WIDE:
                 self.runs.append(PieceRun(pieces, master, optimizer))
 
     @property
@@ -135,13 +130,6 @@ class InnerOptimizers:
         """Every piece's state (a new dict each call; the values are the optimizers' own)."""
         return {piece: state for optimizer in self.optimizers.values() for piece, state in optimizer.state.items()}
 
-    def fill_defaults(self, outer_groups: list[dict]) -> None:
-        """Give the outer groups the hyperparameters they left to the classes' defaults; remember them as in sync."""
-        for outer, inner in zip(outer_groups, self.param_groups):
-            for key, value in inner.items():
-                outer.setdefault(key, value)
-        self.report(outer_groups)
-
     def follow(self, outer_groups: list[dict]) -> None:
         """Before a step: take in the outer values changed since the last sync, never the kernel choice."""
         for outer, inner, synced in zip(outer_groups, self.param_groups, self._synced):
@@ -154,7 +142,8 @@ class InnerOptimizers:
                         inner[key] = value
 
     def report(self, outer_groups: list[dict]) -> None:
-        """After a step or a load: copy the inner groups' values into the outer groups; remember them as in sync."""
+        """After construction (the defaults the outer groups left out), a step or a load: copy the inner groups' values
+        into the outer groups; remember them as in sync."""
         self._synced = []
         for outer, inner in zip(outer_groups, self.param_groups):
             outer.update({key: value for key, value in inner.items() if key != "params"})
@@ -223,13 +212,11 @@ class InnerOptimizers:
         own = {cls: optimizer.state_dict() for cls, optimizer in self.optimizers.items()}
         state, param_groups, number = {}, [], 0
         for optimizer_class, group in zip(self.classes, self._groups_by_class(own)):
-            numbers = []
-            for own_number in group["params"]:
-                if own_number in own[optimizer_class]["state"]:
-                    state[number] = own[optimizer_class]["state"][own_number]
-                numbers.append(number)
-                number += 1
-            param_groups.append({**group, "params": numbers})
+            saved = own[optimizer_class]["state"]
+            state.update({number + k: saved[own_number] for k, own_number in enumerate(group["params"])
+                          if own_number in saved})
+            param_groups.append({**group, "params": list(range(number, number + len(group["params"])))})
+            number += len(group["params"])
         return {"state": state, "param_groups": param_groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -241,9 +228,8 @@ class InnerOptimizers:
         for optimizer_class, group in zip(self.classes, state_dict["param_groups"]):
             part = parts[optimizer_class]
             first = sum(len(g["params"]) for g in part["param_groups"])
-            for offset, number in enumerate(group["params"]):
-                if number in state_dict["state"]:
-                    part["state"][first + offset] = state_dict["state"][number]
+            part["state"].update({first + offset: state_dict["state"][number]
+                                  for offset, number in enumerate(group["params"]) if number in state_dict["state"]})
             part["param_groups"].append({**group, "params": list(range(first, first + len(group["params"])))})
         for optimizer_class, optimizer in self.optimizers.items():
             optimizer.load_state_dict(parts[optimizer_class])
@@ -252,17 +238,13 @@ class InnerOptimizers:
 
     def _groups_by_class(self, own: dict) -> list[dict]:
         """Each outer group's entry of its class's ``param_groups`` (in ``own[class]``), in outer order."""
-        position = {cls: 0 for cls in own}
-        groups = []
-        for optimizer_class in self.classes:
-            groups.append(own[optimizer_class]["param_groups"][position[optimizer_class]])
-            position[optimizer_class] += 1
-        return groups
+        remaining = {cls: iter(own[cls]["param_groups"]) for cls in own}
+        return [next(remaining[cls]) for cls in self.classes]
 
 
 def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs: dict[type, dict], topology,
-                        timeout: Optional[float], params: Sequence[torch.Tensor],
-                        runs: Sequence[tuple[list[torch.Tensor], torch.Tensor]] = ()) -> InnerOptimizers:
+                        params: Sequence[torch.Tensor], runs: Sequence[tuple[list[torch.Tensor], torch.Tensor]] = ()
+                        ) -> InnerOptimizers:
     """:class:`InnerOptimizers` over this rank's pieces of ``params``. Collective unless ``topology`` is ``None``:
     a refusal on one rank (a shape only it owns) raises the same error on every rank, never a later hang."""
     error, inner, refused = None, None, None
@@ -275,7 +257,7 @@ def build_on_every_rank(groups: Sequence[dict], classes: Sequence[type], kwargs:
     except Exception as exc:  # any refusal by a class's constructor: shared below, then raised everywhere
         error = exc
     if topology is not None:
-        gathered = topology.all_gather_objects(None if error is None else _portable(error), timeout,
+        gathered = topology.all_gather_objects(None if error is None else _portable(error),
                                                "inner optimizer construction agreement")
         refused = next(((rank, found) for rank, found in enumerate(gathered) if found is not None), None)
     if error is not None:

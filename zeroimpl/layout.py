@@ -160,12 +160,9 @@ class ShardLayout:
     def padding(self, bucket_index: int) -> list[tuple[int, int]]:
         """A bucket's ranges ``[start, end)`` that no parameter occupies."""
         bucket = self.buckets[bucket_index]
-        gaps, position = [], 0
-        for slot in sorted((self.slots[i] for i in bucket.param_indices), key=lambda slot: slot.offset):
-            if slot.offset > position:
-                gaps.append((position, slot.offset))
-            position = slot.end
-        return gaps + ([(position, bucket.padded_numel)] if position < bucket.padded_numel else [])
+        slots = sorted((self.slots[i] for i in bucket.param_indices), key=lambda slot: slot.offset)
+        ends, starts = [0] + [slot.end for slot in slots], [slot.offset for slot in slots] + [bucket.padded_numel]
+        return [(end, start) for end, start in zip(ends, starts) if end < start]  # a member's end to the next start
 
     def edges(self, bucket_index: int) -> list[int]:
         """Each member's start and end offset in a bucket's buffer."""
@@ -179,11 +176,9 @@ class ShardLayout:
             shard_start, shard_end = bucket.shard_range(rank)
             for param_index in bucket.param_indices:
                 slot = self.slots[param_index]
-                common = overlap(slot.offset, slot.end, shard_start, shard_end)
-                if common:
-                    start, end = common
-                    pieces.append(ShardPiece(param_index, bucket.index, start - slot.offset,
-                                             end - slot.offset, start - shard_start))
+                if common := overlap(slot.offset, slot.end, shard_start, shard_end):
+                    pieces.append(ShardPiece(param_index, bucket.index, common[0] - slot.offset,
+                                             common[1] - slot.offset, common[0] - shard_start))
         return pieces
 
     def fingerprint(self) -> dict:
@@ -265,12 +260,8 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
         raise ValueError(f"bucket_numel and alignment must be >= 1, got {bucket_numel}, {alignment}")
 
     groups: list[list[int]] = []  # parameter indices per bucket, in reverse parameter order
-    runs: list[list[int]] = []  # maximal runs of one group, dtype and kind, in reverse parameter order
-    for index in reversed(range(len(params))):
-        spec = params[index]
-        if not runs or (spec.group_index, spec.dtype) != (params[runs[-1][0]].group_index, params[runs[-1][0]].dtype):
-            runs.append([])
-        runs[-1].append(index)
+    runs = [list(run) for _, run in itertools.groupby(  # maximal runs of one group, dtype and kind, in reverse order
+        reversed(range(len(params))), key=lambda index: (params[index].group_index, params[index].dtype))]
     for run in runs:
         if params[run[0]].whole:
             groups += split_whole_run(run, params, world_size, bucket_numel)
@@ -290,14 +281,13 @@ def build_layout(params: Sequence[ParamSpec], world_size: int, bucket_numel: int
     rank_work = [0] * world_size
     for bucket_index, members in enumerate(groups):
         first = params[members[0]]
+        sizes = [params[i].numel for i in members]
         if first.whole:
             members, offsets, padded = place_whole(members, params, world_size, alignment, rank_work)
         elif first.blocks is not None:
-            offsets, padded = place_blocked([params[i].numel for i in members], first.blocks, world_size, alignment)
+            offsets, padded = place_blocked(sizes, first.blocks, world_size, alignment)
         else:
-            sizes = [params[i].numel for i in members]
-            offsets = list(_end_to_end(sizes))
-            padded = round_up(max(sum(sizes), 1), world_size * alignment)
+            offsets, padded = _end_to_end(sizes), round_up(max(sum(sizes), 1), world_size * alignment)
         for index, offset in zip(members, offsets):
             slots[index] = ParamSlot(index, bucket_index, offset, params[index].numel)
         buckets.append(Bucket(
@@ -364,14 +354,9 @@ def place_whole(members: list[int], params: Sequence[ParamSpec], world_size: int
         free.remove(rank)
         by_rank[rank] = chunks[chunk_index]
         rank_work[rank] += work[chunk_index]
-    ordered, offsets = [], []
-    for rank, chunk in enumerate(by_rank):
-        offset = rank * shard_numel
-        for index in chunk:
-            ordered.append(index)
-            offsets.append(offset)
-            offset += params[index].numel
-    return ordered, offsets, world_size * shard_numel
+    offsets = [rank * shard_numel + offset for rank, chunk in enumerate(by_rank)
+               for offset in _end_to_end([params[i].numel for i in chunk])]
+    return [index for chunk in by_rank for index in chunk], offsets, world_size * shard_numel
 
 
 def place_blocked(sizes: Sequence[int], blocks: Blocks, world_size: int, alignment: int) -> tuple[list[int], int]:
@@ -415,10 +400,7 @@ def _try_blocked(sizes: Sequence[int], blocks: Blocks, world_size: int, shard: i
 
 def _pieces_keep_quantization(offset: int, numel: int, shard: int, blocks: Blocks) -> bool:
     """Whether every piece of a member at ``offset`` (shards of ``shard`` elements) is quantized as it is."""
-    cuts = range(round_up(offset + 1, shard), offset + numel, shard)
-    if not cuts:
-        return True
-    edges = [offset, *cuts, offset + numel]
+    edges = [offset, *range(round_up(offset + 1, shard), offset + numel, shard), offset + numel]
     whole = blocks.quantizes(numel)
     return all(blocks.quantizes(high - low) == whole for low, high in zip(edges, edges[1:]))
 

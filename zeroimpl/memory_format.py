@@ -6,17 +6,14 @@ and checkpoint files use that order too (the checkpoint index records the stride
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    return tuple(math.prod(max(size, 1) for size in shape[dim + 1:]) for dim in range(len(shape)))
 
 
 def dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:

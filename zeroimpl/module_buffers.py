@@ -127,8 +127,7 @@ def _overwrite_by_dtype(tensors: list[torch.Tensor], broadcast: Callable[[torch.
     for tensor in tensors:
         by_dtype.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
     for members in by_dtype.values():
-        run: list[torch.Tensor] = []
-        run_numel = 0
+        run, run_numel = [], 0
         for tensor in members:
             if tensor.numel() > FLAT_NUMEL and tensor.is_contiguous():
                 broadcast(tensor)
@@ -145,7 +144,5 @@ def _overwrite_by_dtype(tensors: list[torch.Tensor], broadcast: Callable[[torch.
 def _broadcast_flat(tensors: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None]) -> None:
     flat = torch.cat([t.reshape(-1) for t in tensors])
     broadcast(flat)
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
+    for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        tensor.copy_(piece.view_as(tensor))

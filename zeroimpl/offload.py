@@ -73,9 +73,7 @@ def inner_kwargs(classes: list[type], optimizer_class: type, optimizer_kwargs: d
                  policy: Optional[CPUOffload]) -> dict[type, dict]:
     """Each inner class's constructor arguments: ``optimizer_kwargs`` for ``optimizer_class`` (other classes' groups
     carry theirs), with the fused host kernel where ``policy`` applies."""
-    kwargs = {cls: {} for cls in classes}
-    if optimizer_class in kwargs:
-        kwargs[optimizer_class] = dict(optimizer_kwargs)  # checked by the class's constructor
+    kwargs = {cls: dict(optimizer_kwargs) if cls == optimizer_class else {} for cls in classes}  # (the class checks)
     if policy is not None:
         refuse_capturable(groups)  # (they hold optimizer_kwargs too)
         for cls in kwargs:
@@ -99,9 +97,8 @@ def host_buffers(layout, param_dtypes: list[torch.dtype], pin_device: Optional[t
     """Offload's host memory, slices of one :class:`HostArena` (page-locked for ``pin_device``): per bucket a
     master and a gradient shard, and per 16-bit dtype the two staging buffers of :func:`staging_sizes`."""
     buckets = len(layout.buckets)
-    dtypes = [at_least_fp32(param_dtypes[b.param_indices[0]]) for b in layout.buckets]
     staging = staging_sizes(layout, param_dtypes)
-    sizes = [(b.shard_numel, d) for b, d in zip(layout.buckets, dtypes)] * 2
+    sizes = [(b.shard_numel, at_least_fp32(param_dtypes[b.param_indices[0]])) for b in layout.buckets] * 2
     sizes += [(numel, dtype) for dtype, numel in staging.items() for _ in range(2)]
     arena = HostArena(sizes, pin_device)
     slices = arena.slices

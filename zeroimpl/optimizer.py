@@ -122,7 +122,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                        max_inflight_buckets, loss_scale)
         trainable, layout = self._lay_out()
         # the layout depends on each group's class and kind too: ranks must agree on it, not only on the params
-        validation.check_params(trainable, self.topology, collective_timeout, {**layout.fingerprint(), **quantized},
+        validation.check_params(trainable, self.topology, {**layout.fingerprint(), **quantized},
                                 values=init_sync == "check")
         # a CPU model under NCCL (built through its GPU) may move there later; the step refuses it until then
         self._unplaced: Optional[str] = validation.placement_problem(trainable, self.process_group)
@@ -161,8 +161,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.inner = build_on_every_rank(self.pieces.inner_groups(self.param_groups), settings.classes,
                                          inner_kwargs(settings.classes, settings.optimizer_class,
                                                       settings.optimizer_kwargs, self.param_groups, self.offload),
-                                         self.topology if agree else None, timeout, trainable, self.pieces.runs())
-        self.inner.fill_defaults(self.param_groups)
+                                         self.topology if agree else None, trainable, self.pieces.runs())
+        self.inner.report(self.param_groups)
         self.defaults = self.inner.defaults
 
         self.loss_scaler: Optional[DynamicLossScaler] = DynamicLossScaler.resolve(settings.loss_scale, trainable)
@@ -188,7 +188,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError(self._unplaced)
 
     def _rebuild_after_a_move(self) -> None:
-        successors = self.ownership.successors()
+        successors = self.ownership.successors
         if not successors and not any(storage.rebound_params() for storage in self.storages):
             return
         if self.reducer.backward_passes or self.gradients.has_gradients or self._steps_taken:
@@ -443,8 +443,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._follow_model(before_collectives=True)
         self.finish_param_gathers()
         verify.verify_ranks_agree(self.storages, self.ownership.frozen, self.topology, self._device,
-                                  self.collective_timeout, self._steps_taken,
-                                  lambda param: verify.param_name(self.param_groups, param))
+                                  self._steps_taken, lambda param: verify.param_name(self.param_groups, param))
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: gather the full torch-format state for the :meth:`state_dict` of rank ``to`` of the shard group
@@ -454,7 +453,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         split = [(piece, *(_on_host(part) for part in split_state(state, tuple(master.shape),
                                                                   whole[piece.bucket_index], master.stride())))
                  for piece, master, state in self.piece_states()]
-        gathered = self.topology.gather_objects(split, to, self.collective_timeout, "state dict consolidation")
+        gathered = self.topology.gather_objects(split, to, "state dict consolidation")
         self._consolidated = None if gathered is None else self._full_state(gathered)
 
     def _full_state(self, gathered: list[list[tuple]]) -> dict:
@@ -493,8 +492,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             "layout": self.layout.fingerprint(),
             "strides": [tuple(p.stride()) for p in self.trainable_params],  # the flat order of every shard
             "inner": self.inner.state_dict(),
-            "param_groups": [{k: v for k, v in g.items() if k not in ("params", "optimizer")}
-                             for g in self.param_groups],
+            "param_groups": [described["hyperparameters"] for described in describe_groups(self)],
             "master_weights": [s.master for s in self.storages] if separate else None,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
             "quantize_param_gather": quantized,
@@ -532,7 +530,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _agree_to_load(self, problem: Optional[str]) -> None:
         """Raise the same refusal on every rank unless all can load (``problem``: why this one cannot). Collective:
         a loop that saved rank 0's shard alone (nanoGPT) then raises on every rank at resume, rather than hang."""
-        problems = self.topology.all_gather_objects(problem, self.collective_timeout, "state dict agreement")
+        problems = self.topology.all_gather_objects(problem, "state dict agreement")
         if problem is not None:
             raise ValueError(problem)
         refused = next(((rank, text) for rank, text in enumerate(problems) if text is not None), None)

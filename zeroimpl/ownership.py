@@ -28,6 +28,8 @@ _HEIRS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDiction
 # id(frozen member of the param groups) -> the live claim whose groups hold it (several may)
 _FROZEN_OWNERS: "weakref.WeakValueDictionary[int, Ownership]" = weakref.WeakValueDictionary()
 _REGISTRATION_HOOK = None  # the global parameter-registration hook, installed with the first claim
+_OPEN_FOLLOWERS: "weakref.WeakSet[ModelFollower]" = weakref.WeakSet()  # of optimizers not stepped yet
+_FORWARD_HOOK = None  # the module-level forward pre-hook, installed with the first follower
 
 
 class Ownership:
@@ -40,20 +42,14 @@ class Ownership:
         self.params = list(params)
         self.frozen = list(frozen)
         self.replaced: list[str] = []  # "Module.name" of parameters a module replaced by other objects
-        self._successors: dict[int, torch.nn.Parameter] = {}  # id(owned parameter) -> the Parameter replacing it
-        for param in self.params:
-            _OWNERS[id(param)] = self
-        for param in self.frozen:
-            _FROZEN_OWNERS[id(param)] = self
+        self.successors: dict[int, torch.nn.Parameter] = {}  # id(owned parameter, frozen too) -> its replacement
+        _OWNERS.update({id(param): self for param in self.params})
+        _FROZEN_OWNERS.update({id(param): self for param in self.frozen})
         _install_registration_hook()
-
-    def successors(self) -> dict[int, torch.nn.Parameter]:
-        """``id(owned parameter)`` -> the Parameter now in its place, if replaced since construction (frozen too)."""
-        return dict(self._successors)
 
     def _succeed(self, original: int, param: torch.nn.Parameter) -> None:
         """``param`` replaces the owned parameter of id ``original`` (directly, or a replacement of it)."""
-        self._successors[original] = param
+        self.successors[original] = param
         _HEIRS[id(param)] = self
 
     def release(self) -> None:
@@ -81,8 +77,7 @@ class Ownership:
                 "assign=False (the default), or change the model before the first backward")
         rebound = [(i, s.param_buffer) for s in storages for i in s.rebound_params()]
         if rebound:
-            first, home = rebound[0]
-            raise RuntimeError(rebound_message([i for i, _ in rebound], self.params[first], home))
+            raise RuntimeError(rebound_message([i for i, _ in rebound], self.params[rebound[0][0]], rebound[0][1]))
 
 
 def rebound_message(param_indices: list[int], param: torch.Tensor, home: torch.Tensor) -> str:
@@ -120,8 +115,8 @@ def _on_parameter_registered(module: torch.nn.Module, name: str, param) -> None:
         return
     heir_of = _HEIRS.get(id(old))  # a replacement replaced again: the owned parameter's successor is the new one
     if heir_of is not None:
-        original = next(key for key, heir in heir_of._successors.items() if heir is old)
-        del heir_of._successors[original], _HEIRS[id(old)]
+        original = next(key for key, heir in heir_of.successors.items() if heir is old)
+        del heir_of.successors[original], _HEIRS[id(old)]
         if (isinstance(param, torch.nn.Parameter) and param.shape == old.shape
                 and param.requires_grad == old.requires_grad):
             heir_of._succeed(original, param)
@@ -156,17 +151,13 @@ class ModelFollower:
         # a compiled module runs its original's forward below the hooks: its parameters are all the original's
         params = module.parameters() if type(module).__name__ == "OptimizedModule" else module._parameters.values()
         moved = any(id(p) in addresses and p.data_ptr() != addresses[id(p)] for p in params if p is not None)
-        if moved or self.ownership.successors():
+        if moved or self.ownership.successors:
             follow = self._follow()
             if follow is not None:
                 follow()
 
     def close(self) -> None:
         _OPEN_FOLLOWERS.discard(self)
-
-
-_OPEN_FOLLOWERS: "weakref.WeakSet[ModelFollower]" = weakref.WeakSet()  # of optimizers not stepped yet
-_FORWARD_HOOK = None  # the module-level forward pre-hook, installed with the first follower
 
 
 def _install_forward_hook() -> None:

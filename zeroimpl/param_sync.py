@@ -36,8 +36,8 @@ class ParamSync:
         self._cuda = device if device.type == "cuda" else None  # copies to CUDA are asynchronous: track them
         self.gathers = InFlightGathers()  # the all-gathers left in flight by the last step
         self._turns = dict.fromkeys(staging, 0)  # per dtype: the staging buffer to fill next
-        self._staged: dict = {}  # (dtype, 0 or 1) -> the CUDA event after the last copy out of that buffer
-        self._published: Optional[torch.cuda.Event] = None  # after the last copy of masters to the device
+        # the CUDA event after the last copy out of a host buffer: staging (dtype, 0 or 1), the masters (None)
+        self._staged: dict = {}
         weakref.finalize(self, self.gathers.abandon)  # no gather outlives its optimizer unfinished, no guard stays
 
     def start_param_sync(self, step_bucket: Optional[Callable[[BucketStorage], None]] = None, overlap: bool = False,
@@ -67,8 +67,7 @@ class ParamSync:
                 storage.edited = False
             gathers[storage.bucket.index] = BucketGather(self._gather_exactly(storage))
         if self._cuda is not None:
-            self._published = torch.cuda.Event()
-            self._published.record(torch.cuda.current_stream(self._cuda))
+            self._staged[None] = torch.cuda.current_stream(self._cuda).record_event()
         # the all-gather writes the parameters in place: let autograd refuse graphs built before it
         torch.autograd.graph.increment_version([p for s in self.storages for p in s.params])
         for storage in self.storages:
@@ -85,9 +84,6 @@ class ParamSync:
             for event in self._staged.values():
                 event.synchronize()
             self._staged.clear()
-            if self._published is not None:
-                self._published.synchronize()
-                self._published = None
         if take_edits:
             for storage in self.storages:
                 storage.sync_master_with_params()
@@ -121,8 +117,7 @@ class ParamSync:
                 self._staged.pop(key).synchronize()
             storage.publish_master(buffers[key[1]][:storage.shard.numel()])
             if self._cuda is not None:
-                self._staged[key] = torch.cuda.Event()
-                self._staged[key].record(torch.cuda.current_stream(self._cuda))
+                self._staged[key] = torch.cuda.current_stream(self._cuda).record_event()
 
     def _gather_exactly(self, storage: BucketStorage) -> Pending:  # unquantized
         if not self._gathers_issued:  # one rank: the shard is the whole buffer

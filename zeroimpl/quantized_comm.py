@@ -98,8 +98,7 @@ class ShardBlocks:
     plans: dict = field(default_factory=dict, compare=False, repr=False)  # (rank, device) -> _Plan
 
     @staticmethod
-    def of(boundaries: list[int], shard_numel: int, world_size: int, rank: int,
-           signed: bool = False) -> "ShardBlocks":
+    def of(boundaries: list[int], shard_numel: int, world_size: int, rank: int, signed: bool = False) -> "ShardBlocks":
         """From the bucket's parameter boundaries; ``shard_numel % 4 == 0`` keeps the fp32 ranges aligned."""
         if shard_numel % 4:
             raise ValueError(f"a quantized shard needs a multiple of 4 elements, got {shard_numel}")
@@ -112,18 +111,17 @@ class ShardBlocks:
         payload = shard_numel + range_bytes * max(sum(-(-n // BLOCK) for n in lengths) for lengths in segments)
         return ShardBlocks(rank, shard_numel, tuple(segments), payload, signed)
 
-    def _plan(self, rank: int, device: torch.device) -> _Plan:
-        key = (rank, device)
-        if key not in self.plans:
+    def _plan(self, rank: Optional[int], device: torch.device) -> _Plan:
+        rank = self.rank if rank is None else rank
+        if (rank, device) not in self.plans:
             cpu = self.plans.get((rank, torch.device("cpu"))) or _Plan.of(self.segments[rank])
-            self.plans[key] = cpu.on(device)
-        return self.plans[key]
+            self.plans[rank, device] = cpu.on(device)
+        return self.plans[rank, device]
 
     def encode(self, values: torch.Tensor, rank: Optional[int] = None, out: Optional[torch.Tensor] = None,
                minus: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The payload of ``values`` (1-D, ``shard_numel``, any float dtype) on ``rank``'s (default: own) blocks, in
         ``out`` or a new tensor; given ``minus`` (the parameters as last published), of ``values - minus``."""
-        rank = self.rank if rank is None else rank
         device, n = values.device, self.shard_numel
         plan = self._plan(rank, device)
         width, dtype = (1, torch.int8) if self.signed else (2, torch.uint8)
@@ -186,7 +184,6 @@ class ShardBlocks:
         self._decode(payload, rank, total, accumulate=True)
 
     def _decode(self, payload: torch.Tensor, rank: Optional[int], into: torch.Tensor, accumulate: bool) -> None:
-        rank = self.rank if rank is None else rank
         device, n = payload.device, self.shard_numel
         plan = self._plan(rank, device)
         width = 1 if self.signed else 2  # fp32 numbers per block: its step, or its minimum and step
@@ -197,15 +194,13 @@ class ShardBlocks:
         scratch = plan.scratch(device)
         tail_values = None
         if plan.tails:
-            rows = plan.tail_rows
             tail_values = torch.empty(len(plan.tail_elements), dtype=torch.float32, device=device)
-            _dequantize(codes[plan.tail_elements], None if low is None else low[rows, 0], step[rows, 0], tail_values,
-                        False, None)
+            _dequantize(codes[plan.tail_elements], None if low is None else low[plan.tail_rows, 0],
+                        step[plan.tail_rows, 0], tail_values, False, None)
         for start, count, block in plan.chunks(device):
             blocks = slice(block, block + count // BLOCK)
-            target = into[start:start + count].view(-1, BLOCK)
-            _dequantize(codes[start:start + count].view(-1, BLOCK), None if low is None else low[blocks],
-                        step[blocks], target, accumulate, scratch[:count].view(-1, BLOCK))
+            _dequantize(codes[start:start + count].view(-1, BLOCK), None if low is None else low[blocks], step[blocks],
+                        into[start:start + count].view(-1, BLOCK), accumulate, scratch[:count].view(-1, BLOCK))
         if tail_values is not None:
             if accumulate:
                 into.index_add_(0, plan.tail_elements, tail_values)
@@ -227,8 +222,7 @@ def _dequantize(codes: torch.Tensor, low: Optional[torch.Tensor], step: torch.Te
     """``into`` (+)= ``low + codes * step`` (or ``codes * step``) row by row, an added value rounded to fp32 first."""
     wide = codes.to(torch.float32) if scratch is None else scratch.copy_(codes)
     if accumulate:
-        decoded = wide.mul_(step) if low is None else torch.addcmul(low, wide, step, out=wide)
-        into.add_(decoded)
+        into.add_(wide.mul_(step) if low is None else torch.addcmul(low, wide, step, out=wide))
     elif low is None:
         torch.mul(wide, step, out=into)
     else:
@@ -250,8 +244,7 @@ def reduction_blocks(layout: ShardLayout, quantized: Union[bool, str], rank: int
     return shard, replicas
 
 
-def _replica_blocks(layout: ShardLayout, bucket_index: int, rank: int, replica_rank: int,
-                    replicas: int) -> ShardBlocks:
+def _replica_blocks(layout: ShardLayout, bucket_index: int, rank: int, replica_rank: int, replicas: int) -> ShardBlocks:
     """Blocks of shard ``rank``'s gradient for its 8-bit all-reduce: a piece per replica, a multiple of 4 long."""
     bucket = layout.buckets[bucket_index]
     start = bucket.shard_range(rank)[0]

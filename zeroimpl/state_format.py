@@ -28,13 +28,9 @@ CLASSES = {"OptimState8bit": "torchao.optim.subclass_8bit", "OptimState4bit": "t
 RECIPE = "tensor"
 
 
-def is_part(key: str, part: str) -> bool:
-    return key.endswith("/" + part)
-
-
 def is_recipe(key: str, value) -> bool:
     """Whether ``key: value`` is the recipe of a stored subclass value (not a user's key that merely ends so)."""
-    return is_part(key, RECIPE) and isinstance(value, tuple) and len(value) == 3 and value[0] in CLASSES
+    return key.endswith("/" + RECIPE) and isinstance(value, tuple) and len(value) == 3 and value[0] in CLASSES
 
 
 def plain_parts(state: Optional[dict]) -> Optional[dict]:
@@ -114,7 +110,7 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
     elementwise, scalars, whole_state = {}, {}, {}
     for key, value in plain_parts(state).items():
         if torch.is_tensor(value) and whole and (  # block scales and qmaps: piece-level whatever their shape (a
-                is_per_block(key) or key.startswith("qmap") or is_part(key, "qmap")):  # 256-element piece's map)
+                is_per_block(key) or key.startswith("qmap") or key.endswith("/qmap")):  # 256-element piece's map)
             whole_state[key] = value.detach().cpu().clone()
         elif torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape):
             elementwise[key] = value.reshape(-1) if strides is None else flattened(value, strides)
@@ -134,7 +130,7 @@ def split_state(state: Optional[dict], shape: tuple, whole: bool, strides: Optio
 
 def is_per_block(key: str) -> bool:
     """Whether low-bit state ``key`` holds a value per block (``absmax1``/``absmax2``, ``.../scale``)."""
-    return key.startswith("absmax") or is_part(key, "scale")
+    return key.startswith("absmax") or key.endswith("/scale")
 
 
 def block_range(start: int, end: int, block: int) -> tuple[int, int]:
@@ -171,10 +167,11 @@ def torch_optimizer_state(groups: list[dict], shapes: list[tuple], strides: list
                           scalars: list[Optional[dict]]) -> dict:
     """The plain optimizer's ``state_dict()`` over ``groups`` (:func:`describe_groups`) from each trainable parameter's
     :func:`place_piece` state, ``scalars`` (``None``: never stepped), shape and memory order."""
-    state, param_groups, number = {}, [], 0
+    state, param_groups = {}, []
     for group in groups:
-        numbers = []
-        for member in group["members"]:
+        first = sum(len(g["params"]) for g in param_groups)
+        param_groups.append({**group["hyperparameters"], "params": list(range(first, first + len(group["members"])))})
+        for number, member in enumerate(group["members"], first):
             if member >= 0 and scalars[member] is not None:
                 shape, order = tuple(shapes[member]), tuple(strides[member])
                 numel = torch.Size(shape).numel()
@@ -183,9 +180,6 @@ def torch_optimizer_state(groups: list[dict], shapes: list[tuple], strides: list
                             for key, value in states[member].items()}}
                 require_logical_order(parts, shape, order, member)
                 state[number] = joined(parts, shape)
-            numbers.append(number)
-            number += 1
-        param_groups.append({**group["hyperparameters"], "params": numbers})
     return {"state": state, "param_groups": param_groups}
 
 
@@ -197,11 +191,8 @@ def pieces_of_torch_state(state_dict: dict, groups: list[dict], params: list[tor
     if saved_groups is None or [len(g["params"]) for g in saved_groups] != [len(g["members"]) for g in groups]:
         raise CheckpointError("the state dict's param groups do not match this optimizer's (same groups, same "
                               "parameters, in the same order, are needed)")
-    number_of = {}  # trainable index -> torch's parameter number
-    for group, saved in zip(groups, saved_groups):
-        for member, number in zip(group["members"], saved["params"]):
-            if member >= 0:
-                number_of[member] = number
+    number_of = {member: number for group, saved in zip(groups, saved_groups)  # trainable index -> torch's number
+                 for member, number in zip(group["members"], saved["params"]) if member >= 0}
     saved_state = state_dict["state"]
     # which keys are per element: told by a parameter that is not a scalar (for a 0-dim parameter, Adam's
     # `step` and `exp_avg` have the same shape)
@@ -233,8 +224,7 @@ def pieces_of_torch_state(state_dict: dict, groups: list[dict], params: list[tor
         if block:  # a low-bit piece: the scales of its blocks, and the quantization map
             first, last = block_range(piece.param_start, piece.param_end, block)
             whole = {key: value[first:last].clone() if is_per_block(key) else value for key, value in whole.items()}
-        piece_states.append(joined({**scalars, **whole, **{key: shaped(values[window].clone(), master.shape,
-                                                                       master.stride())
-                                                           for key, values in elementwise.items()}},
-                                   tuple(master.shape)))
+        elementwise = {key: shaped(values[window].clone(), master.shape, master.stride())
+                       for key, values in elementwise.items()}
+        piece_states.append(joined({**scalars, **whole, **elementwise}, tuple(master.shape)))
     return piece_states, saved_groups

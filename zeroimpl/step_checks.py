@@ -148,22 +148,18 @@ class StepChecks:
         shards = self.shards()
         local_device = shards[0].device if shards else self.device
         passes = float(self.reducer.backward_passes)
-        maximum = norm_type == float("inf")
-        if maximum:
-            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=at_least_fp32(s.dtype))
-                                     for s in shards] or [torch.zeros((), device=local_device)]).max()
-        else:
-            power = 2.0 if norm_type is None else norm_type
-            norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=at_least_fp32(s.dtype)) ** power
-                                     for s in shards] or [torch.zeros((), device=local_device)]).sum()
-            if self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
-                norm_term = torch.zeros_like(norm_term)
+        maximum, power = norm_type == float("inf"), 2.0 if norm_type is None else norm_type
+        norms = torch.stack([torch.linalg.vector_norm(s, power, dtype=at_least_fp32(s.dtype)) for s in shards]
+                            or [torch.zeros((), device=local_device)])
+        norm_term = norms.max() if maximum else (norms ** power).sum()
+        if not maximum and self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
+            norm_term = torch.zeros_like(norm_term)
         values = to_device(encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum), self.device)
         if riders is not None:
             counted = riders if maximum or self.topology.replicate_rank == 0 else torch.zeros_like(riders)
             values = torch.cat([values, to_device(counted, self.device)])
         agreed = self.topology.all_reduce_(values, dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM,
-                                           self.topology.timeout, "gradient check all-reduce", read_on_host=True)
+                                           "gradient check all-reduce", read_on_host=True)
         if riders is not None:
             riders.copy_(agreed[CHECK_VALUES:])
             agreed = agreed[:CHECK_VALUES]
@@ -185,16 +181,14 @@ class StepChecks:
     def _params_with_gradients(self) -> list[bool]:
         """By parameter index, whether any rank has its gradient: a flag per parameter, all-reduced."""
         local = device_tensor(self.reducer.grad_exists, self.device, torch.float32)
-        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.topology.timeout,
-                                           "gradient presence all-reduce", read_on_host=True)
+        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, "gradient presence all-reduce", read_on_host=True)
         return [flag > 0 for flag in agreed.tolist()]
 
     def _any_nonfinite(self, shards: list[torch.Tensor]) -> bool:
         """Whether any rank's shard holds NaN/Inf, exactly: a mask per shard, one more all-reduce and host sync."""
         local = torch.stack([~torch.isfinite(s).all() for s in shards]).any().float().reshape(1)
         local = to_device(local, self.device)
-        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, self.topology.timeout,
-                                           "gradient NaN/Inf all-reduce", read_on_host=True)
+        agreed = self.topology.all_reduce_(local, dist.ReduceOp.MAX, "gradient NaN/Inf all-reduce", read_on_host=True)
         return bool(agreed.item())
 
 

@@ -21,7 +21,7 @@ REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
 
 @dataclass(frozen=True)
 class Topology:
-    """One optimizer's process groups, and where and how long their collectives run."""
+    """One optimizer's process groups, and where and how long their collectives run (each method's: ``timeout``)."""
 
     shard: Optional[dist.ProcessGroup] = None  # the ranks that own the shards (None: the default group)
     replicate: Optional[dist.ProcessGroup] = None  # the ranks that hold this rank's shard too (None: no replicas)
@@ -63,44 +63,41 @@ class Topology:
     def groups(self) -> list:
         return [self.shard] + ([self.replicate] if self.replicate is not None else [])
 
-    def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp, timeout: Optional[float] = None,
-                    name: str = "all-reduce", read_on_host: bool = False) -> torch.Tensor:
+    def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp, name: str = "all-reduce",
+                    read_on_host: bool = False) -> torch.Tensor:
         for group in self.groups():
-            comm.all_reduce_(tensor, op, group, timeout, name, read_on_host)
+            comm.all_reduce_(tensor, op, group, self.timeout, name, read_on_host)
         return tensor
 
-    def same_on_every_rank(self, values: torch.Tensor, timeout: Optional[float] = None,
-                           name: str = "agreement all-reduce") -> torch.Tensor:
+    def same_on_every_rank(self, values: torch.Tensor, name: str = "agreement all-reduce") -> torch.Tensor:
         """Elementwise, whether every rank holds the same 1-D ``values`` (the maximum is the minimum); the same
         answer on every rank. Integers take the minimum as ``~max(~x)``, since ``-x`` wraps at the type's minimum
         (``[min, 5]`` would read as agreeing)."""
         mirror = torch.neg if values.is_floating_point() else torch.bitwise_not  # order-reversing, exact
-        high, mirrored_low = self.all_reduce_(torch.cat([values, mirror(values)]), dist.ReduceOp.MAX, timeout, name,
+        high, mirrored_low = self.all_reduce_(torch.cat([values, mirror(values)]), dist.ReduceOp.MAX, name,
                                               read_on_host=True).chunk(2)
         return high == mirror(mirrored_low)
 
-    def all_gather_objects(self, value, timeout: Optional[float] = None, name: str = "object all-gather") -> list:
+    def all_gather_objects(self, value, name: str = "object all-gather") -> list:
         """Every rank's ``value``: entry ``r * shard_size + s`` is shard rank ``s`` of replica ``r``."""
-        row = comm.all_gather_objects(value, self.shard, timeout, name, self.device)
+        row = comm.all_gather_objects(value, self.shard, self.timeout, name, self.device)
         if self.replicate is None:
             return row
-        return [item for rows in comm.all_gather_objects(row, self.replicate, timeout, name, self.device)
+        return [item for rows in comm.all_gather_objects(row, self.replicate, self.timeout, name, self.device)
                 for item in rows]
 
-    def broadcast_object(self, value, source: int, timeout: Optional[float] = None,
-                         name: str = "object broadcast"):
+    def broadcast_object(self, value, source: int, name: str = "object broadcast"):
         """On every rank, the ``value`` of rank ``source`` in :meth:`all_gather_objects`' order: broadcast in every
         shard group from shard rank ``source % shard_size``, then in every replicate group from that replica."""
         replica, shard_rank = divmod(source, self.shard_size)
-        value = comm.broadcast_object(value, shard_rank, self.shard, timeout, name, self.device)
+        value = comm.broadcast_object(value, shard_rank, self.shard, self.timeout, name, self.device)
         if self.replicate is None:
             return value
-        return comm.broadcast_object(value, replica, self.replicate, timeout, name, self.device)
+        return comm.broadcast_object(value, replica, self.replicate, self.timeout, name, self.device)
 
-    def gather_objects(self, value, to: int, timeout: Optional[float] = None,
-                       name: str = "object gather") -> Optional[list]:
+    def gather_objects(self, value, to: int, name: str = "object gather") -> Optional[list]:
         """Every shard rank's ``value``, in shard-rank order, on shard rank ``to`` of each replica; else ``None``."""
-        return comm.gather_objects(value, to, self.shard, timeout, name, self.device)
+        return comm.gather_objects(value, to, self.shard, self.timeout, name, self.device)
 
 
 def resolve_topology(process_group: Optional[dist.ProcessGroup], device_mesh, groups: list[dict],

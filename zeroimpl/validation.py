@@ -141,8 +141,7 @@ def outside_ddp_message(indices: list[int]) -> str:
             "own, or drop the DDP wrap (ShardedOptimizer then averages every gradient itself). " + FRAMEWORK_ROUTES)
 
 
-def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] = None,
-                 layout: Optional[dict] = None, values: bool = True) -> None:
+def check_params(params: list[torch.Tensor], topology, layout: Optional[dict] = None, values: bool = True) -> None:
     """Local checks, then a collective one that every rank holds the same parameters (shapes, strides and float64
     checksums, compared as ``max(x) == -max(-x)``) and ``layout`` (a fingerprint), on a device the collectives reach
     (a CPU model under NCCL: the GPU); ``values=False``: shapes only."""
@@ -156,13 +155,13 @@ def check_params(params: list[torch.Tensor], topology, timeout: Optional[float] 
                            "transposed weight) of the trainable parameters, or the shard "
                            "layout (param groups, their optimizer classes, per_parameter, bucket_numel, "
                            "quantize_param_gather, quantize_grad_reduce)",
-                           timeout, "build the same model, with the same options, on every rank")
+                           "build the same model, with the same options, on every rank")
     if not values:
         return
     with torch.no_grad():
         sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
                             for p in params]).flatten().to(device)
-    _raise_if_ranks_differ(sums, topology, "the values of the parameters (init_sync='check')", timeout,
+    _raise_if_ranks_differ(sums, topology, "the values of the parameters (init_sync='check')",
                            "leave init_sync at 'broadcast' (the default: rank 0's parameters overwrite the others', "
                            "as DDP does at construction), or load the same weights on every rank before building "
                            "the optimizer. Seeding every rank alike gives equal weights too, but if that generator "
@@ -198,6 +197,6 @@ def check_local_params(params: list[torch.Tensor]) -> None:
                              "be optimized")
 
 
-def _raise_if_ranks_differ(values: torch.Tensor, topology, what: str, timeout: Optional[float], fix: str) -> None:
-    if not topology.same_on_every_rank(values, timeout, "construction check all-reduce").all():
+def _raise_if_ranks_differ(values: torch.Tensor, topology, what: str, fix: str) -> None:
+    if not topology.same_on_every_rank(values, "construction check all-reduce").all():
         raise RuntimeError(f"ranks differ in {what} at ShardedOptimizer construction: {fix}")

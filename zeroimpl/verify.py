@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -17,13 +17,12 @@ class DivergenceError(CollectiveError):
 
 
 def verify_ranks_agree(storages: list[BucketStorage], frozen: list[torch.Tensor], topology: Topology,
-                       device: torch.device, timeout: Optional[float], step: int,
-                       name_of: Callable[[torch.Tensor], str]) -> None:
+                       device: torch.device, step: int, name_of: Callable[[torch.Tensor], str]) -> None:
     """Raise :class:`DivergenceError` on every rank unless all hold bit-identical bucket and ``frozen`` parameters.
     Collective: one all-reduce of a checksum per bucket and frozen parameter (:meth:`Topology.same_on_every_rank`),
     then one of a checksum per parameter of the differing buckets, to find the first (``name_of`` names it)."""
     def same_on_every_rank(checksums: torch.Tensor) -> list[bool]:
-        return topology.same_on_every_rank(checksums.to(device), timeout, "parameter checksum all-reduce").tolist()
+        return topology.same_on_every_rank(checksums.to(device), "parameter checksum all-reduce").tolist()
 
     flat_frozen = [p.detach().reshape(-1) for p in frozen]
     same = same_on_every_rank(torch.stack([bit_checksum(t).to(device)  # a frozen member may live elsewhere

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from ..memory_format import flattened
 from ..optimizer import ShardedOptimizer
 from ..state_format import CheckpointError, describe_groups, split_state
+from ..topology import Topology
 from . import files
 from .files import EXTRAS, INDEX, rank_file
 from .format import (FORMAT, check_fits, check_format, merge_scalars, model_state, optimizer_classes, param_names,
@@ -196,7 +198,7 @@ def _index(optimizer: ShardedOptimizer, model: torch.nn.Module, save: str, listi
 def exists_on_every_rank(directory: str, optimizer: ShardedOptimizer, timeout: Optional[float] = None) -> bool:
     """Whether every rank of ``optimizer`` sees ``directory`` (or what a save killed mid-publish left of it), the
     same answer on every rank. Collective; ``timeout`` as for :func:`save_checkpoint`."""
-    return all(optimizer.topology.all_gather_objects(files.findable(directory), timeout, "checkpoint existence check"))
+    return all(_ranks(optimizer, timeout).all_gather_objects(files.findable(directory), "checkpoint existence check"))
 
 
 def _check_arguments(optimizer, model, function: str) -> None:
@@ -243,8 +245,8 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
         raise CheckpointError(f"the ranks' directories {directory!r} hold the indexes of different saves "
                               f"({', '.join(sorted(saves))}): give every rank the directory of one save")
     if len(holders) < len(found):  # a save to each rank's own directory: the index and extras from the first holder
-        index, extras = optimizer.topology.broadcast_object((index, extras), holders[0], timeout,
-                                                            "checkpoint agreement (sharing the checkpoint's index)")
+        index, extras = _ranks(optimizer, timeout).broadcast_object(
+            (index, extras), holders[0], "checkpoint agreement (sharing the checkpoint's index)")
     try:
         check_fits(index, extras, optimizer, model)
         restored = read_new_shard(own, index, optimizer)
@@ -262,6 +264,11 @@ def load_checkpoint(directory: str, optimizer: ShardedOptimizer, model: torch.nn
 
 
 # -- collective error handling ---------------------------------------------------------------------
+def _ranks(optimizer: ShardedOptimizer, timeout: Optional[float]) -> Topology:
+    """The optimizer's ranks, whose collectives here wait at most the checkpoint's ``timeout``."""
+    return replace(optimizer.topology, timeout=timeout)
+
+
 def _agree(error: Optional[BaseException], optimizer: ShardedOptimizer, timeout: Optional[float], what: str,
            value=None) -> list:
     """All-gather (error, value) so that a failure on one rank raises on every rank instead of a hang; the
@@ -271,8 +278,8 @@ def _agree(error: Optional[BaseException], optimizer: ShardedOptimizer, timeout:
     message = None if error is None else f"{type(error).__name__}: {error}"
     if isinstance(error, OSError):
         message += " (a file system error: check that this rank can create and write the directory, with room)"
-    gathered = optimizer.topology.all_gather_objects((message, value, dist.get_rank()), timeout,
-                                                     f"checkpoint agreement ({what})")
+    gathered = _ranks(optimizer, timeout).all_gather_objects((message, value, dist.get_rank()),
+                                                             f"checkpoint agreement ({what})")
     failures = [(rank, message) for message, _, rank in gathered if message is not None]
     if error is not None and not isinstance(error, OSError):
         raise error

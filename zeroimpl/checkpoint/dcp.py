@@ -151,7 +151,7 @@ class DCPState(Stateful):
         # as get_state_dict gives a torch optimizer: placeholder state where no rank has any (nothing stepped yet),
         # else only the state there is (a parameter without gradients so far has none, in torch's too)
         fresh = not any(optimizer.topology.all_gather_objects(
-            any(state is not None for _, _, state in pieces), None, "DCPState (whether any rank holds state)"))
+            any(state is not None for _, _, state in pieces), "DCPState (whether any rank holds state)"))
         placeholders = {}
         if fresh:  # (the same on every rank: the agreement that follows only then)
             error = None
@@ -161,7 +161,7 @@ class DCPState(Stateful):
             except CheckpointError as caught:  # every rank must raise, not only those holding such a piece
                 error = str(caught)
             failures = [failure for failure in optimizer.topology.all_gather_objects(
-                error, None, "DCPState (placeholder state)") if failure is not None]
+                error, "DCPState (placeholder state)") if failure is not None]
             if failures:
                 raise CheckpointError(failures[0])
         # (piece, master view, state or None) in piece_states() order: what a load then installs
