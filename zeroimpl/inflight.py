@@ -20,6 +20,7 @@ meanwhile may hold it).
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 import weakref
@@ -43,6 +44,8 @@ COMPILED_READ = ("a function compiled with torch.compile(fullgraph=True) ran whi
                  "compiled code. Call optimizer.finish_param_gathers() before it, compile it without fullgraph=True, "
                  "or construct the optimizer with overlap_param_gather=False")
 _EVERY = weakref.WeakSet()  # every optimizer's InFlightGathers in this process (guards_lifted)
+_COLLECTING = [False]  # the garbage collector runs: the finalizers it calls may run inside any torch call
+gc.callbacks.append(lambda phase, info: _COLLECTING.__setitem__(0, phase == "start"))
 
 
 class BucketGather(NamedTuple):
@@ -111,14 +114,15 @@ class InFlightGathers:
             self._remove_guards(keep_stack)
 
     def abandon(self) -> None:
-        """Finish what is in flight for an optimizer that goes away, from its finalizer: the garbage collector may run
-        it inside any torch call, which saw the guard on the stack, so the stack stays as it is (``keep_stack``);
-        whatever that raises, the guard is inert."""
+        """Finish what is in flight for an optimizer that goes away (its finalizer); whatever that raises, no guard
+        stays active. Run by the garbage collector, maybe inside a torch call that saw the guard on the stack, it
+        leaves the stack as it is (``keep_stack``); else (the last reference dropped, or at exit) the guard goes."""
+        keep_stack = _COLLECTING[0]
         try:
-            self.finish(keep_stack=True)
+            self.finish(keep_stack=keep_stack)
         finally:
             self._pending.clear()
-            self._remove_guards(keep_stack=True)
+            self._remove_guards(keep_stack)
 
     def live_buffers(self) -> list[torch.Tensor]:
         """The scratch memory of the gathers in flight (:attr:`BucketGather.payloads`)."""
