@@ -44,8 +44,8 @@ COMPILED_READ = ("a function compiled with torch.compile(fullgraph=True) ran whi
                  "compiled code. Call optimizer.finish_param_gathers() before it, compile it without fullgraph=True, "
                  "or construct the optimizer with overlap_param_gather=False")
 _EVERY = weakref.WeakSet()  # every optimizer's InFlightGathers in this process (guards_lifted)
-_COLLECTING = [False]  # the garbage collector runs: the finalizers it calls may run inside any torch call
-gc.callbacks.append(lambda phase, info: _COLLECTING.__setitem__(0, phase == "start"))
+_COLLECTOR = [None]  # the thread the garbage collector runs on: its finalizers (abandon) may run inside a torch call
+gc.callbacks.append(lambda phase, info: _COLLECTOR.__setitem__(0, threading.get_ident() if phase == "start" else None))
 
 
 class BucketGather(NamedTuple):
@@ -91,13 +91,10 @@ class InFlightGathers:
         _push_at_bottom(self._guard)
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
-    def finish(self, buckets: Optional[Iterable[int]] = None, keep_stack: bool = False) -> None:
-        """Land the gathers of ``buckets`` (``None``: all); the guards leave with the last. ``keep_stack``: change no
-        mode stack (a finalizer's call, maybe inside a torch call): a guard left without gathers stays on, inert,
-        until the hook or a later ``finish()`` on its thread takes it off."""
+    def finish(self, buckets: Optional[Iterable[int]] = None) -> None:
         chosen = sorted(self._pending if buckets is None else set(buckets) & self._pending.keys())
         # a landing is zeroimpl's own work on its own buffers (8-bit decoding: thousands of operations per bucket)
-        with guards_lifted() if chosen and not keep_stack else contextlib.nullcontext():
+        with guards_lifted() if chosen else contextlib.nullcontext():
             for index in chosen:
                 pending = self._pending[index].pending
                 pending.wait()  # (kept if it raised: every later read raises again)
@@ -111,18 +108,15 @@ class InFlightGathers:
                 if stream != current:
                     stream.wait_stream(current)
         if not self._pending:
-            self._remove_guards(keep_stack)
+            self._remove_guards()
 
     def abandon(self) -> None:
-        """Finish what is in flight for an optimizer that goes away (its finalizer); whatever that raises, no guard
-        stays active. Run by the garbage collector, maybe inside a torch call that saw the guard on the stack, it
-        leaves the stack as it is (``keep_stack``); else (the last reference dropped, or at exit) the guard goes."""
-        keep_stack = _COLLECTING[0]
+        """Finish what is in flight for an optimizer that goes away; whatever that raises, no guard stays active."""
         try:
-            self.finish(keep_stack=keep_stack)
+            self.finish()
         finally:
             self._pending.clear()
-            self._remove_guards(keep_stack)
+            self._remove_guards()
 
     def live_buffers(self) -> list[torch.Tensor]:
         """The scratch memory of the gathers in flight (:attr:`BucketGather.payloads`)."""
@@ -152,15 +146,16 @@ class InFlightGathers:
         else:
             self._remove_guards()  # only an inert mode was left: it can go now
 
-    def _remove_guards(self, keep_stack: bool = False) -> None:
+    def _remove_guards(self) -> None:
         self._bucket_of_storage, self._bucket_of_param = {}, {}
         guard = self._guard
         if guard is None:
             return
         guard.active = False
-        if keep_stack or guard.handling or threading.get_ident() != self._thread:
-            # from a finalizer, the mode's own handler (torch puts the mode back after it) or another thread: inert
-            # until the hook, finish() or start() on its thread takes it off
+        if guard.handling or threading.get_ident() != self._thread or _COLLECTOR[0] == self._thread:
+            # from the mode's own handler (torch puts the mode back after it), another thread, or the garbage
+            # collector (abandon, maybe inside a torch call that saw the mode on the stack): inert until the hook,
+            # finish() or start() on its thread takes it off
             return
         _take_off(guard)
         shutdown.handed_to_gloo(guard)  # (a gloo work issued meanwhile may hold it)
@@ -173,7 +168,8 @@ class InFlightGathers:
 def guards_lifted():
     """Every guard off this thread's mode stack for the block: an inner step, maybe compiled with fullgraph=True."""
     thread = threading.get_ident()
-    lifted = [gathers._guard for gathers in list(_EVERY) if gathers._guard is not None and gathers._thread == thread]
+    lifted = [] if _COLLECTOR[0] == thread else [  # (none from the garbage collector: see _remove_guards)
+        gathers._guard for gathers in list(_EVERY) if gathers._guard is not None and gathers._thread == thread]
     lifted = [guard for guard in lifted if _take_off(guard)]
     try:
         yield
@@ -228,12 +224,8 @@ def _push_at_bottom(mode: TorchFunctionMode) -> None:
 
 def _take_off(mode: TorchFunctionMode) -> bool:
     """Take ``mode`` off this thread's mode stack, the others staying in order: whether it was there."""
-    above, found = [], False
-    while torch._C._len_torch_function_stack() and not found:
-        top = torch._C._pop_torch_function_stack()
-        found = top is mode
-        if not found:
-            above.append(top)
-    for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)
-    return found
+    stack = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())][::-1]
+    for other in stack:
+        if other is not mode:
+            torch._C._push_on_torch_function_stack(other)
+    return any(other is mode for other in stack)
