@@ -253,40 +253,52 @@ def test_a_guard_removed_while_lifted_is_not_put_back():
         assert started > 0 and (left, modes) == (0, 0)
 
 
-def _optimizer_collected_inside_a_torch_call(rank, world_size):
-    """An optimizer dropped with its gathers in flight (its guard on the mode stack), then collected by the garbage
-    collector (its finalizer landing the gathers) in the middle of a torch function dispatched in Python, which saw
-    the mode on the stack: the threshold 1 collects at every allocation. Returns the gathers that were in flight,
-    whether only the collector freed the optimizer, and the modes left after the next forward."""
+def _optimizer_freed_by_the_garbage_collector(rank, world_size):
+    """An optimizer in a reference cycle (as a framework's wrappers make, Fabric's), dropped with its gathers in
+    flight and freed by the garbage collector, whose finalizer lands them. Then a backward that recomputes a
+    checkpointed module of another model (its forward runs inside a torch call that torch dispatches through the
+    guard), then plain forwards. Returns the gathers that were in flight, whether the collector freed the optimizer,
+    the mode stack's depth when the collection started and when it stopped, after the backward, and at the end."""
     import gc
     import weakref
 
+    from torch.utils.checkpoint import checkpoint
+
+    other = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    recomputed = checkpoint(other, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
     model = torch.nn.Linear(8, 8)
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
     optimizer.backward(model(torch.randn(4, 8)).pow(2).mean())
     optimizer.step()
-    started, collected = optimizer.param_gathers_in_flight, weakref.ref(optimizer.param_sync)
-    optimizer.holder = {"optimizer": optimizer}  # a reference cycle, as a framework's wrappers make (Fabric's)
-    thresholds = gc.get_threshold()
-    gc.disable()
+    started, freed = optimizer.param_gathers_in_flight, weakref.ref(optimizer.param_sync)
+    optimizer.holder = {"optimizer": optimizer}  # the cycle
     del optimizer
-    in_a_cycle = collected() is not None
-    gc.set_threshold(1)
-    gc.enable()
+    depths = []
+
+    def probe(phase, info):
+        depths.append(torch._C._len_torch_function_stack())
+
+    gc.callbacks.append(probe)
     try:
-        model.weight.register_post_accumulate_grad_hook(lambda param: None).remove()
+        gc.collect()
     finally:
-        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(probe)
+    recomputed.backward()
+    after_backward = torch._C._len_torch_function_stack()
     model(torch.randn(4, 8))
-    return started, in_a_cycle and collected() is None, torch._C._len_torch_function_stack()
+    other(torch.randn(4, 8))
+    return started, freed() is None, depths, after_backward, torch._C._len_torch_function_stack()
 
 
-def test_an_optimizer_collected_inside_a_torch_call_leaves_the_call_unbroken():
-    """The finalizer of a dropped optimizer may run inside any torch call (garbage collection): it lands the gathers
-    but must not change the mode stack under that call (torch had seen the guard on it and raised TypeError, 'no
-    implementation found'); the guard leaves at the next forward."""
-    for started, collected_inside, modes in run_distributed(2, _optimizer_collected_inside_a_torch_call):
-        assert started > 0 and collected_inside and modes == 0
+def test_an_optimizer_freed_by_the_garbage_collector_leaves_the_mode_stack_to_a_forward():
+    """The collector may run the finalizer inside any torch call, which saw the guard on the stack: taking it off
+    there broke torch's dispatch (TypeError 'no implementation found ... []', or a pop from an empty stack), so the
+    collection leaves the stack as it was. The guard leaves at the next forward outside a torch call: one inside a
+    call dispatched through the guard (the recompute) cannot take it off, since torch puts it back after the call,
+    and must not forget it either (it stayed for good, every torch call paying for it)."""
+    for started, freed, depths, after_backward, end in run_distributed(2, _optimizer_freed_by_the_garbage_collector):
+        assert started > 0 and freed
+        assert depths == [1, 1] and after_backward == 1 and end == 0
 
 
 def _compiled_step(rank, world_size):

@@ -89,3 +89,33 @@ def test_the_exit_waits_only_where_gloo_still_holds_what_zeroimpl_handed_it(tmp_
                                env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == (["slept", "0.2"] if hand_over else []), completed.stdout
+
+
+FREED_BY_THE_COLLECTOR = """
+import gc, os, time
+import torch, torch.distributed as dist
+from zeroimpl import ShardedOptimizer
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+model = torch.nn.Linear(8, 8)
+optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+optimizer.backward(model(torch.randn(4, 8)).pow(2).mean())
+optimizer.step()
+held = [optimizer.param_sync.gathers._guard]  # as a gloo work issued while it was on the stack would hold it
+optimizer.holder = optimizer  # a cycle: the garbage collector frees it, and leaves its guard on the stack, inert
+del optimizer
+gc.collect()
+print("after the collection", torch._C._len_torch_function_stack(), flush=True)
+dist.destroy_process_group()
+time.sleep = lambda seconds: (print("slept", seconds, torch._C._len_torch_function_stack(), flush=True), held.clear())
+"""
+
+
+def test_the_exit_waits_for_the_guard_of_an_optimizer_the_garbage_collector_freed(tmp_path):
+    """A guard left inert on the stack by a collection, with no forward since, leaves it at exit and goes to the
+    exit wait like any other guard taken off: while something still holds it (a gloo work, here a list), the wait
+    releases the GIL (seen through ``time.sleep``), with the guard already off the stack."""
+    completed = subprocess.run([sys.executable, "-c", FREED_BY_THE_COLLECTOR], env=ENV, capture_output=True,
+                               text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.split() == ["after", "the", "collection", "1", "slept", "0.2", "0"], completed.stdout

@@ -164,6 +164,18 @@ class InFlightGathers:
         self._hook = None
 
 
+def _take_inert_guards_off() -> None:
+    """At exit, between the optimizers' finalizers and :mod:`zeroimpl.shutdown`'s wait (finalizers run newest first):
+    the guards left inert on this thread's stack (their optimizer freed by the garbage collector, no forward since)
+    leave it, handed to that wait."""
+    for gathers in list(_EVERY):
+        if gathers._guard is not None and not gathers._pending:
+            gathers._remove_guards()
+
+
+weakref.finalize(_EVERY, _take_inert_guards_off)
+
+
 @contextlib.contextmanager
 def guards_lifted():
     """Every guard off this thread's mode stack for the block: an inner step, maybe compiled with fullgraph=True."""
@@ -191,18 +203,20 @@ class _Guard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.active and func not in _METADATA_METHODS and not _reads_no_values(func):
-            self._wait(args, kwargs)
-        return func(*args, **kwargs)
+        # torch took the mode off the stack until this returns: a forward inside the call (a recompute in backward)
+        # leaves it inert for the hook (_remove_guards), which would otherwise drop it from the books, not the stack
+        outer, self.handling = self.handling, True
+        try:
+            if self.active and func not in _METADATA_METHODS and not _reads_no_values(func):
+                self._wait(args, kwargs)
+            return func(*args, **kwargs)
+        finally:
+            self.handling = outer
 
     def _wait_for_touched(self, args: tuple, kwargs: dict) -> None:
         touched = self.gathers.buckets_touched(args, kwargs)
         if touched:
-            self.handling = True
-            try:
-                self.gathers.finish(touched)
-            finally:
-                self.handling = False
+            self.gathers.finish(touched)
 
 
 def _reads_no_values(func) -> bool:

@@ -148,12 +148,16 @@ class StepChecks:
         shards = self.shards()
         local_device = shards[0].device if shards else self.device
         passes = float(self.reducer.backward_passes)
-        maximum, power = norm_type == float("inf"), 2.0 if norm_type is None else norm_type
-        norms = torch.stack([torch.linalg.vector_norm(s, power, dtype=at_least_fp32(s.dtype)) for s in shards]
-                            or [torch.zeros((), device=local_device)])
-        norm_term = norms.max() if maximum else (norms ** power).sum()
-        if not maximum and self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
-            norm_term = torch.zeros_like(norm_term)
+        maximum = norm_type == float("inf")
+        if maximum:
+            norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=at_least_fp32(s.dtype))
+                                     for s in shards] or [torch.zeros((), device=local_device)]).max()
+        else:
+            power = 2.0 if norm_type is None else norm_type
+            norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=at_least_fp32(s.dtype)) ** power
+                                     for s in shards] or [torch.zeros((), device=local_device)]).sum()
+            if self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
+                norm_term = torch.zeros_like(norm_term)
         values = to_device(encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum), self.device)
         if riders is not None:
             counted = riders if maximum or self.topology.replicate_rank == 0 else torch.zeros_like(riders)
