@@ -21,7 +21,7 @@ REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
 
 @dataclass(frozen=True)
 class Topology:
-    """One optimizer's process groups, and where and how long their collectives run (each method's: ``timeout``)."""
+    """One optimizer's process groups, and where and how long (``timeout``) their collectives run."""
 
     shard: Optional[dist.ProcessGroup] = None  # the ranks that own the shards (None: the default group)
     replicate: Optional[dist.ProcessGroup] = None  # the ranks that hold this rank's shard too (None: no replicas)
