@@ -6,6 +6,7 @@ what: docs/design.md, "One step" (offload: :mod:`zeroimpl.offload`'s timeline).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Collection, ContextManager, Iterable, Literal, NamedTuple, Optional, Union
 
@@ -393,9 +394,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._reset_gradients(consumed_by_step=False, set_to_none=set_to_none)
 
     def _reset_gradients(self, consumed_by_step: bool, set_to_none: bool = True) -> None:
-        """The one reset of a round of gradients (of no parameter a gather writes: unguarded); the checks go last, or
-        the next backward would look like none."""
-        with guards_lifted():
+        """The one reset of a round of gradients (of no parameter a gather writes: after the step, whose gathers just
+        started, unguarded); the checks go last, or the next backward would look like none."""
+        with guards_lifted() if consumed_by_step else contextlib.nullcontext():
             self.grad_views.discard()
             if consumed_by_step:
                 verdict = self.checks.verdict
