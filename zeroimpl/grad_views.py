@@ -32,7 +32,6 @@ from .grad_sync import remove_hooks
 from .host_memory import to_device
 from .layout import ShardPiece
 from .step_checks import StepChecks
-from .topology import Topology
 
 aten = torch.ops.aten
 
@@ -75,8 +74,7 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        views = {id(v): v for v in _sharded_args(args)}
-        owners = {id(view.views_ref()): view.views_ref() for view in views.values()}
+        owners = {id(view.views_ref()): view.views_ref() for view in _sharded_args(args)}
         if len(owners) != 1 or None in owners.values():
             raise RuntimeError(f"{func}: the sharded gradients of two ShardedOptimizers (or of one deleted) cannot "
                                "be used in one operation; call it once per optimizer's parameters")
@@ -84,12 +82,8 @@ class ShardedGrad(torch.Tensor):
 
 
 def _sharded_args(args) -> list[ShardedGrad]:
-    found = []
-    for value in args:
-        for item in (value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(item, ShardedGrad):
-                found.append(item)
-    return found
+    return [item for value in args for item in (value if isinstance(value, (list, tuple)) else (value,))
+            if isinstance(item, ShardedGrad)]
 
 
 class GradViews:
@@ -97,13 +91,12 @@ class GradViews:
     this rank's, at most one per parameter; ``checks`` finishes the reduction and unscaling and forgets dropped
     views' gradients; norms and ``found_inf`` are all-reduced in the shard group."""
 
-    def __init__(self, *, params: list[torch.nn.Parameter], pieces: list[ShardPiece], checks: StepChecks,
-                 topology: Topology):
+    def __init__(self, *, params: list[torch.nn.Parameter], pieces: list[ShardPiece], checks: StepChecks):
         self.params = params
         self._piece = {piece.param_index: piece for piece in pieces}
         self.checks = checks
         self.gradients: Union[DeviceGradientShards, HostGradientShards] = checks.gradients
-        self.group, self.timeout = topology.shard, topology.timeout
+        self.group, self.timeout = checks.topology.shard, checks.topology.timeout
         self._views = [ShardedGrad(p, i, self) for i, p in enumerate(params)]  # persistent: a user may hold them
         self._installed: set[int] = set()  # parameter indices whose .grad is its view
         self._local: dict[int, torch.Tensor] = {}  # stage 1, not prepared: the rank's own gradient, by index
@@ -138,13 +131,12 @@ class GradViews:
             self._installed.add(index)
         self.changed()
 
-    def withdraw(self) -> list[int]:
+    def withdraw(self) -> None:
         """Take the views out of ``.grad`` (giving back stage 1's local gradients) before a backward accumulates and
-        in :meth:`prepare`; forget the gradients of views the user had removed, and return their parameter indices."""
+        in :meth:`prepare`; forget the gradients of views the user had removed."""
         dropped = self.discard()
         if dropped:
             self.checks.forget(dropped)
-        return dropped
 
     def discard(self) -> list[int]:
         """Take the views out of ``.grad``, forgetting nothing (the step or ``zero_grad`` consumed them); return the
@@ -179,8 +171,7 @@ class GradViews:
         """Carry out ``func`` (an aten operation with some of this optimizer's views among its arguments)."""
         if func in _ALIASES:
             return args[0]
-        stale = [view.param_index for view in _sharded_args(args) if view.param_index not in self._installed]
-        if stale:
+        if any(view.param_index not in self._installed for view in _sharded_args(args)):
             raise RuntimeError("this gradient view is no longer param.grad: step() or zero_grad() consumed the "
                                "gradients, or they were cleared. Read param.grad again after the next backward")
         problem = _unsupported_arguments(func, args, kwargs)

@@ -172,10 +172,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                        reduce_dtype=settings.reduce_dtype, max_inflight=settings.max_inflight_buckets,
                                        gradients=self.gradients, uneven=self.uneven,
                                        quantized=settings.quantize_grad_reduce, unplaced=self._unplaced)
-        self.checks = StepChecks(reducer=self.reducer, ownership=self.ownership, uneven=self.uneven,
-                                 loss_scaler=self.loss_scaler, topology=self.topology, device=self._device)
-        self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks,
-                                    topology=self.topology)
+        self.checks = StepChecks(reducer=self.reducer, ownership=self.ownership, loss_scaler=self.loss_scaler,
+                                 topology=self.topology, device=self._device)
+        self.grad_views = GradViews(params=trainable, pieces=self.pieces.pieces, checks=self.checks)
         self.reducer.call_after_backward(self.grad_views.expose)
 
     def _follow_model(self, before_collectives: bool = False) -> None:

@@ -21,14 +21,12 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from .buffers import BucketStorage
 from .grad_shards import DeviceGradientShards, HostGradientShards
 from .grad_sync import GradientReducer, RoundState
 from .host_memory import device_tensor, to_device
 from .ownership import Ownership
 from .precision import DynamicLossScaler, at_least_fp32
 from .topology import Topology
-from .uneven import UnevenInputs
 
 
 @dataclass(frozen=True)
@@ -41,12 +39,11 @@ class StepVerdict:
 
 
 class StepChecks:
-    def __init__(self, *, reducer: GradientReducer, ownership: Ownership, uneven: UnevenInputs,
-                 loss_scaler: Optional[DynamicLossScaler], topology: Topology, device: torch.device):
+    def __init__(self, *, reducer: GradientReducer, ownership: Ownership, loss_scaler: Optional[DynamicLossScaler],
+                 topology: Topology, device: torch.device):
         self.reducer = reducer
         self.gradients: Union[DeviceGradientShards, HostGradientShards] = reducer.gradients
-        self.storages: list[BucketStorage] = reducer.storages
-        self.ownership, self.uneven, self.loss_scaler = ownership, uneven, loss_scaler
+        self.ownership, self.uneven, self.loss_scaler = ownership, reducer.uneven, loss_scaler
         self.topology, self.device = topology, device
         self.reset()
 
@@ -108,7 +105,7 @@ class StepChecks:
         if not self.checked_in:  # once per round of gradients, not again at the step after clipping
             self.uneven.check_in()
             self.checked_in = True
-        self.ownership.check_unchanged(self.storages)
+        self.ownership.check_unchanged(self.reducer.storages)
         if self.reducer.reduce_held_grads():  # stage 1: a param.grad set by hand since: the verdict did not see it
             self._forget_verdict()
         if self.reducer.takes != self._takes_seen:  # under DDP, DDP's param.grad taken afresh: check it afresh
@@ -146,16 +143,15 @@ class StepChecks:
         ``None``. ``riders`` (1-D fp64) ride along, reduced in place (sum; max for ``inf``), counted once under hybrid
         sharding. Only a non-finite norm (finite gradients can give one) makes every rank run :meth:`_any_nonfinite`."""
         shards = self.shards()
-        local_device = shards[0].device if shards else self.device
         passes = float(self.reducer.backward_passes)
         maximum = norm_type == float("inf")
         if maximum:
             norm_term = torch.stack([torch.linalg.vector_norm(s, norm_type, dtype=at_least_fp32(s.dtype))
-                                     for s in shards] or [torch.zeros((), device=local_device)]).max()
+                                     for s in shards] or [torch.zeros((), device=self.device)]).max()
         else:
             power = 2.0 if norm_type is None else norm_type
             norm_term = torch.stack([torch.linalg.vector_norm(s, power, dtype=at_least_fp32(s.dtype)) ** power
-                                     for s in shards] or [torch.zeros((), device=local_device)]).sum()
+                                     for s in shards] or [torch.zeros((), device=self.device)]).sum()
             if self.topology.replicate_rank != 0:  # the replicas hold the same shards: count them once
                 norm_term = torch.zeros_like(norm_term)
         values = to_device(encode_checks(norm_term, passes, not all(self.reducer.grad_exists), maximum), self.device)
@@ -172,12 +168,11 @@ class StepChecks:
         if not same_passes and not self.reducer.under_ddp:  # (under DDP, DDP's rule: no_sync micro-batches may differ)
             self.verdict = StepVerdict(same_passes=False, nonfinite=False, stepped=None)
             return None
-        verdict = StepVerdict(same_passes=True, nonfinite=suspect and self._any_nonfinite(shards),
-                              stepped=self._params_with_gradients() if lacking else None)
-        self.verdict = verdict
+        self.verdict = StepVerdict(same_passes=True, nonfinite=suspect and self._any_nonfinite(shards),
+                                   stepped=self._params_with_gradients() if lacking else None)
         if norm_type is None:
             return None
-        if verdict.nonfinite and maximum:  # a MAX all-reduce need not carry a NaN through
+        if self.verdict.nonfinite and maximum:  # a MAX all-reduce need not carry a NaN through
             return torch.full((), float("nan"), device=self.device)
         norm = agreed[1].to(norm_term.dtype)
         return norm if maximum else norm ** (1.0 / norm_type)
