@@ -328,8 +328,7 @@ def collective_device(group, device: Optional[torch.device]) -> torch.device:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    return a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
 
 
 def _aliases(*tensors: torch.Tensor) -> tuple:

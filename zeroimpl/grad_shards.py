@@ -23,10 +23,8 @@ class DeviceGradientShards:
         self._widened: dict[int, torch.dtype] = {}  # bucket -> the reduce dtype of a shard unscale() widened
 
     def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
-        if self.shards[bucket_index] is None:
-            self.shards[bucket_index] = reduced  # the first reduction is taken as is: bitwise like DDP
-        else:
-            self.shards[bucket_index].add_(reduced)
+        shard = self.shards[bucket_index]  # the first reduction is taken as is: bitwise like DDP
+        self.shards[bucket_index] = reduced if shard is None else shard.add_(reduced)
 
     def ready(self) -> list[Optional[torch.Tensor]]:
         return self.shards
@@ -99,15 +97,13 @@ class HostGradientShards:
     def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
         """Take one reduction of a bucket (``reduced``: device, reduce dtype), issued in the current stream."""
         device_sum = self._device_sums[bucket_index]
-        if device_sum is not None:
-            reduced = device_sum.add_(reduced)
-            self._device_sums[bucket_index] = None
-        if self._accumulating:
-            self._device_sums[bucket_index] = reduced
-        else:
-            self._to_host(bucket_index, reduced)
+        self._device_sums[bucket_index] = reduced if device_sum is None else device_sum.add_(reduced)
+        if not self._accumulating:
+            self._to_host(bucket_index)
 
-    def _to_host(self, bucket_index: int, reduced: torch.Tensor) -> None:
+    def _to_host(self, bucket_index: int) -> None:
+        """Move the bucket's device sum to its host shard."""
+        reduced, self._device_sums[bucket_index] = self._device_sums[bucket_index], None
         host = self.shards[bucket_index]
         if self._fill[bucket_index] is ShardFill.FILLED:
             self.wait_copies()  # a micro-batch not marked accumulating: sum on the host (blocking)
@@ -133,8 +129,7 @@ class HostGradientShards:
         """Every gradient on the host, every copy finished: the host shards, ``None`` where no gradient came."""
         for index, device_sum in enumerate(self._device_sums):
             if device_sum is not None:  # accumulating() was still on at step: move the sum over now
-                self._device_sums[index] = None
-                self._to_host(index, device_sum)
+                self._to_host(index)
         self.wait_copies()
         return [None if fill is ShardFill.EMPTY else shard for shard, fill in zip(self.shards, self._fill)]
 

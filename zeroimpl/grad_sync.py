@@ -218,8 +218,7 @@ class GradientReducer:
         else:
             with self.streams.span():
                 self._close_round()
-        listener = self._after_backward() if self._after_backward is not None else None
-        if listener is not None:
+        if self._after_backward is not None and (listener := self._after_backward()) is not None:
             listener()
 
     def _interrupted(self) -> bool:
@@ -313,8 +312,7 @@ class GradientReducer:
             if param_index not in self._arrived[bucket_index]:
                 slot = self.layout.slots[param_index]
                 buffer[slot.offset:slot.end].zero_()
-        output = buffer if self._in_place else torch.empty(bucket.shard_numel, dtype=self.reduce_dtypes[bucket_index],
-                                                             device=buffer.device)
+        output = buffer if self._in_place else buffer.new_empty(bucket.shard_numel)
         if self._blocks is None:
             launch = functools.partial(comm.reduce_scatter, output, buffer, self.group, self.timeout, tag=bucket_index)
         else:
@@ -462,10 +460,8 @@ class GradientReducer:
 
     def live_buffers(self) -> list[torch.Tensor]:
         """Bucket buffers and reduction outputs alive right now (for memory accounting)."""
-        live = [b for b in self._buffers if b is not None]
-        for reduction in (*self._reducing, *self._replicating):
-            live += [t for t in (reduction.buffer, reduction.output) if t is not None] + list(reduction.work.buffers)
-        return live
+        in_flight = [t for r in (*self._reducing, *self._replicating) for t in (r.buffer, r.output, *r.work.buffers)]
+        return [t for t in (*self._buffers, *in_flight) if t is not None]
 
     @reducer_verb()
     def zero_grad(self, set_to_none: bool = True) -> None:

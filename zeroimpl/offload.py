@@ -101,9 +101,8 @@ def host_buffers(layout, param_dtypes: list[torch.dtype], pin_device: Optional[t
     sizes = [(b.shard_numel, at_least_fp32(param_dtypes[b.param_indices[0]])) for b in layout.buckets] * 2
     sizes += [(numel, dtype) for dtype, numel in staging.items() for _ in range(2)]
     arena = HostArena(sizes, pin_device)
-    slices = arena.slices
-    staged = {dtype: slices[2 * buckets + 2 * k:2 * buckets + 2 * k + 2] for k, dtype in enumerate(staging)}
-    return arena, slices[:buckets], slices[buckets:2 * buckets], staged
+    masters, gradients, staged = arena.slices[:buckets], arena.slices[buckets:2 * buckets], arena.slices[2 * buckets:]
+    return arena, masters, gradients, {dtype: staged[2 * k:2 * k + 2] for k, dtype in enumerate(staging)}
 
 
 def gradient_store(policy: Optional[CPUOffload], layout, params: list[torch.nn.Parameter],

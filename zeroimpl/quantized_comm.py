@@ -164,13 +164,12 @@ class ShardBlocks:
 
     def add_decoded(self, gathered: torch.Tensor, out: torch.Tensor, ranks: Optional[range] = None) -> None:
         """Add each rank's decoded payload to its shard of ``out`` (fp32 or wider); writes once all is allocated."""
-        n, dtype = self.shard_numel, at_least_fp32(out.dtype)
-        payloads, shards = gathered.view(-1, self.payload_bytes), out.view(-1, n)
+        payloads, shards = gathered.view(-1, self.payload_bytes), out.view(-1, self.shard_numel)
         for rank in range(len(shards)) if ranks is None else ranks:
             if shards[rank].dtype == torch.float32:  # in place, a chunk at a time
                 self.accumulate(payloads[rank], shards[rank], rank)
             else:
-                shards[rank].copy_(shards[rank].to(dtype) + self.decoded(payloads[rank], rank))
+                shards[rank].copy_(shards[rank].to(at_least_fp32(out.dtype)) + self.decoded(payloads[rank], rank))
 
     def decoded(self, payload: torch.Tensor, rank: Optional[int] = None,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -202,10 +201,7 @@ class ShardBlocks:
             _dequantize(codes[start:start + count].view(-1, BLOCK), None if low is None else low[blocks], step[blocks],
                         into[start:start + count].view(-1, BLOCK), accumulate, scratch[:count].view(-1, BLOCK))
         if tail_values is not None:
-            if accumulate:
-                into.index_add_(0, plan.tail_elements, tail_values)
-            else:
-                into.index_copy_(0, plan.tail_elements, tail_values)
+            (into.index_add_ if accumulate else into.index_copy_)(0, plan.tail_elements, tail_values)
 
 
 def _difference(values: torch.Tensor, minus: Optional[torch.Tensor], scratch: Optional[torch.Tensor]) -> torch.Tensor:
