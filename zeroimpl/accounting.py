@@ -69,15 +69,9 @@ def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def tensor_bytes(tensors) -> int:
     """Bytes of the distinct tensors in ``tensors`` by what they store (:func:`stored_tensors`); non-tensors skipped."""
-    seen, total = set(), 0
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        for leaf in stored_tensors(tensor):
-            if id(leaf) not in seen:
-                seen.add(id(leaf))
-                total += leaf.numel() * leaf.element_size()
-    return total
+    leaves = {id(leaf): leaf for tensor in tensors if isinstance(tensor, torch.Tensor)
+              for leaf in stored_tensors(tensor)}
+    return sum(leaf.numel() * leaf.element_size() for leaf in leaves.values())
 
 
 def memory_report(held: dict[str, list[torch.Tensor]], offload: bool) -> MemoryReport:
@@ -191,13 +185,13 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     layout = build_layout(specs, world_size, bucket_numel)
     probes: dict = {}
 
-    def piece_state(piece, master_dtype: torch.dtype, shared_of_rank: dict) -> int:
-        group = groups[layout.buckets[piece.bucket_index].group_index]
+    def piece_state(piece, shared_of_rank: dict) -> int:
+        bucket = layout.buckets[piece.bucket_index]
+        group, master_dtype = groups[bucket.group_index], at_least_fp32(_dtype(bucket.dtype))
         kwargs = {k: v for k, v in group.items() if k not in optimizer_kinds.OUTER_ONLY_KEYS}
         if policy is not None:
             kwargs = host_optimizer_kwargs(group["optimizer"], kwargs, set(), policy)
         kwargs.pop("capturable", None)  # probed on the host; capturable keeps the same state on the GPU
-        bucket = layout.buckets[piece.bucket_index]
         whole = bucket.whole or bool(bucket.block)  # blocked: state by the piece's size (blocks, fp32 or 8-bit)
         shape = (tuple(trainable[piece.param_index].shape) if bucket.whole else (piece.length,)) if whole else None
         key = (group["optimizer"], repr(sorted(kwargs.items())), master_dtype, shape)
@@ -223,8 +217,7 @@ def estimate_memory(params: Union[int, Iterable], world_size: int, stage: Litera
     for r in range(world_size):
         shared_of_rank: dict = {}  # (class, key) -> bytes of a state tensor shared by the rank's pieces
         for piece in layout.pieces(r):
-            param_dtype = _dtype(layout.buckets[piece.bucket_index].dtype)
-            state_of_rank[r] += piece_state(piece, at_least_fp32(param_dtype), shared_of_rank)
+            state_of_rank[r] += piece_state(piece, shared_of_rank)
         state_of_rank[r] += sum(shared_of_rank.values())
     for bucket in layout.buckets:
         param_dtype = _dtype(bucket.dtype)

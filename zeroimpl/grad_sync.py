@@ -186,7 +186,7 @@ class GradientReducer:
                     "its gradient hooks reduce-scatter during backward. Compile the model's forward "
                     "(torch.compile(model)) and run backward without compiled autograd")
         if self.under_ddp and self.stage == 2:
-            return validation.ddp_stage_2_message()
+            return validation.DDP_STAGE_2_MESSAGE
         if self.under_ddp and self._outside_ddp:
             return validation.outside_ddp_message(self._outside_ddp)
         if param.grad.is_sparse:

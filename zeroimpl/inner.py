@@ -40,8 +40,7 @@ class PieceRun:
 
     def __init__(self, pieces: list[torch.Tensor], master: torch.Tensor, optimizer: torch.optim.Optimizer):
         self.pieces, self.master, self.optimizer = pieces, master, optimizer
-        ends = list(itertools.accumulate(piece.numel() for piece in pieces))
-        self.bounds = list(zip([0] + ends[:-1], ends))
+        self.bounds = list(itertools.pairwise(itertools.accumulate((piece.numel() for piece in pieces), initial=0)))
         self.state: Optional[dict] = {}
         self.shared: list[dict] = []
 

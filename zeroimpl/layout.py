@@ -197,8 +197,7 @@ class ShardLayout:
     def from_fingerprint(cls, fingerprint: dict) -> "ShardLayout":
         """The layout :meth:`fingerprint` describes; ValueError if inconsistent."""
         world_size, numels = int(fingerprint["world_size"]), [int(n) for n in fingerprint["param_numels"]]
-        slots: list = [None] * len(numels)
-        buckets = []
+        buckets, slots = [], [None] * len(numels)
         for bucket_index, entry in enumerate(fingerprint["buckets"]):
             group_index, dtype, param_indices, numel, padded_numel = entry[:5]
             whole, block = len(entry) == 6, int(entry[6]) if len(entry) == 7 else 0
@@ -373,8 +372,7 @@ def place_blocked(sizes: Sequence[int], blocks: Blocks, world_size: int, alignme
         high = min(low - unit + slack, one_shard)
     while low < high:  # the least shard size between the last that failed and one that fits, by bisection
         middle = low + (high - low) // unit // 2 * unit
-        found = _try_blocked(sizes, blocks, world_size, middle)
-        if found is None:
+        if (found := _try_blocked(sizes, blocks, world_size, middle)) is None:
             low = middle + unit
         else:
             high, offsets = middle, found

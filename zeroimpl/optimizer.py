@@ -482,7 +482,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                       for described, saved in zip(describe_groups(self), self._consolidated["param_groups"])]
             return {**self._consolidated, "param_groups": groups}
         if self.reducer.under_ddp:
-            raise RuntimeError(validation.ddp_state_dict_message())
+            raise RuntimeError(validation.DDP_STATE_DICT_MESSAGE)
         self.sync_masters()
         separate = any(s.has_separate_master for s in self.storages)
         quantized = any(s.blocks is not None for s in self.storages)

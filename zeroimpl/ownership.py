@@ -39,8 +39,7 @@ class Ownership:
         if any(_OWNERS.get(id(p)) is not None for p in params):
             raise RuntimeError("a parameter is already managed by another ShardedOptimizer; delete that optimizer "
                                "(del optimizer) or build the model anew before creating another")
-        self.params = list(params)
-        self.frozen = list(frozen)
+        self.params, self.frozen = list(params), list(frozen)
         self.replaced: list[str] = []  # "Module.name" of parameters a module replaced by other objects
         self.successors: dict[int, torch.nn.Parameter] = {}  # id(owned parameter, frozen too) -> its replacement
         _OWNERS.update({id(param): self for param in self.params})
@@ -152,8 +151,7 @@ class ModelFollower:
         params = module.parameters() if type(module).__name__ == "OptimizedModule" else module._parameters.values()
         moved = any(id(p) in addresses and p.data_ptr() != addresses[id(p)] for p in params if p is not None)
         if moved or self.ownership.successors:
-            follow = self._follow()
-            if follow is not None:
+            if (follow := self._follow()) is not None:
                 follow()
 
     def close(self) -> None:
@@ -167,7 +165,6 @@ def _install_forward_hook() -> None:
 
 
 def _before_any_forward(module: torch.nn.Module, args) -> None:
-    if torch.compiler.is_compiling() or not _OPEN_FOLLOWERS:
-        return
-    for follower in list(_OPEN_FOLLOWERS):
-        follower.before_forward(module)
+    if not torch.compiler.is_compiling() and _OPEN_FOLLOWERS:
+        for follower in list(_OPEN_FOLLOWERS):
+            follower.before_forward(module)

@@ -101,22 +101,20 @@ def held_by_ddp(params: list[torch.Tensor]) -> set[int]:
     return set()
 
 
-def ddp_state_dict_message() -> str:
-    return ("under DistributedDataParallel, a stage-1 ShardedOptimizer keeps its state as torch's "
-            "ZeroRedundancyOptimizer does, a shard per rank, and state_dict() gives the full state only after a "
-            "consolidation: call optimizer.consolidate_state_dict(to=0) on every rank first, then state_dict() on "
-            "rank 0 (Lightning's strategy=\"ddp\" does so itself), or save every rank's shard with "
-            "zeroimpl.checkpoint.save_checkpoint. A framework that saves optimizer.state_dict() from its main process "
-            "alone (accelerate's save_state, transformers' Trainer) would keep one rank's shard and lose the others'. "
-            + FRAMEWORK_ROUTES)
+DDP_STATE_DICT_MESSAGE = (
+    "under DistributedDataParallel, a stage-1 ShardedOptimizer keeps its state as torch's ZeroRedundancyOptimizer "
+    "does, a shard per rank, and state_dict() gives the full state only after a consolidation: call "
+    "optimizer.consolidate_state_dict(to=0) on every rank first, then state_dict() on rank 0 (Lightning's "
+    "strategy=\"ddp\" does so itself), or save every rank's shard with zeroimpl.checkpoint.save_checkpoint. A "
+    "framework that saves optimizer.state_dict() from its main process alone (accelerate's save_state, "
+    "transformers' Trainer) would keep one rank's shard and lose the others'. " + FRAMEWORK_ROUTES)
 
-
-def ddp_stage_2_message() -> str:
-    return ("the model is wrapped in DistributedDataParallel, which all-reduces every full gradient and keeps it in "
-            "param.grad, so stage 2 has no gradient left to shard (and would reduce each one a second time). Either "
-            "keep the DDP wrap and use stage=1 (the ZeroRedundancyOptimizer way: DDP averages the gradients, the "
-            "optimizer steps its shard and all-gathers the parameters), or drop the DDP wrap and call the bare model "
-            "(stage 2 then reduce-scatters the gradients itself during backward). " + FRAMEWORK_ROUTES)
+DDP_STAGE_2_MESSAGE = (
+    "the model is wrapped in DistributedDataParallel, which all-reduces every full gradient and keeps it in "
+    "param.grad, so stage 2 has no gradient left to shard (and would reduce each one a second time). Either keep the "
+    "DDP wrap and use stage=1 (the ZeroRedundancyOptimizer way: DDP averages the gradients, the optimizer steps its "
+    "shard and all-gathers the parameters), or drop the DDP wrap and call the bare model (stage 2 then "
+    "reduce-scatters the gradients itself during backward). " + FRAMEWORK_ROUTES)
 
 
 def _held_by_ddp(params: list[torch.Tensor]) -> set[int]:
