@@ -23,8 +23,8 @@ class DeviceGradientShards:
         self._widened: dict[int, torch.dtype] = {}  # bucket -> the reduce dtype of a shard unscale() widened
 
     def add(self, bucket_index: int, reduced: torch.Tensor) -> None:
-        shard = self.shards[bucket_index]  # the first reduction is taken as is: bitwise like DDP
-        self.shards[bucket_index] = reduced if shard is None else shard.add_(reduced)
+        shard = self.shards[bucket_index]
+        self.shards[bucket_index] = reduced if shard is None else shard.add_(reduced)  # the first as is: bitwise as DDP
 
     def ready(self) -> list[Optional[torch.Tensor]]:
         return self.shards
@@ -102,7 +102,7 @@ class HostGradientShards:
             self._to_host(bucket_index)
 
     def _to_host(self, bucket_index: int) -> None:
-        """Move the bucket's device sum to its host shard."""
+        """Move the bucket's device sum (set: :meth:`add` left it there) to its host shard; the sum is cleared first."""
         reduced, self._device_sums[bucket_index] = self._device_sums[bucket_index], None
         host = self.shards[bucket_index]
         if self._fill[bucket_index] is ShardFill.FILLED:
